@@ -1,0 +1,146 @@
+"""Every exception tiermem raises on purpose, one class per failure.
+
+Each class subclasses the builtin a caller would naturally catch (``MemoryError``
+for exhausted capacity, ``OSError`` for storage faults, ``ValueError`` for bad
+configuration), so generic handlers keep working. Messages name the subsystem,
+the tier, the path and the sizes involved, and what to do about it.
+
+This module is a leaf: it imports nothing from tiermem, so tiers and schedulers
+can raise these without pulling in the core.
+"""
+
+from __future__ import annotations
+
+import errno as _errno
+
+
+class TiermemError(Exception):
+    """Base class of every error tiermem raises on purpose."""
+
+
+class ConfigError(TiermemError, ValueError):
+    """Raised when a tier configuration has one or more problems.
+
+    ``problems`` lists every problem found, each as ``"section.key: what is wrong"``.
+    """
+
+    def __init__(self, problems: list[str], source: str = "configuration") -> None:
+        self.problems = list(problems)
+        self.source = source
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"tiermem config: {len(self.problems)} problem(s) in {source}:\n{lines}")
+
+
+class TierCapacityError(TiermemError, MemoryError):
+    """Raised when an allocation does not fit in what is left of a tier's capacity."""
+
+    def __init__(self, tier: str, requested: int, used: int, capacity: int) -> None:
+        self.tier, self.requested, self.used, self.capacity = tier, requested, used, capacity
+        super().__init__(
+            f"tiermem {tier} tier: cannot allocate {requested} bytes; {used} of {capacity} bytes "
+            f"already in use ({capacity - used} free). Free objects in this tier, move them to "
+            f"another tier, or raise [{tier}] capacity in the tier configuration."
+        )
+
+
+class StorageError(TiermemError, OSError):
+    """Raised when the NVMe tier cannot read or write its files (base of the I/O errors)."""
+
+    def __init__(self, message: str, errno: int | None = None, path: str | None = None) -> None:
+        # OSError(errno, strerror, filename) keeps .errno/.filename useful to callers.
+        if errno is not None:
+            super().__init__(errno, message, path)
+        else:
+            super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class DiskFullError(StorageError):
+    """Raised when a write to the NVMe tier runs out of space (ENOSPC)."""
+
+    def __init__(self, path: str, nbytes: int, free_bytes: int | None = None) -> None:
+        free = "unknown" if free_bytes is None else f"{free_bytes} bytes"
+        super().__init__(
+            f"tiermem nvme tier: disk full writing {nbytes} bytes to {path} (free: {free}). "
+            "Free space on that filesystem, add another path to [nvme] paths, or lower [nvme] capacity.",
+            _errno.ENOSPC,
+            path,
+        )
+
+
+class StoragePathError(StorageError):
+    """Raised when an NVMe path is missing, not a directory, or not writable."""
+
+    def __init__(self, path: str, reason: str, errno: int | None = None) -> None:
+        super().__init__(
+            f"tiermem nvme tier: cannot use path {path!r}: {reason}. "
+            "Point [nvme] paths at an existing, writable directory.",
+            errno,
+            path,
+        )
+
+
+class ShortReadError(StorageError):
+    """Raised when a read from the NVMe tier returns fewer bytes than were written there."""
+
+    def __init__(self, path: str, offset: int, expected: int, got: int) -> None:
+        super().__init__(
+            f"tiermem nvme tier: short read from {path} at offset {offset}: expected {expected} bytes, "
+            f"got {got}. The file was truncated or the device failed; the data is not returned.",
+            _errno.EIO,
+            path,
+        )
+
+
+class StorageIOError(StorageError):
+    """Raised when the operating system reports an I/O error on an NVMe tier file."""
+
+    def __init__(self, path: str, op: str, offset: int, nbytes: int, cause: OSError) -> None:
+        self.cause = cause
+        super().__init__(
+            f"tiermem nvme tier: {op} of {nbytes} bytes at offset {offset} in {path} failed: "
+            f"{cause.strerror or cause}. Check the device (dmesg) and the filesystem.",
+            cause.errno,
+            path,
+        )
+
+
+class ChecksumError(StorageError):
+    """Raised when bytes read back from the NVMe tier do not match the checksum taken at write."""
+
+    def __init__(self, path: str, offset: int, nbytes: int, expected: str, got: str) -> None:
+        super().__init__(
+            f"tiermem nvme tier: checksum mismatch reading {nbytes} bytes at offset {offset} in {path} "
+            f"(expected {expected}, got {got}). The stored bytes are corrupt; they are not returned.",
+            _errno.EIO,
+            path,
+        )
+
+
+class RuntimeClosedError(TiermemError, RuntimeError):
+    """Raised when a request reaches a Runtime, scheduler or tier that is closed."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            f"tiermem: {what} is closed; requests are only accepted inside `with tiermem.Runtime(...)`."
+        )
+
+
+class TransferCancelledError(TiermemError, RuntimeError):
+    """Raised to whoever waits on a move that was cancelled before it completed."""
+
+
+class ObjectFreedError(TiermemError, RuntimeError):
+    """Raised when a managed object is used after it was freed."""
+
+
+class BackendUnavailableError(TiermemError, RuntimeError):
+    """Raised when a requested storage backend (e.g. kvikio) cannot run on this machine."""
+
+
+def internal_error(message: str) -> AssertionError:
+    """An invariant of tiermem itself broke: a bug to report, not bad input."""
+    return AssertionError(f"tiermem internal error (please report): {message}")
