@@ -21,7 +21,17 @@ _EXPORTS = {
     "format_size": "tiermem.units",
 }
 
-__all__ = [*_EXPORTS, "__version__", "errors"]
+__all__ = [
+    "Config",
+    "Handle",
+    "Priority",
+    "Runtime",
+    "Stats",
+    "__version__",
+    "errors",
+    "format_size",
+    "parse_size",
+]
 
 if TYPE_CHECKING:  # pragma: no cover
     from tiermem.config import Config

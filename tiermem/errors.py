@@ -120,13 +120,27 @@ class ChecksumError(StorageError):
         )
 
 
+class UnverifiedReadError(StorageError):
+    """Raised when ``checksum=True`` and a read covers stored bytes that no checksum vouches for.
+
+    That happens when the bytes were never written, or when the record that covered them
+    was lost (e.g. a failed write). tiermem refuses to return bytes it cannot verify.
+    """
+
+    def __init__(self, path: str, offset: int, nbytes: int, reason: str) -> None:
+        super().__init__(
+            f"tiermem nvme tier: cannot verify {nbytes} bytes at offset {offset} in {path}: {reason}. "
+            "With [nvme] checksum on, only bytes written through the tier can be read back.",
+            _errno.EIO,
+            path,
+        )
+
+
 class RuntimeClosedError(TiermemError, RuntimeError):
     """Raised when a request reaches a Runtime, scheduler or tier that is closed."""
 
     def __init__(self, what: str) -> None:
-        super().__init__(
-            f"tiermem: {what} is closed; requests are only accepted inside `with tiermem.Runtime(...)`."
-        )
+        super().__init__(f"tiermem: {what} is closed; requests are only accepted inside `with tiermem.Runtime(...)`.")
 
 
 class TransferCancelledError(TiermemError, RuntimeError):
@@ -144,3 +158,10 @@ class BackendUnavailableError(TiermemError, RuntimeError):
 def internal_error(message: str) -> AssertionError:
     """An invariant of tiermem itself broke: a bug to report, not bad input."""
     return AssertionError(f"tiermem internal error (please report): {message}")
+
+
+class TiermemWarning(UserWarning):
+    """Warned when tiermem can run but something about the setup defeats its purpose.
+
+    For example an NVMe path on tmpfs: its bytes stay in RAM, so offloading there saves none.
+    """

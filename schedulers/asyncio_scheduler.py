@@ -1,0 +1,407 @@
+"""The asyncio scheduler: one event loop on a background thread owns every move.
+
+# NOTE [ Scheduling rules ]
+1. A move is split into block-sized requests; after each block completes the
+   dispatcher decides again, so a demand fetch overtakes a long write-back (TRAPS 11).
+2. Priorities: DEMAND before PREFETCH before WRITEBACK; FIFO within a priority.
+3. Bytes in flight are bounded per tier (``max_inflight``, per-tier override). A block
+   is admitted when it fits, or when nothing is in flight on that tier: a block larger
+   than the bound proceeds alone instead of deadlocking.
+4. PREFETCH may use at most ``PREFETCH_SHARE`` of a tier's bound, so write-backs
+   (which free memory) always find room and are never starved by prefetch.
+5. At most ``tier.queue_depth`` requests are in flight on the tier that executes them,
+   so no request waits in a hidden queue where priorities cannot reach it.
+6. Every issued block is tracked by its move; a move completes (done, failed or
+   cancelled) only when none of its blocks are in flight, so after ``wait()`` the
+   caller may free or reuse both buffers.
+
+All scheduler state is touched only on the loop thread; the training thread talks to
+it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from tiermem.schedulers.base import (
+    LinkStatistics,
+    Priority,
+    SchedulerStatistics,
+    Transfer,
+    WaitRecorder,
+)
+from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
+
+from tiermem.errors import RuntimeClosedError, internal_error
+from tiermem.units import round_up
+
+log = logging.getLogger("tiermem.scheduler")
+
+#: Share of a tier's in-flight bound that prefetches may use (rule 4).
+PREFETCH_SHARE = 0.75
+#: Memory-to-memory copies have no queue to overtake in; bigger blocks cost less overhead.
+MEMORY_BLOCK_SIZE = 8 << 20
+
+
+@dataclass
+class _Move:
+    transfer: Transfer
+    src_offset: int
+    dst_offset: int
+    executor: Tier
+    block_size: int
+    issued: int = 0  # bytes issued so far
+    inflight: int = 0  # blocks in flight
+    error: BaseException | None = None
+    cancelled: bool = False
+    queued: bool = True
+
+    @property
+    def remaining(self) -> int:
+        return self.transfer.nbytes - self.issued
+
+
+@dataclass
+class _Link:
+    bytes: int = 0
+    busy_s: float = 0.0
+    requests: int = 0
+    inflight: int = 0
+    busy_since: float = 0.0
+
+
+@dataclass
+class _Counters:
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    links: dict[str, _Link] = field(default_factory=dict)
+
+
+def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
+    if kind == "uvloop":
+        try:
+            import uvloop
+        except ImportError:
+            log.info("uvloop is not installed; the scheduler uses asyncio's default loop")
+        else:
+            return uvloop.new_event_loop()
+    elif kind != "asyncio":
+        raise ValueError(f"tiermem scheduler: loop must be 'uvloop' or 'asyncio', got {kind!r}")
+    return asyncio.new_event_loop()
+
+
+class AsyncioScheduler:
+    """Moves bytes between tiers by priority, within per-tier in-flight bounds."""
+
+    def __init__(
+        self,
+        *,
+        max_inflight: int = 512 << 20,
+        tier_max_inflight: dict[str, int] | None = None,
+        block_size: int = 1 << 20,
+        loop: str = "uvloop",
+        debug: bool = False,
+    ) -> None:
+        if max_inflight <= 0 or block_size <= 0:
+            raise ValueError(
+                f"tiermem scheduler: max_inflight ({max_inflight}) and block_size ({block_size}) must be > 0"
+            )
+        self.max_inflight = max_inflight
+        self.tier_max_inflight = dict(tier_max_inflight or {})
+        self.block_size = block_size
+        self._queues: dict[Priority, collections.deque[_Move]] = {p: collections.deque() for p in Priority}
+        self._moves: dict[Transfer, _Move] = {}
+        self._inflight_bytes: dict[str, int] = collections.defaultdict(int)
+        self._inflight_requests: dict[str, int] = collections.defaultdict(int)
+        self._counters = _Counters()
+        self._waits = WaitRecorder()
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._loop = _new_loop(loop)
+        self._loop.set_debug(debug)
+        self.loop_kind = type(self._loop).__module__.split(".")[0]
+        self._thread = threading.Thread(target=self._run_loop, name="tiermem-scheduler", daemon=True)
+        self._thread.start()
+
+    # -- public API (any thread) -----------------------------------------------------------
+    def submit(
+        self,
+        src: Allocation,
+        dst: Allocation,
+        *,
+        nbytes: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        priority: Priority = Priority.PREFETCH,
+    ) -> Transfer:
+        """Queue a move of ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``."""
+        if self._closed:
+            raise RuntimeClosedError("the scheduler")
+        if nbytes is None:
+            nbytes = src.nbytes - src_offset
+        if nbytes < 0 or src_offset + nbytes > src.reserved or dst_offset + nbytes > dst.reserved:
+            raise internal_error(
+                f"move of {nbytes} bytes from {src!r}+{src_offset} to {dst!r}+{dst_offset} out of bounds"
+            )
+        executor = self._executor(src.tier, dst.tier)
+        memory_only = src.tier.is_memory and dst.tier.is_memory
+        transfer = Transfer(src, dst, nbytes, Priority(priority), self._cancel, self._promote, self._waits)
+        move = _Move(
+            transfer,
+            src_offset,
+            dst_offset,
+            executor,
+            max(self.block_size, MEMORY_BLOCK_SIZE) if memory_only else self.block_size,
+        )
+        try:
+            self._loop.call_soon_threadsafe(self._enqueue, move)
+        except RuntimeError:  # loop closed between the check and here
+            raise RuntimeClosedError("the scheduler") from None
+        return transfer
+
+    def statistics(self) -> SchedulerStatistics:
+        """An immutable snapshot (taken on the loop thread so it is consistent)."""
+        if self._closed or threading.current_thread() is self._thread:
+            return self._snapshot()
+        return asyncio.run_coroutine_threadsafe(self._snapshot_async(), self._loop).result()
+
+    def close(self, *, cancel_pending: bool = True) -> None:
+        """Stop the scheduler. Moves not yet issued are cancelled (or, with
+        ``cancel_pending=False``, finished first); blocks in flight always finish.
+        Idempotent."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        drained: Future[None] = Future()
+        self._loop.call_soon_threadsafe(self._begin_close, drained, cancel_pending)
+        drained.result()
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- loop thread ---------------------------------------------------------------------
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_forever()
+
+    async def _snapshot_async(self) -> SchedulerStatistics:
+        return self._snapshot()
+
+    def _snapshot(self) -> SchedulerStatistics:
+        now = time.perf_counter()
+        links = {
+            name: LinkStatistics(
+                bytes=link.bytes,
+                busy_s=link.busy_s + ((now - link.busy_since) if link.inflight else 0.0),
+                requests=link.requests,
+            )
+            for name, link in self._counters.links.items()
+        }
+        c = self._counters
+        return SchedulerStatistics(
+            links=MappingProxyType(links),
+            queued=MappingProxyType({p.name.lower(): len(q) for p, q in self._queues.items()}),
+            inflight_bytes=MappingProxyType(dict(self._inflight_bytes)),
+            submitted=c.submitted,
+            completed=c.completed,
+            cancelled=c.cancelled,
+            failed=c.failed,
+            waits=self._waits.waits,
+            wait_s=self._waits.wait_s,
+        )
+
+    def _enqueue(self, move: _Move) -> None:
+        self._counters.submitted += 1
+        self._moves[move.transfer] = move
+        if move.transfer.nbytes == 0:
+            self._finish(move)
+            return
+        self._queues[move.transfer.priority].append(move)
+        self._dispatch()
+
+    def _cancel(self, transfer: Transfer) -> None:
+        # A closed loop means the transfer had already ended.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._cancel_on_loop, transfer)
+
+    def _cancel_on_loop(self, transfer: Transfer) -> None:
+        move = self._moves.get(transfer)
+        if move is None or move.cancelled:
+            return
+        move.cancelled = True
+        self._unqueue(move)
+        if move.inflight == 0:
+            self._finish(move)
+
+    def _promote(self, transfer: Transfer, priority: Priority) -> None:
+        self._loop.call_soon_threadsafe(self._promote_on_loop, transfer, priority)
+
+    def _promote_on_loop(self, transfer: Transfer, priority: Priority) -> None:
+        move = self._moves.get(transfer)
+        if move is None or priority >= transfer.priority:
+            return
+        if move.queued:
+            self._queues[transfer.priority].remove(move)
+            self._queues[priority].append(move)
+        transfer.priority = priority
+        self._dispatch()
+
+    def _unqueue(self, move: _Move) -> None:
+        if move.queued:
+            self._queues[move.transfer.priority].remove(move)
+            move.queued = False
+
+    def _limit(self, tier: Tier, priority: Priority) -> int:
+        bound = self.tier_max_inflight.get(tier.name, self.max_inflight)
+        return int(bound * PREFETCH_SHARE) if priority == Priority.PREFETCH else bound
+
+    def _admits(self, move: _Move, nbytes: int) -> bool:
+        """Rules 3-5 for one block of ``nbytes``."""
+        executor = move.executor
+        if self._inflight_requests[executor.name] >= executor.queue_depth:
+            return False
+        priority = move.transfer.priority
+        for tier in (move.transfer.src.tier, move.transfer.dst.tier):
+            inflight = self._inflight_bytes[tier.name]
+            if inflight and inflight + nbytes > self._limit(tier, priority):
+                return False
+        return True
+
+    def _dispatch(self) -> None:
+        """Issue every block that rules 2-5 admit, highest priority first."""
+        for priority in Priority:
+            queue = self._queues[priority]
+            for move in list(queue):
+                while move.remaining > 0 and move.queued:
+                    length = min(move.block_size, move.remaining)
+                    if not self._admits(move, length):
+                        break
+                    self._issue(move, length)
+                if move.remaining == 0 and move.queued:
+                    queue.remove(move)
+                    move.queued = False
+
+    def _issue(self, move: _Move, length: int) -> None:
+        transfer = move.transfer
+        src, dst = transfer.src, transfer.dst
+        src_off = move.src_offset + move.issued
+        dst_off = move.dst_offset + move.issued
+        move.issued += length
+        span = self._padded(move, src_off, dst_off, length)
+        try:
+            if move.executor is dst.tier:
+                future = dst.tier.write(dst, dst_off, src.view(src_off, span))
+            else:
+                future = src.tier.read(src, src_off, dst.view(dst_off, span))
+        except BaseException as exc:  # noqa: BLE001 - becomes the transfer's error
+            move.error = move.error or exc
+            self._unqueue(move)
+            move.issued = transfer.nbytes
+            if move.inflight == 0:
+                self._finish(move)
+            return
+        move.inflight += 1
+        for tier in {src.tier, dst.tier}:
+            self._inflight_bytes[tier.name] += span
+        self._inflight_requests[move.executor.name] += 1
+        link = self._counters.links.setdefault(transfer.link, _Link())
+        if link.inflight == 0:
+            link.busy_since = time.perf_counter()
+        link.inflight += 1
+        issued_at = time.perf_counter()
+        future.add_done_callback(
+            lambda f: self._loop.call_soon_threadsafe(self._block_done, move, span, length, f, issued_at)
+        )
+
+    @staticmethod
+    def _padded(move: _Move, src_off: int, dst_off: int, length: int) -> int:
+        """The last block may carry the allocations' alignment padding, so direct I/O
+        needs no bounce buffer; padding stays inside both reservations."""
+        transfer = move.transfer
+        end = move.issued == transfer.nbytes
+        if not end or length % ALIGNMENT == 0:
+            return length
+        padded = round_up(length, ALIGNMENT)
+        if src_off + padded <= transfer.src.reserved and dst_off + padded <= transfer.dst.reserved:
+            return padded
+        return length
+
+    def _block_done(self, move: _Move, span: int, length: int, future: Future[None], issued_at: float) -> None:
+        transfer = move.transfer
+        move.inflight -= 1
+        for tier in {transfer.src.tier, transfer.dst.tier}:
+            self._inflight_bytes[tier.name] -= span
+        self._inflight_requests[move.executor.name] -= 1
+        link = self._counters.links[transfer.link]
+        link.inflight -= 1
+        if link.inflight == 0:
+            link.busy_s += time.perf_counter() - link.busy_since
+        exc = future.exception()
+        if exc is None:
+            link.bytes += length
+            link.requests += 1
+        elif move.error is None:
+            move.error = exc
+            self._unqueue(move)
+            move.issued = transfer.nbytes  # issue nothing more of a failed move
+        if move.inflight == 0 and (move.remaining == 0 or move.cancelled):
+            self._finish(move)
+        self._dispatch()
+
+    def _finish(self, move: _Move) -> None:
+        transfer = move.transfer
+        if self._moves.pop(transfer, None) is None:
+            return
+        future = transfer._future
+        if move.error is not None:
+            self._counters.failed += 1
+            future.set_exception(move.error)
+        elif move.cancelled:
+            self._counters.cancelled += 1
+            future.cancel()
+        else:
+            self._counters.completed += 1
+            future.set_result(None)
+
+    def _begin_close(self, drained: Future[None], cancel_pending: bool) -> None:
+        if cancel_pending:
+            for move in list(self._moves.values()):
+                move.cancelled = True
+                self._unqueue(move)
+                if move.inflight == 0:
+                    self._finish(move)
+        self._check_drained(drained)
+
+    def _check_drained(self, drained: Future[None]) -> None:
+        if not self._moves:
+            drained.set_result(None)
+        else:
+            self._loop.call_later(0.001, self._check_drained, drained)
+
+    def _executor(self, src: Tier, dst: Tier) -> Tier:
+        """The tier that carries out a move: the storage side, else the device (its copy
+        stream), else the destination."""
+        if not src.is_memory and not dst.is_memory:
+            raise internal_error(f"no direct path {src.name}->{dst.name}: stage through a memory tier")
+        if not dst.is_memory:
+            return dst
+        if not src.is_memory:
+            return src
+        if src.name == "device":
+            return src
+        return dst

@@ -1,0 +1,176 @@
+"""What a scheduler hands back: priorities, transfer handles and statistics.
+
+A scheduler knows requests, priorities and byte counts, not what the bytes mean.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import CancelledError, Future
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+from tiermem.errors import TransferCancelledError
+
+if TYPE_CHECKING:
+    from tiermem.tiers.base import Allocation
+
+
+class Priority(enum.IntEnum):
+    """Lower value runs first: backward needs a demand fetch now; a prefetch is
+    ahead of need; a write-back only frees memory."""
+
+    DEMAND = 0
+    PREFETCH = 1
+    WRITEBACK = 2
+
+
+@dataclass(frozen=True)
+class LinkStatistics:
+    """Bytes moved over one link (``"device->nvme"``) and the seconds it was busy."""
+
+    bytes: int = 0
+    busy_s: float = 0.0
+    requests: int = 0
+
+    def as_dict(self) -> dict[str, float | int]:
+        return {"bytes": self.bytes, "busy_s": self.busy_s, "requests": self.requests}
+
+
+@dataclass(frozen=True)
+class SchedulerStatistics:
+    """An immutable snapshot of a scheduler. Counts are cumulative since it started."""
+
+    links: Mapping[str, LinkStatistics] = field(default_factory=lambda: MappingProxyType({}))
+    #: moves waiting to be (fully) issued, per priority name
+    queued: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    #: bytes in flight per tier right now
+    inflight_bytes: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    submitted: int = 0
+    completed: int = 0
+    cancelled: int = 0
+    failed: int = 0
+    #: waits on a transfer that had not finished yet, and the seconds spent in them
+    waits: int = 0
+    wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "links": {name: link.as_dict() for name, link in self.links.items()},
+            "queued": dict(self.queued),
+            "inflight_bytes": dict(self.inflight_bytes),
+            "submitted": self.submitted,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "failed": self.failed,
+            "waits": self.waits,
+            "wait_s": self.wait_s,
+        }
+
+
+class WaitRecorder:
+    """Counts blocking waits (thread-safe); shared by a scheduler and its transfers."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.waits = 0
+        self.wait_s = 0.0
+
+    def record(self, seconds: float) -> None:
+        with self._lock:
+            self.waits += 1
+            self.wait_s += seconds
+
+
+class Transfer:
+    """A handle on one move, waitable from synchronous code.
+
+    ``wait()`` returns when every byte has landed, or raises the move's error
+    (``TransferCancelledError`` when it was cancelled). Nothing is fire-and-forget:
+    an error stays on the handle until someone waits or checks ``exception()``.
+    """
+
+    def __init__(
+        self,
+        src: Allocation,
+        dst: Allocation,
+        nbytes: int,
+        priority: Priority,
+        cancel: Callable[[Transfer], None],
+        promote: Callable[[Transfer, Priority], None],
+        waits: WaitRecorder,
+    ) -> None:
+        self.src = src
+        self.dst = dst
+        self.nbytes = nbytes
+        self.priority = priority
+        self._future: Future[None] = Future()
+        self._cancel = cancel
+        self._promote = promote
+        self._waits = waits
+
+    @property
+    def link(self) -> str:
+        return f"{self.src.tier.name}->{self.dst.tier.name}"
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until the move completes; raise its error if it failed or was cancelled."""
+        if not self._future.done():
+            start = time.perf_counter()
+            try:
+                self._future.result(timeout)
+            except BaseException:  # noqa: BLE001 - raised below by _raise_if_failed
+                pass
+            finally:
+                self._waits.record(time.perf_counter() - start)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        try:
+            exc = self._future.exception(0)
+        except CancelledError:
+            raise TransferCancelledError(
+                f"tiermem scheduler: the {self.link} move of {self.nbytes} bytes was cancelled"
+            ) from None
+        if exc is not None:
+            raise exc
+
+    def exception(self) -> BaseException | None:
+        """The error the move ended with, or None; does not block (None while running)."""
+        if not self._future.done():
+            return None
+        try:
+            self._raise_if_failed()
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        return None
+
+    def cancel(self) -> None:
+        """Ask for the move to stop. Blocks not yet issued are dropped; blocks in flight
+        finish first, then the transfer completes as cancelled (its buffers are then
+        safe to free). Cancelling a finished transfer does nothing."""
+        if not self._future.done():
+            self._cancel(self)
+
+    def cancelled(self) -> bool:
+        return self._future.cancelled()
+
+    def promote(self, priority: Priority) -> None:
+        """Raise the priority of the rest of this move (e.g. a prefetch now demanded)."""
+        if priority < self.priority and not self._future.done():
+            self._promote(self, priority)
+
+    def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
+        """Call ``fn(self)`` when the move ends (on the scheduler's thread, or now if done)."""
+        self._future.add_done_callback(lambda _f: fn(self))
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"Transfer({self.link}, {self.nbytes} bytes, {self.priority.name}, {state})"

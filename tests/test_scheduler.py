@@ -1,0 +1,262 @@
+"""Scheduler ordering, bounds, cancellation and error propagation (NOTE [ Scheduling rules ])."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+from tiermem.schedulers import AsyncioScheduler, Priority
+from tiermem.tiers.device import DeviceTier
+
+from tests.gated_tier import GatedTier
+from tiermem.errors import RuntimeClosedError, TransferCancelledError
+
+BLOCK = 64 << 10
+
+
+@pytest.fixture
+def device():
+    tier = DeviceTier(1 << 30, "cpu")
+    yield tier
+    tier.close()
+
+
+@pytest.fixture
+def gated(make_scheduler):
+    """Gated storage tiers, released at teardown so no scheduler waits forever on them."""
+    made: list[GatedTier] = []
+
+    def make(**kwargs) -> GatedTier:
+        tier = GatedTier(**kwargs)
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.gated = False
+        tier.release_all()
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def make_scheduler(request):
+    made: list[AsyncioScheduler] = []
+
+    def make(**kwargs) -> AsyncioScheduler:
+        kwargs.setdefault("block_size", BLOCK)
+        kwargs.setdefault("loop", request.param)
+        scheduler = AsyncioScheduler(debug=True, **kwargs)
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+def _filled(device: DeviceTier, nbytes: int, seed: int = 0):
+    allocation = device.allocate(nbytes)
+    generator = torch.Generator().manual_seed(seed)
+    allocation.view().copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator))
+    return allocation
+
+
+def test_demand_fetch_overtakes_a_long_writeback(device, make_scheduler, gated):
+    storage = gated(queue_depth=1)
+    scheduler = make_scheduler()
+    big = _filled(device, 8 * BLOCK)
+    big_dst = storage.allocate(8 * BLOCK)
+    writeback = scheduler.submit(big, big_dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(1)  # first write-back block in flight; the rest queued behind the bound
+    small_src = storage.allocate(BLOCK)
+    small_dst = device.allocate(BLOCK)
+    demand = scheduler.submit(small_src, small_dst, priority=Priority.DEMAND)
+    time.sleep(0.05)  # the demand request reaches the loop while the write-back block is held
+    storage.release(1)  # the write-back block ends; the dispatcher now chooses
+    storage.wait_pending(1)
+    storage.release(1)
+    demand.wait(timeout=10)
+    assert not writeback.done()
+    ops = [(op, alloc) for op, alloc, _off, _len in storage.log]
+    # Issue order: one write-back block, then the demand read, then the rest of the write-back.
+    assert ops[0] == ("write", big_dst.id)
+    assert ops[1] == ("read", small_src.id)
+    storage.gated = False
+    storage.release_all()
+    writeback.wait(timeout=10)
+    assert [op for op, _ in ops[2:]] == ["write"] * (len(ops) - 2)
+
+
+def test_blocks_are_split_and_bytes_arrive_intact(device, make_scheduler, gated):
+    storage = gated(queue_depth=4, gated=False)
+    scheduler = make_scheduler()
+    nbytes = 5 * BLOCK + 123
+    src = _filled(device, nbytes, seed=3)
+    middle = storage.allocate(nbytes)
+    back = device.allocate(nbytes)
+    scheduler.submit(src, middle, priority=Priority.WRITEBACK).wait(timeout=10)
+    scheduler.submit(middle, back, priority=Priority.DEMAND).wait(timeout=10)
+    assert torch.equal(src.view(), back.view())
+    lengths = [length for op, _a, _o, length in storage.log if op == "write"]
+    assert len(lengths) == 6 and max(lengths) == BLOCK
+    stats = scheduler.statistics()
+    assert stats.links["device->nvme"].bytes == nbytes
+    assert stats.links["nvme->device"].bytes == nbytes
+    assert stats.links["device->nvme"].requests == 6
+    assert stats.completed == 2 and stats.failed == 0
+    assert stats.links["device->nvme"].busy_s > 0
+
+
+def test_move_larger_than_inflight_bound_proceeds_block_by_block(device, make_scheduler, gated):
+    storage = gated(queue_depth=8, gated=False)
+    scheduler = make_scheduler(max_inflight=BLOCK // 2)  # smaller than one block
+    src = _filled(device, 4 * BLOCK)
+    dst = storage.allocate(4 * BLOCK)
+    scheduler.submit(src, dst, priority=Priority.PREFETCH).wait(timeout=10)
+    assert scheduler.statistics().links["device->nvme"].bytes == 4 * BLOCK
+
+
+def test_inflight_bytes_stay_within_the_bound(device, make_scheduler, gated):
+    storage = gated(queue_depth=64)
+    scheduler = make_scheduler(max_inflight=4 * BLOCK)
+    src = _filled(device, 32 * BLOCK)
+    dst = storage.allocate(32 * BLOCK)
+    transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(4)
+    time.sleep(0.05)
+    assert len(storage.pending) == 4  # the bound, not the queue depth, limits it
+    storage.gated = False
+    storage.release_all()
+    transfer.wait(timeout=10)
+
+
+def test_prefetch_never_starves_writeback(device, make_scheduler, gated):
+    storage = gated(queue_depth=64)
+    scheduler = make_scheduler(max_inflight=4 * BLOCK)
+    prefetch_src = storage.allocate(64 * BLOCK)
+    prefetch_dst = device.allocate(64 * BLOCK)
+    prefetch = scheduler.submit(prefetch_src, prefetch_dst, priority=Priority.PREFETCH)
+    storage.wait_pending(3)  # prefetch may fill 3/4 of the bound
+    wb_src = _filled(device, BLOCK)
+    wb_dst = storage.allocate(BLOCK)
+    writeback = scheduler.submit(wb_src, wb_dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(4)  # the write-back got the reserved share at once
+    assert storage.log[3][0] == "write"
+    storage.gated = False
+    storage.release_all()
+    writeback.wait(timeout=10)
+    prefetch.wait(timeout=10)
+
+
+def test_cancel_drops_queued_blocks_and_waits_for_inflight(device, make_scheduler, gated):
+    storage = gated(queue_depth=1)
+    scheduler = make_scheduler()
+    src = _filled(device, 8 * BLOCK)
+    dst = storage.allocate(8 * BLOCK)
+    transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(1)
+    transfer.cancel()
+    time.sleep(0.05)
+    assert not transfer.done()  # one block still in flight: its buffers are still in use
+    storage.release(1)
+    with pytest.raises(TransferCancelledError, match="cancelled"):
+        transfer.wait(timeout=10)
+    assert transfer.cancelled()
+    assert len(storage.log) == 1  # nothing issued after the cancel
+    assert scheduler.statistics().cancelled == 1
+
+
+def test_error_reaches_the_waiter_and_stops_the_move(device, make_scheduler, gated):
+    storage = gated(queue_depth=1)
+    scheduler = make_scheduler()
+    src = _filled(device, 4 * BLOCK)
+    dst = storage.allocate(4 * BLOCK)
+    transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(1)
+    storage.fail_next = OSError(5, "injected I/O error")
+    storage.release(1)
+    with pytest.raises(OSError, match="injected"):
+        transfer.wait(timeout=10)
+    assert isinstance(transfer.exception(), OSError)
+    assert len(storage.log) == 1
+    assert scheduler.statistics().failed == 1
+
+
+def test_promote_moves_a_prefetch_ahead(device, make_scheduler, gated):
+    storage = gated(queue_depth=1)
+    scheduler = make_scheduler()
+    first_src, first_dst = storage.allocate(2 * BLOCK), device.allocate(2 * BLOCK)
+    second_src, second_dst = storage.allocate(BLOCK), device.allocate(BLOCK)
+    first = scheduler.submit(first_src, first_dst, priority=Priority.PREFETCH)
+    storage.wait_pending(1)
+    second = scheduler.submit(second_src, second_dst, priority=Priority.PREFETCH)
+    second.promote(Priority.DEMAND)
+    time.sleep(0.05)
+    storage.release(1)
+    storage.wait_pending(1)
+    assert storage.log[1][1] == second_src.id
+    storage.gated = False
+    storage.release_all()
+    first.wait(timeout=10)
+    second.wait(timeout=10)
+
+
+def test_memory_to_memory_copies_are_asynchronous_and_exact(device, make_scheduler):
+    scheduler = make_scheduler()
+    src = _filled(device, 3 * (8 << 20) + 5)
+    dst = device.allocate(src.nbytes)
+    transfer = scheduler.submit(src, dst)
+    transfer.wait(timeout=30)
+    assert torch.equal(src.view(), dst.view())
+
+
+def test_submit_after_close_is_a_clear_error(device):
+    scheduler = AsyncioScheduler(loop="asyncio")
+    scheduler.close()
+    scheduler.close()  # idempotent
+    a, b = device.allocate(10), device.allocate(10)
+    with pytest.raises(RuntimeClosedError, match="scheduler is closed"):
+        scheduler.submit(a, b)
+
+
+def test_close_cancels_queued_moves(device):
+    storage = GatedTier(queue_depth=1)
+    scheduler = AsyncioScheduler(loop="asyncio", block_size=BLOCK)
+    src = _filled(device, 4 * BLOCK)
+    dst = storage.allocate(4 * BLOCK)
+    transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(1)
+    storage.gated = False
+    storage.release_all()
+    scheduler.close()
+    assert transfer.done()
+    with pytest.raises(TransferCancelledError):
+        transfer.wait()
+
+
+def test_the_loop_is_never_blocked(device, caplog):
+    """asyncio debug mode logs any callback slower than the threshold."""
+    storage = GatedTier(queue_depth=8, gated=False)
+    scheduler = AsyncioScheduler(loop="asyncio", block_size=BLOCK, debug=True)
+    scheduler._loop.slow_callback_duration = 0.05
+    with caplog.at_level(logging.WARNING, logger="asyncio"):
+        src = _filled(device, 64 * BLOCK)
+        dst = storage.allocate(64 * BLOCK)
+        for _ in range(5):
+            scheduler.submit(src, dst, priority=Priority.WRITEBACK).wait(timeout=10)
+        scheduler.close()
+    assert not [r for r in caplog.records if "took" in r.getMessage()]
+
+
+def test_statistics_is_an_immutable_snapshot(device, make_scheduler):
+    scheduler = make_scheduler()
+    src = _filled(device, BLOCK)
+    dst = device.allocate(BLOCK)
+    scheduler.submit(src, dst).wait(timeout=10)
+    stats = scheduler.statistics()
+    with pytest.raises(TypeError):
+        stats.links["x"] = None  # type: ignore[index]
+    with pytest.raises(AttributeError):
+        stats.completed = 5  # type: ignore[misc]
+    assert stats.as_dict()["completed"] == 1

@@ -1,0 +1,51 @@
+"""``tiermem config check FILE`` and ``tiermem config show [FILE]``.
+
+``check`` answers "will this file work here?": it parses the file, applies the ``TIERMEM_*``
+environment as a run would, and resolves it for this machine (RAM, CUDA, disks), printing
+``OK: FILE`` or every problem at once. ``--static`` skips the machine, for checking a file
+meant for another one. ``show`` prints what a run would use: the configuration as TOML with
+every machine-dependent ``auto`` replaced by its value.
+
+Problems surface as a ConfigError, which ``tiermem.cli.main`` prints without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from tiermem.config import Config
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``check`` and ``show`` actions to the ``config`` parser."""
+    actions = parser.add_subparsers(dest="action", metavar="ACTION", required=True)
+    check = actions.add_parser(
+        "check",
+        help="validate a tier configuration file",
+        description="Validate a tier configuration file; print OK or every problem, one per line.",
+    )
+    check.add_argument("file", help="the TOML file")
+    check.add_argument(
+        "--static",
+        action="store_true",
+        help="check the file only, not whether it fits this machine (RAM, CUDA devices, disks)",
+    )
+    show = actions.add_parser(
+        "show",
+        help="print a configuration with every auto resolved",
+        description="Print the configuration a run would use, as TOML, with every auto resolved.",
+    )
+    show.add_argument("file", nargs="?", help="the TOML file (default: the defaults plus TIERMEM_* variables)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Carry out ``check`` or ``show``; a bad configuration raises ConfigError (exit status 1)."""
+    config = Config.coerce(args.file)
+    if args.action == "check":
+        if not args.static:
+            config.resolve()
+        print(f"OK: {args.file}")
+        return 0
+    print(f"# tiermem configuration from {config.source}, resolved for this machine")
+    print(config.resolve().to_toml(), end="")
+    return 0

@@ -1,0 +1,377 @@
+"""Managed objects: bytes that live in one tier or move between two.
+
+# NOTE [ Managed object rules ]
+1. An object is RESIDENT in exactly one allocation, or MOVING from a source
+   allocation to a target. While moving, the source stays allocated and readable:
+   a read of an object being written out is served from memory (forwarding).
+2. A move ends on the scheduler's thread: on success the source is freed and the
+   target becomes home; on failure the target is freed and the object stays resident
+   at its source, and the error is raised to the next ``wait()`` (nothing is lost).
+3. Asking for an object back where its write-back started cancels that write
+   (a write nobody needs any more), and the object simply stays home.
+4. Freeing an object cancels its move; its allocations are released once the
+   scheduler reports the move ended (never while a block may still touch them).
+5. Dedup is at storage granularity (TRAPS 9): registering a tensor whose storage
+   (the same storage object, at the same version) is already managed returns a new
+   handle on the existing object with the tensor's own view (dtype, shape, stride,
+   offset). Keys hold the storage weakly and never use ``data_ptr``, which is reused
+   after free. Handles are reference counted; the last ``free()`` frees the object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import threading
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.errors import ObjectFreedError, internal_error
+from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
+from tiermem.schedulers.base import Priority, Transfer
+from tiermem.tiers.base import Allocation, Tier
+from tiermem.tiers.memory import MemoryTier
+
+
+class ObjectState(enum.Enum):
+    RESIDENT = "resident"
+    MOVING = "moving"
+    FREED = "freed"
+
+
+@dataclass(frozen=True)
+class RegistryStatistics:
+    """Cumulative counts since the registry started."""
+
+    objects: int
+    registered: int
+    dedup_hits: int
+    forwarded: int
+    cancelled: int
+    moves: int
+    failed_moves: int
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``tensor`` as a contiguous 1-D uint8 tensor (no copy)."""
+    storage = tensor.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+
+
+_object_ids = itertools.count(1)
+
+
+class ManagedObject:
+    """One stored copy of some bytes (e.g. one tensor storage at one version)."""
+
+    def __init__(self, registry: Registry, home: Allocation, nbytes: int) -> None:
+        self.id = next(_object_ids)
+        self.registry = registry
+        self.nbytes = nbytes
+        self.home: Allocation = home
+        self.target: Allocation | None = None
+        self.transfer: Transfer | None = None
+        self.state = ObjectState.RESIDENT
+        self.refs = 0
+        self.error: BaseException | None = None
+        self.dedup_key: int | None = None
+        #: Set once the current move has ended and the object's state reflects it.
+        self.settled = threading.Event()
+        self.settled.set()
+
+    @property
+    def tier(self) -> str:
+        """Where the object is resident (its source, while it moves)."""
+        return self.home.tier.name
+
+    def __repr__(self) -> str:
+        moving = f"->{self.target.tier.name}" if self.target is not None else ""
+        return f"ManagedObject#{self.id}({self.nbytes} bytes, {self.state.value} {self.tier}{moving})"
+
+
+class Handle:
+    """A registered tensor: a reference on a managed object plus the tensor's own view."""
+
+    __slots__ = ("_freed", "dtype", "obj", "shape", "storage_offset", "stride")
+
+    def __init__(self, obj: ManagedObject, tensor: torch.Tensor) -> None:
+        self.obj = obj
+        self.dtype = tensor.dtype
+        self.shape = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        self.storage_offset = tensor.storage_offset()
+        self._freed = False
+        obj.refs += 1
+
+    @property
+    def tier(self) -> str:
+        return self.obj.tier
+
+    @property
+    def state(self) -> ObjectState:
+        return self.obj.state
+
+    def move_to(self, tier: str, priority: Priority = Priority.PREFETCH) -> Transfer | None:
+        """Start moving the object to ``tier``; None when it is already there."""
+        self._check()
+        return self.obj.registry.move(self.obj, tier, priority)
+
+    def wait(self) -> None:
+        """Wait for the object's move to end; raise its error if it failed."""
+        self._check()
+        self.obj.registry.wait(self.obj)
+
+    def tensor(self, tier: str = "device") -> torch.Tensor:
+        """The tensor, readable now. Served from memory while a write-back is in flight
+        (forwarding); fetched on demand into ``tier`` when it is only on storage."""
+        self._check()
+        data = self.obj.registry.read(self.obj, tier)
+        typed = data[: self.obj.nbytes].view(self.dtype)
+        return typed.as_strided(self.shape, self.stride, self.storage_offset)
+
+    def free(self) -> None:
+        """Drop this handle; the object is freed with its last handle. Idempotent."""
+        if not self._freed:
+            self._freed = True
+            self.obj.registry.release(self.obj)
+
+    def _check(self) -> None:
+        if self._freed or self.obj.state is ObjectState.FREED:
+            raise ObjectFreedError(f"tiermem registry: {self.obj!r} was freed; this handle is no longer valid")
+
+    def __repr__(self) -> str:
+        return f"Handle({self.dtype}, {list(self.shape)}, {self.obj!r})"
+
+
+class Registry:
+    """Owns every managed object and their moves through the scheduler."""
+
+    def __init__(self, tiers: Mapping[str, Tier], scheduler: AsyncioScheduler) -> None:
+        self.tiers = dict(tiers)
+        self.scheduler = scheduler
+        self._lock = threading.RLock()
+        self._objects: dict[int, ManagedObject] = {}
+        # id(storage) -> (weak storage, version, object); see rule 5 / TRAPS 9.
+        self._dedup: dict[int, tuple[weakref.ref[torch.UntypedStorage], int, ManagedObject]] = {}
+        self._registered = 0
+        self._dedup_hits = 0
+        self._forwarded = 0
+        self._cancelled = 0
+        self._moves = 0
+        self._failed_moves = 0
+        # Moves that may still touch allocations, freed objects' included (rule 4).
+        self._inflight: dict[Transfer, ManagedObject] = {}
+
+    # -- registration ----------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, tier: str = "device", *, dedup: bool = True) -> Handle:
+        """Manage ``tensor``'s storage in ``tier`` and return a handle with its view.
+
+        When the tensor already lives on ``tier``'s device its storage is adopted without
+        a copy (it is then shared with the caller until the object moves away);
+        otherwise its bytes are copied into a new allocation.
+        """
+        target = self._tier(tier)
+        storage = tensor.untyped_storage()
+        version = tensor._version
+        with self._lock:
+            self._registered += 1
+            key = id(storage)
+            entry = self._dedup.get(key) if dedup else None
+            if entry is not None:
+                ref, entry_version, obj = entry
+                if ref() is storage and entry_version == version and obj.state is not ObjectState.FREED:
+                    self._dedup_hits += 1
+                    return Handle(obj, tensor)
+            home = self._adopt_or_copy(target, tensor)
+            obj = ManagedObject(self, home, storage.nbytes())
+            self._objects[obj.id] = obj
+            if dedup:
+                obj.dedup_key = key
+                self._dedup[key] = (weakref.ref(storage, self._storage_died(key)), version, obj)
+            return Handle(obj, tensor)
+
+    def _storage_died(self, key: int) -> weakref.ReferenceType | object:
+        registry_ref = weakref.ref(self)
+
+        def drop(ref: weakref.ref[torch.UntypedStorage]) -> None:
+            registry = registry_ref()
+            if registry is None:
+                return
+            with registry._lock:
+                entry = registry._dedup.get(key)
+                if entry is not None and entry[0] is ref:
+                    del registry._dedup[key]
+
+        return drop  # type: ignore[return-value]
+
+    @staticmethod
+    def _adopt_or_copy(tier: Tier, tensor: torch.Tensor) -> Allocation:
+        data = storage_bytes(tensor)
+        if isinstance(tier, MemoryTier) and data.device == tier.device:
+            return tier.adopt(data)
+        allocation = tier.allocate(data.numel())
+        try:
+            tier.write(allocation, 0, data.cpu() if not tier.is_memory else data).result()
+        except BaseException:
+            tier.free(allocation)
+            raise
+        return allocation
+
+    # -- moves -------------------------------------------------------------------------------
+    def move(self, obj: ManagedObject, tier: str, priority: Priority = Priority.PREFETCH) -> Transfer | None:
+        target_tier = self._tier(tier)
+        with self._lock:
+            self._check_live(obj)
+            if obj.state is ObjectState.MOVING:
+                assert obj.target is not None and obj.transfer is not None
+                if obj.target.tier is target_tier:  # already on its way
+                    if priority < obj.transfer.priority:
+                        obj.transfer.promote(priority)
+                    return obj.transfer
+                if obj.home.tier is target_tier and obj.home.tier.is_memory:
+                    # Rule 3: wanted back where it still is; the write is no longer needed.
+                    self._cancelled += 1
+                    obj.transfer.cancel()
+                    return None
+            elif obj.home.tier is target_tier:
+                return None
+            else:
+                return self._start_move(obj, target_tier, priority)
+        # Otherwise let the current move land first, then move again.
+        self.wait(obj)
+        return self.move(obj, tier, priority)
+
+    def _start_move(self, obj: ManagedObject, tier: Tier, priority: Priority) -> Transfer:
+        if not obj.home.tier.is_memory and not tier.is_memory:
+            raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
+        target = tier.allocate(obj.nbytes)
+        try:
+            transfer = self.scheduler.submit(obj.home, target, nbytes=obj.nbytes, priority=priority)
+        except BaseException:
+            tier.free(target)
+            raise
+        obj.target, obj.transfer, obj.state = target, transfer, ObjectState.MOVING
+        obj.error = None
+        obj.settled.clear()
+        self._moves += 1
+        self._inflight[transfer] = obj
+        transfer.add_done_callback(lambda t: self._move_ended(obj, t))
+        return transfer
+
+    def _move_ended(self, obj: ManagedObject, transfer: Transfer) -> None:
+        """Rules 2 and 4, on the scheduler's thread."""
+        with self._lock:
+            try:
+                if obj.transfer is not transfer:
+                    raise internal_error(f"{obj!r}: move ended for a transfer it no longer owns")
+                target, source = obj.target, obj.home
+                assert target is not None
+                obj.target, obj.transfer = None, None
+                error = transfer.exception()
+                if obj.state is ObjectState.FREED:
+                    target.tier.free(target)
+                    source.tier.free(source)
+                    return
+                obj.state = ObjectState.RESIDENT
+                if error is None and not transfer.cancelled():
+                    obj.home = target
+                    source.tier.free(source)
+                else:
+                    target.tier.free(target)
+                    if not transfer.cancelled():
+                        self._failed_moves += 1
+                        obj.error = error
+            finally:
+                self._inflight.pop(transfer, None)
+                obj.settled.set()
+
+    def wait(self, obj: ManagedObject) -> None:
+        """Wait until ``obj``'s move has ended; raise the error it ended with (rule 2)."""
+        with self._lock:
+            transfer = obj.transfer
+        if transfer is not None:
+            # The wait is counted in the scheduler's statistics; the object's own error,
+            # as recorded when the move ended, is what we raise below.
+            with contextlib.suppress(BaseException):
+                transfer.wait()
+        obj.settled.wait()
+        with self._lock:
+            error, obj.error = obj.error, None
+        if error is not None:
+            raise error
+
+    def read(self, obj: ManagedObject, tier: str = "device") -> torch.Tensor:
+        """Bytes of ``obj`` in memory, forwarding from a moving source (rule 1)."""
+        while True:
+            with self._lock:
+                self._check_live(obj)
+                if obj.state is ObjectState.RESIDENT and obj.home.tier.is_memory:
+                    return obj.home.view(0, obj.nbytes)
+                if obj.state is ObjectState.MOVING and obj.home.tier.is_memory:
+                    self._forwarded += 1
+                    return obj.home.view(0, obj.nbytes)
+            if self.move(obj, tier, Priority.DEMAND) is not None:
+                self.wait(obj)
+
+    def release(self, obj: ManagedObject) -> None:
+        """Drop one handle's reference; the last one frees the object (rule 4)."""
+        with self._lock:
+            if obj.state is ObjectState.FREED:
+                return
+            obj.refs -= 1
+            if obj.refs > 0:
+                return
+            obj.state = ObjectState.FREED
+            self._objects.pop(obj.id, None)
+            if obj.dedup_key is not None:
+                entry = self._dedup.get(obj.dedup_key)
+                if entry is not None and entry[2] is obj:
+                    del self._dedup[obj.dedup_key]
+            transfer = obj.transfer
+            if transfer is None:
+                obj.home.tier.free(obj.home)
+                return
+        self._cancelled += 1
+        transfer.cancel()  # allocations are freed by _move_ended
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _tier(self, name: str) -> Tier:
+        tier = self.tiers.get(name)
+        if tier is None:
+            raise ValueError(f"tiermem registry: no tier named {name!r}; this runtime has {sorted(self.tiers)}")
+        return tier
+
+    @staticmethod
+    def _check_live(obj: ManagedObject) -> None:
+        if obj.state is ObjectState.FREED:
+            raise ObjectFreedError(f"tiermem registry: {obj!r} was freed")
+
+    def objects(self) -> list[ManagedObject]:
+        with self._lock:
+            return list(self._objects.values())
+
+    def free_all(self) -> None:
+        """Free every object (Runtime exit) and wait until no move touches an allocation."""
+        for obj in self.objects():
+            while obj.refs > 0 and obj.state is not ObjectState.FREED:
+                self.release(obj)
+        with self._lock:
+            draining = list(self._inflight.values())
+        for obj in draining:
+            obj.settled.wait()
+
+    def statistics(self) -> RegistryStatistics:
+        with self._lock:
+            return RegistryStatistics(
+                objects=len(self._objects),
+                registered=self._registered,
+                dedup_hits=self._dedup_hits,
+                forwarded=self._forwarded,
+                cancelled=self._cancelled,
+                moves=self._moves,
+                failed_moves=self._failed_moves,
+            )

@@ -1,0 +1,166 @@
+"""``tiermem.Runtime``: builds the tiers, the scheduler and the registry from a config.
+
+::
+
+    with tiermem.Runtime("tiers.toml") as rt:      # or a dict, a Config, or nothing
+        handle = rt.store(tensor, "nvme")          # write-back in flight, source readable
+        again = handle.tensor()                    # forwarded, or fetched on demand
+        print(rt.stats())
+
+Leaving ``with`` frees every object, stops the scheduler and removes every file the
+runtime created. A forked child (DataLoader workers) never runs the parent's
+cleanup (TRAPS 12).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tiermem.config import Config
+from tiermem.errors import RuntimeClosedError
+from tiermem.registry import Handle, Registry
+from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
+from tiermem.schedulers.base import Priority
+from tiermem.stats import Stats
+from tiermem.tiers.base import Tier
+from tiermem.tiers.device import DeviceTier
+from tiermem.tiers.host import HostTier
+
+log = logging.getLogger("tiermem")
+
+ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+class Runtime:
+    """The tiered store of one training process."""
+
+    def __init__(self, config: ConfigLike = None) -> None:
+        self.config: Config = Config.coerce(config)
+        self.resolved: Config | None = None
+        self._tiers: dict[str, Tier] = {}
+        self._scheduler: AsyncioScheduler | None = None
+        self._registry: Registry | None = None
+        self._owner_pid: int | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> Runtime:
+        """Resolve the config, create the tiers and start the scheduler."""
+        if self._scheduler is not None:
+            return self
+        from tiermem.tiers.nvme import NvmeTier  # only the runtime needs storage I/O machinery
+
+        resolved = self.config.resolve()
+        d, h, n, s = resolved.device, resolved.host, resolved.nvme, resolved.scheduler
+        tiers: dict[str, Tier] = {}
+        try:
+            tiers["device"] = DeviceTier(d.capacity, d.device)
+            tiers["host"] = HostTier(h.capacity, pinned=h.pinned)
+            tiers["nvme"] = NvmeTier(
+                n.paths,
+                n.capacity,
+                backend=n.backend,
+                block_size=n.block_size,
+                queue_depth=n.queue_depth,
+                checksum=n.checksum,
+                direct=n.direct,
+            )
+            overrides = {
+                name: section.max_inflight
+                for name, section in (("device", d), ("host", h), ("nvme", n))
+                if section.max_inflight is not None
+            }
+            self._scheduler = AsyncioScheduler(
+                max_inflight=s.max_inflight,
+                tier_max_inflight=overrides,
+                block_size=n.block_size,
+                loop=s.loop,
+            )
+        except BaseException:
+            for tier in tiers.values():
+                tier.close()
+            raise
+        self._tiers = tiers
+        self._registry = Registry(tiers, self._scheduler)
+        self.resolved = resolved
+        self._owner_pid = os.getpid()
+        log.info("tiermem runtime started: %s", {name: t.describe() for name, t in tiers.items()})
+        return self
+
+    def close(self) -> None:
+        """Free every object, stop the scheduler, remove the runtime's files. Idempotent."""
+        if self._scheduler is None:
+            return
+        if os.getpid() != self._owner_pid:
+            # A forked child shares the parent's files and locks; it must not clean up.
+            self._scheduler = None
+            return
+        try:
+            if self._registry is not None:
+                self._registry.free_all()
+            self._scheduler.close()
+        finally:
+            for tier in self._tiers.values():
+                tier.close()
+            self._scheduler = None
+
+    def __enter__(self) -> Runtime:
+        return self.start()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    @property
+    def running(self) -> bool:
+        return self._scheduler is not None
+
+    # -- objects ----------------------------------------------------------------------------
+    def register(self, tensor: torch.Tensor, tier: str = "device") -> Handle:
+        """Manage ``tensor`` in ``tier`` (adopted without a copy when it already lives on
+        that tier's device; deduplicated by storage and version)."""
+        return self.registry.register(tensor, tier)
+
+    def store(self, tensor: torch.Tensor, tier: str = "nvme", priority: Priority = Priority.WRITEBACK) -> Handle:
+        """Register ``tensor`` on the device and start moving it to ``tier``.
+
+        Returns at once; the tensor stays readable (forwarded) until the move lands.
+        ``handle.wait()`` waits for it, ``handle.tensor()`` reads it back.
+        """
+        handle = self.register(tensor, "device")
+        try:
+            handle.move_to(tier, priority)
+        except BaseException:
+            handle.free()
+            raise
+        return handle
+
+    # -- introspection ----------------------------------------------------------------------
+    @property
+    def registry(self) -> Registry:
+        if self._registry is None or self._scheduler is None:
+            raise RuntimeClosedError("this tiermem Runtime")
+        return self._registry
+
+    @property
+    def scheduler(self) -> AsyncioScheduler:
+        if self._scheduler is None:
+            raise RuntimeClosedError("this tiermem Runtime")
+        return self._scheduler
+
+    @property
+    def tiers(self) -> Mapping[str, Tier]:
+        if self._scheduler is None:
+            raise RuntimeClosedError("this tiermem Runtime")
+        return dict(self._tiers)
+
+    def stats(self) -> Stats:
+        """A snapshot of every tier, link and counter (see ``Stats.as_dict``)."""
+        return Stats(
+            tiers={name: tier.statistics() for name, tier in self.tiers.items()},
+            scheduler=self.scheduler.statistics(),
+            registry=self.registry.statistics(),
+        )

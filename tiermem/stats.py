@@ -1,0 +1,66 @@
+"""``rt.stats()``: one immutable snapshot of every tier, link and counter.
+
+The dict shape of :meth:`Stats.as_dict` is a contract that scripts rely on (see
+DESIGN.md): sizes are plain int bytes, counts cumulative since the Runtime started.
+Keys may be added; the documented ones stay.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from tiermem.registry import RegistryStatistics
+from tiermem.schedulers.base import SchedulerStatistics
+from tiermem.tiers.base import TierStatistics
+
+
+@dataclass(frozen=True)
+class ActivationStatistics:
+    """Saved activations captured by ``offload_activations`` (zeros until any are)."""
+
+    peak_resident_bytes: int = 0
+    backward_wait_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"peak_resident_bytes": self.peak_resident_bytes, "backward_wait_s": self.backward_wait_s}
+
+
+@dataclass(frozen=True)
+class Stats:
+    tiers: Mapping[str, TierStatistics]
+    scheduler: SchedulerStatistics
+    registry: RegistryStatistics
+    activations: ActivationStatistics = ActivationStatistics()
+
+    def as_dict(self) -> dict[str, Any]:
+        links = self.scheduler.as_dict()["links"]
+        return {
+            "tiers": {name: tier.as_dict() for name, tier in self.tiers.items()},
+            "links": {name: {"bytes": link["bytes"], "busy_s": link["busy_s"]} for name, link in links.items()},
+            "activations": self.activations.as_dict(),
+            "dedup_hits": self.registry.dedup_hits,
+            "forwarded": self.registry.forwarded,
+            "cancelled": self.registry.cancelled,
+            "objects": self.registry.objects,
+            "moves": self.registry.moves,
+            "failed_moves": self.registry.failed_moves,
+            "scheduler": self.scheduler.as_dict(),
+        }
+
+    def __str__(self) -> str:
+        from tiermem.units import format_size
+
+        lines = ["tier     capacity      current       peak          written       read"]
+        for name, t in self.tiers.items():
+            lines.append(
+                f"{name:<8} {format_size(t.capacity):<13} {format_size(t.current_bytes):<13} "
+                f"{format_size(t.peak_bytes):<13} {format_size(t.bytes_written):<13} {format_size(t.bytes_read)}"
+            )
+        for name, link in self.scheduler.links.items():
+            rate = link.bytes / link.busy_s if link.busy_s else 0.0
+            lines.append(f"link {name:<14} {format_size(link.bytes):<12} in {link.busy_s:.3f}s ({format_size(rate)}/s)")
+        r = self.registry
+        lines.append(f"dedup hits {r.dedup_hits}, forwarded {r.forwarded}, cancelled {r.cancelled}")
+        return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""Memory tiers (device and host): allocations are tensors, copies run asynchronously.
+
+Two copy engines sit behind one small interface:
+
+- :class:`WorkerCopier` (CPU): ``dst.copy_(src)`` on a worker thread. Even on the CPU
+  the copy is asynchronous, so code that forgets to wait on a future fails in CPU tests
+  the way it would fail on a GPU.
+- :class:`CudaStreamCopier` (CUDA): a dedicated copy stream ordered after the
+  producer's stream, an event per copy, and a waiter thread that completes the future
+  when the event fires. Written against PyTorch's documented stream semantics
+  (``wait_stream``, ``record_stream``, ``non_blocking``); skipped in tests without CUDA.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Protocol
+
+import torch
+from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
+
+
+class Copier(Protocol):
+    """Copies bytes between two uint8 tensors asynchronously."""
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[None]: ...
+
+    def close(self) -> None: ...
+
+
+def _run_copy(future: Future[None], dst: torch.Tensor, src: torch.Tensor) -> None:
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        dst.copy_(src)
+    except BaseException as exc:  # noqa: BLE001 - every failure must reach the waiter
+        future.set_exception(exc)
+    else:
+        future.set_result(None)
+
+
+class WorkerCopier:
+    """CPU copies on a small worker pool (TRAPS 7: the pool shares the cores with compute)."""
+
+    def __init__(self, workers: int = 2, name: str = "tiermem-copy") -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[None]:
+        future: Future[None] = Future()
+        self._pool.submit(_run_copy, future, dst, src)
+        return future
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class CudaStreamCopier:
+    """CUDA copies on a dedicated stream; futures complete when the copy's event fires."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device=device)
+        self._pending: queue.SimpleQueue[tuple[Future[None], torch.cuda.Event, tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._waiter = threading.Thread(target=self._wait_events, name="tiermem-cuda-events", daemon=True)
+        self._waiter.start()
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[None]:
+        future: Future[None] = Future()
+        future.set_running_or_notify_cancel()
+        try:
+            producer = torch.cuda.current_stream(self._device)
+            # Order the copy after work already queued on the caller's stream (which may
+            # still be writing ``src``), and tell the caching allocator that these
+            # tensors are in use on the copy stream so it does not recycle them early.
+            self._stream.wait_stream(producer)
+            with torch.cuda.stream(self._stream):
+                dst.copy_(src, non_blocking=True)
+                for tensor in (dst, src):
+                    if tensor.is_cuda:
+                        tensor.record_stream(self._stream)
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        except BaseException as exc:  # noqa: BLE001
+            future.set_exception(exc)
+            return future
+        # Keep both tensors referenced until the event fires (host memory has no record_stream).
+        self._pending.put((future, event, (dst, src)))
+        return future
+
+    def _wait_events(self) -> None:
+        while (item := self._pending.get()) is not None:
+            future, event, _keepalive = item
+            try:
+                event.synchronize()
+            except BaseException as exc:  # noqa: BLE001
+                future.set_exception(exc)
+            else:
+                future.set_result(None)
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._waiter.join()
+
+
+def aligned_empty(nbytes: int, device: torch.device, *, pin_memory: bool = False) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose first byte is ``ALIGNMENT``-aligned.
+
+    torch aligns CPU tensors to 64 bytes only; O_DIRECT wants 4 KiB (TRAPS 5). We
+    over-allocate by one alignment unit and slice.
+    """
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device, pin_memory=pin_memory)
+    shift = (-raw.data_ptr()) % ALIGNMENT
+    return raw[shift : shift + nbytes]
+
+
+class MemoryTier(Tier):
+    """A tier whose allocations are tensors on one torch device, within a byte budget."""
+
+    is_memory = True
+
+    def __init__(self, name: str, capacity: int, device: torch.device, copier: Copier) -> None:
+        super().__init__(name, capacity, queue_depth=2)
+        self.device = device
+        self._copier = copier
+
+    def _allocate(self, nbytes: int, reserved: int) -> Allocation:
+        return Allocation(self, nbytes, reserved, tensor=aligned_empty(reserved, self.device))
+
+    def adopt(self, buffer: torch.Tensor) -> Allocation:
+        """Account an existing contiguous uint8 buffer on this tier's device as an
+        allocation, without copying it (e.g. a saved activation about to be offloaded).
+
+        The allocation holds a reference to the buffer's storage until it is freed;
+        only the buffer's own bytes are accounted (it is not ours to pad).
+        """
+        if buffer.device != self.device and not (buffer.device.type == self.device.type == "cpu"):
+            raise ValueError(
+                f"tiermem {self.name} tier: cannot adopt a tensor on {buffer.device}; this tier is on {self.device}"
+            )
+        if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+            raise ValueError("tiermem: adopt() needs a contiguous 1-D uint8 tensor")
+        return self._account(
+            buffer.numel(), buffer.numel(), lambda: Allocation(self, buffer.numel(), buffer.numel(), tensor=buffer)
+        )
+
+    def _free(self, allocation: Allocation) -> None:
+        # Dropping the only reference returns the memory (RSS falls without a GC pass:
+        # nothing here sits in a reference cycle, TRAPS 14).
+        allocation.tensor = None
+
+    def _write(self, allocation: Allocation, offset: int, src: torch.Tensor) -> Future[None]:
+        return self._copier.copy(allocation.view(offset, src.numel()), src)
+
+    def _read(self, allocation: Allocation, offset: int, dst: torch.Tensor) -> Future[None]:
+        return self._copier.copy(dst, allocation.view(offset, dst.numel()))
+
+    def _close(self) -> None:
+        self._copier.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {**super().describe(), "device": str(self.device)}
