@@ -131,7 +131,9 @@ class Handle:
         self._check()
         data = self.obj.registry.read(self.obj, tier)
         typed = data[: self.obj.nbytes].view(self.dtype)
-        return typed.as_strided(self.shape, self.stride, self.storage_offset)
+        # as_strided offsets count from the start of the underlying storage, which may
+        # begin before our bytes (aligned allocations are slices of a larger buffer).
+        return typed.as_strided(self.shape, self.stride, typed.storage_offset() + self.storage_offset)
 
     def free(self) -> None:
         """Drop this handle; the object is freed with its last handle. Idempotent."""

@@ -26,8 +26,17 @@ class ExtentAllocator:
         self._starts: list[int] = [0] if self.size else []
         self._lengths: list[int] = [self.size] if self.size else []
         self._used: dict[int, int] = {}
-        #: The end of the highest extent ever handed out: storage tiers grow files up to it.
-        self.high_water = 0
+
+    @property
+    def high_water(self) -> int:
+        """The end of the highest extent in use: storage tiers back files up to it.
+
+        Free extents are coalesced and sorted, so everything above the last free extent's
+        start is free exactly when that extent reaches the end of the space.
+        """
+        if self._starts and self._starts[-1] + self._lengths[-1] == self.size:
+            return self._starts[-1]
+        return self.size
 
     @property
     def used_bytes(self) -> int:
@@ -52,7 +61,6 @@ class ExtentAllocator:
                     self._starts[index] = start + length
                     self._lengths[index] = free_length - length
                 self._used[start] = length
-                self.high_water = max(self.high_water, start + length)
                 return start
         return None
 
