@@ -31,6 +31,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from tiermem.errors import RuntimeClosedError, internal_error
 from tiermem.schedulers.base import (
     LinkStatistics,
     Priority,
@@ -39,8 +40,6 @@ from tiermem.schedulers.base import (
     WaitRecorder,
 )
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
-
-from tiermem.errors import RuntimeClosedError, internal_error
 from tiermem.units import round_up
 
 log = logging.getLogger("tiermem.scheduler")

@@ -10,6 +10,7 @@ import threading
 from concurrent.futures import Future
 
 import torch
+
 from tiermem.tiers.base import Allocation, Tier
 
 

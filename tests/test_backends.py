@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 import torch
+
+from tiermem.errors import BackendUnavailableError
 from tiermem.tiers.backends import StorageBackend, kvikio_backend, select_backend
 from tiermem.tiers.backends import posix as posix_module
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
-
-from tiermem.errors import BackendUnavailableError
 
 pytestmark = pytest.mark.filterwarnings("ignore::tiermem.errors.TiermemWarning")
 

@@ -14,10 +14,6 @@ from typing import Any
 
 import pytest
 import torch
-from tiermem.tiers.backends.faulty import FaultyBackend
-from tiermem.tiers.backends.posix import PosixBackend
-from tiermem.tiers.base import ALIGNMENT
-from tiermem.tiers.nvme import NvmeTier, _filesystem_of
 
 from tiermem.errors import (
     ChecksumError,
@@ -30,6 +26,10 @@ from tiermem.errors import (
     TiermemWarning,
     UnverifiedReadError,
 )
+from tiermem.tiers.backends.faulty import FaultyBackend
+from tiermem.tiers.backends.posix import PosixBackend
+from tiermem.tiers.base import ALIGNMENT
+from tiermem.tiers.nvme import NvmeTier, _filesystem_of
 
 # tmp_path may itself be on tmpfs on some CI machines; the tmpfs warning has its own test.
 pytestmark = pytest.mark.filterwarnings("ignore::tiermem.errors.TiermemWarning")

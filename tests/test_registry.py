@@ -9,16 +9,16 @@ import threading
 
 import pytest
 import torch
+
+from tests.gated_tier import GatedTier
+from tiermem.errors import ObjectFreedError, StorageIOError, TierCapacityError
+from tiermem.registry import ObjectState, Registry
 from tiermem.schedulers import AsyncioScheduler, Priority
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.host import HostTier
 from tiermem.tiers.nvme import NvmeTier
-
-from tests.gated_tier import GatedTier
-from tiermem.errors import ObjectFreedError, StorageIOError, TierCapacityError
-from tiermem.registry import ObjectState, Registry
 
 BLOCK = 64 << 10
 

@@ -12,12 +12,12 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import Bundle, RuleBasedStateMachine, consumes, invariant, rule
+
+from tiermem.registry import Handle, ObjectState, Registry
 from tiermem.schedulers import AsyncioScheduler, Priority
 from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.host import HostTier
 from tiermem.tiers.nvme import NvmeTier
-
-from tiermem.registry import Handle, ObjectState, Registry
 
 TIERS = ["device", "host", "nvme"]
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
 from tiermem.tiers import rundir as rundir_module
 from tiermem.tiers.rundir import RUN_PREFIX, RunDirectory, sweep_stale
 

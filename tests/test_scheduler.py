@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from tiermem.schedulers import AsyncioScheduler, Priority
-from tiermem.tiers.device import DeviceTier
 
 from tests.gated_tier import GatedTier
 from tiermem.errors import RuntimeClosedError, TransferCancelledError
+from tiermem.schedulers import AsyncioScheduler, Priority
+from tiermem.tiers.device import DeviceTier
 
 BLOCK = 64 << 10
 

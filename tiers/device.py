@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 import torch
+
 from tiermem.tiers.memory import CudaStreamCopier, MemoryTier, WorkerCopier
 
 

@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+
+from tiermem.errors import TierCapacityError
 from tiermem.tiers.base import ALIGNMENT, Allocation
 from tiermem.tiers.extents import ExtentAllocator
 from tiermem.tiers.memory import MemoryTier, WorkerCopier, aligned_empty
-
-from tiermem.errors import TierCapacityError
 
 
 class HostTier(MemoryTier):

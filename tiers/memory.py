@@ -19,6 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import torch
+
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 
 

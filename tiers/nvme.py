@@ -42,10 +42,6 @@ from typing import Any, NamedTuple
 import psutil
 import torch
 import xxhash
-from tiermem.tiers.backends.base import StorageBackend, select_backend
-from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
-from tiermem.tiers.extents import ExtentAllocator
-from tiermem.tiers.rundir import RunDirectory, default_parent
 
 from tiermem.errors import (
     ChecksumError,
@@ -59,6 +55,10 @@ from tiermem.errors import (
     UnverifiedReadError,
     internal_error,
 )
+from tiermem.tiers.backends.base import StorageBackend, select_backend
+from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
+from tiermem.tiers.extents import ExtentAllocator
+from tiermem.tiers.rundir import RunDirectory, default_parent
 from tiermem.units import format_size, round_up
 
 __all__ = ["NvmeTier"]
@@ -368,9 +368,7 @@ class NvmeTier(Tier):
         self._direct_reasons: list[str] = []
         self._file_sizes: list[int] = []
         self._prealloc = 0  # logical bytes covered by the files' fallocated sizes
-        self._finalizer = weakref.finalize(
-            self, _close_handles, self._backend, self._handles, self._owner_pid
-        )
+        self._finalizer = weakref.finalize(self, _close_handles, self._backend, self._handles, self._owner_pid)
         try:
             for parent, make in zip(parents, create, strict=True):
                 self._open_path(parent, make)
@@ -409,8 +407,7 @@ class NvmeTier(Tier):
         try:
             rundir = RunDirectory.create(parent, create_parent=create_parent)
         except OSError as exc:
-            raise StoragePathError(parent, f"cannot create a run directory: {exc.strerror or exc}",
-                                   exc.errno) from exc
+            raise StoragePathError(parent, f"cannot create a run directory: {exc.strerror or exc}", exc.errno) from exc
         self._rundirs.append(rundir)
         path = os.path.join(rundir.path, _DATA_NAME)
         handle, direct, reason = self._open_data_file(path)
@@ -594,8 +591,7 @@ class NvmeTier(Tier):
         while position < end:
             unit, within = divmod(position, block)
             length = min(block - within, end - position)
-            yield _Segment(unit % stripes, (unit // stripes) * block + within, position,
-                           position - logical, length)
+            yield _Segment(unit % stripes, (unit // stripes) * block + within, position, position - logical, length)
             position += length
 
     def _run_segment(self, request: _Request, segment: _Segment) -> None:
@@ -649,9 +645,7 @@ class NvmeTier(Tier):
         lo, hi = seg.logical, seg.logical + seg.length
         sums = self._sums
         address = request.address + seg.buf_offset
-        fast = not request.cuda and (
-            not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset)
-        )
+        fast = not request.cuda and (not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset))
         try:
             if fast and not (sums is not None and self._plan_write(request, seg).partial):
                 # Zero-copy: straight from the caller's memory. Records inside [lo, hi) are
@@ -684,8 +678,10 @@ class NvmeTier(Tier):
             io_lo, io_hi = io_lo - io_lo % ALIGNMENT, round_up(io_hi, ALIGNMENT)  # stays in the unit
         # Bytes of [io_lo, io_hi) outside [lo, hi) must survive unless they are allocation
         # padding (past nbytes) that no record vouches for.
-        need_read = bool(partial) or io_lo < lo or (
-            io_hi > hi and (hi < request.data_end or bool(sums is not None and sums.overlapping(hi, io_hi)))
+        need_read = (
+            bool(partial)
+            or io_lo < lo
+            or (io_hi > hi and (hi < request.data_end or bool(sums is not None and sums.overlapping(hi, io_hi))))
         )
         return _WritePlan(partial, rec_lo, rec_hi, io_lo, io_hi, need_read)
 
@@ -706,8 +702,9 @@ class NvmeTier(Tier):
         if plan.need_read:
             self._pread_exact(seg.file, bounce.view(io_len), io_file_offset)
             for r in plan.partial:
-                self._verify(seg.file, r, bounce.view(r.length, r.start - plan.io_lo),
-                             io_file_offset + (r.start - plan.io_lo))
+                self._verify(
+                    seg.file, r, bounce.view(r.length, r.start - plan.io_lo), io_file_offset + (r.start - plan.io_lo)
+                )
             self._bump("read_modify_write")
         else:
             ctypes.memset(bounce.address, 0, lo - plan.io_lo)
@@ -750,8 +747,10 @@ class NvmeTier(Tier):
                 return
             self._check_covered(seg, records, min(hi, request.data_end))
         exact = len(records) == 1 and records[0].start == lo and records[0].length == seg.length
-        if not request.cuda and (exact or not records) and (
-            not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset)
+        if (
+            not request.cuda
+            and (exact or not records)
+            and (not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset))
         ):
             view = _memview(address, seg.length)
             self._pread_exact(seg.file, view, seg.file_offset)
@@ -798,7 +797,9 @@ class NvmeTier(Tier):
         if cursor < limit:
             offset = seg.file_offset + (cursor - seg.logical)
             raise UnverifiedReadError(
-                self._data_paths[seg.file], offset, limit - cursor,
+                self._data_paths[seg.file],
+                offset,
+                limit - cursor,
                 "no checksum covers these bytes (never written through the tier, or a write failed)",
             )
 
@@ -820,8 +821,9 @@ class NvmeTier(Tier):
     def _verify(self, file: int, record: _Record, view: memoryview, file_offset: int) -> None:
         got = _digest(view)
         if got != record.digest:
-            raise ChecksumError(self._data_paths[file], file_offset, record.length,
-                                f"xxh3:{record.digest:016x}", f"xxh3:{got:016x}")
+            raise ChecksumError(
+                self._data_paths[file], file_offset, record.length, f"xxh3:{record.digest:016x}", f"xxh3:{got:016x}"
+            )
 
     def _storage_error(self, file: int, op: str, offset: int, nbytes: int, exc: OSError) -> StorageError:
         if isinstance(exc, StorageError):
@@ -890,8 +892,10 @@ class NvmeTier(Tier):
         }
 
     def __repr__(self) -> str:
-        return (f"NvmeTier({self._parents!r}, capacity={self.capacity}, backend={self._backend.name!r}, "
-                f"direct={self.direct})")
+        return (
+            f"NvmeTier({self._parents!r}, capacity={self.capacity}, backend={self._backend.name!r}, "
+            f"direct={self.direct})"
+        )
 
 
 def _free_bytes(path: str) -> int | None:

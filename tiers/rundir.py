@@ -179,8 +179,13 @@ def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
                 if fd is not None:
                     os.close(fd)
     if removed:
-        logger.info("tiermem: removed %d stale run director%s under %s: %s", len(removed),
-                    "y" if len(removed) == 1 else "ies", parent, ", ".join(removed))
+        logger.info(
+            "tiermem: removed %d stale run director%s under %s: %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            parent,
+            ", ".join(removed),
+        )
     return removed
 
 

@@ -1,0 +1,147 @@
+"""Shared checks that every tier and backend must pass, run against each one.
+
+Round trips of random bytes at many sizes and offsets, accounting back to zero,
+capacity errors that name the tier, concurrent requests, and I/O on freed
+allocations refused.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable
+
+import pytest
+import torch
+
+from tiermem.errors import ObjectFreedError, TierCapacityError
+from tiermem.tiers.backends.faulty import FaultyBackend
+from tiermem.tiers.backends.posix import PosixBackend
+from tiermem.tiers.base import ALIGNMENT, Tier
+from tiermem.tiers.device import DeviceTier
+from tiermem.tiers.host import HostTier
+from tiermem.tiers.memory import aligned_empty
+from tiermem.tiers.nvme import NvmeTier
+
+CAPACITY = 64 << 20
+BLOCK = 64 << 10
+
+TierFactory = Callable[[object], Tier]
+
+FACTORIES: dict[str, TierFactory] = {
+    "device": lambda tmp: DeviceTier(CAPACITY, "cpu"),
+    "host": lambda tmp: HostTier(CAPACITY),
+    "nvme-posix-direct": lambda tmp: NvmeTier([tmp], CAPACITY, backend="posix", block_size=BLOCK, queue_depth=4),
+    "nvme-posix-buffered": lambda tmp: NvmeTier(
+        [tmp], CAPACITY, backend=FaultyBackend(PosixBackend(), refuse_direct=True), block_size=BLOCK, queue_depth=4
+    ),
+    "nvme-striped": lambda tmp: NvmeTier(
+        [tmp / "a", tmp / "b"], CAPACITY, backend="posix", block_size=BLOCK, queue_depth=4
+    ),
+    "nvme-checksum": lambda tmp: NvmeTier(
+        [tmp], CAPACITY, backend="posix", block_size=BLOCK, queue_depth=4, checksum=True
+    ),
+}
+
+
+@pytest.fixture(params=sorted(FACTORIES))
+def tier(request, tmp_path):
+    for sub in ("a", "b"):
+        (tmp_path / sub).mkdir()
+    made = FACTORIES[request.param](tmp_path)
+    yield made
+    made.close()
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert leftovers == []
+
+
+def _random(nbytes: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator)
+
+
+@pytest.mark.parametrize("nbytes", [1, 100, ALIGNMENT - 1, ALIGNMENT, BLOCK + 1, 3 * BLOCK + 777, 2 << 20])
+def test_round_trip_at_many_sizes(tier, nbytes):
+    data = _random(nbytes, nbytes)
+    allocation = tier.allocate(nbytes)
+    tier.write(allocation, 0, data).result(timeout=30)
+    back = torch.zeros(nbytes, dtype=torch.uint8)
+    tier.read(allocation, 0, back).result(timeout=30)
+    assert torch.equal(back, data)
+    tier.free(allocation)
+    stats = tier.statistics()
+    assert stats.current_bytes == 0 and stats.allocations == 0
+    assert stats.peak_bytes >= nbytes
+    assert stats.bytes_written >= nbytes and stats.bytes_read >= nbytes
+
+
+def test_writes_at_offsets_and_unaligned_buffers(tier):
+    nbytes = 2 * BLOCK + 5000
+    allocation = tier.allocate(nbytes)
+    expected = _random(nbytes, 1)
+    # Three writes at uneven offsets, from buffers that are not page-aligned.
+    cuts = [0, 4095, BLOCK + 17, nbytes]
+    for lo, hi in itertools.pairwise(cuts):
+        src = torch.empty(hi - lo + 3, dtype=torch.uint8)[3:]
+        src.copy_(expected[lo:hi])
+        tier.write(allocation, lo, src).result(timeout=30)
+    # Read back whole into an aligned buffer, and a middle piece into an unaligned one.
+    whole = aligned_empty(nbytes, torch.device("cpu"))
+    tier.read(allocation, 0, whole).result(timeout=30)
+    assert torch.equal(whole, expected)
+    piece = torch.empty(BLOCK + 1, dtype=torch.uint8)[1:]
+    tier.read(allocation, 5000, piece).result(timeout=30)
+    assert torch.equal(piece, expected[5000 : 5000 + BLOCK])
+    tier.free(allocation)
+
+
+def test_capacity_is_enforced_and_named(tier):
+    allocation = tier.allocate(CAPACITY - ALIGNMENT)
+    with pytest.raises(TierCapacityError, match=f"{tier.name} tier"):
+        tier.allocate(2 * ALIGNMENT)
+    tier.free(allocation)
+    tier.free(tier.allocate(CAPACITY))  # everything fits again once freed
+    assert tier.statistics().current_bytes == 0
+
+
+def test_concurrent_requests_from_many_threads(tier):
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        try:
+            for round_ in range(6):
+                nbytes = 10_000 + 7919 * ((seed * 6 + round_) % 40)
+                data = _random(nbytes, seed * 100 + round_)
+                allocation = tier.allocate(nbytes)
+                tier.write(allocation, 0, data).result(timeout=30)
+                back = torch.empty(nbytes, dtype=torch.uint8)
+                tier.read(allocation, 0, back).result(timeout=30)
+                assert torch.equal(back, data)
+                tier.free(allocation)
+        except BaseException as exc:  # noqa: BLE001 - collected for the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert not errors, errors
+    assert tier.statistics().current_bytes == 0
+
+
+def test_io_on_a_freed_allocation_is_refused(tier):
+    allocation = tier.allocate(100)
+    tier.free(allocation)
+    with pytest.raises(ObjectFreedError):
+        tier.write(allocation, 0, torch.zeros(100, dtype=torch.uint8))
+    with pytest.raises(AssertionError, match="freed twice"):
+        tier.free(allocation)
+
+
+def test_close_frees_everything_and_is_idempotent(tier):
+    for size in (10, 5000, BLOCK):
+        tier.write(tier.allocate(size), 0, torch.ones(size, dtype=torch.uint8)).result(timeout=30)
+    tier.close()
+    tier.close()
+    assert tier.statistics().current_bytes == 0
