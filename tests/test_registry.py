@@ -294,3 +294,22 @@ def test_rss_falls_when_an_object_moves_off_without_a_gc_pass(make_store):
     finally:
         gc.enable()
     handle.free()
+
+
+def test_a_cancelled_write_does_not_count_as_on_its_way(make_store):
+    """Found by the state machine: host, back to device (cancels), host again must land."""
+    store = make_store(gated=True)
+    handle = store.registry.register(torch.randn(2 * BLOCK // 4))
+    handle.move_to("nvme")
+    store.nvme.wait_pending(1)
+    assert handle.move_to("device") is None  # cancels the write
+
+    def ungate() -> None:
+        store.nvme.gated = False
+        store.nvme.release_all()
+
+    threading.Timer(0.2, ungate).start()  # lets the cancelled move's in-flight block end
+    transfer = handle.move_to("nvme")  # waits for the cancelled move to end, then moves again
+    assert transfer is not None
+    handle.wait()
+    assert handle.tier == "nvme"

@@ -68,10 +68,12 @@ _object_ids = itertools.count(1)
 class ManagedObject:
     """One stored copy of some bytes (e.g. one tensor storage at one version)."""
 
-    def __init__(self, registry: Registry, home: Allocation, nbytes: int) -> None:
+    def __init__(self, registry: Registry, home: Allocation, nbytes: int, kind: str = "tensor") -> None:
         self.id = next(_object_ids)
         self.registry = registry
         self.nbytes = nbytes
+        #: What the bytes are ("tensor", "activation", "chunk"): resident bytes are counted per kind.
+        self.kind = kind
         self.home: Allocation = home
         self.target: Allocation | None = None
         self.transfer: Transfer | None = None
@@ -79,6 +81,8 @@ class ManagedObject:
         self.refs = 0
         self.error: BaseException | None = None
         self.dedup_key: int | None = None
+        #: The current move was cancelled (rule 3); it no longer counts as on its way.
+        self.cancelling = False
         #: Set once the current move has ended and the object's state reflects it.
         self.settled = threading.Event()
         self.settled.set()
@@ -165,11 +169,17 @@ class Registry:
         self._cancelled = 0
         self._moves = 0
         self._failed_moves = 0
+        # Bytes of live objects per (kind, tier), counted where each object is resident
+        # (its source while it moves), and their peaks.
+        self._resident: dict[tuple[str, str], int] = {}
+        self._peak_resident: dict[tuple[str, str], int] = {}
         # Moves that may still touch allocations, freed objects' included (rule 4).
         self._inflight: dict[Transfer, ManagedObject] = {}
 
     # -- registration ----------------------------------------------------------------------
-    def register(self, tensor: torch.Tensor, tier: str = "device", *, dedup: bool = True) -> Handle:
+    def register(
+        self, tensor: torch.Tensor, tier: str = "device", *, dedup: bool = True, kind: str = "tensor"
+    ) -> Handle:
         """Manage ``tensor``'s storage in ``tier`` and return a handle with its view.
 
         When the tensor already lives on ``tier``'s device its storage is adopted without
@@ -189,8 +199,9 @@ class Registry:
                     self._dedup_hits += 1
                     return Handle(obj, tensor)
             home = self._adopt_or_copy(target, tensor)
-            obj = ManagedObject(self, home, storage.nbytes())
+            obj = ManagedObject(self, home, storage.nbytes(), kind)
             self._objects[obj.id] = obj
+            self._count_resident(obj, home.tier, +1)
             if dedup:
                 obj.dedup_key = key
                 self._dedup[key] = (weakref.ref(storage, self._storage_died(key)), version, obj)
@@ -230,14 +241,16 @@ class Registry:
             self._check_live(obj)
             if obj.state is ObjectState.MOVING:
                 assert obj.target is not None and obj.transfer is not None
-                if obj.target.tier is target_tier:  # already on its way
+                if obj.target.tier is target_tier and not obj.cancelling:  # already on its way
                     if priority < obj.transfer.priority:
                         obj.transfer.promote(priority)
                     return obj.transfer
                 if obj.home.tier is target_tier and obj.home.tier.is_memory:
                     # Rule 3: wanted back where it still is; the write is no longer needed.
-                    self._cancelled += 1
-                    obj.transfer.cancel()
+                    if not obj.cancelling:
+                        obj.cancelling = True
+                        self._cancelled += 1
+                        obj.transfer.cancel()
                     return None
             elif obj.home.tier is target_tier:
                 return None
@@ -272,16 +285,19 @@ class Registry:
                     raise internal_error(f"{obj!r}: move ended for a transfer it no longer owns")
                 target, source = obj.target, obj.home
                 assert target is not None
-                obj.target, obj.transfer = None, None
+                obj.target, obj.transfer, obj.cancelling = None, None, False
                 error = transfer.exception()
                 if obj.state is ObjectState.FREED:
                     target.tier.free(target)
                     source.tier.free(source)
+                    self._count_resident(obj, source.tier, -1)
                     return
                 obj.state = ObjectState.RESIDENT
                 if error is None and not transfer.cancelled():
                     obj.home = target
                     source.tier.free(source)
+                    self._count_resident(obj, source.tier, -1)
+                    self._count_resident(obj, target.tier, +1)
                 else:
                     target.tier.free(target)
                     if not transfer.cancelled():
@@ -336,6 +352,7 @@ class Registry:
             transfer = obj.transfer
             if transfer is None:
                 obj.home.tier.free(obj.home)
+                self._count_resident(obj, obj.home.tier, -1)
                 return
         self._cancelled += 1
         transfer.cancel()  # allocations are freed by _move_ended
@@ -365,6 +382,23 @@ class Registry:
             draining = list(self._inflight.values())
         for obj in draining:
             obj.settled.wait()
+
+    def _count_resident(self, obj: ManagedObject, tier: Tier, sign: int) -> None:
+        key = (obj.kind, tier.name)
+        value = self._resident.get(key, 0) + sign * obj.nbytes
+        self._resident[key] = value
+        if value > self._peak_resident.get(key, 0):
+            self._peak_resident[key] = value
+
+    def resident_bytes(self, kind: str, tier: str) -> int:
+        """Bytes of live ``kind`` objects resident in ``tier`` now."""
+        with self._lock:
+            return self._resident.get((kind, tier), 0)
+
+    def peak_resident_bytes(self, kind: str, tier: str) -> int:
+        """The most bytes of ``kind`` objects ever resident in ``tier`` at once."""
+        with self._lock:
+            return self._peak_resident.get((kind, tier), 0)
 
     def statistics(self) -> RegistryStatistics:
         with self._lock:
