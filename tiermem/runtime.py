@@ -21,12 +21,15 @@ from typing import Any
 
 import torch
 
+from tiermem.activations import ActivationCounters, ActivationOffloader
+from tiermem.activations.blocks import BlockSpec
+from tiermem.activations.policy import PolicySpec
 from tiermem.config import Config
 from tiermem.errors import RuntimeClosedError
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
-from tiermem.stats import Stats
+from tiermem.stats import ActivationStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.host import HostTier
@@ -46,6 +49,7 @@ class Runtime:
         self._scheduler: AsyncioScheduler | None = None
         self._registry: Registry | None = None
         self._owner_pid: int | None = None
+        self._activation_counters = ActivationCounters()
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -138,6 +142,31 @@ class Runtime:
             raise
         return handle
 
+    def offload_activations(
+        self,
+        model: torch.nn.Module,
+        policy: PolicySpec = None,
+        blocks: BlockSpec = None,
+    ) -> ActivationOffloader:
+        """Context manager around forward and backward: the saved activations of ``model``'s
+        blocks are kept, recomputed, or offloaded to host or NVMe.
+
+        ``policy``: ``auto | keep | recompute | host | nvme`` or a mapping from block (index
+        or qualified name) to one of the last four; default ``[activations] policy``.
+        ``blocks``: module types or qualified names; default the model's repeated layers.
+        """
+        settings = (self.resolved or self.config).activations
+        registry = self.registry  # raises a clear error outside `with rt`
+        return ActivationOffloader(
+            registry,
+            model,
+            self._activation_counters,
+            policy=policy,
+            default_policy=settings.policy,
+            blocks=blocks,
+            min_bytes=settings.min_bytes,
+        )
+
     # -- introspection ----------------------------------------------------------------------
     @property
     def registry(self) -> Registry:
@@ -159,8 +188,24 @@ class Runtime:
 
     def stats(self) -> Stats:
         """A snapshot of every tier, link and counter (see ``Stats.as_dict``)."""
+        registry = self.registry
+        c = self._activation_counters
+        with c.lock:
+            activations = ActivationStatistics(
+                peak_resident_bytes=registry.peak_resident_bytes("activation", "device"),
+                resident_bytes=registry.resident_bytes("activation", "device"),
+                captured_bytes=c.captured_bytes,
+                backward_wait_s=c.backward_wait_s,
+                bytes_written=dict(c.offloaded_bytes),
+                bytes_read=dict(c.fetched_bytes),
+                dedup_hits=c.dedup_hits,
+                forwarded=c.forwarded,
+                cancelled=c.cancelled,
+                fallbacks=c.fallbacks,
+            )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},
             scheduler=self.scheduler.statistics(),
-            registry=self.registry.statistics(),
+            registry=registry.statistics(),
+            activations=activations,
         )

@@ -8,7 +8,7 @@ Keys may be added; the documented ones stay.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from tiermem.registry import RegistryStatistics
@@ -18,13 +18,32 @@ from tiermem.tiers.base import TierStatistics
 
 @dataclass(frozen=True)
 class ActivationStatistics:
-    """Saved activations captured by ``offload_activations`` (zeros until any are)."""
+    """Saved activations captured by ``offload_activations``, cumulative since the Runtime started."""
 
     peak_resident_bytes: int = 0
+    resident_bytes: int = 0
+    captured_bytes: int = 0
     backward_wait_s: float = 0.0
+    bytes_written: Mapping[str, int] = field(default_factory=dict)
+    bytes_read: Mapping[str, int] = field(default_factory=dict)
+    dedup_hits: int = 0
+    forwarded: int = 0
+    cancelled: int = 0
+    fallbacks: int = 0
 
     def as_dict(self) -> dict[str, Any]:
-        return {"peak_resident_bytes": self.peak_resident_bytes, "backward_wait_s": self.backward_wait_s}
+        return {
+            "peak_resident_bytes": self.peak_resident_bytes,
+            "resident_bytes": self.resident_bytes,
+            "captured_bytes": self.captured_bytes,
+            "backward_wait_s": self.backward_wait_s,
+            "bytes_written": dict(self.bytes_written),
+            "bytes_read": dict(self.bytes_read),
+            "dedup_hits": self.dedup_hits,
+            "forwarded": self.forwarded,
+            "cancelled": self.cancelled,
+            "fallbacks": self.fallbacks,
+        }
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,74 @@
+"""Finding a model's activation blocks: its repeated layers.
+
+By default the blocks are the children of the largest ``nn.ModuleList`` (or
+``nn.Sequential``) whose children all have one type — the transformer layers of a
+GPT, BERT or T5 stack. ``blocks=`` overrides with module types or qualified names.
+An encoder-decoder has two such lists; both are used, in forward order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+BlockSpec = Sequence[type[nn.Module] | str] | None
+
+
+def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1:
+                found.append((name, module))
+    return found
+
+
+def _parameter_count(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
+    """The model's activation blocks as ``(qualified name, module)`` in registration order.
+
+    Raises ``ValueError`` naming what was looked for when nothing matches.
+    """
+    if blocks is not None:
+        wanted_types = tuple(b for b in blocks if isinstance(b, type))
+        wanted_names = {b for b in blocks if isinstance(b, str)}
+        chosen = [
+            (name, module)
+            for name, module in model.named_modules()
+            if name and ((bool(wanted_types) and isinstance(module, wanted_types)) or name in wanted_names)
+        ]
+        # A block inside another chosen block would split it: keep the outermost only.
+        outer = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
+        missing = wanted_names - {n for n, _ in outer}
+        if missing or not outer:
+            raise ValueError(
+                f"tiermem activations: blocks={list(blocks)!r} matched "
+                f"{[n for n, _ in outer] or 'nothing'}; names not found: {sorted(missing) or 'none'}. "
+                "Give module types or qualified names from model.named_modules()."
+            )
+        return outer
+    lists = _repeated_lists(model)
+    if not lists:
+        raise ValueError(
+            f"tiermem activations: {type(model).__name__} has no nn.ModuleList of identical layers to use as "
+            "blocks; pass blocks=[LayerType] or blocks=['qualified.name', ...]"
+        )
+    # The lists holding most of the model's parameters: the encoder and decoder stacks of an
+    # encoder-decoder model both qualify; nested lists (heads inside a layer) do not.
+    largest = max(_parameter_count(m) for _, m in lists)
+    stacks = [
+        (name, module)
+        for name, module in lists
+        if _parameter_count(module) * 4 >= largest
+        and not any(name.startswith(other + ".") for other, _ in lists if other != name)
+    ]
+    return [
+        (f"{name}.{index}" if name else str(index), child)
+        for name, stack in stacks
+        for index, child in enumerate(stack)
+    ]

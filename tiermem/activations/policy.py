@@ -1,0 +1,103 @@
+"""Activation policy: what happens to each block's saved tensors. Pure: no hooks, no I/O.
+
+# NOTE [ Adaptive keep ]
+TBA keeps the last blocks resident when their offload cannot be hidden. Block ``i``'s
+saved bytes are written while forward continues; backward needs them back after the
+later blocks' backward. With measured per-block forward times ``f``, saved bytes ``b``,
+write and read bandwidths, and backward taken as twice forward:
+
+1. Writes queue behind each other: block ``i``'s write ends at
+   ``W_i = max(W_{i-1}, F_i) + b_i / write_bw`` where ``F_i`` is the end of its forward.
+2. Backward reaches block ``i`` at ``R_i = F_N + 2 * sum_{j>i} f_j``; its read must fit
+   before that: the offload is hidden when ``W_i + b_i / read_bw <= R_i``.
+3. Keep every block from the first (counting back from the end) whose offload is not
+   hidden; offload the rest. The last block is always kept: backward starts with it.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+
+class BlockPolicy(str, enum.Enum):
+    KEEP = "keep"
+    RECOMPUTE = "recompute"
+    HOST = "host"
+    NVME = "nvme"
+
+    @property
+    def offloads(self) -> bool:
+        return self in (BlockPolicy.HOST, BlockPolicy.NVME)
+
+
+PolicySpec = str | Mapping[int | str, str] | None
+POLICY_NAMES = ("auto", "keep", "recompute", "host", "nvme")
+
+
+def resolve_policies(spec: PolicySpec, block_names: Sequence[str], default: str) -> tuple[list[BlockPolicy], bool]:
+    """Per-block policies from ``spec`` (a name, or a mapping from block index or
+    qualified name to a name), plus whether ``auto`` asks for adaptive keep.
+
+    Under a plain offload policy the last block is kept (rule 3): backward starts there.
+    """
+    if spec is None:
+        spec = default
+    count = len(block_names)
+    if isinstance(spec, str):
+        if spec not in POLICY_NAMES:
+            raise ValueError(f"tiermem activations: policy {spec!r} is not one of {', '.join(POLICY_NAMES)}")
+        if spec == "auto":
+            return [BlockPolicy.NVME] * (count - 1) + [BlockPolicy.KEEP], True
+        policy = BlockPolicy(spec)
+        policies = [policy] * count
+        if policy.offloads and count:
+            policies[-1] = BlockPolicy.KEEP
+        return policies, False
+    policies = [BlockPolicy.KEEP] * count
+    problems = []
+    for key, value in spec.items():
+        index = key if isinstance(key, int) else (block_names.index(key) if key in block_names else None)
+        if index is None or not 0 <= index < count:
+            problems.append(f"block {key!r} is not one of 0..{count - 1} or {list(block_names)}")
+        elif value not in POLICY_NAMES[1:]:
+            problems.append(f"block {key!r}: {value!r} is not one of keep, recompute, host, nvme")
+        else:
+            policies[index] = BlockPolicy(value)
+    if problems:
+        raise ValueError("tiermem activations: bad policy mapping: " + "; ".join(problems))
+    return policies, False
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """What one forward measured of a block."""
+
+    forward_s: float
+    saved_bytes: int
+
+
+def adaptive_keep(profile: Sequence[BlockProfile], write_bw: float, read_bw: float) -> int:
+    """How many trailing blocks to keep resident (NOTE [ Adaptive keep ]); at least one."""
+    if not profile:
+        return 0
+    if write_bw <= 0 or read_bw <= 0:
+        return len(profile)
+    ends, clock = [], 0.0
+    for block in profile:
+        clock += block.forward_s
+        ends.append(clock)
+    forward_end = clock
+    write_end = 0.0
+    hidden = []
+    for i, block in enumerate(profile):
+        write_end = max(write_end, ends[i]) + block.saved_bytes / write_bw
+        needed_at = forward_end + 2 * sum(b.forward_s for b in profile[i + 1 :])
+        hidden.append(write_end + block.saved_bytes / read_bw <= needed_at)
+    keep = 1
+    for i in range(len(profile) - 2, -1, -1):
+        if hidden[i]:
+            break
+        keep += 1
+    return keep
