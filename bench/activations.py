@@ -1,0 +1,215 @@
+"""Activation offload benchmark: keep vs nvme vs auto vs recompute vs host on one GPT.
+
+Issue 4's goals, measured side by side: the ``nvme`` policy's activation peak <= 0.5x of
+``keep`` at median step time <= 1.05x of ``keep``; ``auto`` no slower than ``nvme``;
+``nvme`` faster than ``recompute`` at a lower peak.
+
+Each measurement is a fresh process (``--worker``), and the policies alternate in rounds
+(keep, nvme, auto, recompute, host, keep, nvme, ...) so the VM's throttling after ~20 s of
+load hits every policy alike. Peak memory is measured two ways side by side:
+
+- process RSS: the peak during the measured steps minus RSS before the first step, sampled
+  every millisecond, with ``MALLOC_MMAP_THRESHOLD_`` set so glibc returns freed blocks
+  (TRAPS 8);
+- tiermem's own accounting: the peak bytes of saved activations resident on the device.
+
+Usage::
+
+    .venv/bin/python bench/activations.py                      # the issue's model (8x512, seq 512, batch 4)
+    .venv/bin/python bench/activations.py --layers 2 --seq 128 --rounds 1 --steps 2   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+POLICIES = ["keep", "nvme", "auto", "recompute", "host"]
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import psutil
+    import torch
+
+    import tiermem
+    from tiermem.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    config = GPTConfig(
+        n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq
+    )
+    model = GPT(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    process = psutil.Process()
+    tier_config = {
+        "device": {"device": "cpu", "capacity": "8GiB"},
+        "host": {"capacity": "4GiB"},
+        "nvme": {"paths": [args.path], "capacity": "32GiB"},
+        "activations": {"min_bytes": "1MiB"},
+    }
+    with tiermem.Runtime(tier_config) as rt:
+
+        def step() -> float:
+            start = time.perf_counter()
+            with rt.offload_activations(model, policy=args.policy):
+                _, loss = model(x, y)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return time.perf_counter() - start
+
+        step()  # warm-up: allocator, thread pools, and auto's first measurement
+        base_rss = process.memory_info().rss
+        peak = [base_rss]
+        running = True
+
+        def sample() -> None:
+            while running:
+                peak[0] = max(peak[0], process.memory_info().rss)
+                time.sleep(0.001)
+
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        before = rt.stats().as_dict()["activations"]
+        times = [step() for _ in range(args.steps)]
+        running = False
+        sampler.join()
+        after = rt.stats().as_dict()
+    activations = after["activations"]
+    return {
+        "policy": args.policy,
+        "step_s": times,
+        "rss_peak_delta": peak[0] - base_rss,
+        "tiermem_peak_resident": activations["peak_resident_bytes"],
+        "captured_per_step": (activations["captured_bytes"] - before["captured_bytes"]) // args.steps,
+        "nvme_written_per_step": (activations["bytes_written"]["nvme"] - before["bytes_written"]["nvme"]) // args.steps,
+        "backward_wait_s": activations["backward_wait_s"] - before["backward_wait_s"],
+        "write_link": after["links"].get("device->nvme", {}),
+    }
+
+
+def _machine(path: str) -> dict:
+    import psutil
+
+    return {
+        "cpus": os.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "nvme_path": path,
+        "filesystem": next(
+            (
+                p.fstype
+                for p in sorted(psutil.disk_partitions(all=True), key=lambda p: -len(p.mountpoint))
+                if path.startswith(p.mountpoint)
+            ),
+            "unknown",
+        ),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--d-model", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--seq", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3, help="measured steps per process")
+    parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds over the policies")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--path", default=None, help="NVMe directory (default: a temp dir)")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--policy", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(_worker(args)))
+        return 0
+    path = args.path or tempfile.mkdtemp(prefix="tiermem-bench-")
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    passthrough = [
+        f"--layers={args.layers}",
+        f"--d-model={args.d_model}",
+        f"--heads={args.heads}",
+        f"--vocab={args.vocab}",
+        f"--seq={args.seq}",
+        f"--batch={args.batch}",
+        f"--steps={args.steps}",
+        f"--path={path}",
+    ]
+    policies = args.policies.split(",")
+    runs: dict[str, list[dict]] = {p: [] for p in policies}
+    machine = _machine(path)
+    print(f"machine: {json.dumps(machine)}", file=sys.stderr)
+    for round_ in range(args.rounds):
+        for policy in policies:
+            out = subprocess.run(
+                [sys.executable, __file__, "--worker", f"--policy={policy}", *passthrough],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=True,
+            )
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            runs[policy].append(result)
+            print(
+                f"round {round_ + 1} {policy:<9} median step {statistics.median(result['step_s']):.3f}s  "
+                f"RSS peak +{result['rss_peak_delta'] / 2**20:.0f}MiB  "
+                f"tiermem peak {result['tiermem_peak_resident'] / 2**20:.0f}MiB",
+                file=sys.stderr,
+            )
+    if not args.path:
+        os.rmdir(path)
+    summary = {}
+    for policy, results in runs.items():
+        summary[policy] = {
+            "median_step_s": statistics.median(t for r in results for t in r["step_s"]),
+            "rss_peak_delta_bytes": int(statistics.median(r["rss_peak_delta"] for r in results)),
+            "tiermem_peak_resident_bytes": int(statistics.median(r["tiermem_peak_resident"] for r in results)),
+            "captured_bytes_per_step": results[-1]["captured_per_step"],
+            "nvme_written_per_step": results[-1]["nvme_written_per_step"],
+            "backward_wait_s": statistics.median(r["backward_wait_s"] / args.steps for r in results),
+        }
+    keep = summary.get("keep")
+    if args.json:
+        print(json.dumps({"machine": machine, "args": passthrough, "policies": summary}, indent=2))
+        return 0
+    print(f"machine: {machine}")
+    print(
+        f"model: {args.layers} layers, d={args.d_model}, {args.heads} heads, vocab {args.vocab}, "
+        f"seq {args.seq}, batch {args.batch}; {args.rounds} rounds x {args.steps} steps per policy"
+    )
+    header = (
+        f"{'policy':<10} {'step s':>8} {'x keep':>7} {'RSS peak':>10} {'x keep':>7} {'tiermem peak':>13} "
+        f"{'x keep':>7} {'nvme/step':>10} {'bwd wait':>9}"
+    )
+    print(header)
+    for policy, s in summary.items():
+
+        def ratio(key: str, s: dict = s) -> str:
+            return f"{s[key] / keep[key]:.2f}" if keep and keep[key] else "-"
+
+        print(
+            f"{policy:<10} {s['median_step_s']:>8.3f} {ratio('median_step_s'):>7} "
+            f"{s['rss_peak_delta_bytes'] / 2**20:>8.0f}Mi {ratio('rss_peak_delta_bytes'):>7} "
+            f"{s['tiermem_peak_resident_bytes'] / 2**20:>11.0f}Mi {ratio('tiermem_peak_resident_bytes'):>7} "
+            f"{s['nvme_written_per_step'] / 2**20:>8.0f}Mi {s['backward_wait_s']:>9.3f}"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,66 @@
+"""``tiermem rok`` at a tiny size: a CSV row per (policy, batch size) and a PNG plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+from tiermem.cli import main
+
+
+def test_rok_writes_csv_and_png(tmp_path, capsys, monkeypatch):
+    config = tmp_path / "tiers.toml"
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    config.write_text(
+        f'[device]\ndevice = "cpu"\ncapacity = "256MiB"\n[host]\ncapacity = "256MiB"\n'
+        f'[nvme]\npaths = ["{disk}"]\ncapacity = "1GiB"\n[activations]\nmin_bytes = "4KiB"\n'
+    )
+    out = tmp_path / "curve"
+    code = main(
+        [
+            "rok",
+            "--config",
+            str(config),
+            "--batch-sizes",
+            "1,2",
+            "--steps",
+            "1",
+            "--layers",
+            "2",
+            "--d-model",
+            "32",
+            "--heads",
+            "2",
+            "--vocab",
+            "64",
+            "--seq-len",
+            "32",
+            "--out",
+            str(out),
+            "--json",
+        ]
+    )
+    assert code == 0
+    report = json.loads(capsys.readouterr().out)
+    with out.with_suffix(".csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == len(report["points"]) == 8
+    assert {(r["policy"], r["batch_size"]) for r in rows} == {
+        (p, b) for p in ("keep", "recompute", "host", "nvme") for b in ("1", "2")
+    }
+    assert all(float(r["step_s"]) > 0 for r in rows)
+    by = {(r["policy"], int(r["batch_size"])): int(r["peak_activation_bytes"]) for r in rows}
+    assert by[("keep", 2)] > by[("keep", 1)] > 0  # more batch, more activations kept
+    assert by[("recompute", 2)] < by[("keep", 2)]  # recompute keeps only block inputs
+    assert int(next(r for r in rows if r["policy"] == "nvme")["nvme_written_per_step"]) > 0
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list(disk.iterdir()) == []
+
+
+def test_rok_rejects_bad_batch_sizes(capsys):
+    try:
+        main(["rok", "--batch-sizes", "0,x"])
+    except SystemExit as exit_:
+        assert exit_.code != 0
+    assert "expected" in capsys.readouterr().err

@@ -1,0 +1,235 @@
+"""``tiermem train`` and :func:`tiermem.train.train`: the JSON summary, real NVMe traffic under
+the ``nvme`` policy, losses bitwise equal to plain PyTorch, and one-line errors.
+
+Tests that need ``Runtime.offload_activations`` skip while it is not there; the loop's own
+mechanics are checked with a stand-in context manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiermem
+from tiermem.cli import main
+from tiermem.cli.train_cmd import _budget
+from tiermem.models import GPT, GPTConfig, MarkovChainData
+from tiermem.models.gpt import ActivationBytes, measure_activations
+from tiermem.train import drive_capacity, train
+
+needs_offload = pytest.mark.skipif(
+    not hasattr(tiermem.Runtime, "offload_activations"),
+    reason="Runtime.offload_activations (tiermem/activations, issue 4) is not there yet",
+)
+
+TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=64, seq_len=32)
+TINY_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "64", "--seq-len", "32"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No stray TIERMEM_* settings from the developer's shell."""
+    for name in list(os.environ):
+        if name.upper().startswith("TIERMEM_"):
+            monkeypatch.delenv(name)
+
+
+def _config_file(tmp_path: Path) -> str:
+    """Run files under tmp_path; ``min_bytes = 0`` because the tiny model's tensors are all
+    far below the 1MiB default, which would keep every one of them resident."""
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        f'[device]\ndevice = "cpu"\n[nvme]\npaths = ["{tmp_path / "nvme"}"]\n'
+        f'[scheduler]\nloop = "asyncio"\n[activations]\nmin_bytes = 0\n'
+    )
+    return str(path)
+
+
+def _train_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    assert main(["train", *TINY_ARGS, "--steps", "5", "--json", *args]) == 0
+    out = capsys.readouterr().out
+    return json.loads(out)  # one JSON object and nothing else on stdout
+
+
+def _plain_losses(config: GPTConfig, *, steps: int, batch_size: int, lr: float, seed: int) -> list[float]:
+    """The same training without tiermem, seeded as tiermem.train documents."""
+    torch.manual_seed(seed)
+    model = GPT(config)
+    data = MarkovChainData(config.vocab_size, config.seq_len, seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        x, y = data.batch(batch_size)
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+@needs_offload
+def test_train_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _train_json(capsys, "--config", _config_file(tmp_path))
+    assert len(result["losses"]) == result["steps"] == 5
+    assert all(isinstance(x, float) and math.isfinite(x) for x in result["losses"])
+    assert result["loss_first"] == result["losses"][0] and result["loss_last"] == result["losses"][-1]
+    assert len(result["step_seconds"]) == 5 and result["median_step_s"] > 0 and result["tokens_per_s"] > 0
+    assert result["tokens_per_step"] == 8 * 32
+    assert result["policy"] == "auto"  # the configuration's default
+    assert set(result["tiers"]) == {"device", "host", "nvme"}
+    for tier in result["tiers"].values():
+        assert set(tier) == {"capacity", "peak_bytes", "bytes_written", "bytes_read"}
+        assert all(isinstance(v, int) for v in tier.values())
+    assert isinstance(result["activations"], dict) and "peak_resident_bytes" in result["activations"]
+    # The default budget is below what the model's activations need (measured), but not below
+    # what the offloader needs: outside-of-block bytes plus 1.25 blocks (2 blocks: 66%).
+    budget = result["device_budget"]
+    measured = measure_activations(TINY, 8)
+    expected = max(measured.total // 2, measured.outside + int(1.25 * max(measured.blocks)))
+    assert budget["source"] == "default" and budget["activation_bytes_per_step"] == measured.total
+    assert result["tiers"]["device"]["capacity"] == budget["bytes"] == expected < measured.total
+    assert budget["fraction_of_activations"] == pytest.approx(expected / measured.total)
+    nvme = result["nvme"]
+    assert set(nvme) >= {"bytes_written_per_step", "drive_bytes", "drive_writes_per_day", "assumption"}
+    assert nvme["drive_bytes"] == drive_capacity(nvme["paths"]) > 0
+    assert nvme["drive_writes_per_day"] == pytest.approx(nvme["bytes_written_per_s"] * 86400 / nvme["drive_bytes"])
+    assert os.listdir(tmp_path / "nvme") == []  # the run's files are gone
+
+
+@needs_offload
+def test_nvme_policy_writes_to_nvme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _train_json(capsys, "--config", _config_file(tmp_path), "--policy", "nvme")
+    assert result["policy"] == "nvme"
+    assert all(math.isfinite(x) for x in result["losses"])
+    assert result["tiers"]["nvme"]["bytes_written"] > 0
+    assert result["nvme"]["bytes_written_per_step"] == result["nvme"]["bytes_written"] / 5 > 0
+    assert result["nvme"]["drive_writes_per_day"] > 0
+
+
+def test_configured_device_capacity_is_kept(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiermem.Runtime, "offload_activations", _stand_in_offload, raising=False)
+    result = _train_json(capsys, "--config", _config_file(tmp_path), "--steps", "1")
+    assert result["device_budget"]["source"] == "default"  # [device] without a capacity
+    path = tmp_path / "explicit.toml"
+    path.write_text(f'[device]\ncapacity = "3MiB"\n[nvme]\npaths = ["{tmp_path / "nvme"}"]\n')
+    result = _train_json(capsys, "--config", str(path), "--steps", "1")
+    assert result["device_budget"]["source"] == "config"
+    assert result["tiers"]["device"]["capacity"] == 3 << 20
+
+
+def test_default_budget_is_below_the_need_unless_it_cannot_be() -> None:
+    config = tiermem.Config()
+    four = ActivationBytes(total=1000, blocks=(240, 240, 240, 240), outside=40)
+    assert _budget(config, four, "auto")["bytes"] == 500  # half: above 40 + 1.25 x 240
+    assert _budget(config, four, "nvme")["source"] == "default"
+    # keep holds every activation: a lower budget could only fail, so it stays auto.
+    assert _budget(config, four, "keep") == {**_budget(config, four, "keep"), "bytes": None, "source": "auto"}
+    one = ActivationBytes(total=1000, blocks=(840,), outside=160)  # no room below the need
+    assert _budget(config, one, "nvme")["source"] == "auto"
+    explicit = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=123))
+    assert _budget(explicit, four, "keep") == {**_budget(explicit, four, "keep"), "bytes": 123, "source": "config"}
+
+
+@needs_offload
+@pytest.mark.parametrize("policy", ["keep", "recompute", "host", "nvme"])
+def test_losses_are_bitwise_those_of_plain_pytorch(tmp_path: Path, policy: str) -> None:
+    expected = _plain_losses(TINY, steps=4, batch_size=4, lr=3e-3, seed=7)
+    config = tiermem.Config.coerce(_config_file(tmp_path))
+    with tiermem.Runtime(config) as rt:
+        summary = train(rt, TINY, steps=4, batch_size=4, lr=3e-3, policy=policy, seed=7, progress=False)
+    assert summary.losses == expected  # exact float equality, not approx
+
+
+@contextlib.contextmanager
+def _stand_in_offload(
+    self: tiermem.Runtime, model: torch.nn.Module, policy: Any = None, blocks: Any = None
+) -> Iterator[None]:
+    """Counts saved tensors, the way the real one captures them, and does nothing else."""
+    calls = getattr(self, "_test_calls", [])
+    self._test_calls = calls  # type: ignore[attr-defined]
+    record = {"model": model, "policy": policy, "saved": 0}
+    calls.append(record)
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        record["saved"] += 1
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def test_loop_runs_forward_and_backward_inside_offload_activations(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiermem.Runtime, "offload_activations", _stand_in_offload, raising=False)
+    steps: list[tuple[int, float]] = []
+    torch.manual_seed(123)
+    before = torch.rand(2)
+    torch.manual_seed(123)
+    with tiermem.Runtime(_config_file(tmp_path)) as rt:
+        summary = train(
+            rt,
+            TINY,
+            steps=3,
+            batch_size=2,
+            lr=1e-3,
+            policy={0: "keep", "blocks.1": "nvme"},
+            seed=1,
+            progress=False,
+            on_step=lambda step, loss, seconds: steps.append((step, loss)),
+        )
+        calls = rt._test_calls  # type: ignore[attr-defined]
+    assert torch.equal(torch.rand(2), before)  # the caller's RNG is left as it was
+    assert len(calls) == 3 and all(isinstance(c["model"], GPT) and c["saved"] > 0 for c in calls)
+    assert calls[0]["policy"] == {0: "keep", "blocks.1": "nvme"}
+    assert summary.policy == {"0": "keep", "blocks.1": "nvme"}  # JSON-able keys
+    assert [s for s, _ in steps] == [0, 1, 2] and [loss for _, loss in steps] == summary.losses
+    assert summary.losses == _plain_losses(TINY, steps=3, batch_size=2, lr=1e-3, seed=1)
+    assert summary.nvme["bytes_written"] == 0 and summary.nvme["drive_writes_per_day"] == 0
+
+
+def test_human_output_has_the_summary_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tiermem.Runtime, "offload_activations", _stand_in_offload, raising=False)
+    assert main(["train", *TINY_ARGS, "--steps", "2", "--config", _config_file(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for text in ("device budget", "[device]", "nvme", "policy", "loss", "tokens/s", "drive writes per day"):
+        assert text in out, text
+
+
+def test_bad_model_sizes_are_a_one_line_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["train", "--d-model", "100", "--heads", "3", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.count("\n") == 1 and "divisible" in captured.err and "Traceback" not in captured.err
+
+
+def test_bad_config_is_reported_without_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text("[device]\ncapacity = 'lots'\n")
+    assert main(["train", "--config", str(path), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "device.capacity" in captured.err and "Traceback" not in captured.err
+
+
+def test_drive_capacity_counts_each_filesystem_once(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    one = drive_capacity([str(tmp_path)])
+    assert one > 0
+    assert drive_capacity([str(tmp_path), str(tmp_path / "a")]) == one  # one filesystem
+    assert drive_capacity([str(tmp_path / "not" / "yet")]) == one  # measured where it would live

@@ -1,0 +1,272 @@
+"""``tiermem train``: the main job. Trains the built-in GPT on generated data under a tier
+configuration and prints what each tier held and moved, and what the NVMe writes mean for
+the drive's endurance.
+
+Unless the configuration sets ``[device] capacity`` (file or ``TIERMEM_DEVICE_CAPACITY``),
+the device budget is deliberately half of the activation bytes one step saves — measured
+for this model and batch — so activations must leave the device and offloading really
+happens. The loop itself lives in :mod:`tiermem.train`; this module only parses, chooses
+the budget and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from typing import TYPE_CHECKING, Any
+
+from tiermem.config import AUTO, Config
+from tiermem.units import format_size
+
+if TYPE_CHECKING:  # the real import waits for run(): torch is slow to import for --help
+    from tiermem.models.gpt import ActivationBytes
+
+POLICIES = ("auto", "keep", "recompute", "host", "nvme")
+DEFAULT_BUDGET_FRACTION = 0.5
+"""Default device budget as a fraction of the measured activation bytes of one step."""
+
+_IN_FLIGHT_BLOCKS = 0.25
+"""Room for write-backs in flight, in blocks, on top of the one block the offloader holds."""
+_RULE = (
+    f"the larger of {DEFAULT_BUDGET_FRACTION:.0%} of the activation bytes one step saves and the least the "
+    f"offloader needs: what lies outside the blocks plus {1 + _IN_FLIGHT_BLOCKS:g} x the largest block"
+)
+
+_STATE_BYTES_PER_PARAMETER = 16  # fp32 parameter + gradient + AdamW exp_avg and exp_avg_sq
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``tiermem train``; defaults run 30 steps in about a minute on two cores."""
+    parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
+    parser.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default: 30)")
+    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (default: 4)")
+    parser.add_argument("--d-model", type=_positive_int, default=256, help="model width (default: 256)")
+    parser.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default: 4)")
+    parser.add_argument("--vocab", type=_positive_int, default=512, help="vocabulary size (default: 512)")
+    parser.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    parser.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default=None,
+        help="what happens to saved activations (default: [activations] policy of the configuration)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default: 0)")
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, nothing else")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Choose the budget, train, print the summary. Bad configurations raise ConfigError."""
+    # torch is imported here, not at module level, so `tiermem train --help` stays quick.
+    from tiermem.models.gpt import GPTConfig, measure_activations
+    from tiermem.runtime import Runtime
+    from tiermem.train import train
+
+    if args.d_model % args.heads:
+        print(
+            f"tiermem train: --d-model {args.d_model} is not divisible by --heads {args.heads}; "
+            "every attention head needs the same width",
+            file=sys.stderr,
+        )
+        return 2
+    try:  # the flags are checked above and by argparse; this catches what GPTConfig adds later
+        model_config = GPTConfig(
+            n_layer=args.layers,
+            d_model=args.d_model,
+            n_head=args.heads,
+            vocab_size=args.vocab,
+            seq_len=args.seq_len,
+        )
+    except ValueError as exc:
+        print(f"tiermem train: {exc}", file=sys.stderr)
+        return 2
+    config = Config.coerce(args.config)
+    # Resolving here reports a bad configuration before the (seconds-long) measurement, and
+    # names the device the activations are measured on.
+    device = config.resolve().device.device
+    measured = measure_activations(model_config, args.batch_size, device=device)
+    budget = _budget(config, measured, args.policy or config.activations.policy)
+    if budget["source"] == "default":
+        config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
+
+    if not args.json:
+        _print_intro(model_config, args, device, budget)
+    with Runtime(config) as rt:
+        summary = train(
+            rt,
+            model_config,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            policy=args.policy,
+            seed=args.seed,
+            progress=not args.json,
+        )
+    budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
+    budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
+    result = {**summary.as_dict(), "device_budget": budget}
+    if args.json:
+        # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
+        print(json.dumps(_finite(result), allow_nan=False))
+    else:
+        _print_summary(result)
+    return 0
+
+
+def _budget(config: Config, measured: ActivationBytes, policy: str) -> dict[str, Any]:
+    """The device budget and why: the configuration's, or a default deliberately below the
+    measured activation bytes (``bytes`` None: leave ``[device] capacity`` at auto)."""
+    facts = {
+        "activation_bytes_per_step": measured.total,
+        "activation_bytes_outside_blocks": measured.outside,
+        "largest_block_bytes": max(measured.blocks, default=0),
+    }
+    if config.device.capacity != AUTO:
+        return {"bytes": int(config.device.capacity), "source": "config", **facts}
+    # The offloader holds a block's activations on the device until that block's forward
+    # ends, keeps the last block for the backward that follows, and cannot move what lies
+    # outside the blocks (embeddings, head, loss): it needs at least that plus one block, and
+    # some room for write-backs in flight. Below that even offloading everything fails.
+    floor = measured.outside + int(max(measured.blocks, default=0) * (1 + _IN_FLIGHT_BLOCKS))
+    budget = max(int(measured.total * DEFAULT_BUDGET_FRACTION), floor)
+    if policy == "keep" or budget >= measured.total:
+        # keep must hold every activation (a lower budget can only fail), and a model with
+        # too few blocks leaves no budget between the floor and the need.
+        why = "keep holds every activation" if policy == "keep" else "too few blocks to offload any"
+        return {"bytes": None, "source": "auto", "why": why, **facts}
+    return {"bytes": budget, "source": "default", "rule": _RULE, **facts}
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def _print_intro(model_config: Any, args: argparse.Namespace, device: str, budget: dict[str, Any]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    c = model_config
+    console.print(
+        f"[bold]tiermem train[/]: GPT {c.n_layer} layers, d_model {c.d_model}, {c.n_head} heads, "
+        f"vocab {c.vocab_size}, seq {c.seq_len}; batch {args.batch_size}, {args.steps} steps, "
+        f"lr {args.lr:g}, seed {args.seed}, on {device}"
+    )
+    need = format_size(budget["activation_bytes_per_step"])
+    if budget["source"] == "default":
+        share = budget["bytes"] / budget["activation_bytes_per_step"]
+        text = (
+            f"device budget: {format_size(budget['bytes'])} ({share:.0%} of the {need} of activations "
+            f"one step saves, measured): {_RULE}. So activations must leave the device. Parameters, "
+            "gradients and AdamW states are not managed by offload_activations and not counted. "
+            "Set [device] capacity to choose another budget."
+        )
+    elif budget["source"] == "config":
+        text = f"device budget: {format_size(budget['bytes'])} from the configuration (one step saves {need}, measured)"
+    else:
+        text = f"device budget: auto, not lowered ({budget['why']}; one step saves {need}, measured)"
+    console.print(text, markup=False)  # "[device]" is text here, not rich markup
+
+
+def _show_stat(key: str, value: Any) -> str:
+    """Activation statistics by their key's unit: ``*bytes*`` as sizes, ``*_s`` as seconds;
+    a mapping (bytes per tier) as ``name value`` pairs."""
+    if isinstance(value, dict):
+        return ", ".join(f"{name} {_show_stat(key, item)}" for name, item in value.items()) or "-"
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if "bytes" in key:
+            return format_size(value)
+        if key.endswith("_s"):
+            return f"{value:.3f}s"
+    return str(value)
+
+
+def _print_summary(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console()
+    tiers = Table(title="tiers (bytes tiermem managed)", title_justify="left")
+    for column in ("tier", "capacity", "peak", "written", "read"):
+        tiers.add_column(column, justify="left" if column == "tier" else "right")
+    for name, tier in result["tiers"].items():
+        tiers.add_row(
+            name,
+            format_size(tier["capacity"]),
+            format_size(tier["peak_bytes"]),
+            format_size(tier["bytes_written"]),
+            format_size(tier["bytes_read"]),
+        )
+    console.print(tiers)
+
+    nvme = result["nvme"]
+    params = result["model"]["parameters"]
+    policy = result["policy"]
+    lines = [
+        ("policy", json.dumps(policy) if isinstance(policy, dict) else str(policy)),
+        (
+            "model",
+            f"{params / 1e6:.2f}M parameters ({format_size(params * _STATE_BYTES_PER_PARAMETER)} of fp32 "
+            "parameters, gradients and AdamW states, outside the tiers)",
+        ),
+        (
+            "loss",
+            f"{result['loss_first']:.4f} -> {result['loss_last']:.4f} "
+            f"(the best possible on this data is {result['loss_optimal']:.4f})",
+        ),
+        ("median step", f"{result['median_step_s']:.3f}s"),
+        ("tokens/s", f"{result['tokens_per_s']:,.0f} (at the median step time)"),
+    ]
+    lines += [(f"activations {key}", _show_stat(key, value)) for key, value in result["activations"].items()]
+    if result["activations"].get("captured_bytes") == 0 and policy != "keep":
+        lines.append(("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's"))
+    per_step, per_s = format_size(nvme["bytes_written_per_step"]), format_size(nvme["bytes_written_per_s"])
+    lines.append(("NVMe written", f"{per_step} per step ({per_s}/s)"))
+    dwpd = nvme["drive_writes_per_day"]
+    lines.append(
+        (
+            "SSD endurance",
+            "unknown (no drive size)"
+            if dwpd is None
+            else f"{dwpd:.3g} drive writes per day at this pace, on {', '.join(nvme['paths'])} "
+            f"({format_size(nvme['drive_bytes'])}); drives are typically rated for about 0.3 (consumer) "
+            "to 1-3 (data centre) drive writes per day",
+        )
+    )
+    lines.append(("assumption", nvme["assumption"]))
+    rows = Table(show_header=False, box=None, padding=(0, 2, 0, 0))
+    rows.add_column(style="bold")
+    rows.add_column()
+    for name, text in lines:
+        rows.add_row(Text(name), Text(text))  # Text: "[device]" and paths are not rich markup
+    console.print(rows)
