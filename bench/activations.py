@@ -41,6 +41,7 @@ def _worker(args: argparse.Namespace) -> dict:
 
     import tiermem
     from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.train import train_step
 
     torch.manual_seed(0)
     config = GPTConfig(
@@ -61,13 +62,7 @@ def _worker(args: argparse.Namespace) -> dict:
     with tiermem.Runtime(tier_config) as rt:
 
         def step() -> float:
-            start = time.perf_counter()
-            with rt.offload_activations(model, policy=args.policy):
-                _, loss = model(x, y)
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
+            return train_step(rt, model, optimizer, x, y, args.policy)[1]
 
         step()  # warm-up: allocator, thread pools, and auto's first measurement
         base_rss = process.memory_info().rss

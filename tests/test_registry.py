@@ -290,7 +290,7 @@ def test_rss_falls_when_an_object_moves_off_without_a_gc_pass(make_store):
         del storage_ref
         handle.move_to("nvme")
         handle.wait()
-        assert alive() is None  # the 64 MiB storage died without the cyclic GC
+        assert alive() is None, "the 64 MiB source storage outlived its move (TRAPS 14)"
     finally:
         gc.enable()
     handle.free()

@@ -12,7 +12,6 @@ from __future__ import annotations
 import csv
 import dataclasses
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from tiermem.config import Config
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.runtime import Runtime
+from tiermem.train import train_step
 
 ROK_POLICIES = ("keep", "recompute", "host", "nvme")
 
@@ -49,14 +49,7 @@ def measure_point(
     with Runtime(config) as rt:
 
         def step() -> float:
-            start = time.perf_counter()
-            with rt.offload_activations(model, policy=policy):
-                _, loss = model(x, y)
-                assert loss is not None
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            return time.perf_counter() - start
+            return train_step(rt, model, optimizer, x, y, policy)[1]
 
         step()
         before = rt.stats().as_dict()["activations"]

@@ -217,6 +217,21 @@ def train(
     )
 
 
+def train_step(
+    rt: Runtime, model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, policy: PolicyLike
+) -> tuple[float, float]:
+    """One optimizer step with forward and backward under ``policy``: (loss, wall seconds)."""
+    start = time.perf_counter()
+    with rt.offload_activations(model, policy=policy):
+        _, loss = model(x, y)
+        assert loss is not None
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    value = loss.item()  # also waits for the device, so the time covers the whole step
+    return value, time.perf_counter() - start
+
+
 def _loop(
     rt: Runtime,
     model: GPT,
@@ -240,15 +255,7 @@ def _loop(
         for step in range(steps):
             # Data generation is outside the timed region: it is not what tiermem changes.
             x, y = data.batch(batch_size, device)
-            start = time.perf_counter()
-            with rt.offload_activations(model, policy=policy):
-                _, loss = model(x, y)
-                assert loss is not None
-                loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            value = loss.item()  # also waits for the device, so the time covers the whole step
-            elapsed = time.perf_counter() - start
+            value, elapsed = train_step(rt, model, optimizer, x, y, policy)
             losses.append(value)
             seconds.append(elapsed)
             if on_step is not None:

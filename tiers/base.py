@@ -187,14 +187,16 @@ class Tier(abc.ABC):
         """Copy the bytes of ``src`` (contiguous, uint8, 1-D) into ``allocation`` at ``offset``."""
         self._check_io(allocation, offset, src)
         future = self._write(allocation, offset, src)
-        future.add_done_callback(lambda f: self._count(f, written=src.numel()))
+        nbytes = src.numel()  # the callback must not capture ``src``: it would outlive the move (TRAPS 14)
+        future.add_done_callback(lambda f: self._count(f, written=nbytes))
         return future
 
     def read(self, allocation: Allocation, offset: int, dst: torch.Tensor) -> Future[None]:
         """Copy ``dst.numel()`` bytes of ``allocation`` starting at ``offset`` into ``dst``."""
         self._check_io(allocation, offset, dst)
         future = self._read(allocation, offset, dst)
-        future.add_done_callback(lambda f: self._count(f, read=dst.numel()))
+        nbytes = dst.numel()  # see write(): capture the count, not the buffer
+        future.add_done_callback(lambda f: self._count(f, read=nbytes))
         return future
 
     def _count(self, future: Future[None], *, written: int = 0, read: int = 0) -> None:
