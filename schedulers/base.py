@@ -126,8 +126,8 @@ class Transfer:
             start = time.perf_counter()
             try:
                 self._future.result(timeout)
-            except BaseException:  # noqa: BLE001 - raised below by _raise_if_failed
-                pass
+            except Exception:  # noqa: BLE001 - the move's own error is raised below by _raise_if_failed
+                pass  # (KeyboardInterrupt and other BaseExceptions propagate as they are)
             finally:
                 self._waits.record(time.perf_counter() - start)
         self._raise_if_failed()

@@ -1,0 +1,264 @@
+"""``tiermem bench io``: every mode at a tiny size, verification, Ctrl-C cleanup, bad input.
+
+Runs go through ``tiermem.cli.main`` in-process (torch is imported once) with ``--path``
+pointing at a test directory that must be empty again afterwards. Only the interrupt tests
+start a real ``tiermem`` process. No timing is asserted anywhere: numbers only have to be
+positive and the JSON shaped as scripts expect.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tiermem.cli import main
+from tiermem.tiers.backends.faulty import FaultyBackend
+from tiermem.tiers.backends.posix import PosixBackend
+from tiermem.units import parse_size
+
+RESULT_KEYS = {
+    "tier",
+    "backend",
+    "op",
+    "size",
+    "block_size",
+    "queue_depth",
+    "repeats",
+    "bytes_per_s",
+    "requests_per_s",
+    "latency_s",
+}
+TINY = ["--size", "2MiB", "--block-size", "256KiB", "--queue-depth", "4", "--repeats", "2"]
+
+
+def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    status = main(["bench", "io", *argv])
+    out, err = capsys.readouterr()
+    return status, out, err
+
+
+def bench_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict[str, Any]:
+    status, out, err = bench(capsys, *argv, "--json")
+    assert status == 0, err
+    return json.loads(out)
+
+
+def check_shape(report: dict[str, Any]) -> None:
+    assert set(report) == {"machine", "results"}
+    assert report["machine"]["cpu_count"] >= 1
+    assert report["results"]
+    for result in report["results"]:
+        assert set(result) == RESULT_KEYS
+        for key in ("size", "block_size", "queue_depth", "repeats"):
+            assert type(result[key]) is int and result[key] > 0
+        assert set(result["bytes_per_s"]) == {"median", "min", "max"}
+        rates = result["bytes_per_s"]
+        assert 0 < rates["min"] <= rates["median"] <= rates["max"]
+        assert result["requests_per_s"] > 0
+        assert set(result["latency_s"]) == {"p50", "p99"}
+        assert 0 < result["latency_s"]["p50"] <= result["latency_s"]["p99"]
+
+
+@pytest.mark.parametrize("through", ["raw", "scheduler"])
+@pytest.mark.parametrize("tier", ["nvme", "host", "device"])
+def test_every_mode_reports_well_formed_json(
+    tier: str, through: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = ["--path", str(tmp_path)] if tier == "nvme" else []
+    report = bench_json(capsys, "--tier", tier, "--through", through, *path, *TINY, "--verify")
+    check_shape(report)
+    assert [(r["tier"], r["op"]) for r in report["results"]] == [(tier, "write"), (tier, "read")]
+    assert report["results"][0]["size"] == 2 << 20 and report["results"][0]["repeats"] == 2
+    assert report["machine"]["through"] == through and report["machine"]["verify"] is True
+    if tier == "nvme":
+        assert report["machine"]["backend"] == report["results"][0]["backend"] == "posix"
+        assert report["machine"]["direct"] in (True, False)
+        assert report["machine"]["filesystems"][0]["path"] == str(tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_sweep_over_given_lists(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = bench_json(
+        capsys, "--path", str(tmp_path), "--size", "1MiB", "--sweep", "--block-size", "64KiB,256KiB",
+        "--queue-depth", "1,4", "--op", "read", "--repeats", "1",
+    )  # fmt: skip
+    check_shape(report)
+    cases = [(r["op"], r["block_size"], r["queue_depth"]) for r in report["results"]]
+    assert cases == [("read", 64 << 10, 1), ("read", 64 << 10, 4), ("read", 256 << 10, 1), ("read", 256 << 10, 4)]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_sweep_grid_stops_at_the_size() -> None:
+    from tiermem.cli import build_parser
+    from tiermem.cli.bench_cmd import build_spec
+
+    argv = ["bench", "io", "--sweep", "--size", "1GiB"]
+    spec = build_spec(build_parser(argv).parse_args(argv))
+    assert spec.block_sizes == tuple(parse_size(f"{k}KiB") for k in (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384))
+    assert spec.queue_depths == (1, 2, 4, 8, 16, 32, 64)
+    argv = ["bench", "io", "--sweep", "--size", "256KiB"]
+    assert build_spec(build_parser(argv).parse_args(argv)).block_sizes == (64 << 10, 128 << 10, 256 << 10)
+
+
+def test_table_for_people_has_the_machine_facts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = bench(capsys, "--path", str(tmp_path), *TINY, "--op", "write")
+    assert status == 0, err
+    for fact in ("machine:", "CPUs", f"path {tmp_path}:", "backend: posix", "O_DIRECT:", "page cache:", "MiB/s"):
+        assert fact in out
+    assert "write" in out and "read " not in out
+    assert list(tmp_path.iterdir()) == []
+
+
+def _with_backend(monkeypatch: pytest.MonkeyPatch, backend: FaultyBackend) -> None:
+    """Make the NVMe tier use ``backend`` whatever --backend says."""
+    monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (backend, "injected by test"))
+
+
+@pytest.mark.parametrize("through", ["raw", "scheduler"])
+def test_verify_catches_a_corrupted_read(
+    through: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Checksums are off in the benchmark's tier: only --verify can notice the flipped bit.
+    _with_backend(monkeypatch, FaultyBackend(PosixBackend(), flip_all_reads=True))
+    status, _out, err = bench(capsys, "--path", str(tmp_path), "--through", through, *TINY, "--verify")
+    assert status == 1
+    assert "verification failed" in err and "differ" in err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_verify_catches_corruption_when_only_writes_are_timed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _with_backend(monkeypatch, FaultyBackend(PosixBackend(), flip_all_reads=True))
+    status, _out, err = bench(capsys, "--path", str(tmp_path), *TINY, "--op", "write", "--verify")
+    assert status == 1 and "read back" in err
+
+
+def test_buffered_fallback_is_said_and_measured(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _with_backend(monkeypatch, FaultyBackend(PosixBackend(), refuse_direct=True))
+    report = bench_json(capsys, "--path", str(tmp_path), *TINY, "--verify")
+    check_shape(report)
+    assert report["machine"]["direct"] is False
+    assert "NOT bypassed" in report["machine"]["page_cache"]
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- Ctrl-C ---------------------------------------------------------------------------------------
+def _start_long_run(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    # QD 1 and small blocks over many repeats: minutes of work, interrupted after a moment.
+    return subprocess.Popen(
+        [sys.executable, "-m", "tiermem", "bench", "io", "--size", "16MiB", "--block-size", "64KiB",
+         "--queue-depth", "1", "--repeats", "10000", *argv],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+
+
+def _data_file_written(root: Path) -> bool:
+    # The child renames and creates directories meanwhile: a path may vanish under us.
+    try:
+        return any(p.name == "data" and p.stat().st_size > 0 for p in root.rglob("*") if p.is_file())
+    except OSError:
+        return False
+
+
+def test_interrupts_leave_no_files(tmp_path: Path) -> None:
+    """Ctrl-C (SIGINT) during a raw run with --path, and SIGTERM during a scheduler run in the
+    private default directory: exit status 130 and an empty directory. The runs go in
+    parallel, so the suite pays for about one interpreter start-up, not two."""
+    runs: dict[str, tuple[Path, signal.Signals, subprocess.Popen[str]]] = {}
+    for name, sig, through in [
+        ("sigint-path", signal.SIGINT, "raw"),
+        ("sigterm-default", signal.SIGTERM, "scheduler"),
+    ]:
+        root = tmp_path / name
+        root.mkdir()
+        env = dict(os.environ)
+        if name == "sigterm-default":
+            argv = []
+            env["TMPDIR"] = str(root)  # the private default directory is made under it
+        else:
+            argv = ["--path", str(root)]
+        runs[name] = (root, sig, _start_long_run([*argv, "--through", through], env))
+    try:
+        pending = dict(runs)
+        deadline = time.monotonic() + 60
+        while pending and time.monotonic() < deadline:
+            for name, (root, sig, child) in list(pending.items()):
+                if child.poll() is not None:
+                    pytest.fail(f"{name}: bench exited early ({child.returncode}): {child.communicate()[1]}")
+                if _data_file_written(root):
+                    time.sleep(0.2)  # into the timed passes
+                    child.send_signal(sig)
+                    del pending[name]
+            time.sleep(0.05)
+        assert not pending, f"never created a data file: {sorted(pending)}"
+        for name, (root, _sig, child) in runs.items():
+            _out, err = child.communicate(timeout=60)
+            assert child.returncode == 130, f"{name}: {err}"
+            assert "Traceback" not in err, f"{name}: {err}"
+            assert list(root.iterdir()) == [], name
+    finally:
+        for _root, _sig, child in runs.values():
+            if child.poll() is None:
+                child.kill()
+
+
+# -- bad input -----------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["--size", "abc"], "--size 'abc'"),
+        (["--size", "0"], "--size '0'"),
+        (["--block-size", "5000"], "not a multiple of 4096"),
+        (["--block-size", "1MiB,3KiB"], "not a multiple of 4096"),
+        (["--size", "4MiB", "--block-size", "8MiB"], "larger than --size"),
+        (["--path", "/nonexistent/tiermem-bench"], "no such directory"),
+        (["--queue-depth", "0"], "between 1 and 1024"),
+        (["--queue-depth", "x"], "not a whole number"),
+        (["--repeats", "two"], "not a whole number"),
+        (["--op", "copy"], "expected one of read, write, both"),
+        (["--tier", "gpu"], "expected one of nvme, host, device"),
+        (["--through", "loop"], "expected one of raw, scheduler"),
+        (["--backend", "spdk"], "expected one of auto, posix, kvikio"),
+        (["--tier", "host", "--backend", "posix"], "for --tier nvme"),
+        (["--size", "1PiB"], "--size"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
+    status, out, err = bench(capsys, *argv)
+    assert status == 2
+    assert out == ""
+    assert len(err.strip().splitlines()) == 1, err
+    assert err.startswith("tiermem bench io: error: ") and words in err
+
+
+def test_path_that_is_a_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = tmp_path / "f"
+    file.write_text("")
+    status, _out, err = bench(capsys, "--path", str(file))
+    assert status == 2 and "not a directory" in err
+
+
+def test_more_than_the_disk_holds(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _out, err = bench(capsys, "--path", str(tmp_path), "--size", "1000TiB", "--block-size", "1MiB")
+    assert status == 2 and len(err.strip().splitlines()) == 1
+    assert "RAM" in err or "free" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("kvikio") is not None, reason="kvikio is installed here")
+def test_kvikio_unavailable_is_an_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    status, _out, err = bench(capsys, "--path", str(tmp_path), "--backend", "kvikio", *TINY)
+    assert status == 1 and "kvikio" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
