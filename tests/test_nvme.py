@@ -29,7 +29,8 @@ from tiermem.errors import (
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 from tiermem.tiers.base import ALIGNMENT
-from tiermem.tiers.nvme import NvmeTier, _filesystem_of
+from tiermem.tiers.fsinfo import filesystem_of
+from tiermem.tiers.nvme import NvmeTier
 
 # tmp_path may itself be on tmpfs on some CI machines; the tmpfs warning has its own test.
 pytestmark = pytest.mark.filterwarnings("ignore::tiermem.errors.TiermemWarning")
@@ -411,7 +412,7 @@ def test_unwritable_path_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 
 def test_tmpfs_path_warns() -> None:
-    if not os.path.isdir("/dev/shm") or _filesystem_of("/dev/shm").fstype != "tmpfs":
+    if not os.path.isdir("/dev/shm") or filesystem_of("/dev/shm").fstype != "tmpfs":
         pytest.skip("/dev/shm is not tmpfs here")
     if not os.access("/dev/shm", os.W_OK):
         pytest.skip("/dev/shm is not writable")

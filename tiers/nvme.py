@@ -25,12 +25,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import errno
 import logging
 import os
-import shutil
 import threading
 import warnings
 import weakref
@@ -39,9 +37,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import psutil
 import torch
-import xxhash
 
 from tiermem.errors import (
     ChecksumError,
@@ -58,8 +54,11 @@ from tiermem.errors import (
 from tiermem.tiers.backends.base import StorageBackend, select_backend
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.extents import ExtentAllocator
+from tiermem.tiers.fsinfo import filesystem_of, free_bytes
+from tiermem.tiers.nvme_checksums import ChecksumIndex, ChecksumRecord, digest_of
 from tiermem.tiers.rundir import RunDirectory, default_parent
-from tiermem.units import format_size, round_up
+from tiermem.tiers.staging import BounceBuffer, BouncePool, is_aligned, memview
+from tiermem.units import round_up
 
 __all__ = ["NvmeTier"]
 
@@ -68,19 +67,6 @@ logger = logging.getLogger("tiermem.nvme")
 _DATA_NAME = "data"
 #: Files grow in steps of at least this (or one stripe row), so fallocate stays rare.
 _GROWTH_STEP = 64 << 20
-
-
-def _memview(address: int, nbytes: int) -> memoryview:
-    """A byte memoryview over raw memory. The caller keeps the memory alive."""
-    return memoryview((ctypes.c_ubyte * nbytes).from_address(address)).cast("B")
-
-
-def _is_aligned(*values: int) -> bool:
-    return all(v % ALIGNMENT == 0 for v in values)
-
-
-def _digest(view: memoryview) -> int:
-    return xxhash.xxh3_64_intdigest(view)
 
 
 class _Segment(NamedTuple):
@@ -93,117 +79,10 @@ class _Segment(NamedTuple):
     length: int
 
 
-class _Record(NamedTuple):
-    """The checksum of bytes ``[start, start + length)`` of the logical space."""
-
-    start: int
-    length: int
-    digest: int
-
-    @property
-    def end(self) -> int:
-        return self.start + self.length
-
-
-class _ChecksumIndex:
-    """Checksum records, grouped by stripe unit (a record never crosses one, rule 2)."""
-
-    def __init__(self, unit: int) -> None:
-        self._unit = unit
-        self._units: dict[int, dict[int, _Record]] = {}
-        self._lock = threading.Lock()
-
-    def overlapping(self, lo: int, hi: int) -> list[_Record]:
-        with self._lock:
-            records = self._units.get(lo // self._unit, {})
-            return sorted(r for r in records.values() if r.start < hi and r.end > lo)
-
-    def record(self, start: int, length: int, digest: int) -> None:
-        """Record a checksum, replacing every record it overlaps (their bytes changed)."""
-        with self._lock:
-            records = self._units.setdefault(start // self._unit, {})
-            for r in [r for r in records.values() if r.start < start + length and r.end > start]:
-                del records[r.start]
-            records[start] = _Record(start, length, digest)
-
-    def discard(self, lo: int, hi: int) -> None:
-        """Drop records overlapping ``[lo, hi)`` (after a failed write, or a free)."""
-        with self._lock:
-            for unit in range(lo // self._unit, (hi - 1) // self._unit + 1):
-                records = self._units.get(unit)
-                if not records:
-                    continue
-                for r in [r for r in records.values() if r.start < hi and r.end > lo]:
-                    del records[r.start]
-                if not records:
-                    del self._units[unit]
-
-    def count(self) -> int:
-        with self._lock:
-            return sum(len(records) for records in self._units.values())
-
-
-class _Bounce:
-    """A page-aligned host buffer for staging (O_DIRECT padding, CUDA tensors, checksums)."""
-
-    __slots__ = ("address", "size", "tensor")
-
-    def __init__(self, size: int) -> None:
-        raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % ALIGNMENT
-        self.tensor = raw[start : start + size]
-        self.address = self.tensor.data_ptr()
-        self.size = size
-
-    def view(self, nbytes: int, start: int = 0) -> memoryview:
-        return _memview(self.address + start, nbytes)
-
-
-class _BouncePool:
-    """Bounce buffers made on first need, at most ``limit`` (one per worker), then reused."""
-
-    def __init__(self, size: int, limit: int) -> None:
-        self._size = size
-        self._limit = limit
-        self._free: list[_Bounce] = []
-        self._made = 0
-        self._cond = threading.Condition()
-
-    @contextlib.contextmanager
-    def get(self) -> Iterator[_Bounce]:
-        with self._cond:
-            while not self._free and self._made >= self._limit:
-                self._cond.wait()
-            if self._free:
-                bounce = self._free.pop()
-            else:
-                self._made += 1
-                bounce = None
-        if bounce is None:
-            try:
-                bounce = _Bounce(self._size)
-            except BaseException:
-                with self._cond:
-                    self._made -= 1
-                    self._cond.notify()
-                raise
-        try:
-            yield bounce
-        finally:
-            with self._cond:
-                self._free.append(bounce)
-                self._cond.notify()
-
-    def clear(self) -> None:
-        with self._cond:
-            self._made -= len(self._free)
-            self._free.clear()
-
-
 class _WritePlan(NamedTuple):
     """A staged write: records it merges, the byte range it records and the range it does I/O on."""
 
-    partial: list[_Record]
+    partial: list[ChecksumRecord]
     rec_lo: int
     rec_hi: int
     io_lo: int
@@ -227,27 +106,6 @@ class _Request:
 
     def __post_init__(self) -> None:
         self.lock = threading.Lock()
-
-
-@dataclass(frozen=True)
-class _Filesystem:
-    mountpoint: str
-    fstype: str
-    device: str
-
-
-def _filesystem_of(path: str) -> _Filesystem:
-    """The mount holding ``path``: the longest mount point that is a prefix of its real path."""
-    real = os.path.realpath(path)
-    best = _Filesystem("/", "unknown", "unknown")
-    best_len = -1
-    for part in psutil.disk_partitions(all=True):
-        mount = part.mountpoint
-        prefix = mount.rstrip("/") + "/"
-        if (real == mount or real.startswith(prefix) or mount == "/") and len(mount) >= best_len:
-            # >=: of two mounts on one point, the later one (listed last) is the visible one
-            best, best_len = _Filesystem(mount, part.fstype, part.device), len(mount)
-    return best
 
 
 def _gather(futures: list[Future[None]]) -> Future[None]:
@@ -333,7 +191,7 @@ class NvmeTier(Tier):
 
         parents, create = self._resolve_parents(paths)
         self._parents = parents
-        self._filesystems = [_filesystem_of(p) for p in parents]
+        self._filesystems = [filesystem_of(p) for p in parents]
         for parent, fs in zip(parents, self._filesystems, strict=True):
             if fs.fstype == "tmpfs":
                 warnings.warn(
@@ -357,9 +215,9 @@ class NvmeTier(Tier):
         self._inflight: dict[int, int] = {}
         self._deferred: dict[int, tuple[int, int]] = {}
         self._counts = {"zero_copy": 0, "staged": 0, "read_modify_write": 0}
-        self._sums = _ChecksumIndex(self.block_size) if self.checksum else None
+        self._sums = ChecksumIndex(self.block_size) if self.checksum else None
         # One per worker is all that can be in use at once (each segment holds at most one).
-        self._bounces = _BouncePool(self.block_size, self.queue_depth)
+        self._bounces = BouncePool(self.block_size, self.queue_depth)
         self._rundirs: list[RunDirectory] = []
         self._handles: list[Any] = []
         self._data_paths: list[str] = []
@@ -442,14 +300,14 @@ class NvmeTier(Tier):
         except OSError as exc:
             backend.close(handle)
             if exc.errno == errno.ENOSPC:
-                raise DiskFullError(path, ALIGNMENT, _free_bytes(path)) from exc
+                raise DiskFullError(path, ALIGNMENT, free_bytes(path)) from exc
             if exc.errno != errno.EINVAL:
                 raise StorageIOError(path, "O_DIRECT probe", 0, ALIGNMENT, exc) from exc
             return self._refuse_direct(path, exc)
         return handle, True, "O_DIRECT"
 
     def _refuse_direct(self, path: str, exc: OSError) -> tuple[Any, bool, str]:
-        fs = _filesystem_of(path)
+        fs = filesystem_of(path)
         why = f"{fs.fstype} at {fs.mountpoint} refuses O_DIRECT ({exc.strerror or exc})"
         if self._direct_arg is True:
             raise StoragePathError(
@@ -645,13 +503,13 @@ class NvmeTier(Tier):
         lo, hi = seg.logical, seg.logical + seg.length
         sums = self._sums
         address = request.address + seg.buf_offset
-        fast = not request.cuda and (not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset))
+        fast = not request.cuda and (not self._aligned[seg.file] or is_aligned(address, seg.length, seg.file_offset))
         try:
             if fast and not (sums is not None and self._plan_write(request, seg).partial):
                 # Zero-copy: straight from the caller's memory. Records inside [lo, hi) are
                 # simply replaced; any other writer of those bytes would be racing this one.
-                view = _memview(address, seg.length)
-                digest = _digest(view) if sums is not None else 0
+                view = memview(address, seg.length)
+                digest = digest_of(view) if sums is not None else 0
                 self._pwrite(seg.file, view, seg.file_offset)
                 if sums is not None:
                     sums.record(lo, seg.length, digest)
@@ -668,7 +526,7 @@ class NvmeTier(Tier):
         lo, hi = seg.logical, seg.logical + seg.length
         sums = self._sums
         # Records only partly overwritten are verified and merged with this write into one.
-        partial: list[_Record] = []
+        partial: list[ChecksumRecord] = []
         if sums is not None:
             partial = [r for r in sums.overlapping(lo, hi) if r.start < lo or r.end > hi]
         rec_lo = min([lo, *(r.start for r in partial)])
@@ -696,7 +554,7 @@ class NvmeTier(Tier):
             with self._rmw_lock:
                 self._write_through(request, seg, self._plan_write(request, seg), bounce)
 
-    def _write_through(self, request: _Request, seg: _Segment, plan: _WritePlan, bounce: _Bounce) -> None:
+    def _write_through(self, request: _Request, seg: _Segment, plan: _WritePlan, bounce: BounceBuffer) -> None:
         lo, hi = seg.logical, seg.logical + seg.length
         io_len, io_file_offset = plan.io_hi - plan.io_lo, seg.file_offset - (lo - plan.io_lo)
         if plan.need_read:
@@ -721,7 +579,7 @@ class NvmeTier(Tier):
         sums = self._sums
         digest = 0
         if sums is not None:
-            digest = _digest(bounce.view(plan.rec_hi - plan.rec_lo, plan.rec_lo - plan.io_lo))
+            digest = digest_of(bounce.view(plan.rec_hi - plan.rec_lo, plan.rec_lo - plan.io_lo))
         self._pwrite(seg.file, bounce.view(io_len), io_file_offset)
         if sums is not None:
             sums.record(plan.rec_lo, plan.rec_hi - plan.rec_lo, digest)
@@ -732,7 +590,7 @@ class NvmeTier(Tier):
         address = request.address + seg.buf_offset
         sums = self._sums
         if sums is None:
-            records: list[_Record] = []
+            records: list[ChecksumRecord] = []
         else:
             records = sums.overlapping(lo, hi)
             if any(r.start < lo or r.end > hi for r in records):
@@ -750,9 +608,9 @@ class NvmeTier(Tier):
         if (
             not request.cuda
             and (exact or not records)
-            and (not self._aligned[seg.file] or _is_aligned(address, seg.length, seg.file_offset))
+            and (not self._aligned[seg.file] or is_aligned(address, seg.length, seg.file_offset))
         ):
-            view = _memview(address, seg.length)
+            view = memview(address, seg.length)
             self._pread_exact(seg.file, view, seg.file_offset)
             if exact:
                 self._verify(seg.file, records[0], view, seg.file_offset)
@@ -761,7 +619,9 @@ class NvmeTier(Tier):
         with self._bounces.get() as bounce:
             self._read_staged(request, seg, records, bounce)
 
-    def _read_staged(self, request: _Request, seg: _Segment, records: list[_Record], bounce: _Bounce) -> None:
+    def _read_staged(
+        self, request: _Request, seg: _Segment, records: list[ChecksumRecord], bounce: BounceBuffer
+    ) -> None:
         """Read the segment and every record touching it whole, verify, copy out."""
         lo, hi = seg.logical, seg.logical + seg.length
         io_lo = min([lo, *(r.start for r in records)])
@@ -787,7 +647,7 @@ class NvmeTier(Tier):
             ctypes.memmove(request.address + seg.buf_offset, bounce.address + at, seg.length)
         self._bump("staged")
 
-    def _check_covered(self, seg: _Segment, records: list[_Record], limit: int) -> None:
+    def _check_covered(self, seg: _Segment, records: list[ChecksumRecord], limit: int) -> None:
         """Raise unless records cover ``[seg.logical, limit)`` (the bytes that carry data)."""
         cursor = seg.logical
         for r in records:
@@ -818,8 +678,8 @@ class NvmeTier(Tier):
         if got < len(view):
             raise ShortReadError(self._data_paths[file], offset, len(view), got)
 
-    def _verify(self, file: int, record: _Record, view: memoryview, file_offset: int) -> None:
-        got = _digest(view)
+    def _verify(self, file: int, record: ChecksumRecord, view: memoryview, file_offset: int) -> None:
+        got = digest_of(view)
         if got != record.digest:
             raise ChecksumError(
                 self._data_paths[file], file_offset, record.length, f"xxh3:{record.digest:016x}", f"xxh3:{got:016x}"
@@ -830,7 +690,7 @@ class NvmeTier(Tier):
             return exc
         path = self._data_paths[file]
         if exc.errno == errno.ENOSPC:
-            return DiskFullError(path, nbytes, _free_bytes(path))
+            return DiskFullError(path, nbytes, free_bytes(path))
         return StorageIOError(path, op, offset, nbytes, exc)
 
     # -- lifecycle and facts ---------------------------------------------------------------
@@ -888,7 +748,7 @@ class NvmeTier(Tier):
             "block_size": self.block_size,
             "queue_depth": self.queue_depth,
             "checksum": self.checksum,
-            "preallocated": format_size(sum(self._file_sizes)),
+            "preallocated": sum(self._file_sizes),  # int bytes, like every size in tiermem
         }
 
     def __repr__(self) -> str:
@@ -896,10 +756,3 @@ class NvmeTier(Tier):
             f"NvmeTier({self._parents!r}, capacity={self.capacity}, backend={self._backend.name!r}, "
             f"direct={self.direct})"
         )
-
-
-def _free_bytes(path: str) -> int | None:
-    for candidate in (path, os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
-        with contextlib.suppress(OSError):
-            return shutil.disk_usage(candidate).free
-    return None
