@@ -29,6 +29,7 @@ from tiermem.errors import RuntimeClosedError
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
+from tiermem.states import ModelStates
 from tiermem.stats import ActivationStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
@@ -50,6 +51,7 @@ class Runtime:
         self._registry: Registry | None = None
         self._owner_pid: int | None = None
         self._activation_counters = ActivationCounters()
+        self._model_states: list[ModelStates] = []
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -104,6 +106,9 @@ class Runtime:
             self._scheduler = None
             return
         try:
+            states, self._model_states = self._model_states, []
+            for managed in states:
+                managed.close()  # managed parameters back into ordinary tensors (never raises)
             if self._registry is not None:
                 self._registry.free_all()
             self._scheduler.close()
@@ -166,6 +171,23 @@ class Runtime:
             blocks=blocks,
             min_bytes=settings.min_bytes,
         )
+
+    def manage(
+        self, model: torch.nn.Module, optimizer: Any, plan: Any = None, **optimizer_kwargs: Any
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers.
+
+        ``optimizer``: a constructed ``torch.optim`` AdamW, Adam or SGD over the model's
+        parameters (param groups and hyper-parameters kept), or one of those classes plus
+        keyword arguments. ``plan``: a hand-written placement (dict, ``Plan`` or JSON path,
+        see ``tiermem.states.placement``); None applies the default rule. Returns the same
+        model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
+        """
+        states = ModelStates(
+            self.registry, model, optimizer, plan=plan, optimizer_kwargs=optimizer_kwargs, plan_owner=self
+        )
+        self._model_states.append(states)
+        return model, states.optimizer
 
     # -- introspection ----------------------------------------------------------------------
     @property

@@ -1,0 +1,527 @@
+"""Model-state management (issue 5, first step): training under ``rt.manage`` is bitwise plain
+PyTorch on the CPU for AdamW, Adam and SGD, whatever the device budget and wherever the states
+live; state dicts round-trip; the device tier never goes past its capacity; errors are clear.
+(NOTE [ Model-state rules ], NOTE [ Exact optimizer step ], NOTE [ Default placement rule ])"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem.states import (
+    ManagedOptimizer,
+    PlanError,
+    StatesClosedError,
+    StatesMemoryError,
+    StatesUsageError,
+    UnsupportedOptimizerError,
+)
+
+D, VOCAB, SEQ = 32, 64, 16
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc, self.out = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).split(D, dim=-1)
+        x = x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Tied embeddings; ``head_first`` registers the head before the blocks, so registration
+    order differs from execution order."""
+
+    def __init__(self, layers: int = 8, head_first: bool = False) -> None:
+        super().__init__()
+        if head_first:
+            self.head = nn.Linear(D, VOCAB)
+        self.wte, self.wpe = nn.Embedding(VOCAB, D), nn.Embedding(SEQ, D)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.ln = nn.LayerNorm(D)
+        if not head_first:
+            self.head = nn.Linear(D, VOCAB, bias=False)
+            self.head.weight = self.wte.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Two cores shared with the runtime's copy and I/O threads: OpenMP threads spinning in
+    tiny kernels only slow everything down (TRAPS 7). Results do not depend on it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0, **kwargs: Any) -> GPT:
+    torch.manual_seed(seed)
+    model = GPT(**kwargs)
+    model.blocks[0].ln1.weight.requires_grad_(False)  # a frozen parameter
+    return model
+
+
+def param_groups(model: nn.Module) -> list[dict[str, Any]]:
+    """No weight decay on norms and biases."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return [
+        {"params": [p for p in trainable if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in trainable if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=1e-2, betas=(0.8, 0.95)),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=1e-2, amsgrad=True),
+    "sgd": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True),
+}
+STATE_BYTES = 16  # model-state bytes per fp32 parameter, as for Adam (the issue's measure)
+
+
+def batch(step: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + micro)
+    tokens = torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+    return tokens, torch.randint(0, VOCAB, (2, SEQ), generator=generator)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: range,
+    *,
+    micro_batches: int = 1,
+    clip: float | None = None,
+    set_to_none: bool = True,
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> list[torch.Tensor]:
+    """Losses (and clip norms) of ``steps``, with an LR scheduler stepping every step."""
+    if scheduler is None:
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    out = []
+    for step in steps:
+        for micro in range(micro_batches):
+            tokens, targets = batch(step, micro)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            out.append(loss.detach())
+        if clip is not None:
+            out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+        scheduler.step()
+    return out
+
+
+def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    assert len(got) == len(want)
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert torch.equal(a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
+
+
+def state_bytes(name: str, model: nn.Module) -> int:
+    return STATE_BYTES * sum(p.numel() for p in model.parameters())
+
+
+def config(tmp_path, device: int, host: int | str = "64MiB") -> dict[str, Any]:
+    return {
+        "device": {"capacity": device, "device": "cpu"},
+        "host": {"capacity": host},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "64MiB", "block_size": "64KiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+
+
+@functools.cache
+def reference(name: str, steps: int = 3, **kwargs: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Plain PyTorch: losses and final parameters."""
+    model = make_model()
+    optimizer = OPTIMIZERS[name](param_groups(model))
+    losses = train(model, optimizer, range(steps), **kwargs)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+@pytest.mark.parametrize("fraction", [1.0, 0.5, 0.1])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_training_is_bitwise_plain_pytorch(tmp_path, name, fraction, home):
+    model = make_model()
+    capacity = int(state_bytes(name, model) * fraction)
+    parameters = list(model.parameters())
+    frozen = model.blocks[0].ln1.weight.detach().clone()
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        managed, optimizer = rt.manage(model, OPTIMIZERS[name](param_groups(model)), plan={"state_home": home})
+        assert managed is model and list(model.parameters()) == parameters  # same Parameter objects
+        assert isinstance(optimizer, torch.optim.Optimizer)
+        losses = train(model, optimizer, range(3))
+        plan = rt.plan
+        stats = rt.stats().as_dict()
+        assert model.blocks[0].ln1.weight.grad is None
+    want_losses, want_params = reference(name)
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+    assert torch.equal(model.blocks[0].ln1.weight, frozen)
+    device = stats["tiers"]["device"]
+    assert device["peak_bytes"] <= device["capacity"] == capacity
+    if fraction < 1.0:
+        assert plan.persistent_chunks < plan.chunks  # some chunks streamed through the pool
+        assert set(plan.state_home[plan.persistent_chunks :]) == {home}
+        source = "host" if home == "host" else "nvme"
+        assert stats["links"][f"{source}->device"]["bytes"] > 0
+    if fraction == 0.1:
+        assert plan.persistent_chunks == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, foreach=True),
+        lambda groups: torch.optim.AdamW(groups, lr=1e-2, fused=True),
+        lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, dampening=0.1, foreach=True),
+        lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9, fused=True),
+    ],
+    ids=["adamw-foreach", "adamw-fused", "sgd-foreach", "sgd-fused"],
+)
+def test_the_users_foreach_and_fused_settings_stay_bitwise(tmp_path, make):
+    """TRAPS 3: torch's own kernels, per parameter, with the user's implementation choice."""
+    plain = make_model()
+    plain_opt = make(param_groups(plain))
+    want = train(plain, plain_opt, range(3))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, make(param_groups(model)), plan={"state_home": "nvme"})
+        assert optimizer.param_groups[0]["foreach"] == plain_opt.param_groups[0]["foreach"]
+        assert optimizer.param_groups[0]["fused"] == plain_opt.param_groups[0]["fused"]
+        got = train(model, optimizer, range(3))
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_backward_refetches_chunks_released_after_forward(tmp_path):
+    """TRAPS 2: backward of linear keeps ``weight.t()``, a view of the chunk's storage; the
+    chunk is emptied after forward and must be refilled in place before backward reads it."""
+    plain = make_model()
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, _optimizer = rt.manage(model, torch.optim.AdamW)
+        states = rt.__dict__["_model_states"][0]
+        tokens, targets = batch(0)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        released = [c for c in states.chunks if not c.persistent and not c.resident]
+        assert released and all(c.data.untyped_storage().nbytes() == 0 for c in released)
+        loss.backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+    want = nn.functional.cross_entropy(plain(tokens).flatten(0, 1), targets.flatten())
+    want.backward()
+    assert_bitwise([loss], [want])
+    for got, p in zip(grads, plain.parameters(), strict=True):
+        assert (got is None) == (p.grad is None)
+        if got is not None:
+            assert_bitwise([got], [p.grad])
+
+
+def test_state_dicts_round_trip(tmp_path):
+    """Save after 2 steps, load into a fresh model and optimizer in a new Runtime, train on:
+    the same as 4 uninterrupted plain-PyTorch steps."""
+    capacity = int(state_bytes("adamw", make_model()) * 0.1)
+    plain = make_model()
+    plain_opt = OPTIMIZERS["adamw"](param_groups(plain))
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_opt, step_size=1, gamma=0.7)
+    train(plain, plain_opt, range(2), scheduler=plain_scheduler)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model = make_model()
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"})
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        train(model, optimizer, range(2), scheduler=scheduler)
+        model_state = model.state_dict()
+        optimizer_state = optimizer.state_dict()
+        scheduler_state = scheduler.state_dict()
+    assert list(model_state) == list(plain.state_dict())
+    assert_bitwise(list(model_state.values()), list(plain.state_dict().values()))
+    storages = {t.untyped_storage().data_ptr() for t in model_state.values()}
+    assert len(storages) == len(model_state)  # one tensor per parameter, nothing shared (TRAPS 2)
+    want = plain_opt.state_dict()
+    assert optimizer_state["param_groups"] == want["param_groups"]
+    assert sorted(optimizer_state["state"]) == sorted(want["state"])
+    for index, entry in want["state"].items():
+        assert list(optimizer_state["state"][index]) == list(entry)
+        assert_bitwise(list(optimizer_state["state"][index].values()), list(entry.values()))
+
+    want_losses = train(plain, plain_opt, range(2, 4), scheduler=plain_scheduler)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model = make_model(seed=7)
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1.0)
+        with pytest.raises(ValueError, match="different number of parameter groups"):
+            optimizer.load_state_dict(optimizer_state)  # PyTorch's own validation
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model = make_model(seed=7)
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"})
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        scheduler.load_state_dict(scheduler_state)
+        losses = train(model, optimizer, range(2, 4), scheduler=scheduler)
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_clipping_and_gradient_accumulation_match(tmp_path, set_to_none):
+    """``clip_grad_norm_`` over managed ``.grad`` gives PyTorch's norm (TRAPS 4), also across
+    micro-batches and with ``zero_grad(set_to_none=False)``."""
+    kwargs = {"micro_batches": 2, "clip": 0.5, "set_to_none": set_to_none}
+    want = reference("adamw", **kwargs)
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        got = train(model, optimizer, range(3), **kwargs)
+    assert_bitwise(got, want[0])  # losses and the clip norms
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+def test_user_code_edits_gradients(tmp_path):
+    """``.grad`` is the real gradient (TRAPS 4): in-place edits, replaced tensors and
+    ``model.zero_grad()`` all reach the optimizer as in plain PyTorch."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            losses.append(loss.detach())
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+            model.ln.weight.grad = torch.full_like(model.ln.weight, 0.01)
+            model.blocks[1].fc.weight.grad = None
+            optimizer.step()
+            model.zero_grad()
+        return losses
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adam"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)))
+        got = run(model, optimizer)
+        assert all(p.grad is None for p in model.parameters())
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_execution_order_is_recorded_and_chunks_repacked(tmp_path):
+    torch.manual_seed(0)
+    plain = make_model(head_first=True)
+    plain_opt = OPTIMIZERS["sgd"](param_groups(plain))
+    want = train(plain, plain_opt, range(3))
+    model = make_model(head_first=True)
+    capacity = int(state_bytes("sgd", model) * 0.5)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["sgd"](param_groups(model)))
+        states = rt.__dict__["_model_states"][0]
+        assert states.describe()["order"] == "registration"
+        got = train(model, optimizer, range(3))
+        assert states.describe()["order"] == "execution"
+        first = states.chunks[0].layout.slots[0].index
+        assert states.params[first] is model.wte.weight  # packed in execution order now
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_default_rule_streams_states_to_nvme_when_the_host_is_small(tmp_path):
+    model = make_model()
+    nbytes = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, nbytes // 4, host=nbytes // 2)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        homes = rt.plan.state_home
+        assert "nvme" in homes and "host" in homes
+        assert homes[: rt.plan.persistent_chunks] == ("device",) * rt.plan.persistent_chunks
+        losses = train(model, optimizer, range(3))
+        stats = rt.stats().as_dict()
+    assert_bitwise(losses, reference("adamw")[0])
+    for tier in ("device", "host", "nvme"):
+        assert stats["tiers"][tier]["peak_bytes"] <= stats["tiers"][tier]["capacity"]
+
+
+def test_plan_round_trips_and_hand_plans_are_checked(tmp_path):
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.5)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        plan = rt.plan
+        assert set(plan.as_dict()) >= {"chunk_size", "persistent_chunks", "buffers", "state_home", "predicted"}
+        unknown = {"step_s": None, "peak_bytes": {"device": None, "host": None, "nvme": None}}
+        assert plan.as_dict()["predicted"] == unknown
+        plan.save(tmp_path / "plan.json")
+        saved = tmp_path / "plan.json"
+        again = make_model()
+        rt.manage(again, OPTIMIZERS["adamw"](param_groups(again)), plan=str(saved))
+        assert rt.plan == plan
+        saved.unlink()
+        for bad, match in [
+            ({"chunk_sizes": 4096}, "unknown key"),
+            ({"state_home": ["host"]}, "state_home lists 1 chunks"),
+            (
+                {"chunk_size": plan.chunk_size, "persistent_chunks": 1, "state_home": ["host"] * plan.chunks},
+                "contradicts persistent_chunks",
+            ),
+            ({"chunk_size": 64}, "below the largest parameter"),
+            ({"buffers": 1, "persistent_chunks": 0}, "buffers=1 is too few"),
+        ]:
+            with pytest.raises(PlanError, match=match):
+                rt.manage(make_model(), torch.optim.AdamW, plan=bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unsupported_optimizers_and_misuse_get_clear_errors(tmp_path):
+    class MyAdam(torch.optim.Adam):
+        pass
+
+    with tiermem.Runtime(config(tmp_path, 1 << 20)) as rt:
+        model = make_model()
+        for optimizer in (torch.optim.RMSprop(model.parameters()), MyAdam(model.parameters()), "adam"):
+            with pytest.raises(UnsupportedOptimizerError, match=r"AdamW, torch\.optim\.Adam and torch\.optim\.SGD"):
+                rt.manage(model, optimizer)
+        with pytest.raises(UnsupportedOptimizerError, match="Adagrad is not supported"):
+            rt.manage(model, torch.optim.Adagrad, lr=0.1)
+        with pytest.raises(ValueError, match="not in the model"):
+            rt.manage(model, torch.optim.SGD(make_model().parameters(), lr=0.1))
+        model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1)
+        assert isinstance(optimizer, ManagedOptimizer)
+        with pytest.raises(StatesUsageError, match="already managed"):
+            rt.manage(model, torch.optim.SGD, lr=0.1)
+        with pytest.raises(StatesUsageError, match="assign=True"):
+            model.load_state_dict(model.state_dict(), assign=True)
+        with pytest.raises(StatesUsageError, match=r"fixed at rt\.manage"):
+            optimizer.add_param_group({"params": [nn.Parameter(torch.ones(1))]})
+
+
+def test_too_small_device_budget_is_refused_with_the_numbers(tmp_path):
+    model = make_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with tiermem.Runtime(config(tmp_path, 48 << 10)) as rt:
+        with pytest.raises(StatesMemoryError, match=r"the device needs .* but has 48KiB free"):
+            rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
+    assert_bitwise([p.detach() for p in model.parameters()], before)  # left as it was
+
+
+def test_closing_restores_ordinary_parameters(tmp_path):
+    model = make_model()
+    capacity = int(state_bytes("sgd", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["sgd"](param_groups(model)), plan={"state_home": "nvme"})
+        train(model, optimizer, range(3))
+        model(batch(0)[0]).sum().backward()
+        grads = [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+        values = [t.clone() for t in model.state_dict().values()]
+    assert_bitwise([p.detach() for p in model.parameters()], reference("sgd")[1])
+    assert_bitwise(list(model.state_dict().values()), values)
+    for p, grad in zip(model.parameters(), grads, strict=True):
+        assert (p.grad is None) == (grad is None)
+        if grad is not None:
+            assert_bitwise([p.grad], [grad])
+    storages = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert len(storages) == len(list(model.parameters()))
+    model(batch(0)[0])  # an ordinary model again
+    with pytest.raises(StatesClosedError, match="ordinary tensors again"):
+        optimizer.step()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_closing_without_memory_leaves_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setattr("tiermem.states.core.memory_available", lambda device: 0)
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.5)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        rt.manage(model, torch.optim.AdamW, plan={"state_home": "nvme"})
+    assert model.wte.weight.device.type == "meta"
+    with pytest.raises(StatesClosedError, match="did not fit in memory"):
+        model(batch(0)[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_eval_forward_without_grad_and_state_dict_between_steps(tmp_path):
+    model = make_model()
+    plain = copy.deepcopy(model)
+    capacity = int(state_bytes("adam", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, _optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)))
+        tokens = batch(5)[0]
+        with torch.no_grad():
+            assert_bitwise([model(tokens)], [plain(tokens)])
+        model.eval()
+        assert_bitwise([model(tokens).detach()], [plain(tokens).detach()])
+        assert_bitwise(list(model.state_dict().values()), list(plain.state_dict().values()))
+
+
+@pytest.mark.parametrize("policy", ["nvme", "recompute"])
+def test_composes_with_activation_offload(tmp_path, policy):
+    """Saved activations offloaded or recomputed (recompute re-runs forward hooks inside
+    backward, TRAPS 6) while chunks stream: still bitwise."""
+    want = reference("adamw")
+    model = make_model()
+    settings = config(tmp_path, int(state_bytes("adamw", model) * 0.5) + (4 << 20))
+    settings["activations"] = {"min_bytes": "1KiB"}
+    with tiermem.Runtime(settings) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"persistent_chunks": 2})
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            with rt.offload_activations(model, policy=policy):
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        assert rt.stats().as_dict()["activations"]["captured_bytes"] > 0
+    assert_bitwise(losses, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+def test_reentrant_checkpointing_is_bitwise(tmp_path):
+    """Reentrant checkpoint re-runs blocks' forward inside a nested backward (TRAPS 6)."""
+
+    class Checkpointed(GPT):
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+            for block in self.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=True)
+            return self.head(self.ln(x))
+
+    def build() -> GPT:
+        torch.manual_seed(0)
+        return Checkpointed()
+
+    plain = build()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(3))
+    model = build()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        got = train(model, optimizer, range(3))
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

@@ -1,0 +1,41 @@
+"""Model-state management (ProTrain): parameters, gradients and optimizer states in chunks.
+
+``model, optimizer = rt.manage(model, torch.optim.AdamW, lr=3e-4)``; see
+:mod:`tiermem.states.manager` for the mechanism and :mod:`tiermem.states.placement` for plans.
+"""
+
+from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.states.errors import (
+    PlanError,
+    StatesClosedError,
+    StatesMemoryError,
+    StatesUsageError,
+    UnsupportedOptimizerError,
+)
+from tiermem.states.manager import ModelStates
+from tiermem.states.optimizer import SUPPORTED, ManagedOptimizer
+from tiermem.states.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, parse_plan
+
+__all__ = [
+    "SUPPORTED",
+    "Budgets",
+    "Chunk",
+    "ChunkLayout",
+    "ChunkNeeds",
+    "ManagedOptimizer",
+    "ModelStates",
+    "ParamInfo",
+    "Plan",
+    "PlanError",
+    "PlanRequest",
+    "Slot",
+    "StatesClosedError",
+    "StatesMemoryError",
+    "StatesUsageError",
+    "UnsupportedOptimizerError",
+    "decide",
+    "pack",
+    "parse_plan",
+    "size_candidates",
+    "waste",
+]

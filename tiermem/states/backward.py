@@ -1,0 +1,259 @@
+"""Backward: pinning a module's chunks through its backward, and routing gradients into
+gradient chunks (rules 3 and 4 of NOTE [ Model-state rules ] in ``manager.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from tiermem.registry import ObjectState
+from tiermem.schedulers.base import Priority
+from tiermem.states.chunks import Chunk
+from tiermem.states.core import StatesBase, Use, same
+from tiermem.states.errors import StatesUsageError
+from tiermem.states.optimizer import ManagedOptimizer
+
+
+class BackwardMixin(StatesBase):
+    """The backward half of :class:`~tiermem.states.manager.ModelStates`."""
+
+    def _track_use(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        """Rule 3: hooks that pin the module's chunks through its backward."""
+        outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not outputs:
+            return
+        use = Use(self._module_chunks[module])
+        seen: set[int] = set()
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
+                seen.add(id(t))
+                handle = t.register_hook(functools.partial(self._input_ready, use))
+                use.waiting += 1
+                if t.grad_fn is None:  # a leaf keeps its hooks: remove them after backward
+                    self._leaf_hooks.append(handle)
+        for _, i in self._module_names[module]:
+            if self._trainable[i]:
+                self._waiters.setdefault(i, weakref.WeakSet()).add(use)
+                use.waiting += 1
+        nodes: set[int] = set()
+        for t in outputs:
+            node = t.grad_fn
+            if node is None:
+                self._leaf_hooks.append(t.register_hook(functools.partial(self._output_ready, use)))
+            elif id(node) not in nodes:
+                nodes.add(id(node))
+                node.register_prehook(functools.partial(self._backward_started, use))
+        self._uses.add(use)
+
+    def _output_ready(self, use: Use, grad: torch.Tensor) -> None:
+        self._backward_started(use, (grad,))
+
+    def _backward_started(self, use: Use, _grad_outputs: Any) -> None:
+        if self._closed:
+            return
+        self._begin_backward()
+        if not use.done and not use.pinned:
+            use.pinned = True
+            for chunk in use.chunks:
+                chunk.pins += 1
+        self.pool.acquire(use.chunks, -1)
+        for chunk in use.chunks:
+            self._enter_backward(chunk)
+
+    def _input_ready(self, use: Use, _grad: torch.Tensor) -> None:
+        use.waiting -= 1
+        if use.waiting <= 0:
+            self._use_done(use)
+
+    def _use_done(self, use: Use) -> None:
+        if use.done:
+            return
+        use.done = True
+        if use.pinned:
+            use.pinned = False
+            for chunk in use.chunks:
+                chunk.pins -= 1
+
+    def _begin_backward(self) -> None:
+        if self._in_backward:
+            return
+        self._in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._reconcile_grads()
+        for chunk in self.chunks:
+            if chunk.offloaded and chunk.trainable:
+                # Gradients wait on the host; autograd must not add into those views (rule 4).
+                for slot in chunk.layout.slots:
+                    self.params[slot.index].grad = None
+
+    def _enter_backward(self, chunk: Chunk) -> None:
+        if chunk.entered:
+            return
+        chunk.entered = True
+        if chunk.offloaded and chunk.grad is not None:
+            have = [slot for slot in chunk.layout.slots if self._has_grad[slot.index]]
+            if have:
+                data = self._device_grads(chunk)
+                for slot in have:
+                    self.params[slot.index].grad = slot.view(data)
+
+    def _device_grads(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's gradient buffer on the device (allocated, or brought back to accumulate)."""
+        handle = chunk.grad
+        if handle is None:
+            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.device)
+            chunk.grad = self.pool.device_room(
+                lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk"),
+                (chunk,),
+                demand=True,
+                what=f"the gradients of chunk {chunk.index}",
+            )
+            del buffer  # only the allocation keeps it (TRAPS 14: the write-back must free it)
+            return chunk.grad.tensor("device")
+        if handle.tier != "device" or handle.state is ObjectState.MOVING:
+            self.pool.device_room(
+                lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients"
+            )
+            handle.wait()
+        return handle.tensor("device")
+
+    def _accumulated(self, i: int, p: torch.Tensor) -> None:
+        """Rule 4, after autograd accumulated ``p.grad``."""
+        if self._closed:
+            return
+        self._begin_backward()
+        grad = p.grad
+        if grad is None:
+            return
+        if grad.layout != torch.strided:
+            raise StatesUsageError("tiermem: sparse gradients are not supported for managed parameters")
+        chunk, slot = self._slots[i]
+        view = slot.view(self._device_grads(chunk))
+        if not same(grad, view):
+            if self._has_grad[i]:
+                view.add_(grad)  # what AccumulateGrad does: `variable.grad += new_grad`
+            else:
+                view.copy_(grad)
+            p.grad = view
+        self._has_grad[i] = True
+        for use in list(self._waiters.pop(i, ())):
+            use.waiting -= 1
+            if use.waiting <= 0:
+                self._use_done(use)
+        chunk.pending.discard(i)
+        if chunk.offloaded and chunk.entered and not chunk.pending:
+            self._flush(chunk)
+
+    def _flush(self, chunk: Chunk) -> None:
+        """Send an offloaded chunk's gradients home (rule 4)."""
+        handle = chunk.grad
+        if handle is None or handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
+            return
+        for slot in chunk.layout.slots:
+            self.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
+        handle.move_to("host", Priority.WRITEBACK)
+
+    def _end_backward(self) -> None:
+        """Autograd's final callback: unpin, send every gradient home, expose it."""
+        try:
+            for use in list(self._uses):
+                self._use_done(use)
+            self._uses = weakref.WeakSet()
+            self._waiters.clear()
+            for handle in self._leaf_hooks:
+                handle.remove()
+            self._leaf_hooks.clear()
+            for chunk in self.chunks:
+                if chunk.offloaded:
+                    self._flush(chunk)
+            for chunk in self.chunks:
+                if chunk.grad is not None:
+                    chunk.grad.wait()
+            self._expose_grads()
+        finally:
+            for chunk in self.chunks:
+                chunk.entered = False
+                chunk.pending.clear()
+            self._in_backward = False
+
+    def _settle_backward(self) -> None:
+        """Finish a backward whose final callback never ran (it raised half-way)."""
+        if self._in_backward and torch._C._current_graph_task_id() == -1:
+            self._end_backward()
+
+    def _grad_bytes(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's gradient buffer where it is resident now (host or device)."""
+        assert chunk.grad is not None
+        chunk.grad.wait()
+        return chunk.grad.tensor(chunk.grad.tier)
+
+    def _expose_grads(self) -> None:
+        """``p.grad`` views the real gradient wherever it lives (rule 4, TRAPS 4)."""
+        for chunk in self.chunks:
+            data = self._grad_bytes(chunk) if chunk.grad is not None else None
+            for slot in chunk.layout.slots:
+                has = self._has_grad[slot.index] and data is not None
+                self.params[slot.index].grad = slot.view(data) if has else None  # type: ignore[arg-type]
+
+    def _reconcile_grads(self) -> None:
+        """Rule 4: take in what user code did to ``p.grad`` since we exposed it."""
+        for chunk in self.chunks:
+            if not chunk.trainable:
+                continue
+            data: torch.Tensor | None = None
+            for slot in chunk.layout.slots:
+                i = slot.index
+                p = self.params[i]
+                grad = p.grad
+                if not self._has_grad[i] and grad is None:
+                    continue
+                if self._has_grad[i] and grad is None:
+                    self._has_grad[i] = False  # model.zero_grad() or `p.grad = None`
+                    continue
+                if data is None:
+                    data = self._grad_bytes(chunk) if chunk.grad is not None else self._new_grads(chunk)
+                view = slot.view(data)
+                if not same(grad, view):
+                    view.copy_(grad)
+                    p.grad = view
+                self._has_grad[i] = True
+            if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
+                chunk.grad.free()
+                chunk.grad = None
+
+    def _new_grads(self, chunk: Chunk) -> torch.Tensor:
+        tier = "host" if chunk.offloaded else "device"
+        buffer = torch.zeros(chunk.nbytes, dtype=torch.uint8, device="cpu" if chunk.offloaded else self.device)
+        chunk.grad = self._register(buffer, tier)
+        return chunk.grad.tensor(tier)
+
+    def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
+        self._check_usable()
+        self._settle_backward()
+        if self._in_backward:
+            raise StatesUsageError("tiermem: optimizer.zero_grad() was called during backward")
+        self._reconcile_grads()
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = self._index[id(p)]
+                if not self._has_grad[i] or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    self._has_grad[i] = False
+                else:  # what torch.optim.Optimizer.zero_grad does
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        for chunk in self.chunks:
+            if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
+                chunk.grad.free()
+                chunk.grad = None

@@ -1,0 +1,553 @@
+"""ModelStates: one model's parameters, gradients and optimizer states, in chunks across tiers.
+
+The parts: this module (building chunks under a plan, forward hooks, the step, lifecycle);
+``pool.py`` (which streamed chunks hold device bytes: rules 1, 3, 6); ``backward.py`` (pins
+through backward, gradient routing: rules 3, 4); ``stateio.py`` (state dicts, re-pack
+snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the exact step).
+
+# NOTE [ Model-state rules ]
+1. Every parameter (a tied one once) lives in one chunk's own storage and ``p.data`` is a view
+   into it for the manager's whole life, so tied weights, optimizers and autograd's saved
+   ``weight.t()`` stay attached (TRAPS 2). A non-persistent chunk is released with
+   ``untyped_storage().resize_(0)`` and refilled in place before use. While it is released
+   its parameters' values cannot be read (their storage is empty; reading them outside the
+   model's forward, backward and state-dict calls is not supported): ``model.state_dict()``
+   serves them from the chunk's home, and leaving the Runtime restores ordinary tensors.
+   Parameters are stored contiguous. A module may use its own and its submodules'
+   parameters through those submodules; a parameter read directly by a module that does
+   not own it is not fetched for it.
+2. Layout order: module registration order from ``rt.manage()`` until the first complete
+   forward, which records the execution order (each module's own parameters as its forward
+   pre-hook runs, unused ones last); when it differs, the chunks are re-packed at the next
+   ``optimizer.step()``, the first point where backward is done and no graph should hold
+   views of the old chunks. A hand-written plan that no longer fits the new packing keeps
+   the old layout (with a warning).
+3. Residency: a module's forward pre-hook fetches the chunks of its own parameters (DEMAND)
+   and prefetches the next chunk in order. Each output's ``grad_fn`` gets a pre-hook that
+   fetches them again before the module's backward and prefetches the previous chunk; it
+   runs after the tensor hooks on that output, so the module that consumed it has already
+   unpinned. A chunk is pinned while a module using it runs forward, and from that module's
+   backward start until the use is done: every input that requires grad has its gradient
+   and every own trainable parameter has accumulated (the end of backward unpins the rest).
+   Unpinned chunks stay cached until a fetch needs their slot (least recently used first; a
+   prefetch evicts only chunks behind it); at most ``plan.buffers`` streamed chunks are
+   resident at once.
+4. Gradients: autograd accumulates exactly as in plain PyTorch. A post-accumulate hook copies
+   a fresh gradient into the chunk's device gradient buffer, or adds it with the ``add_``
+   autograd itself uses when earlier micro-batches' gradients are there, and ``p.grad``
+   becomes a view of the buffer. When every used trainable parameter of an offloaded chunk
+   has its gradient, the buffer moves to the host (WRITEBACK, also for NVMe-homed chunks);
+   after backward ``p.grad`` views it there, so ``clip_grad_norm_`` and user code read and
+   write the real gradients (TRAPS 4). The next backward brings them back to accumulate.
+   Before each backward and step, ``p.grad`` is reconciled: ``None`` (``model.zero_grad()``)
+   drops a gradient, another tensor is copied in.
+5. Step: ``optimizer.step()`` releases every streamed chunk (its device copy goes stale),
+   then steps chunk by chunk with torch's own optimizer code on per-parameter views (NOTE
+   [ Exact optimizer step ]): device-homed chunks on the device, offloaded ones on the CPU
+   over their host master, NVMe homes staged through the host (DEMAND, the next one
+   prefetched) and written back (WRITEBACK).
+6. Accounting: every byte kept here (device copies, homes, gradient buffers) is a registry
+   object of kind ``"chunk"``, so the tiers refuse anything past capacity. A device
+   allocation that does not fit waits for gradient write-backs, then evicts unpinned
+   chunks, then raises :class:`StatesMemoryError`.
+7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
+   runs them on the caller's); the manager is not meant to be driven from two threads.
+8. Not yet: CUDA with offloaded states (this step keeps every chunk's states on a CUDA
+   device, or refuses), ``create_graph=True`` backward, ``torch.compile``, ``model.to()``
+   after managing. Reentrant checkpointing works (its nested backward may end ours early;
+   later gradients are then brought back and added, exactly).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import weakref
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from tiermem.errors import TierCapacityError
+from tiermem.registry import Registry
+from tiermem.schedulers.base import Priority
+from tiermem.states.backward import BackwardMixin
+from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.states.core import ParamState, Snapshot, Use, same
+from tiermem.states.errors import PlanError, StatesMemoryError, StatesUsageError
+from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, run_step, state_names
+from tiermem.states.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, normalize_chunk_size, parse_plan
+from tiermem.states.pool import ChunkPool
+from tiermem.states.stateio import StateIOMixin
+from tiermem.units import format_size
+
+log = logging.getLogger("tiermem.states")
+
+#: Models under management, so one model is not managed twice.
+_MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
+
+
+class ModelStates(BackwardMixin, StateIOMixin):
+    """Carries out a :class:`Plan` for one model and its optimizer (NOTE [ Model-state rules ])."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        model: nn.Module,
+        optimizer: Any,
+        *,
+        plan: Any = None,
+        optimizer_kwargs: Mapping[str, Any] | None = None,
+        plan_owner: object | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
+        if model in _MANAGED:
+            raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
+        self.registry = registry
+        self.device: torch.device = registry.tiers["device"].device  # type: ignore[attr-defined]
+        self.model = model
+        self.params: list[nn.Parameter] = list(model.parameters())
+        if not self.params:
+            raise ValueError("tiermem manage: the model has no parameters")
+        for p in self.params:
+            if p.layout != torch.strided or p.device.type == "meta":
+                raise StatesUsageError(
+                    f"tiermem manage: parameters must be dense tensors with data; got {p.layout} on {p.device}"
+                )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        base = coerce_optimizer(self.params, optimizer, optimizer_kwargs or {})
+        self.optimizer_class = type(base)
+        self.state_names = state_names(self.optimizer_class, base.param_groups)
+        self._optimized = {self._index[id(p)] for group in base.param_groups for p in group["params"]}
+        self._trainable = [p.requires_grad for p in self.params]
+        self._info = [
+            ParamInfo(p.numel() * p.element_size(), tuple(p.shape), p.dtype, p.requires_grad) for p in self.params
+        ]
+        self._module_names: dict[nn.Module, list[tuple[str, int]]] = {}
+        for module in model.modules():
+            names = [(n, self._index[id(p)]) for n, p in module._parameters.items() if p is not None]
+            if names:
+                self._module_names[module] = names
+        owners = Counter(i for names in self._module_names.values() for _, i in names)
+        self._shared = {i for i, count in owners.items() if count > 1}
+        self._request: PlanRequest = parse_plan(plan)
+        # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
+        self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
+
+        self.chunks: list[Chunk] = []
+        self._slots: list[tuple[Chunk, Slot]] = []
+        self._module_chunks: dict[nn.Module, tuple[Chunk, ...]] = {}
+        self.pool = ChunkPool(registry, [], 0)
+        self._has_grad = [False] * len(self.params)
+        self._pstate: dict[int, ParamState] = {}
+        self._order = list(range(len(self.params)))
+        self._recording: list[int] | None = None
+        self._seen: set[int] = set()
+        self._recorded: list[int] | None = None
+        self._repack_pending = False
+        self._generation = 0
+        self._read_cache: tuple[int, tuple[int, int], torch.Tensor] | None = None
+        self._in_backward = False
+        self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
+        self._waiters: dict[int, weakref.WeakSet[Use]] = {}
+        self._leaf_hooks: list[RemovableHandle] = []
+        self._active: list[nn.Module] = []
+        self._loading: list[Chunk] = []
+        self._sd_keep_vars = False
+        self._hooks: list[RemovableHandle] = []
+        self._closed = False
+        self._restored = False
+
+        snapshot = Snapshot(
+            data=[p.detach() for p in self.params],
+            grads=[p.grad for p in self.params],
+            states={self._index[id(p)]: dict(s) for p, s in base.state.items() if s},
+        )
+        layouts, self.plan = self._plan_layout(self._order)
+        try:
+            self._build(layouts, self.plan, snapshot)
+        except BaseException:
+            self._free_chunks()
+            for p, data, grad in zip(self.params, snapshot.data, snapshot.grads, strict=True):
+                p.data, p.grad = data, grad
+            raise
+        base.state.clear()  # its states now live in chunks
+        # CUDA: buffers follow the parameters to the device (they are not managed).
+        for module in model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != self.device:
+                    module._buffers[name] = buffer.to(self.device)
+        self.optimizer = ManagedOptimizer(self, base)
+        self._register_hooks()
+        _MANAGED[model] = self
+
+    def _plan_layout(
+        self, order: Sequence[int], held: Mapping[str, int] | None = None
+    ) -> tuple[list[ChunkLayout], Plan]:
+        """Pack ``order`` and decide the plan (NOTE [ Chunk layout rules ] rule 5)."""
+        held = held or {}
+        tiers = self.registry.tiers
+        budgets = Budgets(
+            **{
+                name: tiers[name].capacity - tiers[name].statistics().current_bytes + held.get(name, 0)
+                for name in ("device", "host", "nvme")
+            }
+        )
+        request = self._request
+        if request.chunk_size is not None:
+            largest = max(info.nbytes for info in self._info)
+            if request.chunk_size < largest:
+                raise PlanError(
+                    f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
+                )
+            sizes = [normalize_chunk_size(request.chunk_size)]
+        else:
+            sizes = size_candidates(self._info)
+        best: tuple[int, int, list[ChunkLayout], Plan] | None = None
+        first_error: Exception | None = None
+        for size in sizes:
+            layouts = pack(self._info, order, size)
+            asked = request
+            if self.device.type != "cpu" and request.persistent_chunks is None:
+                # Rule 8: states stay on a CUDA device in this step, so every chunk persists.
+                asked = dataclasses.replace(request, persistent_chunks=len(layouts))
+            try:
+                plan = decide(
+                    self._needs(layouts),
+                    chunk_size=size,
+                    min_buffers=self._min_buffers(layouts),
+                    budgets=budgets,
+                    request=asked,
+                )
+            except (StatesMemoryError, PlanError) as exc:
+                first_error = first_error or exc
+                continue
+            lost = waste(layouts, size)
+            if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
+                best = (lost, size, layouts, plan)
+        if best is None:
+            assert first_error is not None
+            raise first_error
+        _, _, layouts, plan = best
+        if self.device.type != "cpu" and any(home != "device" for home in plan.state_home):
+            raise StatesMemoryError(
+                f"tiermem manage: on {self.device} this step keeps every chunk's states on the device, but the plan "
+                f"needs {plan.chunks - plan.persistent_chunks} chunk(s) offloaded (the device has "
+                f"{format_size(budgets.device)} free). Offloading states from a CUDA device comes with the "
+                "overlapped CPU step; until then use the CPU device or a larger [device] capacity."
+            )
+        return layouts, plan
+
+    def _needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
+        return [ChunkNeeds(layout.nbytes, layout.trainable, self._sections(layout)) for layout in layouts]
+
+    def _sections(self, layout: ChunkLayout) -> int:
+        return len(self.state_names) if any(s.index in self._optimized for s in layout.slots) else 0
+
+    def _min_buffers(self, layouts: Sequence[ChunkLayout]) -> int:
+        """Rule 4 of NOTE [ Default placement rule ]: chunks one module spans + shared chunks."""
+        where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
+        span = max(len({where[i] for _, i in names}) for names in self._module_names.values())
+        return span + len({where[i] for i in self._shared})
+
+    def _build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
+        """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values."""
+        self.plan = plan
+        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
+        slots: list[tuple[Chunk, Slot] | None] = [None] * len(self.params)
+        for layout in layouts:
+            persistent = layout.index < plan.persistent_chunks
+            chunk = Chunk(
+                layout,
+                persistent=persistent,
+                home=plan.state_home[layout.index],
+                sections=self._sections(layout),
+                device=self.device,
+            )
+            self.chunks.append(chunk)
+            for slot in layout.slots:
+                slots[slot.index] = (chunk, slot)
+            if persistent:
+                chunk.dev = self._register(chunk.data, "device")
+                for slot in layout.slots:
+                    slot.view(chunk.data).copy_(snapshot.data[slot.index])
+                if chunk.sections:
+                    chunk.home = self._register(
+                        torch.zeros(chunk.home_bytes, dtype=torch.uint8, device=self.device), "device"
+                    )
+            else:
+                home = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
+                for slot in layout.slots:
+                    slot.view(home).copy_(snapshot.data[slot.index])
+                chunk.home = self._register(home, chunk.home_tier)
+            grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
+            if any(grad is not None for _, grad in grads):
+                tier = "host" if chunk.offloaded else "device"
+                buffer = torch.zeros(chunk.nbytes, dtype=torch.uint8, device="cpu" if chunk.offloaded else self.device)
+                for slot, grad in grads:
+                    if grad is not None:
+                        slot.view(buffer).copy_(grad)
+                        self._has_grad[slot.index] = True
+                chunk.grad = self._register(buffer, tier)
+        self._slots = [s for s in slots if s is not None]
+        if len(self._slots) != len(self.params):
+            raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
+        for p, (chunk, slot) in zip(self.params, self._slots, strict=True):
+            p.data = slot.view(chunk.data)
+        for chunk in self.chunks:
+            if not chunk.persistent:
+                chunk.data.untyped_storage().resize_(0)  # rule 1: refilled before use
+        self._expose_grads()
+        self._module_chunks = {
+            module: tuple(sorted({self._slots[i][0] for _, i in names}, key=lambda c: c.index))
+            for module, names in self._module_names.items()
+        }
+        self._import_states(snapshot.states)
+        owner = self._plan_owner() if self._plan_owner is not None else None
+        if owner is not None:
+            owner.plan = plan  # type: ignore[attr-defined]
+
+    def _free_chunks(self) -> None:
+        """Free every chunk's bytes (accounting included); parameters keep dangling views."""
+        for chunk in self.chunks:
+            if chunk.fetching is not None:
+                transfer, chunk.fetching = chunk.fetching, None
+                transfer.cancel()
+                with contextlib.suppress(Exception):
+                    transfer.wait()
+            chunk.data.untyped_storage().resize_(0)
+            for handle in (chunk.dev, chunk.home, chunk.grad):
+                if handle is not None:
+                    handle.free()
+            chunk.dev = chunk.home = chunk.grad = None
+        self.chunks = []
+        self.pool.resident.clear()
+        self._read_cache = None
+
+    def _register_hooks(self) -> None:
+        model = self.model
+        self._hooks.append(model.register_forward_pre_hook(self._root_started))
+        self._hooks.append(model.register_forward_hook(self._root_ended, always_call=True))
+        for module in self._module_names:
+            self._hooks.append(module.register_forward_pre_hook(self._forward_started))
+            self._hooks.append(module.register_forward_hook(self._forward_ended, with_kwargs=True, always_call=True))
+            self._hooks.append(module.register_state_dict_pre_hook(self._state_dict_started))
+            self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._state_dict_ended)))
+            self._hooks.append(module.register_load_state_dict_pre_hook(self._load_started))
+            self._hooks.append(module.register_load_state_dict_post_hook(self._load_ended))
+        for i, p in enumerate(self.params):
+            if self._trainable[i]:
+                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i)))
+
+    def _root_started(self, _module: nn.Module, _args: Any) -> None:
+        self._check_usable()
+        self._settle_backward()
+        if self._recorded is None and self._recording is None:
+            self._recording, self._seen = [], set()
+
+    def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._recording is None:
+            return
+        order = self._recording + [i for i in range(len(self.params)) if i not in self._seen]
+        self._recording, self._recorded = None, order
+        if order != self._order:
+            self._repack_pending = True  # rule 2: at the next optimizer.step()
+
+    def _forward_started(self, module: nn.Module, _args: Any) -> None:
+        self._check_usable()
+        names = self._module_names[module]
+        if self._recording is not None:
+            for _, i in names:
+                if i not in self._seen:
+                    self._seen.add(i)
+                    self._recording.append(i)
+        if torch.is_grad_enabled():
+            for _, i in names:
+                if self._trainable[i]:
+                    self._slots[i][0].pending.add(i)
+        chunks = self._module_chunks[module]
+        self.pool.acquire(chunks, +1)
+        for chunk in chunks:
+            chunk.pins += 1
+        self._active.append(module)
+
+    def _forward_ended(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if not self._active or self._active[-1] is not module:
+            return  # its pre-hook failed: nothing was pinned
+        self._active.pop()
+        for chunk in self._module_chunks[module]:
+            chunk.pins -= 1
+        if output is not None and not self._closed and torch.is_grad_enabled():
+            self._track_use(module, args, kwargs, output)
+
+    def step(self, optimizer: ManagedOptimizer) -> None:
+        """Rule 5."""
+        self._check_usable()
+        self._settle_backward()
+        if self._in_backward:
+            raise StatesUsageError("tiermem: optimizer.step() was called during backward")
+        self._reconcile_grads()
+        if self._repack_pending:
+            self._repack()
+        self.pool.release_all()
+        self._generation += 1
+        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+        attributes = {
+            name: getattr(optimizer, name) for name in ("grad_scale", "found_inf") if hasattr(optimizer, name)
+        }
+        work = []
+        for chunk in self.chunks:
+            slots = [s for s in chunk.layout.slots if self._has_grad[s.index] and id(self.params[s.index]) in group_of]
+            if slots:
+                work.append((chunk, slots))
+        staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
+        for chunk, slots in work:
+            if chunk.home_tier != "nvme":
+                self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+                continue
+            after = staged.index(chunk) + 1
+            if after < len(staged):  # stage the next NVMe home while this one steps
+                with contextlib.suppress(TierCapacityError):
+                    staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
+            with self._home_on_host(chunk):
+                self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+
+    def _step_chunk(
+        self,
+        chunk: Chunk,
+        slots: list[Slot],
+        optimizer: ManagedOptimizer,
+        group_of: Mapping[int, int],
+        attributes: Mapping[str, Any],
+    ) -> None:
+        names = self.state_names
+        objects: dict[int, torch.Tensor] = {}
+        if chunk.offloaded:
+            assert chunk.home is not None and chunk.grad is not None
+            home = chunk.home.tensor("host")
+            grads = self._grad_bytes(chunk)
+            for slot in slots:
+                master = slot.view(home)
+                master.grad = slot.view(grads)
+                objects[slot.index] = master
+        else:
+            home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
+            objects = {slot.index: self.params[slot.index] for slot in slots}
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        for slot in slots:
+            record = self._pstate.get(slot.index)
+            if record is not None:
+                state[objects[slot.index]] = {
+                    key: slot.view(home, chunk.section_base(names.index(key))) if key in names else record.scalars[key]
+                    for key in record.keys
+                }
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for slot in slots:
+            by_group.setdefault(group_of[id(self.params[slot.index])], []).append(objects[slot.index])
+        groups = [(optimizer.param_groups[g], params) for g, params in sorted(by_group.items())]
+        after = run_step(self.optimizer_class, optimizer.defaults, groups, state, attributes)
+        for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]
+            obj = objects[slot.index]
+            entry = after.get(obj)
+            if not entry:
+                continue
+            record = ParamState(list(entry))
+            for key, value in entry.items():
+                if key in names and isinstance(value, torch.Tensor) and value.shape == obj.shape:
+                    target = slot.view(home, chunk.section_base(names.index(key)))
+                    if not same(value, target):
+                        target.copy_(value)
+                else:
+                    record.scalars[key] = value
+            self._pstate[slot.index] = record
+            if chunk.offloaded:
+                obj.grad = None
+
+    def _repack(self) -> None:
+        self._repack_pending = False
+        order = self._recorded
+        assert order is not None
+        self.pool.release_all()
+        try:
+            layouts, plan = self._plan_layout(order, held=self._held_bytes())
+        except (PlanError, StatesMemoryError) as exc:
+            log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
+            return
+        snapshot = self._snapshot()
+        old = ([chunk.layout for chunk in self.chunks], self.plan)
+        self._free_chunks()
+        self._has_grad = [False] * len(self.params)
+        self._pstate.clear()
+        try:
+            self._build(layouts, plan, snapshot)
+            self._order = list(order)
+        except (StatesMemoryError, TierCapacityError) as exc:
+            log.warning("tiermem model states: re-packing failed (%s); keeping registration order", exc)
+            self._free_chunks()
+            self._has_grad = [False] * len(self.params)
+            self._pstate.clear()
+            self._build(old[0], old[1], snapshot)
+
+    def close(self) -> None:
+        """Restore ordinary parameters when they fit, else mark them unusable; free every chunk.
+
+        Never raises: it runs inside ``Runtime.close``, which must go on to free the tiers."""
+        if self._closed:
+            return
+        try:
+            self._settle_backward()
+            self.pool.release_all()
+            self._restored = self._restore()
+        except Exception:
+            log.exception("tiermem model states: restoring parameters failed; the model is unusable now")
+            self._restored = False
+        self._closed = True
+        try:
+            for handle in self._hooks + self._leaf_hooks:
+                handle.remove()
+            self._hooks.clear()
+            self._leaf_hooks.clear()
+            if not self._restored:
+                for p in self.params:
+                    p.grad = None
+                    # The same Parameter object, now a meta tensor: shapes stay, bytes are gone,
+                    # and the hooks below refuse to run the model (set_data cannot change device).
+                    meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
+                    with contextlib.suppress(RuntimeError):  # a live graph still holds it: leave it empty
+                        torch.utils.swap_tensors(p, meta)
+                for module in self._module_names:
+                    self._hooks.append(module.register_forward_pre_hook(self._refuse))
+            self._free_chunks()
+        except Exception:
+            log.exception("tiermem model states: releasing the chunks failed")
+        finally:
+            self._pstate.clear()
+            _MANAGED.pop(self.model, None)
+
+    def _refuse(self, _module: nn.Module, _args: Any) -> None:
+        self._check_usable()
+
+    def describe(self) -> dict[str, Any]:
+        """Where each chunk lives now: for logs and tests."""
+        return {
+            "plan": self.plan.as_dict(),
+            "order": "execution" if self._order == self._recorded else "registration",
+            "chunks": [
+                {
+                    "index": c.index,
+                    "params": len(c.layout.slots),
+                    "nbytes": c.nbytes,
+                    "trainable": c.trainable,
+                    "persistent": c.persistent,
+                    "resident": c.resident,
+                    "home": c.home_tier,
+                }
+                for c in self.chunks
+            ],
+        }

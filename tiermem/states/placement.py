@@ -1,0 +1,314 @@
+"""The placement plan of model states, and the simple default rule (pure: no I/O, no torch).
+
+A plan says how big chunks are, how many of the first chunks stay on the device, how many
+non-persistent chunks the device buffer pool holds, and where each chunk's master parameters
+and optimizer states live. ``rt.manage(..., plan=)`` takes a hand-written plan (a dict in
+the shape of :meth:`Plan.as_dict`, a :class:`Plan`, or the path of a JSON file saved by
+:meth:`Plan.save`); fields it leaves out follow the default rule. The automatic planner
+(profile + cost model) is a later step and will make ``"auto"`` the default.
+
+# NOTE [ Default placement rule ]
+1. Device bytes of a persistent chunk: its parameters, gradients and optimizer states
+   (``(1 + 1 + sections) * nbytes``, 16 bytes a parameter for fp32 Adam); a frozen chunk
+   only its parameters. Streaming reserve: ``2 * buffers * chunk_size`` (a parameter and a
+   gradient buffer per pool slot).
+2. Persistent chunks: the longest prefix, in execution order, whose device bytes fit in half
+   the device's free capacity and leave the streaming reserve free beside them; every chunk
+   when all of them fit in that half.
+3. Homes of the other chunks, in order: the host while its free capacity still holds the
+   chunk's home (master + states) and gradients, else NVMe. An NVMe chunk's gradients still
+   wait on the host until ``optimizer.step()`` (so ``.grad`` stays readable, TRAPS 4), and
+   the host keeps room to stage two NVMe homes during the step.
+4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
+   parameters shared by several modules (tied weights stay pinned through backward), plus
+   one slot to prefetch into; never more than the non-persistent chunks.
+5. A hand-written field overrides the rule; the whole plan is then checked against the free
+   capacities and rejected with the numbers when it cannot fit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tiermem.states.errors import PlanError, StatesMemoryError
+from tiermem.tiers.base import ALIGNMENT
+from tiermem.units import format_size, parse_size, round_up
+
+STATE_HOMES = ("device", "host", "nvme")
+PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted")
+
+
+@dataclass(frozen=True)
+class ChunkNeeds:
+    """What one chunk costs wherever it lives (rule 1)."""
+
+    nbytes: int
+    trainable: bool
+    sections: int
+
+    @property
+    def device_bytes(self) -> int:
+        return self.nbytes * (1 + (1 if self.trainable else 0) + self.sections)
+
+    @property
+    def home_bytes(self) -> int:
+        return self.nbytes * (1 + self.sections)
+
+    @property
+    def grad_bytes(self) -> int:
+        return self.nbytes if self.trainable else 0
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Free bytes per tier when the plan is made."""
+
+    device: int
+    host: int
+    nvme: int
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a planner predicted for a plan (``None`` until one did)."""
+
+    step_s: float | None = None
+    peak_bytes: Mapping[str, int | None] = field(default_factory=lambda: {"device": None, "host": None, "nvme": None})
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_s": self.step_s, "peak_bytes": dict(self.peak_bytes)}
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """The fields of a hand-written plan; ``None`` means "follow the default rule".
+
+    ``state_home`` may be one home for every non-persistent chunk ("host" or "nvme")."""
+
+    chunk_size: int | None = None
+    persistent_chunks: int | None = None
+    buffers: int | None = None
+    state_home: tuple[str, ...] | str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Every placement decision for one managed model (see ``as_dict`` for the shape)."""
+
+    chunk_size: int
+    persistent_chunks: int
+    buffers: int
+    state_home: tuple[str, ...]
+    block_policy: tuple[str, ...] | None = None
+    predicted: Prediction = field(default_factory=Prediction)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.state_home)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "chunk_size": self.chunk_size,
+            "persistent_chunks": self.persistent_chunks,
+            "buffers": self.buffers,
+            "state_home": list(self.state_home),
+            "block_policy": None if self.block_policy is None else list(self.block_policy),
+            "predicted": self.predicted.as_dict(),
+        }
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write the plan as JSON; ``plan=path`` reads it back."""
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(self.as_dict(), f, indent=2)
+            f.write("\n")
+
+
+def parse_plan(spec: Plan | Mapping[str, Any] | str | os.PathLike[str] | None) -> PlanRequest:
+    """A :class:`PlanRequest` from what ``plan=`` accepts; every problem reported at once."""
+    if spec is None or spec == "auto":
+        return PlanRequest()
+    if isinstance(spec, Plan):
+        return PlanRequest(spec.chunk_size, spec.persistent_chunks, spec.buffers, spec.state_home)
+    if isinstance(spec, (str, os.PathLike)):
+        try:
+            with open(spec, encoding="utf-8") as f:
+                spec = json.load(f)
+        except (OSError, ValueError) as exc:
+            raise PlanError(f"tiermem plan: cannot read plan file {os.fspath(spec)!r}: {exc}") from exc
+    if not isinstance(spec, Mapping):
+        raise PlanError(
+            f"tiermem plan: plan= takes a dict, a Plan, a JSON file path or None, not {type(spec).__name__}"
+        )
+    problems = [f"{key!r}: unknown key (known: {', '.join(PLAN_KEYS)})" for key in spec if key not in PLAN_KEYS]
+    values: dict[str, Any] = {}
+    for key in ("chunk_size", "persistent_chunks", "buffers"):
+        value = spec.get(key)
+        if value is None or value == "auto":
+            continue
+        try:
+            number = parse_size(value) if key == "chunk_size" else value
+            if isinstance(number, bool) or not isinstance(number, int):
+                raise ValueError(f"must be an integer, got {value!r}")
+            if number < (1 if key != "persistent_chunks" else 0):
+                raise ValueError(f"must be {'>= 0' if key == 'persistent_chunks' else '> 0'}, got {value!r}")
+        except ValueError as exc:
+            problems.append(f"{key}: {exc}")
+            continue
+        values[key] = number
+    homes = spec.get("state_home")
+    if isinstance(homes, str) and homes != "auto":
+        if homes not in ("host", "nvme"):
+            problems.append(f"state_home: one home for every streamed chunk must be 'host' or 'nvme', got {homes!r}")
+        else:
+            values["state_home"] = homes
+    elif homes is not None and homes != "auto":
+        if not isinstance(homes, Sequence) or any(h not in STATE_HOMES for h in homes):
+            problems.append(f"state_home: a list of {'|'.join(STATE_HOMES)} per chunk, got {homes!r}")
+        else:
+            values["state_home"] = tuple(homes)
+    if spec.get("block_policy") is not None:
+        problems.append(
+            "block_policy: rt.manage does not apply activation policies yet; leave it null and use "
+            "rt.offload_activations(model, policy=...)"
+        )
+    if problems:
+        raise PlanError("tiermem plan: " + "; ".join(problems))
+    return PlanRequest(**values)
+
+
+def default_buffers(min_buffers: int, streamed: int) -> int:
+    """Rule 4: the slots a module and the shared chunks pin, plus one to prefetch into."""
+    return max(1, min(min_buffers + 1, streamed)) if streamed else 0
+
+
+def reserve_bytes(buffers: int, chunk_size: int) -> int:
+    """Rule 1: device bytes the buffer pool may use (parameters and gradients)."""
+    return 2 * buffers * chunk_size
+
+
+def decide(
+    needs: Sequence[ChunkNeeds],
+    *,
+    chunk_size: int,
+    min_buffers: int,
+    budgets: Budgets,
+    request: PlanRequest,
+) -> Plan:
+    """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes."""
+    total = len(needs)
+    persistent = request.persistent_chunks
+    if persistent is not None and persistent > total:
+        raise PlanError(f"tiermem plan: persistent_chunks={persistent} but the model packs into {total} chunks")
+    if persistent is None:
+        persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, request.buffers)
+    streamed = total - persistent
+    buffers = request.buffers if request.buffers is not None else default_buffers(min_buffers, streamed)
+    buffers = min(buffers, streamed) if streamed else 0
+    if streamed and buffers < min_buffers and buffers < streamed:
+        raise PlanError(
+            f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
+            f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
+        )
+    homes = _homes(needs, persistent, budgets, request.state_home)
+    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets)
+    return Plan(chunk_size=chunk_size, persistent_chunks=persistent, buffers=buffers, state_home=homes)
+
+
+def _default_persistent(
+    needs: Sequence[ChunkNeeds], chunk_size: int, min_buffers: int, budgets: Budgets, buffers: int | None
+) -> int:
+    half = budgets.device // 2
+    if sum(n.device_bytes for n in needs) <= half:
+        return len(needs)
+    used = 0
+    for count, need in enumerate(needs):
+        streamed = len(needs) - count - 1
+        slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
+        reserve = reserve_bytes(min(slots, streamed), chunk_size)
+        if used + need.device_bytes > half or used + need.device_bytes + reserve > budgets.device:
+            return count
+        used += need.device_bytes
+    return len(needs)
+
+
+def _homes(
+    needs: Sequence[ChunkNeeds], persistent: int, budgets: Budgets, request: tuple[str, ...] | str | None
+) -> tuple[str, ...]:
+    total = len(needs)
+    if isinstance(request, tuple):
+        if len(request) != total:
+            raise PlanError(f"tiermem plan: state_home lists {len(request)} chunks but the model packs into {total}")
+        wrong = [i for i, home in enumerate(request) if (home == "device") != (i < persistent)]
+        if wrong:
+            raise PlanError(
+                f"tiermem plan: state_home of chunk(s) {wrong} contradicts persistent_chunks={persistent}: the first "
+                "persistent_chunks chunks keep their states on the device ('device') and the others on 'host' or "
+                "'nvme' (persistent chunks with offloaded states come in a later step)"
+            )
+        return request
+    streamed = list(range(persistent, total))
+    if request is not None:
+        return ("device",) * persistent + (request,) * len(streamed)
+    # Rule 3: greedily on the host, then give back host homes (last first) until the host
+    # also holds the NVMe chunks' gradients and two staged NVMe homes.
+    homes = ["device"] * persistent
+    host_free = budgets.host
+    for i in streamed:
+        need = needs[i]
+        if need.home_bytes + need.grad_bytes <= host_free:
+            homes.append("host")
+            host_free -= need.home_bytes + need.grad_bytes
+        else:
+            homes.append("nvme")
+            host_free -= need.grad_bytes
+
+    def staging() -> int:
+        return 2 * max((needs[i].home_bytes for i in streamed if homes[i] == "nvme"), default=0)
+
+    for i in reversed(streamed):
+        if host_free >= staging():
+            break
+        if homes[i] == "host":
+            homes[i] = "nvme"
+            host_free += needs[i].home_bytes
+    return tuple(homes)
+
+
+def _check_fits(
+    needs: Sequence[ChunkNeeds], persistent: int, buffers: int, chunk_size: int, homes: Sequence[str], budgets: Budgets
+) -> None:
+    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size)
+    host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
+    nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
+    staging = 2 * max((n.home_bytes for n in nvme_homes), default=0)
+    host = sum(n.home_bytes + n.grad_bytes for n in host_homes) + sum(n.grad_bytes for n in nvme_homes) + staging
+    nvme = sum(n.home_bytes for n in nvme_homes)
+    problems = []
+    if device > budgets.device:
+        problems.append(
+            f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
+            f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)} for parameters and "
+            f"gradients) but has {format_size(budgets.device)} free"
+        )
+    if host > budgets.host:
+        problems.append(
+            f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks, gradients of the NVMe chunks "
+            f"and room to stage two of them) but has {format_size(budgets.host)} free"
+        )
+    if nvme > budgets.nvme:
+        problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
+    if problems:
+        raise StatesMemoryError(
+            "tiermem model states do not fit: "
+            + "; ".join(problems)
+            + ". Raise the tier capacities, give plan= a smaller chunk_size or fewer persistent_chunks/buffers, "
+            "or move states to 'nvme'."
+        )
+
+
+def normalize_chunk_size(size: int) -> int:
+    return round_up(size, ALIGNMENT)

@@ -1,0 +1,197 @@
+"""The device buffer pool: which streamed chunks hold bytes on the device, and moving them.
+
+Carries out rules 1, 3 and 6 of NOTE [ Model-state rules ] (in ``manager.py``) for the
+chunks' parameter storage: fetch (DEMAND), prefetch, evict, release, and the retry ladder when
+the device tier is full. It decides nothing about order; the hooks tell it what is needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from tiermem.errors import TierCapacityError
+from tiermem.registry import ObjectState, Registry
+from tiermem.schedulers.base import Priority
+from tiermem.states.chunks import Chunk
+from tiermem.states.errors import StatesMemoryError
+from tiermem.units import format_size
+
+T = TypeVar("T")
+
+
+class ChunkPool:
+    """At most ``buffers`` streamed chunks resident on the device; persistent ones always are."""
+
+    def __init__(self, registry: Registry, chunks: Sequence[Chunk], buffers: int) -> None:
+        self.registry = registry
+        self.chunks = chunks
+        self.buffers = buffers
+        #: resident streamed chunks, by index
+        self.resident: dict[int, Chunk] = {}
+        self._clock = 0
+        #: bumped whenever a device copy is written home (readers of homes re-read)
+        self.writes = 0
+
+    def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
+        """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
+        self._clock += 1
+        for chunk in chunks:
+            chunk.last_use = self._clock
+        for chunk in chunks:
+            self.fetch(chunk, Priority.DEMAND, chunks)
+        edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
+        self._prefetch(edge, direction, chunks)
+        for chunk in chunks:
+            self.wait(chunk)
+
+    def fetch(self, chunk: Chunk, priority: Priority, keep: tuple[Chunk, ...], direction: int = 0) -> bool:
+        """Start refilling ``chunk``'s own storage from its home (TRAPS 2); False when a
+        prefetch found no room."""
+        if chunk.persistent:
+            return True
+        if chunk.resident:
+            if priority == Priority.DEMAND and chunk.fetching is not None:
+                chunk.fetching.promote(Priority.DEMAND)
+            return True
+        home = chunk.home
+        assert home is not None
+        if priority != Priority.DEMAND and home.state is not ObjectState.RESIDENT:
+            return False  # a prefetch never waits for the master's write-back to land
+        if not self._make_slot(priority, keep, direction):
+            return False
+        home.wait()  # the master must have landed where it lives
+        chunk.data.untyped_storage().resize_(chunk.nbytes)
+        try:
+            dev = self.device_room(
+                lambda: self.registry.register(chunk.data, "device", dedup=False, kind="chunk"),
+                keep,
+                demand=priority == Priority.DEMAND,
+                what=f"chunk {chunk.index}",
+            )
+        except BaseException:
+            chunk.data.untyped_storage().resize_(0)
+            raise
+        if dev is None:
+            chunk.data.untyped_storage().resize_(0)
+            return False
+        chunk.dev = dev
+        self.resident[chunk.index] = chunk
+        try:
+            chunk.fetching = self.registry.scheduler.submit(
+                home.obj.home, dev.obj.home, nbytes=chunk.nbytes, priority=priority
+            )
+        except BaseException:
+            self.release(chunk)
+            raise
+        return True
+
+    def wait(self, chunk: Chunk) -> None:
+        """Wait until ``chunk``'s fetch has landed (a failed fetch releases it and raises)."""
+        transfer = chunk.fetching
+        if transfer is None:
+            return
+        try:
+            transfer.wait()
+        except BaseException:
+            chunk.fetching = None
+            self.release(chunk)
+            raise
+        chunk.fetching = None
+
+    def _prefetch(self, index: int, direction: int, keep: tuple[Chunk, ...]) -> None:
+        """The next streamed chunk from ``index`` in ``direction``, if it is not resident."""
+        while 0 <= index < len(self.chunks):
+            chunk = self.chunks[index]
+            if not chunk.persistent:
+                if not chunk.resident:
+                    self.fetch(chunk, Priority.PREFETCH, keep, direction)
+                return
+            index += direction
+
+    def _make_slot(self, priority: Priority, keep: tuple[Chunk, ...], direction: int) -> bool:
+        while len(self.resident) >= self.buffers:
+            victim = self._victim(keep, 0 if priority == Priority.DEMAND else direction)
+            if victim is None:
+                if priority != Priority.DEMAND:
+                    return False
+                raise StatesMemoryError(
+                    f"tiermem model states: all {self.buffers} device buffers are pinned by modules running forward "
+                    f"or backward (chunks {sorted(self.resident)}); this model needs more at once: give plan= a "
+                    "larger buffers"
+                )
+            self.release(victim)
+        return True
+
+    def _victim(self, keep: tuple[Chunk, ...], direction: int) -> Chunk | None:
+        """The least recently used unpinned streamed chunk; a prefetch takes only one behind it."""
+        low, high = (keep[0].index, keep[-1].index) if keep else (len(self.chunks), -1)
+        candidates = [
+            c
+            for c in self.resident.values()
+            if c.pins == 0
+            and c not in keep
+            and (direction == 0 or (c.index < low if direction > 0 else c.index > high))
+        ]
+        return min(candidates, key=lambda c: c.last_use, default=None)
+
+    def device_room(self, allocate: Callable[[], T], keep: tuple[Chunk, ...], *, demand: bool, what: str) -> T | None:
+        """Rule 6: ``allocate()``; on a full device wait for gradient write-backs, then evict
+        unpinned chunks, then raise. Without ``demand``, give up (None) at once."""
+        while True:
+            try:
+                return allocate()
+            except TierCapacityError as exc:
+                if not demand:
+                    return None
+                if self._wait_writebacks():
+                    continue
+                victim = self._victim(keep, 0)
+                if victim is not None:
+                    self.release(victim)
+                    continue
+                raise StatesMemoryError(
+                    f"tiermem model states: {what} needs {format_size(exc.requested)} on the device but "
+                    f"{format_size(exc.used)} of {format_size(exc.capacity)} are in use and nothing more can be "
+                    "released; raise [device] capacity or give plan= fewer persistent_chunks or buffers"
+                ) from exc
+
+    def _wait_writebacks(self) -> bool:
+        waited = False
+        for chunk in self.chunks:
+            if chunk.grad is not None and chunk.grad.state is ObjectState.MOVING:
+                chunk.grad.wait()
+                waited = True
+        return waited
+
+    def release(self, chunk: Chunk) -> None:
+        """Empty a streamed chunk's storage with ``resize_(0)`` (TRAPS 2), writing it home first
+        when dirty."""
+        if chunk.persistent or chunk.dev is None:
+            return
+        if chunk.fetching is not None:
+            transfer, chunk.fetching = chunk.fetching, None
+            transfer.cancel()
+            with contextlib.suppress(Exception):  # cancelled or landed: either way nobody reads it now
+                transfer.wait()
+        elif chunk.dirty:
+            self._write_home(chunk)
+        chunk.dirty = False
+        dev, chunk.dev = chunk.dev, None
+        self.resident.pop(chunk.index, None)
+        chunk.data.untyped_storage().resize_(0)  # real memory goes first, then the accounting
+        dev.free()
+
+    def release_all(self) -> None:
+        for chunk in list(self.resident.values()):
+            self.release(chunk)
+
+    def _write_home(self, chunk: Chunk) -> None:
+        assert chunk.home is not None and chunk.dev is not None
+        chunk.home.wait()
+        transfer = self.registry.scheduler.submit(
+            chunk.dev.obj.home, chunk.home.obj.home, nbytes=chunk.nbytes, priority=Priority.DEMAND
+        )
+        transfer.wait()
+        self.writes += 1
