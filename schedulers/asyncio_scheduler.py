@@ -162,10 +162,10 @@ class AsyncioScheduler:
             executor,
             max(self.block_size, MEMORY_BLOCK_SIZE) if memory_only else self.block_size,
         )
-        try:
+        with self._close_lock:  # close() cannot begin between the check and the hand-over
+            if self._closed:
+                raise RuntimeClosedError("the scheduler")
             self._loop.call_soon_threadsafe(self._enqueue, move)
-        except RuntimeError:  # loop closed between the check and here
-            raise RuntimeClosedError("the scheduler") from None
         return transfer
 
     def statistics(self) -> SchedulerStatistics:
@@ -269,13 +269,19 @@ class AsyncioScheduler:
         bound = self.tier_max_inflight.get(tier.name, self.max_inflight)
         return int(bound * PREFETCH_SHARE) if priority == Priority.PREFETCH else bound
 
-    def _admits(self, move: _Move, nbytes: int) -> bool:
-        """Rules 3-5 for one block of ``nbytes``."""
+    def _admits(self, move: _Move, nbytes: int, held: set[str]) -> bool:
+        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on."""
+        transfer = move.transfer
         executor = move.executor
-        if self._inflight_requests[executor.name] >= executor.queue_depth:
+        priority = transfer.priority
+        slots = self._inflight_requests[executor.name]
+        if slots >= executor.queue_depth:
             return False
-        priority = move.transfer.priority
-        for tier in (move.transfer.src.tier, move.transfer.dst.tier):
+        if priority == Priority.PREFETCH and slots and slots >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
+            return False  # rule 4 applies to request slots as well as bytes
+        for tier in (transfer.src.tier, transfer.dst.tier):
+            if priority > Priority.DEMAND and tier.name in held:
+                return False  # rule 2: nothing of lower priority slips in ahead of a waiting demand
             inflight = self._inflight_bytes[tier.name]
             if inflight and inflight + nbytes > self._limit(tier, priority):
                 return False
@@ -283,12 +289,15 @@ class AsyncioScheduler:
 
     def _dispatch(self) -> None:
         """Issue every block that rules 2-5 admit, highest priority first."""
+        held: set[str] = set()
         for priority in Priority:
             queue = self._queues[priority]
             for move in list(queue):
                 while move.remaining > 0 and move.queued:
                     length = min(move.block_size, move.remaining)
-                    if not self._admits(move, length):
+                    if not self._admits(move, length, held):
+                        if priority == Priority.DEMAND:
+                            held.update((move.transfer.src.tier.name, move.transfer.dst.tier.name))
                         break
                     self._issue(move, length)
                 if move.remaining == 0 and move.queued:
@@ -334,6 +343,10 @@ class AsyncioScheduler:
         transfer = move.transfer
         end = move.issued == transfer.nbytes
         if not end or length % ALIGNMENT == 0:
+            return length
+        # Only where the move ends both allocations' bytes: padding past a partial range
+        # would overwrite destination bytes the move does not own.
+        if src_off + length != transfer.src.nbytes or dst_off + length != transfer.dst.nbytes:
             return length
         padded = round_up(length, ALIGNMENT)
         if src_off + padded <= transfer.src.reserved and dst_off + padded <= transfer.dst.reserved:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
@@ -169,7 +170,16 @@ class Transfer:
 
     def add_done_callback(self, fn: Callable[[Transfer], None]) -> None:
         """Call ``fn(self)`` when the move ends (on the scheduler's thread, or now if done)."""
-        self._future.add_done_callback(lambda _f: fn(self))
+        # Weak: a strong reference would form the cycle transfer -> future -> callback ->
+        # transfer, which only the cyclic GC frees (TRAPS 14).
+        this = weakref.ref(self)
+
+        def call(_future: Future[None]) -> None:
+            transfer = this()
+            if transfer is not None:
+                fn(transfer)
+
+        self._future.add_done_callback(call)
 
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"

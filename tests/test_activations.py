@@ -357,3 +357,33 @@ def test_adaptive_keep_rule():
     kept = [adaptive_keep(blocks, write_bw=bw, read_bw=bw) for bw in (1e9, 5e8, 3e8, 1e8)]
     assert kept == sorted(kept) and 1 < kept[1] < kept[-1] < 8  # the slower the disk, the more kept
     assert adaptive_keep([], 1e9, 1e9) == 0
+
+
+def test_instance_forwards_are_used_and_restored(runtime):
+    """A forward patched onto a block (accelerate/peft style) runs under recompute and is
+    still there after the context; blocks keep their own forward otherwise (found in review)."""
+    torch.manual_seed(0)
+    model = Decoder(layers=3)
+    calls = []
+    for block in model.blocks:
+        original = block.forward
+
+        def patched(x, original=original):
+            calls.append(1)
+            return original(x)
+
+        block.forward = patched
+    _step(model, runtime.offload_activations(model, policy="recompute"))
+    assert calls  # the patched forward ran
+    assert all("forward" in block.__dict__ for block in model.blocks)
+    with runtime.offload_activations(model, policy="keep"):
+        pass
+    assert all(block.__dict__["forward"].__name__ == "patched" for block in model.blocks)
+
+
+def test_block_groups_do_not_accumulate_over_steps(runtime):
+    model = Decoder(layers=3)
+    offloader = runtime.offload_activations(model, policy="recompute")
+    for seed in range(20):
+        _step(model, offloader, seed=seed)
+    assert len(offloader._groups) <= 3

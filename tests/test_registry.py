@@ -121,8 +121,8 @@ def test_round_trip_keeps_bytes_and_views(make_store, dtype, path):
         got = handle.tensor()
         assert got.dtype == want.dtype and got.shape == want.shape and got.stride() == stride
         assert torch.equal(got, want)
-        # Readable where it is when that is memory; fetched to the device from storage.
-        assert handle.tier == ("host" if path[-1] == "host" else "device")
+        assert handle.tier == "device"  # read where it was asked for
+
     for handle in handles:
         handle.free()
     assert store.current() == {"device": 0, "host": 0, "nvme": 0}
@@ -313,3 +313,14 @@ def test_a_cancelled_write_does_not_count_as_on_its_way(make_store):
     assert transfer is not None
     handle.wait()
     assert handle.tier == "nvme"
+
+
+def test_reading_from_a_storage_tier_is_refused(make_store):
+    store = make_store()
+    handle = store.registry.register(torch.ones(1000))
+    with pytest.raises(ValueError, match="memory tier, not 'nvme'"):
+        handle.tensor("nvme")
+    handle.move_to("host")
+    handle.wait()
+    assert torch.equal(handle.tensor("host"), torch.ones(1000)) and handle.tier == "host"
+    assert torch.equal(handle.tensor("device"), torch.ones(1000)) and handle.tier == "device"

@@ -32,7 +32,7 @@ def test_store_and_fetch_through_every_tier_then_nothing_left(tmp_path):
         assert handle.tier == "nvme"
         handle.move_to("host")
         handle.wait()
-        assert torch.equal(handle.tensor(), t)
+        assert torch.equal(handle.tensor("host"), t)
         handle.move_to("nvme")
         handle.wait()
         assert torch.equal(handle.tensor("device"), t)  # demand fetch

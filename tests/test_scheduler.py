@@ -264,3 +264,50 @@ def test_statistics_is_an_immutable_snapshot(device, make_scheduler):
     with pytest.raises(AttributeError):
         stats.completed = 5  # type: ignore[misc]
     assert stats.as_dict()["completed"] == 1
+
+
+def test_prefetch_leaves_request_slots_for_writebacks(device, make_scheduler, gated):
+    """Rule 4 holds for request slots too: with the byte bound far away, prefetch takes at
+    most 3 of 4 slots, so a write-back is issued at once (found in review)."""
+    storage = gated(queue_depth=4)
+    scheduler = make_scheduler(max_inflight=512 << 20)
+    prefetch = scheduler.submit(storage.allocate(16 * BLOCK), device.allocate(16 * BLOCK), priority=Priority.PREFETCH)
+    storage.wait_pending(3)
+    time.sleep(0.05)
+    assert len(storage.pending) == 3
+    writeback = scheduler.submit(_filled(device, BLOCK), storage.allocate(BLOCK), priority=Priority.WRITEBACK)
+    storage.wait_pending(4)
+    assert storage.log[3][0] == "write"
+    storage.gated = False
+    storage.release_all()
+    writeback.wait(timeout=10)
+    prefetch.wait(timeout=10)
+
+
+def test_a_waiting_demand_is_not_overtaken_by_smaller_blocks(device, make_scheduler, gated):
+    storage = gated(queue_depth=64)
+    scheduler = make_scheduler(max_inflight=2 * BLOCK)
+    big = scheduler.submit(_filled(device, 2 * BLOCK), storage.allocate(2 * BLOCK), priority=Priority.WRITEBACK)
+    storage.wait_pending(2)  # the byte bound is full
+    demand = scheduler.submit(storage.allocate(BLOCK), device.allocate(BLOCK), priority=Priority.DEMAND)
+    small = [
+        scheduler.submit(_filled(device, 4096), storage.allocate(4096), priority=Priority.WRITEBACK) for _ in range(4)
+    ]
+    time.sleep(0.05)
+    storage.release(2)
+    storage.wait_pending(1)
+    assert storage.log[2][0] == "read"  # the demand went first, no small write-back slipped in
+    storage.gated = False
+    storage.release_all()
+    for transfer in (big, demand, *small):
+        transfer.wait(timeout=10)
+
+
+def test_a_partial_move_never_pads_into_bytes_it_does_not_own(device, make_scheduler):
+    scheduler = make_scheduler()
+    src = _filled(device, 8192, seed=1)
+    dst = _filled(device, 8192, seed=2)
+    before = dst.view().clone()
+    scheduler.submit(src, dst, nbytes=100).wait(timeout=10)
+    assert torch.equal(dst.view(0, 100), src.view(0, 100))
+    assert torch.equal(dst.view(100, 8092), before[100:])

@@ -145,3 +145,15 @@ def test_close_frees_everything_and_is_idempotent(tier):
     tier.close()
     tier.close()
     assert tier.statistics().current_bytes == 0
+
+
+def test_peak_counts_only_allocations_that_exist(tmp_path):
+    host = HostTier(CAPACITY)
+    host._allocate = lambda nbytes, reserved: (_ for _ in ()).throw(MemoryError("injected"))  # type: ignore[method-assign]
+    with pytest.raises(MemoryError, match="injected"):
+        host.allocate(1 << 20)
+    stats = host.statistics()
+    assert stats.current_bytes == 0 and stats.peak_bytes == 0
+    host.close()
+    with pytest.raises(Exception, match="closed"):
+        host.adopt(torch.zeros(10, dtype=torch.uint8))

@@ -39,6 +39,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
 from tiermem.errors import ConfigError
+from tiermem.tiers.rundir import DEFAULT_DIR_NAME
 from tiermem.units import format_size, parse_size
 
 __all__ = [
@@ -66,7 +67,9 @@ _MiB = 1024**2
 _MIN_BLOCK, _MAX_BLOCK = 4 * _KiB, 256 * _MiB
 _ENV_TRUE = frozenset({"1", "true", "yes"})
 _ENV_FALSE = frozenset({"0", "false", "no"})
-_DEFAULT_NVME_DIR = "tiermem"  # under tempfile.gettempdir(); the runtime makes a private run dir inside
+# Under tempfile.gettempdir(); the runtime makes a private run dir inside. Not an importable
+# name: a "tiermem" directory in the current directory would shadow the package.
+_DEFAULT_NVME_DIR = DEFAULT_DIR_NAME
 
 
 # --------------------------------------------------------------------------------------------

@@ -314,7 +314,7 @@ class Registry:
         if transfer is not None:
             # The wait is counted in the scheduler's statistics; the object's own error,
             # as recorded when the move ended, is what we raise below.
-            with contextlib.suppress(BaseException):
+            with contextlib.suppress(Exception):  # Ctrl-C and friends still propagate
                 transfer.wait()
         obj.settled.wait()
         with self._lock:
@@ -323,17 +323,20 @@ class Registry:
             raise error
 
     def read(self, obj: ManagedObject, tier: str = "device") -> torch.Tensor:
-        """Bytes of ``obj`` in memory, forwarding from a moving source (rule 1)."""
+        """Bytes of ``obj`` in ``tier`` (a memory tier), forwarding from a moving source
+        that is in ``tier`` (rule 1); otherwise moved there on demand."""
+        target = self._tier(tier)
+        if not target.is_memory:
+            raise ValueError(f"tiermem registry: objects are read from a memory tier, not {tier!r}")
         while True:
             with self._lock:
                 self._check_live(obj)
-                if obj.state is ObjectState.RESIDENT and obj.home.tier.is_memory:
+                if obj.home.tier is target:
+                    if obj.state is ObjectState.MOVING:
+                        self._forwarded += 1
                     return obj.home.view(0, obj.nbytes)
-                if obj.state is ObjectState.MOVING and obj.home.tier.is_memory:
-                    self._forwarded += 1
-                    return obj.home.view(0, obj.nbytes)
-            if self.move(obj, tier, Priority.DEMAND) is not None:
-                self.wait(obj)
+            self.move(obj, tier, Priority.DEMAND)
+            self.wait(obj)
 
     def release(self, obj: ManagedObject) -> None:
         """Drop one handle's reference; the last one frees the object (rule 4)."""

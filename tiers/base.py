@@ -156,11 +156,11 @@ class Tier(abc.ABC):
 
     def _account(self, nbytes: int, reserved: int, make: Callable[[], Allocation]) -> Allocation:
         """Charge ``reserved`` bytes against the capacity, then build the allocation."""
+        self._check_open()
         with self._lock:
             if self._current + reserved > self.capacity:
                 raise TierCapacityError(self.name, reserved, self._current, self.capacity)
             self._current += reserved
-            self._peak = max(self._peak, self._current)
         try:
             allocation = make()
         except BaseException:
@@ -169,6 +169,8 @@ class Tier(abc.ABC):
             raise
         with self._lock:
             self._live[allocation.id] = allocation
+            # The peak counts allocations that exist, not attempts that failed.
+            self._peak = max(self._peak, self._current)
         return allocation
 
     def free(self, allocation: Allocation) -> None:

@@ -94,12 +94,17 @@ class CudaStreamCopier:
 
     def _wait_events(self) -> None:
         while (item := self._pending.get()) is not None:
-            future, event, _keepalive = item
+            future, event, keepalive = item
+            del item
             try:
                 event.synchronize()
             except BaseException as exc:  # noqa: BLE001
+                del keepalive
                 future.set_exception(exc)
             else:
+                # Drop the tensors before anyone is woken: while this thread blocks in the
+                # next get(), nothing here may keep the last copy's buffers alive (TRAPS 14).
+                del keepalive
                 future.set_result(None)
 
     def close(self) -> None:

@@ -155,7 +155,7 @@ class NvmeTier(Tier):
     number of concurrent I/Os (worker threads). ``direct``: True requires O_DIRECT, "auto"
     uses it where the filesystem accepts it, False never. ``checksum`` verifies every read
     (see NOTE [ NVMe tier layout and I/O ] rule 4). An empty ``paths`` uses the default
-    ``$TMPDIR/tiermem`` (created on demand and removed again when empty).
+    ``$TMPDIR/tiermem-nvme`` (created on demand and removed again when empty).
     """
 
     is_memory = False

@@ -52,9 +52,16 @@ _LOCK_NAME = "lock"
 STALE_TEMP_AGE_S = 600.0
 
 
+#: The default NVMe parent's name under the temp dir (the config resolves to the same).
+DEFAULT_DIR_NAME = "tiermem-nvme"
+
+
 def default_parent() -> str:
-    """The default NVMe parent: ``$TMPDIR/tiermem`` (created on demand, removed when empty)."""
-    return os.path.join(tempfile.gettempdir(), "tiermem")
+    """The default NVMe parent: ``$TMPDIR/tiermem-nvme`` (created on demand, removed when empty).
+
+    Not ``tiermem``: run from ``$TMPDIR``, ``python -m tiermem`` would import that directory
+    as a namespace package instead of tiermem itself."""
+    return os.path.join(tempfile.gettempdir(), DEFAULT_DIR_NAME)
 
 
 @dataclass(eq=False)
@@ -211,7 +218,7 @@ class RunDirectory:
     def create(cls, parent: str | os.PathLike[str], *, create_parent: bool = False) -> RunDirectory:
         """Sweep ``parent`` of stale run directories, then make a fresh one there.
 
-        ``create_parent`` makes ``parent`` when missing (for the default ``$TMPDIR/tiermem``);
+        ``create_parent`` makes ``parent`` when missing (for the default ``$TMPDIR/tiermem-nvme``);
         :meth:`cleanup` then removes it again once empty. Otherwise a missing parent raises
         ``FileNotFoundError``.
         """

@@ -152,6 +152,7 @@ class ActivationOffloader:
         self._forward_id = 0
         self._last_index = len(self.blocks)
         self._hooks: list[Any] = []
+        self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
         self._lock = threading.Lock()
 
@@ -163,6 +164,7 @@ class ActivationOffloader:
             self._hooks.append(block.register_forward_pre_hook(self._block_started(index)))
             self._hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
             if self.policies[index] is BlockPolicy.RECOMPUTE:
+                self._wrapped.append((block, block.__dict__.get("forward")))
                 self._wrap_recompute(block)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
@@ -177,13 +179,18 @@ class ActivationOffloader:
             for hook in self._hooks:
                 hook.remove()
             self._hooks.clear()
-            for _name, block in self.blocks:
-                block.__dict__.pop("forward", None)  # undo _wrap_recompute
+            for block, previous in self._wrapped:  # undo _wrap_recompute, restoring what was there
+                if previous is None:
+                    block.__dict__.pop("forward", None)
+                else:
+                    block.__dict__["forward"] = previous
+            self._wrapped.clear()
             self._current = None
 
     @staticmethod
     def _wrap_recompute(block: nn.Module) -> None:
-        original = type(block).forward.__get__(block)
+        # The instance's own forward when something (accelerate, peft, a user) patched one in.
+        original = block.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
@@ -225,8 +232,13 @@ class ActivationOffloader:
         return hook
 
     def _prune(self) -> None:
-        """Forget groups whose saved tensors autograd has released."""
-        dead = [key for key, g in self._groups.items() if g.saved and all(ref() is None for ref in g.saved)]
+        """Forget groups of earlier forwards whose saved tensors autograd has released
+        (or that saved none, e.g. recomputed blocks)."""
+        dead = [
+            key
+            for key, g in self._groups.items()
+            if g.forward_id < self._forward_id and all(ref() is None for ref in g.saved)
+        ]
         for key in dead:
             del self._groups[key]
 

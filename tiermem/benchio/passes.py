@@ -20,6 +20,7 @@ The data is :mod:`tiermem.benchio.pattern`'s pattern, which ``--verify`` checks.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import signal
@@ -269,6 +270,7 @@ class CaseEnv:
                 cond.notify()
 
         issued = 0
+        futures: list[Future[None]] = []
         start_all = time.perf_counter()
         try:
             for index in range(count):
@@ -286,13 +288,15 @@ class CaseEnv:
                         state["inflight"] -= 1
                     raise
                 issued += 1
+                futures.append(future)
                 future.add_done_callback(lambda f, i=index, s=start: on_done(i, s, f))
         finally:
             # Every request in flight must land before anyone frees or reuses the buffer,
-            # on an error or Ctrl-C too (NvmeTier futures cannot be cancelled).
-            with cond:
-                while state["inflight"]:
-                    cond.wait()
+            # on an error or Ctrl-C too (NvmeTier futures cannot be cancelled). Wait on the
+            # futures themselves, not the in-flight count: a Ctrl-C landing inside on_done
+            # (which runs in this thread when a future is already done) could skip its
+            # decrement, and the count would never reach zero.
+            concurrent.futures.wait(futures)
         if errors:
             raise errors[0]
         if op == "write":
