@@ -356,12 +356,15 @@ class ActivationOffloader:
             handle.move_to("device")
             return handle.tensor()
         source = obj.tier
+        target = obj.target
+        prefetching = obj.state is ObjectState.MOVING and target is not None and target.tier.name == "device"
         start = time.perf_counter()
         tensor = handle.tensor("device")
         if source != "device":
             with self.counters.lock:
                 self.counters.backward_wait_s += time.perf_counter() - start
-                self.counters.fetched_bytes[source] += obj.nbytes
+                if not prefetching:  # a prefetch in flight counted its bytes when it started
+                    self.counters.fetched_bytes[source] += obj.nbytes
         return tensor
 
     def _prefetch_before(self, group: _Group) -> None:
