@@ -387,3 +387,11 @@ def test_block_groups_do_not_accumulate_over_steps(runtime):
     for seed in range(20):
         _step(model, offloader, seed=seed)
     assert len(offloader._groups) <= 3
+
+
+def test_a_one_layer_stack_is_still_a_block(runtime):
+    torch.manual_seed(0)
+    model = Decoder(layers=1)
+    assert [n for n, _ in find_blocks(model)] == ["blocks.0"]
+    want = _step(model, contextlib.nullcontext())
+    _assert_identical(_step(model, runtime.offload_activations(model, policy="recompute")), want)

@@ -169,3 +169,14 @@ def test_python_dash_m_reports_a_bad_file_without_a_traceback(tmp_path: Path) ->
     assert "Traceback" not in result.stderr
     assert "nvme.block_size: 3000 is not a multiple of 4096" in result.stderr
     assert result.stdout == ""
+
+
+def test_check_refuses_nvme_paths_that_cannot_be_used(tmp_path, capsys):
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    config = tmp_path / "tiers.toml"
+    config.write_text(f'[nvme]\npaths = ["{tmp_path / "missing"}", "{afile}", "{tmp_path}"]\n')
+    assert main(["config", "check", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert "missing' does not exist" in err and "a-file' is not a directory" in err
+    assert str(tmp_path) + "' " not in err  # the usable one is not reported

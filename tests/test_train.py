@@ -12,6 +12,10 @@ import dataclasses
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -233,3 +237,45 @@ def test_drive_capacity_counts_each_filesystem_once(tmp_path: Path) -> None:
     assert one > 0
     assert drive_capacity([str(tmp_path), str(tmp_path / "a")]) == one  # one filesystem
     assert drive_capacity([str(tmp_path / "not" / "yet")]) == one  # measured where it would live
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path, sig):
+    """One Ctrl-C (or SIGTERM) stops the run between steps, exit status 130, no files left:
+    a KeyboardInterrupt raised wherever the signal lands could be lost in a __del__."""
+    env = {**os.environ, "TMPDIR": str(tmp_path), "TIERMEM_ACTIVATIONS_MIN_BYTES": "4KiB"}
+    argv = [
+        sys.executable,
+        "-m",
+        "tiermem",
+        "train",
+        "--steps",
+        "100000",
+        "--layers",
+        "2",
+        "--d-model",
+        "64",
+        "--heads",
+        "2",
+        "--seq-len",
+        "64",
+        "--vocab",
+        "64",
+        "--policy",
+        "nvme",
+        "--json",
+    ]
+    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not list(tmp_path.glob("tiermem-nvme/tiermem-run-*/data")):
+            time.sleep(0.05)
+        time.sleep(1.0)  # well into the steps
+        child.send_signal(sig)
+        _out, err = child.communicate(timeout=60)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    assert child.returncode == 130, err
+    assert "Traceback" not in err
+    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []

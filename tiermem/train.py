@@ -19,7 +19,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -251,8 +253,13 @@ def _loop(
     task = bar.add_task("train", total=steps, loss="-") if bar is not None else None
     if bar is not None:
         bar.start()
+    stop = _StopBetweenSteps()
     try:
         for step in range(steps):
+            if stop.requested:
+                # Raised here, between steps, where nothing is half-done: leaving ``with rt``
+                # then removes every file the run made.
+                raise KeyboardInterrupt
             # Data generation is outside the timed region: it is not what tiermem changes.
             x, y = data.batch(batch_size, device)
             value, elapsed = train_step(rt, model, optimizer, x, y, policy)
@@ -263,6 +270,35 @@ def _loop(
             if bar is not None and task is not None:
                 bar.update(task, advance=1, loss=f"{value:.4f}")
     finally:
+        stop.restore()
         if bar is not None:
             bar.stop()
     return losses, seconds
+
+
+class _StopBetweenSteps:
+    """Ctrl-C and SIGTERM ask the loop to stop after the current step.
+
+    A KeyboardInterrupt raised wherever the signal lands can be lost: inside a
+    ``__del__`` (a saved activation released by autograd) Python only prints it. So the
+    first signal sets a flag the loop checks between steps; a second one interrupts at
+    once. Main thread only (where Python runs signal handlers).
+    """
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, _signum: int, _frame: Any) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
+        self._previous.clear()

@@ -18,7 +18,9 @@ BlockSpec = Sequence[type[nn.Module] | str] | None
 def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= 2:
+        # A ModuleList is a stack even of one layer; a one-child Sequential is just a wrapper.
+        minimum = 1 if isinstance(module, nn.ModuleList) else 2
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) >= minimum:
             kinds = {type(child) for child in module}
             if len(kinds) == 1:
                 found.append((name, module))

@@ -17,10 +17,13 @@ anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.util
+import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from types import FrameType
 from typing import NamedTuple
 
 from tiermem.errors import TiermemError
@@ -76,6 +79,25 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Turn SIGTERM into KeyboardInterrupt while a command runs, so its ``finally`` blocks
+    (leaving ``with rt``) remove every file it made, as for Ctrl-C."""
+
+    def interrupt(_signum: int, _frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    try:
+        previous = signal.signal(signal.SIGTERM, interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here anyway
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``tiermem`` with ``argv`` (default ``sys.argv[1:]``) and return the exit status."""
     args_list = list(sys.argv[1:] if argv is None else argv)
@@ -86,7 +108,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     module = importlib.import_module(COMMANDS[args.command].module)
     try:
-        return int(module.run(args))
+        with sigterm_as_interrupt():
+            return int(module.run(args))
     except TiermemError as exc:
         print(exc, file=sys.stderr)
         return 1

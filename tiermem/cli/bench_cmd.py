@@ -9,16 +9,12 @@ progress bar on long runs, and makes sure Ctrl-C (or SIGTERM) still removes ever
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 from tiermem.units import format_size, parse_size
@@ -222,25 +218,6 @@ def _check_resources(spec: BenchSpec, paths: tuple[str, ...]) -> None:
                 )
 
 
-# -- signals: Ctrl-C and SIGTERM both unwind through the cleanup -----------------------------------
-@contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """Turn SIGTERM into KeyboardInterrupt for the run, so ``finally`` blocks remove the files."""
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    try:
-        previous = signal.signal(signal.SIGTERM, interrupt)
-    except ValueError:  # not the main thread: signals cannot be handled here anyway
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 # -- output -----------------------------------------------------------------------------------------
 def _rate(bytes_per_s: float) -> str:
     return f"{bytes_per_s / (1 << 20):,.0f}"
@@ -367,33 +344,32 @@ def run(args: argparse.Namespace) -> int:
 
     private: str | None = None
     progress: _Progress | None = None
-    with _sigterm_as_interrupt():
+    try:
+        if spec.tier == "nvme" and not spec.paths:
+            private = tempfile.mkdtemp(prefix="tiermem-bench-")
+            spec = replace(spec, paths=(private,))
         try:
-            if spec.tier == "nvme" and not spec.paths:
-                private = tempfile.mkdtemp(prefix="tiermem-bench-")
-                spec = replace(spec, paths=(private,))
-            try:
-                _check_resources(spec, spec.paths)
-            except UsageError as exc:
-                print(f"tiermem bench io: error: {exc}", file=sys.stderr)
-                return 2
-            progress = _Progress(spec.passes)
+            _check_resources(spec, spec.paths)
+        except UsageError as exc:
+            print(f"tiermem bench io: error: {exc}", file=sys.stderr)
+            return 2
+        progress = _Progress(spec.passes)
 
-            def show_header(machine: dict[str, Any]) -> None:
-                if not args.json:
-                    print("\n".join(_header_lines(machine, spec)), flush=True)
-                else:
-                    for note in machine.get("notes", []):
-                        print(f"tiermem bench io: note: {note}", file=sys.stderr)
+        def show_header(machine: dict[str, Any]) -> None:
+            if not args.json:
+                print("\n".join(_header_lines(machine, spec)), flush=True)
+            else:
+                for note in machine.get("notes", []):
+                    print(f"tiermem bench io: note: {note}", file=sys.stderr)
 
-            report = run_benchmark(spec, on_machine=show_header, on_pass=progress.advance)
-        finally:
-            if progress is not None:
-                progress.stop()
-            if private is not None:
-                # The tier removed its run directory already; this removes the private parent
-                # (and anything a crash mid-setup could have left in it).
-                shutil.rmtree(private, ignore_errors=True)
+        report = run_benchmark(spec, on_machine=show_header, on_pass=progress.advance)
+    finally:
+        if progress is not None:
+            progress.stop()
+        if private is not None:
+            # The tier removed its run directory already; this removes the private parent
+            # (and anything a crash mid-setup could have left in it).
+            shutil.rmtree(private, ignore_errors=True)
     try:
         if args.json:
             print(json.dumps(report.as_dict(), indent=2), flush=True)

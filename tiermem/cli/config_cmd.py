@@ -12,8 +12,10 @@ Problems surface as a ConfigError, which ``tiermem.cli.main`` prints without a t
 from __future__ import annotations
 
 import argparse
+import os
 
 from tiermem.config import Config
+from tiermem.errors import ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,8 +46,24 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "check":
         if not args.static:
             config.resolve()
+            _check_paths(config)
         print(f"OK: {args.file}")
         return 0
     print(f"# tiermem configuration from {config.source}, resolved for this machine")
     print(config.resolve().to_toml(), end="")
     return 0
+
+
+def _check_paths(config: Config) -> None:
+    """The NVMe paths a file names must be usable directories here (the default one is
+    created on demand). Raises ConfigError listing each unusable path."""
+    problems = []
+    for path in config.nvme.paths:
+        full = os.path.abspath(os.path.expanduser(path))
+        if not os.path.isdir(full):
+            what = "is not a directory" if os.path.exists(full) else "does not exist"
+            problems.append(f"nvme.paths: {full!r} {what}; create it or point [nvme] paths elsewhere")
+        elif not os.access(full, os.W_OK | os.X_OK) or os.statvfs(full).f_flag & os.ST_RDONLY:
+            problems.append(f"nvme.paths: {full!r} is not writable (read-only filesystem or no permission)")
+    if problems:
+        raise ConfigError(problems, config.source)
