@@ -162,7 +162,14 @@ def _start_long_run(argv: list[str], env: dict[str, str]) -> subprocess.Popen[st
         [sys.executable, "-m", "tiermem", "bench", "io", "--size", "16MiB", "--block-size", "64KiB",
          "--queue-depth", "1", "--repeats", "10000", *argv],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        preexec_fn=_default_sigint,
     )  # fmt: skip
+
+
+def _default_sigint() -> None:
+    # A shell runs background jobs with SIGINT ignored, and children inherit that: the
+    # child would never see the Ctrl-C this test sends. Give it the default disposition.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _data_file_written(root: Path) -> bool:

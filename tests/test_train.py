@@ -265,7 +265,15 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
         "nvme",
         "--json",
     ]
-    child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT reset to default: a shell runs background jobs (and so this suite) with it ignored.
+    child = subprocess.Popen(
+        argv,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(tmp_path.glob("tiermem-nvme/tiermem-run-*/data")):
