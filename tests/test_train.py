@@ -284,6 +284,11 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
     finally:
         if child.poll() is None:
             child.kill()
-    assert child.returncode == 130, err
+    # 130, or (seen about 1 run in 6) the process ends by SIGINT after tiermem's cleanup ran
+    # and printed its message: CPython can exit via SIGINT once an interrupt passed through
+    # it (exit_sigint), even though tiermem caught it. A shell reports both as status 130.
+    interrupted = {130, -signal.SIGINT} if sig == signal.SIGINT else {130}
+    assert child.returncode in interrupted, err
+    assert "tiermem: interrupted" in err
     assert "Traceback" not in err
     assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
