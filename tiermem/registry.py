@@ -285,6 +285,9 @@ class Registry:
                     raise internal_error(f"{obj!r}: move ended for a transfer it no longer owns")
                 target, source = obj.target, obj.home
                 assert target is not None
+                # Rule 3: a cancel asked for may arrive after every block landed; the object
+                # still stays home, as move() promised (the landed copy is dropped).
+                cancelled = transfer.cancelled() or obj.cancelling
                 obj.target, obj.transfer, obj.cancelling = None, None, False
                 error = transfer.exception()
                 if obj.state is ObjectState.FREED:
@@ -293,14 +296,14 @@ class Registry:
                     self._count_resident(obj, source.tier, -1)
                     return
                 obj.state = ObjectState.RESIDENT
-                if error is None and not transfer.cancelled():
+                if error is None and not cancelled:
                     obj.home = target
                     source.tier.free(source)
                     self._count_resident(obj, source.tier, -1)
                     self._count_resident(obj, target.tier, +1)
                 else:
                     target.tier.free(target)
-                    if not transfer.cancelled():
+                    if error is not None and not cancelled:
                         self._failed_moves += 1
                         obj.error = error
             finally:
