@@ -25,7 +25,7 @@ import enum
 import itertools
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -207,7 +207,8 @@ class Registry:
                 self._dedup[key] = (weakref.ref(storage, self._storage_died(key)), version, obj)
             return Handle(obj, tensor)
 
-    def _storage_died(self, key: int) -> weakref.ReferenceType | object:
+    def _storage_died(self, key: int) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
+        """The weakref callback that drops ``key``'s dedup entry (holding the registry weakly)."""
         registry_ref = weakref.ref(self)
 
         def drop(ref: weakref.ref[torch.UntypedStorage]) -> None:
@@ -219,7 +220,7 @@ class Registry:
                 if entry is not None and entry[0] is ref:
                     del registry._dedup[key]
 
-        return drop  # type: ignore[return-value]
+        return drop
 
     @staticmethod
     def _adopt_or_copy(tier: Tier, tensor: torch.Tensor) -> Allocation:

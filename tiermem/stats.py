@@ -54,10 +54,9 @@ class Stats:
     activations: ActivationStatistics = ActivationStatistics()
 
     def as_dict(self) -> dict[str, Any]:
-        links = self.scheduler.as_dict()["links"]
         return {
             "tiers": {name: tier.as_dict() for name, tier in self.tiers.items()},
-            "links": {name: {"bytes": link["bytes"], "busy_s": link["busy_s"]} for name, link in links.items()},
+            "links": {name: link.as_dict() for name, link in self.scheduler.links.items()},
             "activations": self.activations.as_dict(),
             "dedup_hits": self.registry.dedup_hits,
             "forwarded": self.registry.forwarded,
