@@ -173,7 +173,14 @@ class Runtime:
         )
 
     def manage(
-        self, model: torch.nn.Module, optimizer: Any, plan: Any = None, **optimizer_kwargs: Any
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        plan: Any = None,
+        *,
+        grad_accumulation_steps: int | None = None,
+        clip_grad_norm: float | None = None,
+        **optimizer_kwargs: Any,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers.
 
@@ -182,9 +189,21 @@ class Runtime:
         keyword arguments. ``plan``: a hand-written placement (dict, ``Plan`` or JSON path,
         see ``tiermem.states.placement``); None applies the default rule. Returns the same
         model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
+
+        ``grad_accumulation_steps`` / ``clip_grad_norm`` (max L2 norm) declare the loop: step
+        and zero_grad after every N-th backward, gradients clipped by the runtime and not
+        edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
+        of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
         """
         states = ModelStates(
-            self.registry, model, optimizer, plan=plan, optimizer_kwargs=optimizer_kwargs, plan_owner=self
+            self.registry,
+            model,
+            optimizer,
+            plan=plan,
+            optimizer_kwargs=optimizer_kwargs,
+            plan_owner=self,
+            grad_accumulation_steps=grad_accumulation_steps,
+            clip_grad_norm=clip_grad_norm,
         )
         self._model_states.append(states)
         return model, states.optimizer

@@ -91,11 +91,13 @@ class BackwardMixin(StatesBase):
                 # Gradients wait on the host; autograd must not add into those views (rule 4).
                 for slot in chunk.layout.slots:
                     self.params[slot.index].grad = None
+        self._arm_early_steps()
 
     def _enter_backward(self, chunk: Chunk) -> None:
         if chunk.entered:
             return
         chunk.entered = True
+        self._backward_entered(chunk)
         if chunk.offloaded and chunk.grad is not None:
             have = [slot for slot in chunk.layout.slots if self._has_grad[slot.index]]
             if have:
@@ -149,6 +151,7 @@ class BackwardMixin(StatesBase):
         chunk.pending.discard(i)
         if chunk.offloaded and chunk.entered and not chunk.pending:
             self._flush(chunk)
+            self._gradients_complete(chunk)
 
     def _flush(self, chunk: Chunk) -> None:
         """Send an offloaded chunk's gradients home (rule 4)."""
@@ -176,6 +179,8 @@ class BackwardMixin(StatesBase):
                 if chunk.grad is not None:
                     chunk.grad.wait()
             self._expose_grads()
+            # Complete: every parameter used with grad got its gradient (NOTE [ Declared steps ] rule 2).
+            self._backward_ended(complete=not any(chunk.pending for chunk in self.chunks))
         finally:
             for chunk in self.chunks:
                 chunk.entered = False

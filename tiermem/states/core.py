@@ -5,6 +5,7 @@ attributes :class:`StatesBase` declares, and two helpers (NOTE [ Model-state rul
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,33 @@ class StatesBase:
 
     # Implemented by BackwardMixin; declared here for the parts that call across.
     def _settle_backward(self) -> None:
+        raise NotImplementedError
+
+    _repack_pending: bool
+
+    def _repack(self) -> None:
+        raise NotImplementedError
+
+    def _reconcile_grads(self) -> None:
+        raise NotImplementedError
+
+    def _home_on_host(self, chunk: Chunk) -> contextlib.AbstractContextManager[torch.Tensor]:
+        raise NotImplementedError
+
+    # Implemented by StepMixin (NOTE [ Declared steps ]); called from the hooks.
+    def _forward_with_grad(self) -> None:
+        raise NotImplementedError
+
+    def _arm_early_steps(self) -> None:
+        raise NotImplementedError
+
+    def _backward_entered(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+    def _gradients_complete(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+    def _backward_ended(self, complete: bool) -> None:
         raise NotImplementedError
 
     def _grad_bytes(self, chunk: Chunk) -> torch.Tensor:

@@ -75,15 +75,15 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
 from tiermem.registry import Registry
-from tiermem.schedulers.base import Priority
 from tiermem.states.backward import BackwardMixin
 from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
-from tiermem.states.core import ParamState, Snapshot, Use, same
+from tiermem.states.core import ParamState, Snapshot, Use
 from tiermem.states.errors import PlanError, StatesMemoryError, StatesUsageError
-from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, run_step, state_names
+from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
 from tiermem.states.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, normalize_chunk_size, parse_plan
 from tiermem.states.pool import ChunkPool
 from tiermem.states.stateio import StateIOMixin
+from tiermem.states.stepping import StepMixin
 from tiermem.units import format_size
 
 log = logging.getLogger("tiermem.states")
@@ -92,7 +92,7 @@ log = logging.getLogger("tiermem.states")
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
 
 
-class ModelStates(BackwardMixin, StateIOMixin):
+class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
     """Carries out a :class:`Plan` for one model and its optimizer (NOTE [ Model-state rules ])."""
 
     def __init__(
@@ -104,6 +104,8 @@ class ModelStates(BackwardMixin, StateIOMixin):
         plan: Any = None,
         optimizer_kwargs: Mapping[str, Any] | None = None,
         plan_owner: object | None = None,
+        grad_accumulation_steps: int | None = None,
+        clip_grad_norm: float | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -137,6 +139,7 @@ class ModelStates(BackwardMixin, StateIOMixin):
         owners = Counter(i for names in self._module_names.values() for _, i in names)
         self._shared = {i for i, count in owners.items() if count > 1}
         self._request: PlanRequest = parse_plan(plan)
+        self._init_stepping(grad_accumulation_steps, clip_grad_norm)
         # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
         self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
 
@@ -350,6 +353,8 @@ class ModelStates(BackwardMixin, StateIOMixin):
         self._settle_backward()
         if self._recorded is None and self._recording is None:
             self._recording, self._seen = [], set()
+        if torch.is_grad_enabled():
+            self._forward_with_grad()
 
     def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
         if self._recording is None:
@@ -385,89 +390,6 @@ class ModelStates(BackwardMixin, StateIOMixin):
             chunk.pins -= 1
         if output is not None and not self._closed and torch.is_grad_enabled():
             self._track_use(module, args, kwargs, output)
-
-    def step(self, optimizer: ManagedOptimizer) -> None:
-        """Rule 5."""
-        self._check_usable()
-        self._settle_backward()
-        if self._in_backward:
-            raise StatesUsageError("tiermem: optimizer.step() was called during backward")
-        self._reconcile_grads()
-        if self._repack_pending:
-            self._repack()
-        self.pool.release_all()
-        self._generation += 1
-        group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
-        attributes = {
-            name: getattr(optimizer, name) for name in ("grad_scale", "found_inf") if hasattr(optimizer, name)
-        }
-        work = []
-        for chunk in self.chunks:
-            slots = [s for s in chunk.layout.slots if self._has_grad[s.index] and id(self.params[s.index]) in group_of]
-            if slots:
-                work.append((chunk, slots))
-        staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
-        for chunk, slots in work:
-            if chunk.home_tier != "nvme":
-                self._step_chunk(chunk, slots, optimizer, group_of, attributes)
-                continue
-            after = staged.index(chunk) + 1
-            if after < len(staged):  # stage the next NVMe home while this one steps
-                with contextlib.suppress(TierCapacityError):
-                    staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
-            with self._home_on_host(chunk):
-                self._step_chunk(chunk, slots, optimizer, group_of, attributes)
-
-    def _step_chunk(
-        self,
-        chunk: Chunk,
-        slots: list[Slot],
-        optimizer: ManagedOptimizer,
-        group_of: Mapping[int, int],
-        attributes: Mapping[str, Any],
-    ) -> None:
-        names = self.state_names
-        objects: dict[int, torch.Tensor] = {}
-        if chunk.offloaded:
-            assert chunk.home is not None and chunk.grad is not None
-            home = chunk.home.tensor("host")
-            grads = self._grad_bytes(chunk)
-            for slot in slots:
-                master = slot.view(home)
-                master.grad = slot.view(grads)
-                objects[slot.index] = master
-        else:
-            home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
-            objects = {slot.index: self.params[slot.index] for slot in slots}
-        state: dict[torch.Tensor, dict[str, Any]] = {}
-        for slot in slots:
-            record = self._pstate.get(slot.index)
-            if record is not None:
-                state[objects[slot.index]] = {
-                    key: slot.view(home, chunk.section_base(names.index(key))) if key in names else record.scalars[key]
-                    for key in record.keys
-                }
-        by_group: dict[int, list[torch.Tensor]] = {}
-        for slot in slots:
-            by_group.setdefault(group_of[id(self.params[slot.index])], []).append(objects[slot.index])
-        groups = [(optimizer.param_groups[g], params) for g, params in sorted(by_group.items())]
-        after = run_step(self.optimizer_class, optimizer.defaults, groups, state, attributes)
-        for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]
-            obj = objects[slot.index]
-            entry = after.get(obj)
-            if not entry:
-                continue
-            record = ParamState(list(entry))
-            for key, value in entry.items():
-                if key in names and isinstance(value, torch.Tensor) and value.shape == obj.shape:
-                    target = slot.view(home, chunk.section_base(names.index(key)))
-                    if not same(value, target):
-                        target.copy_(value)
-                else:
-                    record.scalars[key] = value
-            self._pstate[slot.index] = record
-            if chunk.offloaded:
-                obj.grad = None
 
     def _repack(self) -> None:
         self._repack_pending = False
@@ -538,6 +460,8 @@ class ModelStates(BackwardMixin, StateIOMixin):
         return {
             "plan": self.plan.as_dict(),
             "order": "execution" if self._order == self._recorded else "registration",
+            "chunk_steps": self.chunk_steps,
+            "early_chunk_steps": self.early_chunk_steps,
             "chunks": [
                 {
                     "index": c.index,

@@ -134,6 +134,8 @@ class ManagedOptimizer(torch.optim.Optimizer):
         self._backend = backend
         self._frozen_groups = False
         self.optimizer_class: type[torch.optim.Optimizer] = type(base)
+        #: the total gradient norm of the last step when rt.manage(clip_grad_norm=) clips
+        self.grad_norm: torch.Tensor | None = None
         super().__init__([dict(group) for group in base.param_groups], dict(base.defaults))
         self._frozen_groups = True
 

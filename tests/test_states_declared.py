@@ -1,0 +1,155 @@
+"""Declared loops (NOTE [ Declared steps ]): with ``grad_accumulation_steps=`` / ``clip_grad_norm=``
+given to ``rt.manage``, the runtime clips and steps offloaded chunks during the last backward of
+each window, and training stays bitwise plain PyTorch on the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import (
+    OPTIMIZERS,
+    assert_bitwise,
+    batch,
+    config,
+    make_model,
+    one_thread,  # noqa: F401  (autouse fixture)
+    param_groups,
+    state_bytes,
+)
+from tiermem.states import StatesUsageError
+
+
+def plain_loop(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    steps: int,
+    micro_batches: int,
+    clip: float | None,
+    *,
+    edit_grads_at: int | None = None,
+) -> list[torch.Tensor]:
+    """The loop users write; ``clip`` is applied by hand (plain) or declared (managed: None here)."""
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    out = []
+    for step in range(steps):
+        for micro in range(micro_batches):
+            tokens, targets = batch(step, micro)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()) / micro_batches
+            loss.backward()
+            out.append(loss.detach())
+        if clip is not None:
+            out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), clip))
+        if edit_grads_at is not None and step >= edit_grads_at:
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return out
+
+
+def managed(rt: tiermem.Runtime) -> Any:
+    return rt._model_states[-1]
+
+
+@pytest.mark.parametrize("home", ["host", "nvme"])
+@pytest.mark.parametrize("micro_batches", [1, 3])
+def test_overlapped_step_is_bitwise(tmp_path, home, micro_batches):
+    """Offloaded chunks step during the window's last backward, and the result is PyTorch's."""
+    steps = 4
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, micro_batches, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adamw"](param_groups(model)),
+            plan={"state_home": home},
+            grad_accumulation_steps=micro_batches,
+        )
+        got = plain_loop(model, optimizer, steps, micro_batches, None)
+        described = managed(rt).describe()
+        assert any(c["home"] == home for c in described["chunks"])
+        # The first window shows the gradients are left alone; every later one steps early.
+        assert described["early_chunk_steps"] > 0
+        assert described["early_chunk_steps"] + described["chunk_steps"] > steps
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_declared_clipping_is_pytorchs_norm(tmp_path, micro_batches):
+    clip = 0.5
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["sgd"](param_groups(plain)), 3, micro_batches, clip)
+    norms = want[micro_batches :: micro_batches + 1]
+    want_losses = [t for i, t in enumerate(want) if i % (micro_batches + 1) != micro_batches]
+    model = make_model()
+    got_norms = []
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("sgd", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["sgd"](param_groups(model)), grad_accumulation_steps=micro_batches, clip_grad_norm=clip
+        )
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        got_losses = []
+        for step in range(3):
+            for micro in range(micro_batches):
+                tokens, targets = batch(step, micro)
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()) / micro_batches
+                loss.backward()
+                got_losses.append(loss.detach())
+            optimizer.step()
+            got_norms.append(optimizer.grad_norm)
+            optimizer.zero_grad()
+            scheduler.step()
+        assert managed(rt).describe()["early_chunk_steps"] == 0  # the norm needs every gradient first
+    assert_bitwise(got_losses, want_losses)
+    assert_bitwise(got_norms, norms)
+    assert max(float(n) for n in norms) > clip  # the test clips for real
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_gradients_edited_after_early_steps_is_an_error(tmp_path):
+    """GradScaler.unscale_ or hand edits after the runtime stepped with the gradients: a clear
+    error, never a silently different step."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), grad_accumulation_steps=1)
+        with pytest.raises(StatesUsageError, match=r"gradients changed between backward and optimizer\.step"):
+            plain_loop(model, optimizer, 3, 1, None, edit_grads_at=1)
+
+
+def test_gradients_edited_from_the_start_turn_early_steps_off(tmp_path):
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adam"](param_groups(plain)), 3, 2, None, edit_grads_at=0)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), grad_accumulation_steps=2)
+        got = plain_loop(model, optimizer, 3, 2, None, edit_grads_at=0)
+        assert managed(rt).describe()["early_chunk_steps"] == 0
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"grad_accumulation_steps": 0}, ValueError),
+        ({"grad_accumulation_steps": 1.5}, TypeError),
+        ({"clip_grad_norm": -1.0}, ValueError),
+        ({"clip_grad_norm": float("nan")}, ValueError),
+        ({"clip_grad_norm": "1"}, TypeError),
+    ],
+)
+def test_bad_declarations_are_refused(tmp_path, kwargs, error):
+    model = make_model()
+    rt = tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model))))
+    with rt, pytest.raises(error, match="tiermem manage"):
+        rt.manage(model, torch.optim.Adam, lr=1e-3, **kwargs)

@@ -1,0 +1,297 @@
+"""The optimizer step: at ``optimizer.step()``, or early, overlapped with the last backward of an
+accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in ``manager.py``).
+
+# NOTE [ Declared steps ]
+1. ``rt.manage(..., grad_accumulation_steps=N, clip_grad_norm=max_norm)`` declares the loop:
+   ``optimizer.step()`` and ``optimizer.zero_grad()`` come after every N-th backward (N is 1
+   when only ``clip_grad_norm`` is given), and user code does not edit gradients in between;
+   the runtime clips. Undeclared, the step runs whole at ``optimizer.step()`` and user code
+   may read, clip and edit ``.grad`` freely (TRAPS 4).
+2. Counting: a backward counts when it ends complete, every parameter the forward used with
+   grad enabled having received its gradient. A reentrant checkpoint's nested backward that
+   ends ours early does not count (NOTE rule 8 of the manager); a backward that leaves a used
+   parameter without gradient does not count either, which can only lose overlap, never step
+   early. ``optimizer.step()`` resets the count.
+3. Early steps, when no clipping is declared: in a backward that will complete the window,
+   after exactly one forward with grad since the previous complete backward, and after the
+   first window's ``optimizer.step()`` (which re-packs and shows whether gradients stay
+   untouched between backward and step), each offloaded chunk steps as soon as every
+   parameter of it that the forward used has its gradient and that gradient is home: its
+   NVMe home is prefetched to the host when its backward begins, so the state I/O hides
+   behind the rest of backward. The step changes only the chunk's home (master and states);
+   its device copy, which the rest of this backward may still hold for frozen parameters, is
+   released when backward ends, so the next forward reads the new values. Persistent chunks
+   (their device copy is the master, still saved by autograd) and chunks that never completed
+   step at ``optimizer.step()``, which also waits for the early steps' write-backs.
+4. Guard: gradient versions are recorded when a counted backward ends. If ``optimizer.step()``
+   finds them changed (``GradScaler.unscale_``, clipping or edits by hand) after early steps
+   used them, it raises :class:`StatesUsageError`, never a silently different step; if no
+   early step ran yet, it switches early steps off for this model and logs why.
+5. Declared clipping: at ``optimizer.step()``, ``torch.nn.utils.clip_grad_norm_`` over the
+   model's parameters (the real gradients, wherever they live), so the total norm is
+   PyTorch's own, computed before any chunk steps; ``optimizer.grad_norm`` holds it. No early
+   steps then: the norm needs every gradient.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from tiermem.errors import TierCapacityError
+from tiermem.schedulers.base import Priority
+from tiermem.states.chunks import Chunk, Slot
+from tiermem.states.core import ParamState, StatesBase, same
+from tiermem.states.errors import StatesUsageError
+from tiermem.states.optimizer import ManagedOptimizer, run_step
+
+log = logging.getLogger("tiermem.states")
+
+
+def check_declarations(grad_accumulation_steps: Any, clip_grad_norm: Any) -> tuple[int | None, float | None]:
+    """Validate what ``rt.manage`` was told about the loop (rule 1)."""
+    steps: int | None = None
+    if grad_accumulation_steps is not None:
+        if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int):
+            raise TypeError(
+                f"tiermem manage: grad_accumulation_steps must be an int >= 1, got {grad_accumulation_steps!r}"
+            )
+        if grad_accumulation_steps < 1:
+            raise ValueError(f"tiermem manage: grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
+        steps = grad_accumulation_steps
+    norm: float | None = None
+    if clip_grad_norm is not None:
+        if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
+            raise TypeError(f"tiermem manage: clip_grad_norm must be a max norm > 0, got {clip_grad_norm!r}")
+        if not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0:
+            raise ValueError(f"tiermem manage: clip_grad_norm must be a finite max norm > 0, got {clip_grad_norm}")
+        norm = float(clip_grad_norm)
+        steps = steps or 1
+    return steps, norm
+
+
+class StepMixin(StatesBase):
+    """The step half of :class:`~tiermem.states.manager.ModelStates`."""
+
+    #: rule 1: None when the loop is undeclared
+    _accumulation: int | None
+    _max_norm: float | None
+    #: rule 2: counted backwards since the last step; forwards with grad since the last one
+    _counted: int
+    _grad_forwards: int
+    #: rule 3: whether this backward steps chunks early, which did, and whether early steps may run
+    _early: bool
+    _early_allowed: bool
+    _windows: int
+    _stepped: set[int]
+    #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
+    _grad_versions: dict[int, tuple[torch.Tensor, int]]
+
+    def _init_stepping(self, grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:
+        self._accumulation, self._max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
+        self._counted = 0
+        self._grad_forwards = 0
+        self._early = False
+        self._early_allowed = self._accumulation is not None and self._max_norm is None
+        self._windows = 0
+        self._stepped = set()
+        self._grad_versions = {}
+        #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
+        self.early_chunk_steps = 0
+        self.chunk_steps = 0
+
+    # -- rule 2 and 3: hooks called from forward and backward ---------------------------------
+    def _forward_with_grad(self) -> None:
+        self._grad_forwards += 1
+
+    def _arm_early_steps(self) -> None:
+        """At the start of a backward: will it step chunks early (rule 3)?"""
+        self._early = (
+            self._early_allowed
+            and self._accumulation is not None
+            and self._windows > 0
+            and self._grad_forwards == 1
+            and self._counted + 1 == self._accumulation
+            and not self._repack_pending
+        )
+
+    def _backward_entered(self, chunk: Chunk) -> None:
+        """A chunk's backward began: stage its NVMe home for an early step (rule 3)."""
+        if self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None:
+            with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
+                chunk.home.move_to("host", Priority.PREFETCH)
+
+    def _gradients_complete(self, chunk: Chunk) -> None:
+        """Every used parameter of an offloaded chunk has its gradient, sent home (rule 3)."""
+        if not self._early or chunk.index in self._stepped or chunk.persistent:
+            return
+        group_of = self._group_of(self.optimizer)
+        slots = self._steppable(chunk, group_of)
+        if not slots:
+            return
+        self._stepped.add(chunk.index)
+        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {})
+        self.early_chunk_steps += 1
+
+    def _backward_ended(self, complete: bool) -> None:
+        """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
+        for index in sorted(self._stepped):
+            chunk = self.chunks[index]
+            if chunk.pins == 0:
+                self.pool.release(chunk)
+        self._early = False
+        if not complete:
+            return
+        self._counted += 1
+        self._grad_forwards = 0
+        self._grad_versions = {
+            i: (p.grad, p.grad._version) for i, p in enumerate(self.params) if p.grad is not None
+        }
+
+    # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
+    def step(self, optimizer: ManagedOptimizer) -> None:
+        self._check_usable()
+        self._settle_backward()
+        if self._in_backward:
+            raise StatesUsageError("tiermem: optimizer.step() was called during backward")
+        stepped, self._stepped = self._stepped, set()
+        counted, self._counted = self._counted, 0
+        self._grad_forwards = 0
+        if self._accumulation is not None:
+            self._check_gradients_untouched(stepped, counted)
+            self._windows += 1
+        self._reconcile_grads()
+        if self._max_norm is not None:
+            optimizer.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._max_norm)
+        if self._repack_pending:
+            self._repack()
+        self.pool.release_all()
+        self._generation += 1
+        group_of = self._group_of(optimizer)
+        attributes = {
+            name: getattr(optimizer, name) for name in ("grad_scale", "found_inf") if hasattr(optimizer, name)
+        }
+        work = []
+        for chunk in self.chunks:
+            slots = self._steppable(chunk, group_of)
+            if slots and chunk.index not in stepped:
+                work.append((chunk, slots))
+        staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
+        for chunk, slots in work:
+            if chunk.home_tier == "nvme":
+                after = staged.index(chunk) + 1
+                if after < len(staged):  # stage the next NVMe home while this one steps
+                    with contextlib.suppress(TierCapacityError):
+                        staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
+            self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
+            self.chunk_steps += 1
+        for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
+            home = self.chunks[index].home
+            if home is not None:
+                home.wait()
+
+    def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
+        """Rule 4."""
+        changed = [
+            i
+            for i, (grad, version) in self._grad_versions.items()
+            if self.params[i].grad is not grad or grad._version != version
+        ] + [i for i, p in enumerate(self.params) if p.grad is not None and i not in self._grad_versions and counted]
+        self._grad_versions = {}
+        if not changed:
+            return
+        if stepped:
+            names = self._param_names([i for i in changed][:3])
+            raise StatesUsageError(
+                f"tiermem: gradients changed between backward and optimizer.step() ({', '.join(names)}...), but "
+                f"rt.manage(grad_accumulation_steps={self._accumulation}) already stepped {len(stepped)} chunk(s) "
+                "with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) and "
+                "nobody edits .grad; for GradScaler or hand-made gradient edits, call rt.manage without "
+                "grad_accumulation_steps."
+            )
+        if self._early_allowed:
+            self._early_allowed = False
+            log.info(
+                "tiermem model states: gradients change between backward and optimizer.step(); the optimizer "
+                "step will not overlap backward (NOTE [ Declared steps ] rule 4)"
+            )
+
+    def _param_names(self, indices: list[int]) -> list[str]:
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        return [names.get(id(self.params[i]), f"parameter {i}") for i in indices]
+
+    def _group_of(self, optimizer: ManagedOptimizer) -> dict[int, int]:
+        return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+
+    def _steppable(self, chunk: Chunk, group_of: Mapping[int, int]) -> list[Slot]:
+        return [s for s in chunk.layout.slots if self._has_grad[s.index] and id(self.params[s.index]) in group_of]
+
+    def _run_chunk_step(
+        self,
+        chunk: Chunk,
+        slots: list[Slot],
+        optimizer: ManagedOptimizer,
+        group_of: Mapping[int, int],
+        attributes: Mapping[str, Any],
+    ) -> None:
+        if chunk.home_tier != "nvme":
+            self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+            return
+        with self._home_on_host(chunk):
+            self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+
+    def _step_chunk(
+        self,
+        chunk: Chunk,
+        slots: list[Slot],
+        optimizer: ManagedOptimizer,
+        group_of: Mapping[int, int],
+        attributes: Mapping[str, Any],
+    ) -> None:
+        names = self.state_names
+        objects: dict[int, torch.Tensor] = {}
+        if chunk.offloaded:
+            assert chunk.home is not None and chunk.grad is not None
+            home = chunk.home.tensor("host")
+            grads = self._grad_bytes(chunk)
+            for slot in slots:
+                master = slot.view(home)
+                master.grad = slot.view(grads)
+                objects[slot.index] = master
+        else:
+            home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
+            objects = {slot.index: self.params[slot.index] for slot in slots}
+        state: dict[torch.Tensor, dict[str, Any]] = {}
+        for slot in slots:
+            record = self._pstate.get(slot.index)
+            if record is not None:
+                state[objects[slot.index]] = {
+                    key: slot.view(home, chunk.section_base(names.index(key))) if key in names else record.scalars[key]
+                    for key in record.keys
+                }
+        by_group: dict[int, list[torch.Tensor]] = {}
+        for slot in slots:
+            by_group.setdefault(group_of[id(self.params[slot.index])], []).append(objects[slot.index])
+        groups = [(optimizer.param_groups[g], params) for g, params in sorted(by_group.items())]
+        after = run_step(self.optimizer_class, optimizer.defaults, groups, state, attributes)
+        for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]
+            obj = objects[slot.index]
+            entry = after.get(obj)
+            if not entry:
+                continue
+            record = ParamState(list(entry))
+            for key, value in entry.items():
+                if key in names and isinstance(value, torch.Tensor) and value.shape == obj.shape:
+                    target = slot.view(home, chunk.section_base(names.index(key)))
+                    if not same(value, target):
+                        target.copy_(value)
+                else:
+                    record.scalars[key] = value
+            self._pstate[slot.index] = record
+            if chunk.offloaded:
+                obj.grad = None
