@@ -30,7 +30,13 @@ class BackwardMixin(StatesBase):
             return
         use = Use(self._module_chunks[module])
         seen: set[int] = set()
-        for t in tree_leaves((args, kwargs)):
+        # A trainable parameter accumulates after the last node that produced its gradient, the
+        # node that also used its value for the input's gradient; the input's own gradient may
+        # come much later (an encoder output read by every decoder layer), so waiting for it
+        # would pin every such module's chunks at once. Only modules without trainable
+        # parameters of their own wait for their inputs.
+        trainable = any(self._trainable[i] for _, i in self._module_names[module])
+        for t in () if trainable else tree_leaves((args, kwargs)):
             if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in seen:
                 seen.add(id(t))
                 handle = t.register_hook(functools.partial(self._input_ready, use))

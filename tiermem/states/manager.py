@@ -27,8 +27,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    fetches them again before the module's backward and prefetches the previous chunk; it
    runs after the tensor hooks on that output, so the module that consumed it has already
    unpinned. A chunk is pinned while a module using it runs forward, and from that module's
-   backward start until the use is done: every input that requires grad has its gradient
-   and every own trainable parameter has accumulated (the end of backward unpins the rest).
+   backward start until the use is done: every own trainable parameter has accumulated, or,
+   for a module without trainable parameters of its own, every input that requires grad has
+   its gradient (the end of backward unpins the rest).
    Unpinned chunks stay cached until a fetch needs their slot (least recently used first; a
    prefetch evicts only chunks behind it); at most ``plan.buffers`` streamed chunks are
    resident at once.
@@ -41,7 +42,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    write the real gradients (TRAPS 4). The next backward brings them back to accumulate.
    Before each backward and step, ``p.grad`` is reconciled: ``None`` (``model.zero_grad()``)
    drops a gradient, another tensor is copied in.
-5. Step: ``optimizer.step()`` releases every streamed chunk (its device copy goes stale),
+5. Step (``stepping.py``; a declared loop steps offloaded chunks earlier, during the last
+   backward of a window: NOTE [ Declared steps ]): ``optimizer.step()`` releases every
+   streamed chunk (its device copy goes stale),
    then steps chunk by chunk with torch's own optimizer code on per-parameter views (NOTE
    [ Exact optimizer step ]): device-homed chunks on the device, offloaded ones on the CPU
    over their host master, NVMe homes staged through the host (DEMAND, the next one
@@ -90,6 +93,20 @@ log = logging.getLogger("tiermem.states")
 
 #: Models under management, so one model is not managed twice.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
+
+
+def _refuse_compile() -> None:
+    """Rule 8: dynamo would trace the hooks that fetch, release and refill chunk storage into graphs."""
+    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
+    callback = getattr(eval_frame, "get_eval_frame_callback", None)
+    # A hook dynamo cannot trace runs eagerly inside the compiled call, where is_compiling() is
+    # False but dynamo's frame callback is set.
+    if torch.compiler.is_compiling() or (callback is not None and callback() not in (None, False)):
+        raise StatesUsageError(
+            "tiermem: torch.compile of a model whose states rt.manage() manages is not supported yet: its hooks "
+            "fetch, release and refill chunk storage, which compiled graphs must not capture. Run the managed model "
+            "eagerly."
+        )
 
 
 class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
@@ -149,7 +166,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self.pool = ChunkPool(registry, [], 0)
         self._has_grad = [False] * len(self.params)
         self._pstate: dict[int, ParamState] = {}
-        self._order = list(range(len(self.params)))
+        self._order = self._initial_order()
         self._recording: list[int] | None = None
         self._seen: set[int] = set()
         self._recorded: list[int] | None = None
@@ -189,6 +206,14 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self.optimizer = ManagedOptimizer(self, base)
         self._register_hooks()
         _MANAGED[model] = self
+
+    def _initial_order(self) -> list[int]:
+        """Rule 2: registration order, or the execution order the planner's profile recorded
+        (``PlanRequest.order``), which spares the re-pack at the first step."""
+        order = self._request.order
+        if order is None or sorted(order) != list(range(len(self.params))):
+            return list(range(len(self.params)))
+        return list(order)
 
     def _plan_layout(
         self, order: Sequence[int], held: Mapping[str, int] | None = None
@@ -350,6 +375,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
 
     def _root_started(self, _module: nn.Module, _args: Any) -> None:
         self._check_usable()
+        _refuse_compile()
         self._settle_backward()
         if self._recorded is None and self._recording is None:
             self._recording, self._seen = [], set()
@@ -366,6 +392,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
 
     def _forward_started(self, module: nn.Module, _args: Any) -> None:
         self._check_usable()
+        _refuse_compile()
         names = self._module_names[module]
         if self._recording is not None:
             for _, i in names:
