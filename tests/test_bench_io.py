@@ -21,6 +21,8 @@ from typing import Any
 import pytest
 
 from tiermem.cli import main
+from tiermem.tiers.backends import aio, select_backend
+from tiermem.tiers.backends.aio import AioBackend
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 from tiermem.units import parse_size
@@ -38,6 +40,11 @@ RESULT_KEYS = {
     "latency_s",
 }
 TINY = ["--size", "2MiB", "--block-size", "256KiB", "--queue-depth", "4", "--repeats", "2"]
+
+
+def auto_backend(path: Path) -> str:
+    """What ``--backend auto`` picks for ``path`` here (aio where Linux AIO works, else posix)."""
+    return select_backend("auto", path)[0].name
 
 
 def bench(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -80,7 +87,7 @@ def test_every_mode_reports_well_formed_json(
     assert report["results"][0]["size"] == 2 << 20 and report["results"][0]["repeats"] == 2
     assert report["machine"]["through"] == through and report["machine"]["verify"] is True
     if tier == "nvme":
-        assert report["machine"]["backend"] == report["results"][0]["backend"] == "posix"
+        assert report["machine"]["backend"] == report["results"][0]["backend"] == auto_backend(tmp_path)
         assert report["machine"]["direct"] in (True, False)
         assert report["machine"]["filesystems"][0]["path"] == str(tmp_path)
     assert list(tmp_path.iterdir()) == []
@@ -112,7 +119,8 @@ def test_default_sweep_grid_stops_at_the_size() -> None:
 def test_table_for_people_has_the_machine_facts(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, out, err = bench(capsys, "--path", str(tmp_path), *TINY, "--op", "write")
     assert status == 0, err
-    for fact in ("machine:", "CPUs", f"path {tmp_path}:", "backend: posix", "O_DIRECT:", "page cache:", "MiB/s"):
+    backend = f"backend: {auto_backend(tmp_path)}"
+    for fact in ("machine:", "CPUs", f"path {tmp_path}:", backend, "O_DIRECT:", "page cache:", "MiB/s"):
         assert fact in out
     assert "write" in out and "read " not in out
     assert list(tmp_path.iterdir()) == []
@@ -123,12 +131,16 @@ def _with_backend(monkeypatch: pytest.MonkeyPatch, backend: FaultyBackend) -> No
     monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (backend, "injected by test"))
 
 
+@pytest.mark.parametrize("inner", ["posix", "aio"])
 @pytest.mark.parametrize("through", ["raw", "scheduler"])
 def test_verify_catches_a_corrupted_read(
-    through: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    through: str, inner: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Checksums are off in the benchmark's tier: only --verify can notice the flipped bit.
-    _with_backend(monkeypatch, FaultyBackend(PosixBackend(), flip_all_reads=True))
+    # With aio the flip comes through its kernel queue's completions.
+    if inner == "aio" and not aio.probe(tmp_path)[0]:
+        pytest.skip(f"aio unusable here: {aio.probe(tmp_path)[1]}")
+    _with_backend(monkeypatch, FaultyBackend(AioBackend() if inner == "aio" else PosixBackend(), flip_all_reads=True))
     status, _out, err = bench(capsys, "--path", str(tmp_path), "--through", through, *TINY, "--verify")
     assert status == 1
     assert "verification failed" in err and "differ" in err

@@ -26,6 +26,8 @@ from tiermem.errors import (
     TiermemWarning,
     UnverifiedReadError,
 )
+from tiermem.tiers.backends import aio
+from tiermem.tiers.backends.aio import AioBackend
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 from tiermem.tiers.base import ALIGNMENT
@@ -53,6 +55,21 @@ def empty_like_aligned(n: int, *, shift: int = 0) -> torch.Tensor:
     raw = torch.zeros(n + 2 * ALIGNMENT, dtype=torch.uint8)
     start = (-raw.data_ptr()) % ALIGNMENT + shift
     return raw[start : start + n]
+
+
+@pytest.fixture(params=["posix", "aio"])
+def backend_name(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Both POSIX backends: the worker pool only, and AIO's kernel queue (skipped where the
+    kernel or the filesystem of tmp_path refuses AIO with O_DIRECT)."""
+    if request.param == "aio":
+        ok, reason = aio.probe(tmp_path)
+        if not ok:
+            pytest.skip(f"aio unusable here: {reason}")
+    return str(request.param)
+
+
+def make_backend(name: str) -> PosixBackend:
+    return AioBackend() if name == "aio" else PosixBackend()
 
 
 @pytest.fixture
@@ -96,8 +113,10 @@ SIZES = [1, 4095, 4096, BLOCK - 1, BLOCK, BLOCK + 1, 3 * MiB + 123]
 
 @pytest.mark.parametrize("checksum", [False, True])
 @pytest.mark.parametrize("direct", ["auto", False])
-def test_round_trip_sizes(make_tier: Callable[..., NvmeTier], checksum: bool, direct: bool | str) -> None:
-    tier = make_tier(checksum=checksum, direct=direct)
+def test_round_trip_sizes(
+    make_tier: Callable[..., NvmeTier], backend_name: str, checksum: bool, direct: bool | str
+) -> None:
+    tier = make_tier(checksum=checksum, direct=direct, backend=backend_name)
     for n in SIZES:
         for shift in (0, 100):
             round_trip(tier, n, shift=shift, seed=n + shift)
@@ -106,8 +125,10 @@ def test_round_trip_sizes(make_tier: Callable[..., NvmeTier], checksum: bool, di
     assert stats.bytes_written == stats.bytes_read == 2 * sum(SIZES)
 
 
-def test_zero_copy_for_aligned_buffers_and_bounce_for_unaligned(make_tier: Callable[..., NvmeTier]) -> None:
-    tier = make_tier(direct="auto")
+def test_zero_copy_for_aligned_buffers_and_bounce_for_unaligned(
+    make_tier: Callable[..., NvmeTier], backend_name: str
+) -> None:
+    tier = make_tier(direct="auto", backend=backend_name)
     if not direct_supported(tier):
         pytest.skip(f"no O_DIRECT here: {tier.describe()['direct_reason']}")
     assert tier.describe()["direct_reason"] == "O_DIRECT"
@@ -142,8 +163,8 @@ def test_buffered_mode_is_zero_copy_even_unaligned(make_tier: Callable[..., Nvme
     assert tier.segment_counts()["staged"] == 0
 
 
-def test_striping_over_two_paths(make_tier: Callable[..., NvmeTier]) -> None:
-    tier = make_tier(npaths=2, direct="auto")
+def test_striping_over_two_paths(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
+    tier = make_tier(npaths=2, direct="auto", backend=backend_name)
     n = 5 * BLOCK + 1000
     allocation = tier.allocate(n)
     assert allocation.location == 0
@@ -166,9 +187,9 @@ def test_striping_over_two_paths(make_tier: Callable[..., NvmeTier]) -> None:
 @pytest.mark.parametrize("checksum", [False, True])
 @pytest.mark.parametrize("direct", ["auto", False])
 def test_write_and_read_at_offsets(
-    make_tier: Callable[..., NvmeTier], checksum: bool, direct: bool | str
+    make_tier: Callable[..., NvmeTier], backend_name: str, checksum: bool, direct: bool | str
 ) -> None:
-    tier = make_tier(checksum=checksum, direct=direct)
+    tier = make_tier(checksum=checksum, direct=direct, backend=backend_name)
     n = 3 * BLOCK + 500
     allocation = tier.allocate(n)
     expect = aligned(n, seed=1)
@@ -186,8 +207,8 @@ def test_write_and_read_at_offsets(
         assert torch.equal(part, expect[offset : offset + length]), f"read [{offset}, +{length})"
 
 
-def test_many_concurrent_requests(make_tier: Callable[..., NvmeTier]) -> None:
-    tier = make_tier(npaths=2, queue_depth=8, checksum=True)
+def test_many_concurrent_requests(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
+    tier = make_tier(npaths=2, queue_depth=8, checksum=True, backend=backend_name)
     gen = torch.Generator().manual_seed(7)
     sizes = [int(s) for s in torch.randint(1, 3 * BLOCK, (48,), generator=gen)]
     allocations = [tier.allocate(s) for s in sizes]
@@ -286,8 +307,8 @@ def test_files_grow_lazily_and_are_removed_on_close(tmp_path: Path) -> None:
         tier.allocate(1)
 
 
-def test_close_waits_for_in_flight_and_frees_everything(make_tier: Callable[..., NvmeTier]) -> None:
-    tier = make_tier()
+def test_close_waits_for_in_flight_and_frees_everything(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
+    tier = make_tier(backend=backend_name)
     allocation = tier.allocate(2 * MiB)
     future = tier.write(allocation, 0, aligned(2 * MiB))
     tier.close()
@@ -303,10 +324,10 @@ def test_zero_length_io(make_tier: Callable[..., NvmeTier]) -> None:
     tier.read(allocation, 0, empty).result()
 
 
-def test_buffers_released_without_gc(make_tier: Callable[..., NvmeTier]) -> None:
+def test_buffers_released_without_gc(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
     # TRAPS 14: once a move completes the tier keeps no reference to the caller's buffer,
     # not even through a cycle only the cyclic GC would free.
-    tier = make_tier(checksum=True)
+    tier = make_tier(checksum=backend_name == "posix", backend=backend_name)  # aio: the queue's path
     allocation = tier.allocate(BLOCK * 3)
     gc.disable()
     try:
@@ -428,14 +449,16 @@ def test_tmpfs_path_warns() -> None:
 
 
 # -- faults -------------------------------------------------------------------------------------
-def faulty_tier(make_tier: Callable[..., NvmeTier], **kwargs: Any) -> tuple[NvmeTier, FaultyBackend]:
-    backend = FaultyBackend(PosixBackend())
+def faulty_tier(
+    make_tier: Callable[..., NvmeTier], inner: str = "posix", **kwargs: Any
+) -> tuple[NvmeTier, FaultyBackend]:
+    backend = FaultyBackend(make_backend(inner))
     tier = make_tier(backend=backend, **kwargs)
     return tier, backend
 
 
-def test_enospc_on_write_is_disk_full(make_tier: Callable[..., NvmeTier]) -> None:
-    tier, backend = faulty_tier(make_tier)
+def test_enospc_on_write_is_disk_full(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
+    tier, backend = faulty_tier(make_tier, backend_name)
     backend.enospc_after = backend.bytes_written + 2 * BLOCK
     allocation = tier.allocate(4 * BLOCK)
     with pytest.raises(DiskFullError) as info:
@@ -459,8 +482,8 @@ def test_enospc_on_fallocate_is_disk_full_and_allocation_rolls_back(
 
 
 @pytest.mark.parametrize("op", ["read", "write"])
-def test_eio_is_storage_io_error(make_tier: Callable[..., NvmeTier], op: str) -> None:
-    tier, backend = faulty_tier(make_tier)
+def test_eio_is_storage_io_error(make_tier: Callable[..., NvmeTier], op: str, backend_name: str) -> None:
+    tier, backend = faulty_tier(make_tier, backend_name)
     n = 4 * BLOCK
     allocation = tier.allocate(n)
     if op == "write":
@@ -475,8 +498,8 @@ def test_eio_is_storage_io_error(make_tier: Callable[..., NvmeTier], op: str) ->
     assert info.value.errno == 5 and tier.data_files[0] in str(info.value) and op in str(info.value)
 
 
-def test_short_read(make_tier: Callable[..., NvmeTier]) -> None:
-    tier, backend = faulty_tier(make_tier)
+def test_short_read(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
+    tier, backend = faulty_tier(make_tier, backend_name)
     allocation = tier.allocate(BLOCK)
     tier.write(allocation, 0, aligned(BLOCK)).result()
     backend.short_read_on = backend.reads + 1
@@ -485,9 +508,9 @@ def test_short_read(make_tier: Callable[..., NvmeTier]) -> None:
 
 
 @pytest.mark.parametrize("shift", [0, 64])
-def test_bit_flip_caught_by_checksum(make_tier: Callable[..., NvmeTier], shift: int) -> None:
+def test_bit_flip_caught_by_checksum(make_tier: Callable[..., NvmeTier], shift: int, backend_name: str) -> None:
     # With checksum=False the same flip would go unnoticed; that is what the option is for.
-    tier, backend = faulty_tier(make_tier, checksum=True)
+    tier, backend = faulty_tier(make_tier, backend_name, checksum=True)
     allocation = tier.allocate(3 * BLOCK)
     tier.write(allocation, 0, aligned(3 * BLOCK)).result()
     backend.flip_bit_on_read = backend.reads + 2
@@ -545,9 +568,9 @@ def test_o_direct_refused_falls_back_to_buffered(make_tier: Callable[..., NvmeTi
         make_tier(backend=backend, direct=True)
 
 
-def test_cpu_fork_child_close_keeps_parent_files(make_tier: Callable[..., NvmeTier]) -> None:
+def test_cpu_fork_child_close_keeps_parent_files(make_tier: Callable[..., NvmeTier], backend_name: str) -> None:
     # TRAPS 12: a forked child (a DataLoader worker) closing the tier removes nothing.
-    tier = make_tier()
+    tier = make_tier(backend=backend_name)
     allocation = tier.allocate(BLOCK)
     src = aligned(BLOCK)
     tier.write(allocation, 0, src).result()
@@ -580,3 +603,87 @@ def test_cuda_tensors_are_staged(make_tier: Callable[..., NvmeTier]) -> None:
     dst = torch.zeros(n, dtype=torch.uint8, device="cuda")
     tier.read(allocation, 0, dst).result()
     assert torch.equal(src, dst)
+
+
+# -- the AIO submission queue (NOTE [ NVMe tier layout and I/O ] rule 6) -------------------------------
+@pytest.fixture
+def aio_ok(tmp_path: Path) -> None:
+    ok, reason = aio.probe(tmp_path)
+    if not ok:
+        pytest.skip(f"aio unusable here: {reason}")
+
+
+@pytest.mark.usefixtures("aio_ok")
+def test_aio_queue_takes_zero_copy_segments_and_the_pool_the_rest(make_tier: Callable[..., NvmeTier]) -> None:
+    tier = make_tier(backend="aio", queue_depth=4)
+    assert tier._queue is not None and "kernel queue" in tier.describe()["submission"]
+    # More requests than the queue holds at once: the rest wait in it, FIFO.
+    allocations = [tier.allocate(BLOCK) for _ in range(12)]
+    sources = [aligned(BLOCK, seed=i) for i in range(12)]
+    for f in [tier.write(a, 0, s) for a, s in zip(allocations, sources, strict=True)]:
+        f.result()
+    targets = [empty_like_aligned(BLOCK) for _ in range(12)]
+    for f in [tier.read(a, 0, t) for a, t in zip(allocations, targets, strict=True)]:
+        f.result()
+    assert all(torch.equal(s, t) for s, t in zip(sources, targets, strict=True))
+    assert tier.segment_counts() == {"zero_copy": 24, "staged": 0, "read_modify_write": 0}
+    # An unaligned buffer is staged on the pool; its aligned neighbours still use the queue.
+    round_trip(tier, 3 * BLOCK, shift=64)
+    assert tier.segment_counts()["staged"] == 6
+
+
+@pytest.mark.usefixtures("aio_ok")
+def test_aio_with_checksums_keeps_hashing_off_the_submitting_thread(make_tier: Callable[..., NvmeTier]) -> None:
+    tier = make_tier(backend="aio", checksum=True)
+    assert tier._queue is not None
+    submitter = threading.get_ident()
+    seen: set[int] = set()
+    real = tier._backend.pwrite
+
+    def spy(handle: Any, buffer: Any, offset: int) -> int:
+        seen.add(threading.get_ident())
+        return real(handle, buffer, offset)
+
+    tier._backend.pwrite = spy  # type: ignore[method-assign]
+    round_trip(tier, 2 * BLOCK)
+    assert seen and submitter not in seen, "checksummed segments run on the worker pool (rule 6)"
+
+
+@pytest.mark.usefixtures("aio_ok")
+def test_aio_queue_unavailable_falls_back_to_the_pool(
+    make_tier: Callable[..., NvmeTier], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(self: AioBackend, depth: int) -> None:
+        raise OSError(11, "io_setup(8) failed: Resource temporarily unavailable")
+
+    monkeypatch.setattr(AioBackend, "open_queue", refuse)
+    tier = make_tier(backend="aio")
+    assert tier._queue is None
+    facts = tier.describe()
+    assert "worker pool" in facts["submission"] and "submission queue unavailable" in facts["backend_reason"]
+    round_trip(tier, BLOCK)
+
+
+@pytest.mark.usefixtures("aio_ok")
+def test_aio_short_write_is_an_error_never_partial(make_tier: Callable[..., NvmeTier]) -> None:
+    # A real partial write from the kernel: RLIMIT_FSIZE cuts a write that crosses it short
+    # (and refuses the rest with EFBIG). The queue continues the rest, and the error surfaces.
+    import resource
+    import signal
+
+    tier = make_tier(backend="aio")
+    allocation = tier.allocate(4 * BLOCK)
+    tier.write(allocation, 0, aligned(4 * BLOCK)).result()
+    limit = allocation.location + BLOCK + 16 * KiB  # inside the second block
+    old_limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, old_limit[1]))
+        future = tier.write(allocation, 0, aligned(4 * BLOCK, seed=9))
+        with pytest.raises(StorageIOError) as info:
+            future.result()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, old_limit)
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert info.value.errno == 27 and tier.data_files[0] in str(info.value) and "write" in str(info.value)
+    assert tier.statistics().bytes_written == 4 * BLOCK, "the failed write is not counted"

@@ -301,7 +301,7 @@ class NvmeConfig(_Section):
 
     NAME: ClassVar[str] = "nvme"
     paths: tuple[str, ...] = _setting((), _PATHS_RULE)
-    backend: Literal["auto", "kvikio", "posix"] = _setting(AUTO, _choice_rule("backend", AUTO, "kvikio", "posix"))
+    backend: Literal["auto", "kvikio", "aio", "posix"] = _setting(AUTO, _choice_rule("backend", AUTO, "kvikio", "aio", "posix"))  # noqa: E501
     block_size: int = _setting(_MiB, _BLOCK_SIZE_RULE)
     queue_depth: int = _setting(32, _int_rule(1, 1024))
     capacity: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True))

@@ -21,20 +21,28 @@
    returned unverified.
 5. Futures returned here are already RUNNING, so ``cancel()`` returns False: a caller must
    not free or reuse a buffer while a worker may still be reading or writing it.
+6. When the backend has a submission queue (``aio``) and a file does O_DIRECT, a segment
+   that needs no CPU work — zero-copy (host memory, aligned address, length and offset),
+   no checksum to compute or verify — goes from the submitting thread straight to the
+   queue, and completes on the queue's thread: no worker hand-off per request, which is
+   what limits small requests (TRAPS 15). Everything else (staging, read-modify-write,
+   checksums, CUDA tensors, buffered files) runs on the worker pool as before, so the
+   submitting thread — often the scheduler's event loop — never copies or hashes.
+   Both kinds of segment of one request count down the same ``remaining``.
 """
 
 from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import logging
 import os
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -51,7 +59,7 @@ from tiermem.errors import (
     UnverifiedReadError,
     internal_error,
 )
-from tiermem.tiers.backends.base import StorageBackend, select_backend
+from tiermem.tiers.backends.base import IoOp, IoQueue, StorageBackend, open_queue, select_backend
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.extents import ExtentAllocator
 from tiermem.tiers.fsinfo import filesystem_of, free_bytes
@@ -90,21 +98,37 @@ class _WritePlan(NamedTuple):
     need_read: bool
 
 
-@dataclass(eq=False)
 class _Request:
-    """One read or write in flight. Holds the caller's tensor only until it completes (TRAPS 14)."""
+    """One read or write in flight. Holds the caller's tensor only until it completes (TRAPS 14).
 
-    op: str
-    allocation_id: int
-    data_end: int  # logical end of the allocation's meaningful bytes (location + nbytes)
-    tensor: torch.Tensor | None
-    address: int  # host address of the buffer, 0 for CUDA tensors
-    cuda: bool
-    future: Future[None] | None
-    remaining: int
-    error: BaseException | None = None
+    A plain class with slots, not a dataclass: one is made per request, and small requests
+    are counted in tens of thousands a second (TRAPS 15)."""
 
-    def __post_init__(self) -> None:
+    __slots__ = (
+        "address", "allocation_id", "cuda", "data_end", "error", "future", "lock", "op", "queued", "remaining", "tensor"
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        op: str,
+        allocation_id: int,
+        data_end: int,
+        tensor: torch.Tensor | None,
+        address: int,
+        cuda: bool,
+        future: Future[None] | None,
+        remaining: int,
+    ) -> None:
+        self.op = op
+        self.allocation_id = allocation_id
+        self.data_end = data_end  # logical end of the allocation's meaningful bytes (location + nbytes)
+        self.tensor = tensor
+        self.address = address  # host address of the buffer, 0 for CUDA tensors
+        self.cuda = cuda
+        self.future = future
+        self.remaining = remaining
+        self.error: BaseException | None = None
+        self.queued = 0  # segments the submission queue completed (counted as zero-copy at the end)
         self.lock = threading.Lock()
 
 
@@ -134,11 +158,16 @@ def _gather(futures: list[Future[None]]) -> Future[None]:
     return out
 
 
-def _close_handles(backend: StorageBackend, handles: list[Any], owner_pid: int) -> None:
+def _close_handles(backend: StorageBackend, handles: list[Any], owner_pid: int, queues: list[IoQueue]) -> None:
     # A forked child shares the parent's descriptors and must not touch kvikio/CUDA state
     # (TRAPS 12); it simply leaves them to its own exit.
     if os.getpid() != owner_pid:
         return
+    while queues:  # first: its requests in flight still use the descriptors
+        try:
+            queues.pop().close()
+        except OSError as exc:
+            logger.warning("tiermem nvme: closing the submission queue failed: %s", exc)
     while handles:
         handle = handles.pop()
         try:
@@ -226,10 +255,17 @@ class NvmeTier(Tier):
         self._direct_reasons: list[str] = []
         self._file_sizes: list[int] = []
         self._prealloc = 0  # logical bytes covered by the files' fallocated sizes
-        self._finalizer = weakref.finalize(self, _close_handles, self._backend, self._handles, self._owner_pid)
+        # The submission queue (rule 6), when the backend has one and some file does O_DIRECT.
+        self._queues: list[IoQueue] = []
+        self._queue: IoQueue | None = None
+        self._queueable: list[bool] = []
+        self._finalizer = weakref.finalize(
+            self, _close_handles, self._backend, self._handles, self._owner_pid, self._queues
+        )
         try:
             for parent, make in zip(parents, create, strict=True):
                 self._open_path(parent, make)
+            self._open_queue()
         except BaseException:
             self._finalizer()
             for rundir in self._rundirs:
@@ -305,6 +341,27 @@ class NvmeTier(Tier):
                 raise StorageIOError(path, "O_DIRECT probe", 0, ALIGNMENT, exc) from exc
             return self._refuse_direct(path, exc)
         return handle, True, "O_DIRECT"
+
+    def _open_queue(self) -> None:
+        """Open the backend's submission queue if it has one and it can serve some file."""
+        if not any(self._aligned):
+            if hasattr(self._backend, "open_queue"):
+                self._backend_reason += "; no file does O_DIRECT, so requests run on the worker pool"
+            return
+        try:
+            queue = open_queue(self._backend, self.queue_depth)
+        except OSError as exc:
+            # Kernel resources (fs.aio-max-nr) can run out with many tiers: the worker pool
+            # still does the job, only with more overhead per request.
+            self._backend_reason += f"; submission queue unavailable ({exc.strerror or exc}), worker pool used"
+            logger.warning("tiermem nvme: %s submission queue unavailable, using the worker pool: %s",
+                           self._backend.name, exc)
+            return
+        if queue is not None:
+            self._queues.append(queue)
+            self._queue = queue
+            # Per file: may its zero-copy segments go to the queue? Not with checksums (rule 6).
+            self._queueable = [aligned and self._sums is None for aligned in self._aligned]
 
     def _refuse_direct(self, path: str, exc: OSError) -> tuple[Any, bool, str]:
         fs = filesystem_of(path)
@@ -415,8 +472,10 @@ class NvmeTier(Tier):
             )
 
     def _submit(self, op: str, allocation: Allocation, offset: int, buffer: torch.Tensor) -> Future[None]:
+        # The path every request takes: kept lean, small requests are CPU-bound (TRAPS 15).
         self._check_owner()
-        if buffer.device.type not in ("cpu", "cuda"):
+        cuda = buffer.is_cuda
+        if not cuda and not buffer.is_cpu:
             raise internal_error(f"nvme tier I/O from a {buffer.device.type} tensor")
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()  # rule 5: not cancellable once handed over
@@ -424,36 +483,74 @@ class NvmeTier(Tier):
         if nbytes == 0:
             future.set_result(None)
             return future
-        cuda = buffer.device.type == "cuda"
-        segments = list(self._segments(allocation.location + offset, nbytes))
+        segments = self._segments(allocation.location + offset, nbytes)
         request = _Request(
-            op=op,
-            allocation_id=allocation.id,
-            data_end=allocation.location + allocation.nbytes,
-            tensor=buffer,
-            address=0 if cuda else buffer.data_ptr(),
-            cuda=cuda,
-            future=future,
-            remaining=len(segments),
+            op,
+            allocation.id,
+            allocation.location + allocation.nbytes,
+            buffer,
+            0 if cuda else buffer.data_ptr(),
+            cuda,
+            future,
+            len(segments),
         )
         with self._state_lock:
             self._inflight[allocation.id] = self._inflight.get(allocation.id, 0) + 1
+        queued: list[IoOp] = []
+        queue = self._queue
         for segment in segments:
-            self._pool.submit(self._run_segment, request, segment)
+            io = None if queue is None or cuda else self._queued_op(request, segment)
+            if io is None:
+                self._pool.submit(self._run_segment, request, segment)
+            else:
+                queued.append(io)
+        if queued:
+            assert queue is not None  # _queued_op is only asked when there is one
+            queue.submit(queued)
         return future
 
-    def _segments(self, logical: int, nbytes: int) -> Iterator[_Segment]:
+    def _queued_op(self, request: _Request, seg: _Segment) -> IoOp | None:
+        """The queue op for a host-memory ``seg`` when it needs no CPU work (rule 6), else None."""
+        address = request.address + seg.buf_offset
+        if not self._queueable[seg.file] or (address | seg.length | seg.file_offset) % ALIGNMENT:
+            return None
+        return IoOp(
+            request.op == "write",
+            self._handles[seg.file],
+            address,
+            seg.length,
+            seg.file_offset,
+            functools.partial(self._queued_done, request, seg),
+        )
+
+    def _queued_done(self, request: _Request, seg: _Segment, nbytes: int, error: OSError | None) -> None:
+        # Runs on the queue's thread. The same checks as _pwrite/_pread_exact make on the pool.
+        failure: BaseException | None = None
+        if error is not None:
+            failure = self._storage_error(seg.file, request.op, seg.file_offset, seg.length, error)
+        elif nbytes < seg.length:
+            failure = ShortReadError(self._data_paths[seg.file], seg.file_offset, seg.length, nbytes)
+        self._segment_ended(request, failure, queued=failure is None)
+
+    def _segments(self, logical: int, nbytes: int) -> list[_Segment]:
         """Split ``[logical, logical + nbytes)`` at stripe-unit boundaries (rule 1)."""
         block, stripes = self.block_size, len(self._handles)
+        unit, within = divmod(logical, block)
+        if within + nbytes <= block:  # the common case: inside one stripe unit
+            return [_Segment(unit % stripes, (unit // stripes) * block + within, logical, 0, nbytes)]
+        out = []
         position, end = logical, logical + nbytes
         while position < end:
             unit, within = divmod(position, block)
             length = min(block - within, end - position)
-            yield _Segment(unit % stripes, (unit // stripes) * block + within, position, position - logical, length)
+            file_offset = (unit // stripes) * block + within
+            out.append(_Segment(unit % stripes, file_offset, position, position - logical, length))
             position += length
+        return out
 
     def _run_segment(self, request: _Request, segment: _Segment) -> None:
         # Runs on a worker. Never raises: the first error is kept for the request's future.
+        failure: BaseException | None = None
         try:
             if request.error is None:  # after a failure, skip what has not started
                 if request.op == "write":
@@ -461,15 +558,20 @@ class NvmeTier(Tier):
                 else:
                     self._read_segment(request, segment)
         except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on the future
-            with request.lock:
-                if request.error is None:
-                    request.error = exc
+            failure = exc
         finally:
-            with request.lock:
-                request.remaining -= 1
-                last = request.remaining == 0
-            if last:
-                self._finish(request)
+            self._segment_ended(request, failure)
+
+    def _segment_ended(self, request: _Request, failure: BaseException | None, *, queued: bool = False) -> None:
+        """Count one segment down; the last one completes the request (rule 2)."""
+        with request.lock:
+            if failure is not None and request.error is None:
+                request.error = failure
+            request.queued += queued
+            request.remaining -= 1
+            last = request.remaining == 0
+        if last:
+            self._finish(request)
 
     def _finish(self, request: _Request) -> None:
         # TRAPS 14: drop every reference to the caller's buffer before anyone is woken, and
@@ -478,6 +580,7 @@ class NvmeTier(Tier):
         future, error = request.future, request.error
         request.future = request.error = None
         with self._state_lock:
+            self._counts["zero_copy"] += request.queued
             left = self._inflight.get(request.allocation_id, 1) - 1
             release = None
             if left:
@@ -701,7 +804,7 @@ class NvmeTier(Tier):
             self._pool.shutdown(wait=False, cancel_futures=True)
             return
         self._pool.shutdown(wait=True)
-        self._finalizer()
+        self._finalizer()  # waits for the submission queue, then closes the files
         for rundir in self._rundirs:
             rundir.cleanup()
         self._bounces.clear()
@@ -747,6 +850,12 @@ class NvmeTier(Tier):
             "direct_reason": "; ".join(reasons),
             "block_size": self.block_size,
             "queue_depth": self.queue_depth,
+            # How requests reach the disk (rule 6): the backend's kernel queue, else threads.
+            "submission": (
+                f"{self._backend.name} kernel queue for zero-copy O_DIRECT segments, worker pool for the rest"
+                if self._queue is not None
+                else f"worker pool of {self.queue_depth} threads"
+            ),
             "checksum": self.checksum,
             "preallocated": sum(self._file_sizes),  # int bytes, like every size in tiermem
         }

@@ -25,8 +25,12 @@ def memview(address: int, nbytes: int) -> memoryview:
 
 
 def is_aligned(*values: int) -> bool:
-    """True when every value (address, length, offset) is a multiple of ``ALIGNMENT``."""
-    return all(v % ALIGNMENT == 0 for v in values)
+    """True when every value (address, length, offset) is a multiple of ``ALIGNMENT``
+    (non-negative values: OR-ing them keeps every low bit any of them has)."""
+    acc = 0
+    for v in values:
+        acc |= v
+    return acc % ALIGNMENT == 0
 
 
 class BounceBuffer:

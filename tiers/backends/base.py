@@ -3,21 +3,26 @@
 A backend moves bytes between a host buffer and a file at an offset, synchronously; the
 tier runs it on its own worker pool and does striping, alignment, staging and checksums.
 Keeping backends this small lets tests wrap one (:mod:`.faulty`) to inject faults.
+
+A backend may also offer ``open_queue(depth)``: an :class:`IoQueue` that takes aligned
+O_DIRECT requests without a thread per request (:mod:`.aio`). The tier uses it for the
+segments that need no CPU work of their own (NOTE [ NVMe tier layout and I/O ] rule 6).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from tiermem.errors import BackendUnavailableError
 
-__all__ = ["BACKEND_NAMES", "StorageBackend", "select_backend"]
+__all__ = ["BACKEND_NAMES", "IoOp", "IoQueue", "StorageBackend", "open_queue", "select_backend"]
 
 logger = logging.getLogger("tiermem.nvme")
 
-BACKEND_NAMES = ("auto", "kvikio", "posix")
+BACKEND_NAMES = ("auto", "kvikio", "aio", "posix")
 
 
 @runtime_checkable
@@ -61,33 +66,87 @@ class StorageBackend(Protocol):
         ...
 
 
-def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[StorageBackend, str]:
-    """The backend for ``name`` ("auto" | "kvikio" | "posix") and why it was chosen.
+class IoOp(NamedTuple):
+    """One request for an :class:`IoQueue`: ``nbytes`` between host memory at ``address``
+    and the file behind ``handle`` at ``offset``, all 4096-aligned (TRAPS 5).
 
-    "kvikio" raises :class:`BackendUnavailableError` with the probe's reason when kvikio
-    cannot actually do I/O here. "auto" picks kvikio only when its probe — a real small
-    write and read under ``probe_dir`` — succeeded (TRAPS 13: importing kvikio proves
-    nothing, it loads the CUDA driver at first I/O), and otherwise POSIX, logging why.
+    ``done(nbytes, error)`` is called exactly once when it ends: ``error`` is None and
+    ``nbytes`` the whole length on success (less only for a read that met the end of the
+    file), or ``error`` is the ``OSError``. It runs on the queue's thread: keep it short.
+    """
+
+    write: bool
+    handle: Any
+    address: int
+    nbytes: int
+    offset: int
+    done: Callable[[int, OSError | None], None]
+
+
+@runtime_checkable
+class IoQueue(Protocol):
+    """Asynchronous requests on O_DIRECT handles, at most ``depth`` in flight, FIFO beyond."""
+
+    depth: int
+
+    def submit(self, ops: Sequence[IoOp]) -> None:
+        """Queue ``ops`` without waiting for their I/O. Raises ``RuntimeError`` after close."""
+        ...
+
+    def close(self) -> None:
+        """Wait until every op submitted has called ``done``, then release the queue."""
+        ...
+
+
+def open_queue(backend: StorageBackend, depth: int) -> IoQueue | None:
+    """``backend``'s submission queue of ``depth``, or None when it has none (it works on
+    the tier's worker pool only). Raises ``OSError`` when it has one the kernel refuses."""
+    opener = getattr(backend, "open_queue", None)
+    return None if opener is None else opener(depth)
+
+
+def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[StorageBackend, str]:
+    """The backend for ``name`` ("auto" | "kvikio" | "aio" | "posix") and why it was chosen.
+
+    "kvikio" and "aio" raise :class:`BackendUnavailableError` with the probe's reason when
+    they cannot actually do I/O here. "auto" tries, in order: kvikio, when its probe — a real
+    small write and read under ``probe_dir`` — succeeded (TRAPS 13: importing kvikio proves
+    nothing, it loads the CUDA driver at first I/O); aio, when Linux AIO with O_DIRECT did a
+    real write and read under ``probe_dir``; otherwise posix. It logs why.
     """
     from tiermem.tiers.backends.posix import PosixBackend
 
     if name == "posix":
         return PosixBackend(), "posix requested"
-    if name not in ("auto", "kvikio"):
+    if name not in BACKEND_NAMES:
         raise ValueError(f"tiermem nvme tier: unknown backend {name!r}; expected one of {BACKEND_NAMES}")
-    from tiermem.tiers.backends import kvikio_backend
+    from tiermem.tiers.backends import aio, kvikio_backend
 
-    ok, reason = kvikio_backend.probe(probe_dir)
-    if ok:
-        why = f"kvikio {'requested' if name == 'kvikio' else 'chosen by auto'}: {reason}"
+    if name == "aio":
+        ok, reason = aio.probe(probe_dir)
+        if not ok:
+            raise BackendUnavailableError(
+                f"tiermem nvme tier: backend 'aio' cannot run for {os.fspath(probe_dir)}: {reason}. "
+                "Point [nvme] paths at a filesystem with O_DIRECT (ext4, xfs, ...), "
+                "or set [nvme] backend = 'posix' or 'auto'."
+            )
+        return aio.AioBackend(), f"aio requested: {reason}"
+    kvikio_ok, kvikio_reason = kvikio_backend.probe(probe_dir)
+    if kvikio_ok:
+        why = f"kvikio {'requested' if name == 'kvikio' else 'chosen by auto'}: {kvikio_reason}"
         logger.info("tiermem nvme: %s", why)
         return kvikio_backend.KvikioBackend(), why
     if name == "kvikio":
         raise BackendUnavailableError(
-            f"tiermem nvme tier: backend 'kvikio' cannot run here: {reason}. "
+            f"tiermem nvme tier: backend 'kvikio' cannot run here: {kvikio_reason}. "
             "Install kvikio (pip install tiermem[gds]) on a machine with the CUDA driver, "
-            "or set [nvme] backend = 'posix' or 'auto'."
+            "or set [nvme] backend = 'posix', 'aio' or 'auto'."
         )
-    why = f"posix chosen by auto: kvikio unusable ({reason})"
+    aio_ok, aio_reason = aio.probe(probe_dir)
+    if aio_ok:
+        why = f"aio chosen by auto: {aio_reason} (kvikio unusable: {kvikio_reason})"
+        logger.info("tiermem nvme: %s", why)
+        return aio.AioBackend(), why
+    why = f"posix chosen by auto: kvikio unusable ({kvikio_reason}); aio unusable ({aio_reason})"
     logger.info("tiermem nvme: %s", why)
     return PosixBackend(), why
