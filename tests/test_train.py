@@ -98,13 +98,23 @@ def test_train_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         assert all(isinstance(v, int) for v in tier.values())
     assert isinstance(result["activations"], dict) and "peak_resident_bytes" in result["activations"]
     # The default budget is below what the model's activations need (measured), but not below
-    # what the offloader needs: outside-of-block bytes plus 1.25 blocks (2 blocks: 66%).
+    # what the offloader needs: outside-of-block bytes plus 1.25 blocks (2 blocks: 66%); plus a
+    # quarter of the model-state bytes, through which the chunks stream.
     budget = result["device_budget"]
     measured = measure_activations(TINY, 8)
-    expected = max(measured.total // 2, measured.outside + int(1.25 * max(measured.blocks)))
+    for_activations = max(measured.total // 2, measured.outside + int(1.25 * max(measured.blocks)))
+    state_bytes = 16 * GPT(TINY).num_parameters()
+    expected = for_activations + state_bytes // 4
     assert budget["source"] == "default" and budget["activation_bytes_per_step"] == measured.total
-    assert result["tiers"]["device"]["capacity"] == budget["bytes"] == expected < measured.total
+    assert budget["model_state_bytes"] == state_bytes
+    assert result["tiers"]["device"]["capacity"] == budget["bytes"] == expected
+    assert for_activations < measured.total
     assert budget["fraction_of_activations"] == pytest.approx(expected / measured.total)
+    states = result["model_states"]
+    assert states["parameters"] == GPT(TINY).num_parameters() and states["persistent_chunks"] == 0
+    assert states["chunks"] > 1 and sum(states["homes"].values()) == states["chunks"]
+    assert 0 < states["peak_device_chunk_bytes"] <= result["tiers"]["device"]["capacity"]
+    assert result["links"]["host->device"] > 0 or result["links"].get("nvme->device", 0) > 0
     nvme = result["nvme"]
     assert set(nvme) >= {"bytes_written_per_step", "drive_bytes", "drive_writes_per_day", "assumption"}
     assert nvme["drive_bytes"] == drive_capacity(nvme["paths"]) > 0

@@ -1,5 +1,6 @@
 """The training loop behind ``tiermem train``: the built-in GPT on generated data, with its
-activations under ``rt.offload_activations``, and a summary of what each tier held and moved.
+parameters, gradients and AdamW states in chunks under ``rt.manage`` and its activations under
+``rt.offload_activations``, and a summary of what each tier held and moved.
 
 ::
 
@@ -11,7 +12,9 @@ The loop is plain PyTorch (AdamW, no clipping, no scheduler) so that, with the s
 run under tiermem can be compared bit for bit with the same loop without it. Seeding, which
 such a comparison must reproduce: ``torch.manual_seed(seed)`` then ``GPT(config)`` on the
 CPU, moved to the device; data from ``MarkovChainData(vocab_size, seq_len, seed=seed)``,
-one ``batch(batch_size)`` per step; ``torch.optim.AdamW(model.parameters(), lr=lr)``.
+one ``batch(batch_size)`` per step; ``torch.optim.AdamW(model.parameters(), lr=lr)``, handed
+to ``rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)`` unless
+``manage_states`` is off (the declared loop lets offloaded chunks step during backward).
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ class TrainSummary:
     tiers: dict[str, dict[str, int]]
     activations: dict[str, Any]
     nvme: dict[str, Any]
+    model_states: dict[str, Any] | None = None
+    links: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def tokens_per_step(self) -> int:
@@ -100,6 +105,8 @@ class TrainSummary:
             "tokens_per_s": self.tokens_per_s,
             "tiers": {name: dict(values) for name, values in self.tiers.items()},
             "activations": dict(self.activations),
+            "model_states": None if self.model_states is None else dict(self.model_states),
+            "links": dict(self.links),
             "nvme": dict(self.nvme),
         }
 
@@ -154,6 +161,8 @@ def train(
     seed: int = 0,
     progress: bool = True,
     on_step: Callable[[int, float, float], None] | None = None,
+    manage_states: bool = True,
+    states_plan: Any = None,
 ) -> TrainSummary:
     """Train ``GPT(model_config)`` for ``steps`` AdamW steps on generated data.
 
@@ -161,7 +170,8 @@ def train(
     policy=policy)``; the optimizer step runs outside it (it saves no activations).
     ``rt`` may be started or not; one that is not is started here and closed at the end.
     ``on_step(step, loss, seconds)`` is called after each step; ``progress`` draws a bar on
-    stderr. The caller's global RNG state is restored afterwards.
+    stderr. The caller's global RNG state is restored afterwards. ``manage_states`` puts the
+    model's states in chunks (``states_plan``: what ``rt.manage(plan=)`` takes).
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
@@ -177,6 +187,8 @@ def train(
                 seed=seed,
                 progress=progress,
                 on_step=on_step,
+                manage_states=manage_states,
+                states_plan=states_plan,
             )
     assert rt.resolved is not None  # set by start()
     device = torch.device(rt.resolved.device.device)
@@ -185,16 +197,20 @@ def train(
         torch.manual_seed(seed)
         model = GPT(model_config).to(device)
         data = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        parameters = model.num_parameters()
         before = rt.stats().as_dict()
+        if manage_states:
+            model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
         losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step)
         after = rt.stats().as_dict()
+        states = _states_summary(rt, parameters) if manage_states else None
     nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
     train_s = sum(seconds)
     drive = drive_capacity(rt.resolved.nvme.paths)
     per_s = nvme_written / train_s if train_s > 0 else 0.0
     return TrainSummary(
-        model={**dataclasses.asdict(model_config), "parameters": model.num_parameters()},
+        model={**dataclasses.asdict(model_config), "parameters": parameters},
         device=str(device),
         policy=_policy_for_summary(policy, rt),
         steps=steps,
@@ -206,6 +222,12 @@ def train(
         optimal_loss=data.optimal_loss(),
         tiers={name: {key: int(tier[key]) for key in _TIER_KEYS} for name, tier in after["tiers"].items()},
         activations=dict(after["activations"]),
+        model_states=states,
+        # Bytes over each link during this run's steps (chunks and activations together).
+        links={
+            name: int(link["bytes"] - before["links"].get(name, {}).get("bytes", 0))
+            for name, link in after["links"].items()
+        },
         nvme={
             "paths": list(rt.resolved.nvme.paths),
             # Deltas over this run's steps, so a runtime used before does not inflate them.
@@ -217,6 +239,23 @@ def train(
             "assumption": ENDURANCE_ASSUMPTION,
         },
     )
+
+
+def _states_summary(rt: Runtime, parameters: int) -> dict[str, Any]:
+    """Where the chunks lived: the plan in force and the homes of its chunks."""
+    plan = rt.plan.as_dict()
+    homes = plan["state_home"]
+    persistent = plan["persistent_chunks"]
+    return {
+        "parameters": parameters,
+        "state_bytes": parameters * 16,  # fp32 parameter, gradient, AdamW exp_avg and exp_avg_sq
+        "chunks": len(homes),
+        "chunk_size": plan["chunk_size"],
+        "persistent_chunks": persistent,
+        "buffers": plan["buffers"],
+        "homes": {tier: homes[persistent:].count(tier) for tier in ("host", "nvme") if tier in homes[persistent:]},
+        "peak_device_chunk_bytes": rt.registry.peak_resident_bytes("chunk", "device"),
+    }
 
 
 def train_step(

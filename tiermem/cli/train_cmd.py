@@ -5,7 +5,10 @@ the drive's endurance.
 Unless the configuration sets ``[device] capacity`` (file or ``TIERMEM_DEVICE_CAPACITY``),
 the device budget is deliberately half of the activation bytes one step saves — measured
 for this model and batch — so activations must leave the device and offloading really
-happens. The loop itself lives in :mod:`tiermem.train`; this module only parses, chooses
+happens, plus a quarter of the model-state bytes (16 per parameter), in which the chunks of
+parameters, gradients and AdamW states stream through the device buffer pool from their
+homes (``--no-states`` leaves the states as ordinary tensors outside the tiers). The loop
+itself lives in :mod:`tiermem.train`; this module only parses, chooses
 the budget and prints.
 """
 
@@ -36,6 +39,13 @@ _RULE = (
 )
 
 _STATE_BYTES_PER_PARAMETER = 16  # fp32 parameter + gradient + AdamW exp_avg and exp_avg_sq
+STATES_BUDGET_FRACTION = 0.25
+"""Device room for model-state chunks by default, as a fraction of the model-state bytes."""
+_POOL_SLOTS = 4
+"""Buffers the default plan expects the pool to need: a block's chunk, the tied embedding's, prefetch."""
+STATES_PLAN = {"persistent_chunks": 0}
+"""With the default budget every chunk streams through the buffer pool (the planner, when it
+decides, may keep some resident)."""
 
 
 def _positive_int(text: str) -> int:
@@ -76,13 +86,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="what happens to saved activations (default: [activations] policy of the configuration)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the model init and the data (default: 0)")
+    parser.add_argument(
+        "--state-home",
+        choices=("auto", "host", "nvme"),
+        default="auto",
+        help="where offloaded chunks of parameters and AdamW states live (default: auto, the placement rule)",
+    )
+    parser.add_argument(
+        "--no-states",
+        dest="states",
+        action="store_false",
+        help="leave parameters, gradients and AdamW states as ordinary tensors outside the tiers",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, nothing else")
 
 
 def run(args: argparse.Namespace) -> int:
     """Choose the budget, train, print the summary. Bad configurations raise ConfigError."""
     # torch is imported here, not at module level, so `tiermem train --help` stays quick.
-    from tiermem.models.gpt import GPTConfig, measure_activations
+    from tiermem.models.gpt import GPT, GPTConfig, measure_activations
     from tiermem.runtime import Runtime
     from tiermem.train import train
 
@@ -109,7 +131,20 @@ def run(args: argparse.Namespace) -> int:
     # names the device the activations are measured on.
     device = config.resolve().device.device
     measured = measure_activations(model_config, args.batch_size, device=device)
-    budget = _budget(config, measured, args.policy or config.activations.policy)
+    sizes = [p.numel() * p.element_size() for p in GPT(model_config).parameters()] if args.states else []
+    parameters = sum(sizes) // 4  # fp32
+    state_bytes = parameters * _STATE_BYTES_PER_PARAMETER
+    budget = _budget(config, measured, args.policy or config.activations.policy, state_bytes)
+    plan: dict[str, Any] | None = None
+    if args.states:
+        plan = {}
+        if budget["source"] == "default":
+            # A parameter and a gradient buffer per pool slot, a few slots: chunks small enough
+            # that the pool fits the share (never below the largest parameter).
+            chunk_size = max(max(sizes), budget["model_state_share"] // (2 * _POOL_SLOTS))
+            plan = {**STATES_PLAN, "chunk_size": chunk_size}
+        if args.state_home != "auto":
+            plan["state_home"] = args.state_home
     if budget["source"] == "default":
         config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
 
@@ -125,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
             policy=args.policy,
             seed=args.seed,
             progress=not args.json,
+            manage_states=args.states,
+            states_plan=plan or None,
         )
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
     budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
@@ -137,13 +174,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(config: Config, measured: ActivationBytes, policy: str) -> dict[str, Any]:
+def _budget(config: Config, measured: ActivationBytes, policy: str, state_bytes: int = 0) -> dict[str, Any]:
     """The device budget and why: the configuration's, or a default deliberately below the
-    measured activation bytes (``bytes`` None: leave ``[device] capacity`` at auto)."""
+    measured activation bytes plus a share of the model-state bytes (``bytes`` None: leave
+    ``[device] capacity`` at auto)."""
     facts = {
         "activation_bytes_per_step": measured.total,
         "activation_bytes_outside_blocks": measured.outside,
         "largest_block_bytes": max(measured.blocks, default=0),
+        "model_state_bytes": state_bytes,
+        "model_state_share": int(state_bytes * STATES_BUDGET_FRACTION),
     }
     if config.device.capacity != AUTO:
         return {"bytes": int(config.device.capacity), "source": "config", **facts}
@@ -158,7 +198,7 @@ def _budget(config: Config, measured: ActivationBytes, policy: str) -> dict[str,
         # too few blocks leaves no budget between the floor and the need.
         why = "keep holds every activation" if policy == "keep" else "too few blocks to offload any"
         return {"bytes": None, "source": "auto", "why": why, **facts}
-    return {"bytes": budget, "source": "default", "rule": _RULE, **facts}
+    return {"bytes": budget + facts["model_state_share"], "source": "default", "rule": _RULE, **facts}
 
 
 def _finite(value: Any) -> Any:
@@ -183,13 +223,22 @@ def _print_intro(model_config: Any, args: argparse.Namespace, device: str, budge
     )
     need = format_size(budget["activation_bytes_per_step"])
     if budget["source"] == "default":
-        share = budget["bytes"] / budget["activation_bytes_per_step"]
+        states = budget["model_state_share"]
+        activations = budget["bytes"] - states
+        share = activations / budget["activation_bytes_per_step"]
         text = (
-            f"device budget: {format_size(budget['bytes'])} ({share:.0%} of the {need} of activations "
-            f"one step saves, measured): {_RULE}. So activations must leave the device. Parameters, "
-            "gradients and AdamW states are not managed by offload_activations and not counted. "
-            "Set [device] capacity to choose another budget."
+            f"device budget: {format_size(budget['bytes'])}: for activations {format_size(activations)} ({share:.0%} "
+            f"of the {need} one step saves, measured): {_RULE}. So activations must leave the device."
         )
+        if states:
+            text += (
+                f" For model states {format_size(states)} ({STATES_BUDGET_FRACTION:.0%} of the "
+                f"{format_size(budget['model_state_bytes'])} of fp32 parameters, gradients and AdamW states): their "
+                "chunks stream through the device from their homes."
+            )
+        else:
+            text += " Parameters, gradients and AdamW states stay outside the tiers (--no-states)."
+        text += " Set [device] capacity to choose another budget."
     elif budget["source"] == "config":
         text = f"device budget: {format_size(budget['bytes'])} from the configuration (one step saves {need}, measured)"
     else:
@@ -208,6 +257,20 @@ def _show_stat(key: str, value: Any) -> str:
         if key.endswith("_s"):
             return f"{value:.3f}s"
     return str(value)
+
+
+def _states_line(params: int, states: dict[str, Any] | None) -> str:
+    """Where the model's parameters, gradients and AdamW states lived."""
+    total = format_size(params * _STATE_BYTES_PER_PARAMETER)
+    if states is None:
+        return f"{params / 1e6:.2f}M parameters ({total} of fp32 parameters, gradients and AdamW states, not managed)"
+    homes = ", ".join(f"{count} on {tier}" for tier, count in states["homes"].items()) or "none offloaded"
+    return (
+        f"{params / 1e6:.2f}M parameters ({total} of fp32 parameters, gradients and AdamW states) in "
+        f"{states['chunks']} chunks of {format_size(states['chunk_size'])}: {states['persistent_chunks']} resident on "
+        f"the device, homes {homes}; {states['buffers']} device buffers; chunks' device peak "
+        f"{format_size(states['peak_device_chunk_bytes'])}"
+    )
 
 
 def _print_summary(result: dict[str, Any]) -> None:
@@ -234,11 +297,7 @@ def _print_summary(result: dict[str, Any]) -> None:
     policy = result["policy"]
     lines = [
         ("policy", json.dumps(policy) if isinstance(policy, dict) else str(policy)),
-        (
-            "model",
-            f"{params / 1e6:.2f}M parameters ({format_size(params * _STATE_BYTES_PER_PARAMETER)} of fp32 "
-            "parameters, gradients and AdamW states, outside the tiers)",
-        ),
+        ("model", _states_line(params, result["model_states"])),
         (
             "loss",
             f"{result['loss_first']:.4f} -> {result['loss_last']:.4f} "
@@ -248,6 +307,8 @@ def _print_summary(result: dict[str, Any]) -> None:
         ("tokens/s", f"{result['tokens_per_s']:,.0f} (at the median step time)"),
     ]
     lines += [(f"activations {key}", _show_stat(key, value)) for key, value in result["activations"].items()]
+    moved = {name: value for name, value in result["links"].items() if value}
+    lines.append(("moved", ", ".join(f"{name} {format_size(value)}" for name, value in moved.items()) or "-"))
     if result["activations"].get("captured_bytes") == 0 and policy != "keep":
         lines.append(("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's"))
     per_step, per_s = format_size(nvme["bytes_written_per_step"]), format_size(nvme["bytes_written_per_s"])

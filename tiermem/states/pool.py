@@ -22,7 +22,8 @@ T = TypeVar("T")
 
 
 class ChunkPool:
-    """At most ``buffers`` streamed chunks resident on the device; persistent ones always are."""
+    """``buffers`` streamed chunks resident on the device (one more while all are pinned and the
+    device tier has room); persistent ones always are."""
 
     def __init__(self, registry: Registry, chunks: Sequence[Chunk], buffers: int) -> None:
         self.registry = registry
@@ -114,13 +115,11 @@ class ChunkPool:
         while len(self.resident) >= self.buffers:
             victim = self._victim(keep, 0 if priority == Priority.DEMAND else direction)
             if victim is None:
-                if priority != Priority.DEMAND:
-                    return False
-                raise StatesMemoryError(
-                    f"tiermem model states: all {self.buffers} device buffers are pinned by modules running forward "
-                    f"or backward (chunks {sorted(self.resident)}); this model needs more at once: give plan= a "
-                    "larger buffers"
-                )
+                # Every buffer is pinned: a module in backward waits while a checkpointed block
+                # is recomputed for it, say. A demand takes one more buffer if the device tier
+                # has the bytes (``device_room`` raises with the numbers if it has not): the
+                # buffer count is the plan's working set, the tier's capacity is the promise.
+                return priority == Priority.DEMAND
             self.release(victim)
         return True
 
