@@ -16,7 +16,11 @@
    caller may free or reuse both buffers.
 
 All scheduler state is touched only on the loop thread; the training thread talks to
-it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures.
+it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures. Tiers
+report finished blocks through one thread-safe deque that the loop drains in one wake-up
+(:meth:`AsyncioScheduler._block_landed`): the same order as one ``call_soon_threadsafe``
+per block, without a loop wake-up (self-pipe write, loop iteration, full ``_dispatch``)
+per block, which is what small blocks pay for (TRAPS 15).
 """
 
 from __future__ import annotations
@@ -124,6 +128,9 @@ class AsyncioScheduler:
         self._inflight_requests: dict[str, int] = collections.defaultdict(int)
         self._counters = _Counters()
         self._waits = WaitRecorder()
+        # Finished blocks, from tier threads to the loop (see the module docstring).
+        self._landed: collections.deque[tuple[_Move, int, int, Future[None], float]] = collections.deque()
+        self._drain_scheduled = False
         self._closed = False
         self._close_lock = threading.Lock()
         self._loop = _new_loop(loop)
@@ -327,14 +334,31 @@ class AsyncioScheduler:
         for tier in {src.tier, dst.tier}:
             self._inflight_bytes[tier.name] += span
         self._inflight_requests[move.executor.name] += 1
-        link = self._counters.links.setdefault(transfer.link, _Link())
-        if link.inflight == 0:
-            link.busy_since = time.perf_counter()
-        link.inflight += 1
+        link = self._counters.links.get(transfer.link)
+        if link is None:  # not setdefault(_, _Link()): that builds a _Link for every block
+            link = self._counters.links[transfer.link] = _Link()
         issued_at = time.perf_counter()
-        future.add_done_callback(
-            lambda f: self._loop.call_soon_threadsafe(self._block_done, move, span, length, f, issued_at)
-        )
+        if link.inflight == 0:
+            link.busy_since = issued_at
+        link.inflight += 1
+        future.add_done_callback(lambda f: self._block_landed((move, span, length, f, issued_at)))
+
+    def _block_landed(self, block: tuple[_Move, int, int, Future[None], float]) -> None:
+        """Any thread: hand a finished block to the loop, waking it only if no drain is due.
+
+        The flag is cleared by the drain *before* it empties the deque, and set here *after*
+        the append, so a block is either taken by a drain already running or schedules one."""
+        self._landed.append(block)
+        if not self._drain_scheduled:
+            self._drain_scheduled = True
+            self._loop.call_soon_threadsafe(self._drain_landed)
+
+    def _drain_landed(self) -> None:
+        self._drain_scheduled = False
+        landed = self._landed
+        while landed:
+            self._block_done(*landed.popleft(), dispatch=False)
+        self._dispatch()  # once for the whole batch: rules 2-5 see every freed slot at once
 
     @staticmethod
     def _padded(move: _Move, src_off: int, dst_off: int, length: int) -> int:
@@ -353,7 +377,9 @@ class AsyncioScheduler:
             return padded
         return length
 
-    def _block_done(self, move: _Move, span: int, length: int, future: Future[None], issued_at: float) -> None:
+    def _block_done(
+        self, move: _Move, span: int, length: int, future: Future[None], issued_at: float, *, dispatch: bool = True
+    ) -> None:
         transfer = move.transfer
         move.inflight -= 1
         for tier in {transfer.src.tier, transfer.dst.tier}:
@@ -373,7 +399,8 @@ class AsyncioScheduler:
             move.issued = transfer.nbytes  # issue nothing more of a failed move
         if move.inflight == 0 and (move.remaining == 0 or move.cancelled):
             self._finish(move)
-        self._dispatch()
+        if dispatch:
+            self._dispatch()
 
     def _finish(self, move: _Move) -> None:
         transfer = move.transfer

@@ -311,3 +311,30 @@ def test_a_partial_move_never_pads_into_bytes_it_does_not_own(device, make_sched
     scheduler.submit(src, dst, nbytes=100).wait(timeout=10)
     assert torch.equal(dst.view(0, 100), src.view(0, 100))
     assert torch.equal(dst.view(100, 8092), before[100:])
+
+
+def test_a_burst_of_completions_is_dispatched_by_priority(device, make_scheduler, gated):
+    # Blocks that finish together reach the loop as one batch and are dispatched once: the
+    # slots they free still go to the waiting demand first (rule 2), none to the write-back.
+    storage = gated(queue_depth=4)
+    scheduler = make_scheduler()
+    big = _filled(device, 16 * BLOCK)
+    big_dst = storage.allocate(16 * BLOCK)
+    writeback = scheduler.submit(big, big_dst, priority=Priority.WRITEBACK)
+    storage.wait_pending(4)
+    fetched = storage.allocate(4 * BLOCK)
+    fetched_dst = device.allocate(4 * BLOCK)
+    demand = scheduler.submit(fetched, fetched_dst, priority=Priority.DEMAND)
+    time.sleep(0.05)  # the demand reaches the loop while all four slots are taken
+    burst = threading.Thread(target=storage.release, args=(4,))  # from another thread, back to back
+    burst.start()
+    burst.join()
+    storage.wait_pending(4)
+    assert [op for op, *_ in storage.log[4:8]] == ["read"] * 4
+    storage.gated = False
+    storage.release_all()
+    demand.wait(timeout=10)
+    writeback.wait(timeout=10)
+    stats = scheduler.statistics()
+    assert stats.completed == 2 and dict(stats.inflight_bytes) == {"device": 0, "nvme": 0}
+    assert stats.links["device->nvme"].requests == 16 and stats.links["nvme->device"].requests == 4

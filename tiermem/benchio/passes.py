@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
+import queue
 import signal
 import threading
 import time
@@ -248,61 +250,57 @@ class CaseEnv:
         return self._raw_pass(op)
 
     def _raw_pass(self, op: str) -> PassResult:
-        tier, alloc, block = self.tier, self.alloc, self.block_size
+        tier, alloc, block, depth = self.tier, self.alloc, self.block_size, self.queue_depth
         issue = tier.write if op == "write" else tier.read
         if self._views is None:
             # Sliced once, outside the clock: fio does not build its buffers per request either.
             self._views = [self.buffer[o : o + block] for o in range(0, self.size, block)]
         views = self._views
         count = len(views)
-        latencies = [0.0] * count
-        errors: list[BaseException] = []
-        cond = threading.Condition()
-        state = {"inflight": 0}
+        starts = [0.0] * count
+        ends = [0.0] * count
+        # Completions come back through a SimpleQueue (C, no Python-level lock or Condition):
+        # the harness should cost per request as little as fio's does, so small requests
+        # measure the tier, not this loop (TRAPS 15).
+        landed: queue.SimpleQueue[int] = queue.SimpleQueue()
+        perf = time.perf_counter
 
-        def on_done(index: int, start: float, future: Future[None]) -> None:
-            latencies[index] = time.perf_counter() - start
-            exc = future.exception()
-            with cond:
-                if exc is not None:
-                    errors.append(exc)
-                state["inflight"] -= 1
-                cond.notify()
+        def on_done(index: int, _future: Future[None]) -> None:
+            ends[index] = perf()
+            landed.put(index)
 
-        issued = 0
         futures: list[Future[None]] = []
-        start_all = time.perf_counter()
+        error: BaseException | None = None
+        inflight = 0
+        start_all = perf()
         try:
             for index in range(count):
-                with cond:
-                    while state["inflight"] >= self.queue_depth and not errors:
-                        cond.wait()
-                    if errors:
+                if inflight >= depth:
+                    inflight -= 1
+                    error = futures[landed.get()].exception()  # done: exception() does not wait
+                    if error is not None:
                         break
-                    state["inflight"] += 1
-                start = time.perf_counter()
-                try:
-                    future = issue(alloc, index * block, views[index])
-                except BaseException:
-                    with cond:
-                        state["inflight"] -= 1
-                    raise
-                issued += 1
+                starts[index] = perf()
+                future = issue(alloc, index * block, views[index])
                 futures.append(future)
-                future.add_done_callback(lambda f, i=index, s=start: on_done(i, s, f))
+                inflight += 1
+                future.add_done_callback(functools.partial(on_done, index))
+            while inflight:  # every issued request puts its index exactly once
+                inflight -= 1
+                landed.get()
         finally:
-            # Every request in flight must land before anyone frees or reuses the buffer,
-            # on an error or Ctrl-C too (NvmeTier futures cannot be cancelled). Wait on the
-            # futures themselves, not the in-flight count: a Ctrl-C landing inside on_done
-            # (which runs in this thread when a future is already done) could skip its
-            # decrement, and the count would never reach zero.
+            # Every request in flight must land before anyone frees or reuses the buffer, on
+            # an error or Ctrl-C too (NvmeTier futures cannot be cancelled). Wait on the
+            # futures themselves: a Ctrl-C may have left the loop above with puts pending.
             concurrent.futures.wait(futures)
-        if errors:
-            raise errors[0]
+        error = error or next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            raise error
         if op == "write":
             _sync(tier)
-        seconds = time.perf_counter() - start_all
-        return PassResult(seconds, issued, latencies[:issued])
+        seconds = perf() - start_all
+        issued = len(futures)
+        return PassResult(seconds, issued, [e - s for s, e in zip(starts[:issued], ends[:issued], strict=True)])
 
     def _scheduler_pass(self, op: str) -> PassResult:
         scheduler, peer_alloc = self._scheduler, self.peer_alloc
