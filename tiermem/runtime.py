@@ -14,6 +14,7 @@ cleanup (TRAPS 12).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Mapping
@@ -30,6 +31,7 @@ from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
 from tiermem.states import ModelStates
+from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.stats import ActivationStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
@@ -171,6 +173,16 @@ class Runtime:
             blocks=blocks,
             min_bytes=settings.min_bytes,
         )
+
+    def init(self, min_bytes: int | None = None) -> contextlib.AbstractContextManager[Any]:
+        """Build a model inside ``with rt.init():`` and its large parameters live on file-backed
+        pages on the first NVMe path until ``rt.manage`` packs them into chunks, so a model
+        larger than RAM can be built; values are bitwise a plain construction's (NOTE
+        [ Materialising under rt.init() ] in ``tiermem.states.materialize``)."""
+        self.registry  # noqa: B018  (raises a clear error outside `with rt`)
+        assert self.resolved is not None
+        paths = self.resolved.nvme.paths
+        return file_backed_init(paths[0], DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
 
     def manage(
         self,

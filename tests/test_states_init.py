@@ -1,0 +1,80 @@
+"""``rt.init()`` (NOTE [ Materialising under rt.init() ]): a model built inside it has its large
+parameters on file-backed pages (not anonymous RAM), bitwise the values of a plain construction,
+and trains under ``rt.manage`` bitwise like plain PyTorch; nothing is left on disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import OPTIMIZERS, assert_bitwise, config, make_model, one_thread, param_groups  # noqa: F401
+from tests.test_states import train as train_steps
+from tiermem.errors import RuntimeClosedError
+from tiermem.models.gpt import GPT, GPTConfig
+
+
+def anonymous_rss() -> int:
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no RssAnon in /proc/self/status")
+
+
+def test_built_model_is_plain_and_trains_bitwise(tmp_path):
+    plain = make_model()
+    want = train_steps(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(3))
+    with tiermem.Runtime(config(tmp_path, 256 * 1024)) as rt:
+        with rt.init(min_bytes=1024) as built:
+            model = make_model()
+        assert built.tensors > 0
+        file_backed = [p for p in model.parameters() if p.is_shared()]
+        assert file_backed and all(p.numel() * p.element_size() >= 1024 for p in file_backed)
+        fresh = make_model()
+        assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in fresh.parameters()])
+        assert [p.requires_grad for p in model.parameters()] == [p.requires_grad for p in fresh.parameters()]
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"})
+        got = train_steps(model, optimizer, range(3))
+    assert_bitwise(got, want[0] if isinstance(want, tuple) else want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parameters_do_not_take_anonymous_memory(tmp_path):
+    """A 64 MiB model built under rt.init() grows the process's anonymous memory by far less."""
+    config_ = GPTConfig(n_layer=4, d_model=512, n_head=8, vocab_size=4096, seq_len=64)
+    with tiermem.Runtime(config(tmp_path, 64 * 1024)) as rt:
+        before = anonymous_rss()
+        with rt.init():
+            model = GPT(config_)
+        grown = anonymous_rss() - before
+        nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert nbytes > 48 * 2**20
+        assert grown < nbytes / 4, (grown, nbytes)
+        del model
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_factories_keep_their_meaning(tmp_path):
+    with tiermem.Runtime(config(tmp_path, 64 * 1024)) as rt, rt.init(min_bytes=16):
+        zeros, ones = torch.zeros(64, 8), torch.ones((64, 8), dtype=torch.float64)
+        full = torch.full((32, 4), 2.5)
+        empty = torch.empty(16, 16, requires_grad=True)
+        small = torch.zeros(2)  # below min_bytes: ordinary memory
+        ints = torch.zeros(64, 64, dtype=torch.int64)  # not floating point: ordinary memory
+        random = torch.randn(64, 64)  # the RNG's own path (rule 2)
+        layer = nn.Linear(32, 32)
+    assert zeros.is_shared() and torch.equal(zeros, torch.zeros(64, 8))
+    assert ones.is_shared() and torch.equal(ones, torch.ones(64, 8, dtype=torch.float64))
+    assert full.is_shared() and torch.equal(full, torch.full((32, 4), 2.5))
+    assert empty.is_shared() and empty.requires_grad and empty.shape == (16, 16)
+    assert not small.is_shared() and not ints.is_shared() and not random.is_shared()
+    assert layer.weight.is_shared() and layer(torch.ones(2, 32)).shape == (2, 32)
+
+
+def test_init_outside_the_runtime_is_a_clear_error(tmp_path):
+    rt = tiermem.Runtime(config(tmp_path, 64 * 1024))
+    with pytest.raises(RuntimeClosedError):
+        rt.init()

@@ -1,0 +1,106 @@
+"""``rt.init()``: build a model whose parameters do not fit in RAM.
+
+# NOTE [ Materialising under rt.init() ]
+1. Inside ``with rt.init():``, every CPU floating-point tensor of at least ``min_bytes`` that
+   ``torch.empty``, ``zeros``, ``ones`` or ``full`` creates (``nn.Linear``, ``nn.Embedding``,
+   the norms and most custom modules create their parameters this way) is backed by a file
+   in a run directory on the first NVMe path, mapped shared and unlinked at once. Its pages
+   are file-backed: under memory pressure the kernel writes them to the drive instead of
+   failing, and the space is gone with the last mapping (no file is left behind, even when
+   the process is killed).
+2. The modules' own initialisation runs unchanged on those tensors, in construction order,
+   with the global RNG: the values are bitwise those of a plain construction with the same
+   seed. Random factories (``torch.randn``...) are not redirected (their values must stay
+   torch's own), so a module that draws its parameters from them builds them in RAM.
+3. ``rt.manage(model, ...)`` then copies the parameters into chunks in their home tiers, one
+   chunk at a time (construction order; re-packed at the first step after the first forward,
+   NOTE [ Model-state rules ] rule 2); the mappings go when nothing refers to them any more.
+   A model built here and never managed keeps working on its file-backed tensors.
+4. On tmpfs the "file" is RAM: the run says so once with a warning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from tiermem.tiers.fsinfo import filesystem_of
+from tiermem.tiers.rundir import RunDirectory
+
+log = logging.getLogger("tiermem.states")
+
+#: Factories whose result is fully determined without the RNG: safe to redirect (rule 2).
+_FILLS: dict[Callable[..., Any], Callable[[torch.Tensor], None]] = {
+    torch.empty: lambda t: None,
+    torch.zeros: lambda t: None,  # a new file reads as zeros
+    torch.ones: lambda t: t.fill_(1),
+    torch.full: lambda t: None,  # filled from the meta result's fill value below
+}
+
+DEFAULT_MIN_BYTES = 64 * 1024
+"""Smaller tensors (biases, norms) stay in RAM: a mapping per tiny tensor costs more than it saves."""
+
+
+class _FileBacked(TorchFunctionMode):
+    """Rule 1: redirect large CPU float factories to unlinked, shared file mappings."""
+
+    def __init__(self, directory: str, min_bytes: int) -> None:
+        super().__init__()
+        self.directory = directory
+        self.min_bytes = min_bytes
+        self._names = itertools.count()
+        self.tensors = 0
+        self.bytes = 0
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func not in _FILLS or not self._redirectable(kwargs):
+            return func(*args, **kwargs)
+        meta = func(*args, **{**kwargs, "device": "meta"})
+        nbytes = meta.numel() * meta.element_size()
+        if not meta.dtype.is_floating_point or nbytes < self.min_bytes:
+            return func(*args, **kwargs)
+        path = os.path.join(self.directory, f"init-{next(self._names)}.bin")
+        tensor = torch.from_file(path, shared=True, size=meta.numel(), dtype=meta.dtype)
+        os.unlink(path)  # the mapping keeps the space; nothing to clean up later (rule 1)
+        tensor = tensor.view(meta.shape)
+        if func is torch.full:
+            fill = args[1] if len(args) > 1 else kwargs["fill_value"]
+            tensor.fill_(fill)
+        else:
+            _FILLS[func](tensor)
+        self.tensors += 1
+        self.bytes += nbytes
+        return tensor.requires_grad_(bool(kwargs.get("requires_grad", False)))
+
+    @staticmethod
+    def _redirectable(kwargs: dict[str, Any]) -> bool:
+        device = kwargs.get("device")
+        device = torch.get_default_device() if device is None else torch.device(device)
+        if device.type != "cpu":
+            return False
+        if kwargs.get("pin_memory") or kwargs.get("out") is not None:
+            return False
+        layout = kwargs.get("layout")
+        return layout in (None, torch.strided) and kwargs.get("memory_format") in (None, torch.contiguous_format)
+
+
+@contextlib.contextmanager
+def file_backed_init(parent: str, min_bytes: int = DEFAULT_MIN_BYTES) -> Iterator[_FileBacked]:
+    """Rule 1: the context ``rt.init()`` opens; ``parent`` is the first NVMe path."""
+    if min_bytes < 1:
+        raise ValueError(f"tiermem init: min_bytes must be at least 1, got {min_bytes}")
+    if filesystem_of(parent).fstype == "tmpfs":
+        log.warning("tiermem init: %s is on tmpfs, so the parameters built here stay in RAM (rule 4)", parent)
+    with RunDirectory.create(parent) as rundir:
+        mode = _FileBacked(rundir.path, min_bytes)
+        with mode:
+            yield mode
+        log.info("tiermem init: %d tensors (%d bytes) on file-backed pages under %s", mode.tensors, mode.bytes, parent)
