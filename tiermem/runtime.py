@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from tiermem.activations import ActivationCounters, ActivationOffloader
-from tiermem.activations.blocks import BlockSpec
+from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.policy import PolicySpec
 from tiermem.config import Config
 from tiermem.errors import RuntimeClosedError
@@ -32,7 +32,8 @@ from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
 from tiermem.states import ModelStates
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
-from tiermem.stats import ActivationStatistics, Stats
+from tiermem.states.placement import Plan, PlanRequest
+from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.host import HostTier
@@ -164,6 +165,12 @@ class Runtime:
         """
         settings = (self.resolved or self.config).activations
         registry = self.registry  # raises a clear error outside `with rt`
+        if (settings.policy if policy is None else policy) == "auto":
+            # A planned model's per-block policy is what "auto" means for it.
+            for states in self._model_states:
+                planned = states.plan.block_policy
+                if states.model is model and planned is not None and len(planned) == len(find_blocks(model, blocks)):
+                    policy = dict(enumerate(planned))
         return ActivationOffloader(
             registry,
             model,
@@ -188,8 +195,9 @@ class Runtime:
         self,
         model: torch.nn.Module,
         optimizer: Any,
-        plan: Any = None,
+        plan: Any = "auto",
         *,
+        sample: Any = None,
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
         **optimizer_kwargs: Any,
@@ -198,15 +206,41 @@ class Runtime:
 
         ``optimizer``: a constructed ``torch.optim`` AdamW, Adam or SGD over the model's
         parameters (param groups and hyper-parameters kept), or one of those classes plus
-        keyword arguments. ``plan``: a hand-written placement (dict, ``Plan`` or JSON path,
-        see ``tiermem.states.placement``); None applies the default rule. Returns the same
-        model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
+        keyword arguments. ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
+        placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, see
+        ``tiermem.states.placement``). Returns the same model and the optimizer to use from
+        now on; ``rt.plan`` is the plan in force.
+
+        ``sample``: what the planner profiles (NOTE [ Profiling step ] in
+        ``tiermem.planner.profiler``): a tuple of the model's positional arguments for one
+        training batch, or a callable ``sample(model) -> loss``. The profiling step leaves the
+        RNG, buffers (BatchNorm statistics) and ``.grad`` as they were, and its profile is
+        cached in the user's cache directory. The plan then carries a per-block activation
+        policy that ``rt.offload_activations(model)`` applies under policy ``auto``, and its
+        predictions (``rt.plan.predicted``). Without a sample, ``"auto"`` follows the default
+        placement rule and predicts nothing.
 
         ``grad_accumulation_steps`` / ``clip_grad_norm`` (max L2 norm) declare the loop: step
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
         edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
         of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
         """
+        if sample is not None and (plan is None or plan == "auto"):
+            from tiermem.planner.auto import plan_model  # the planner only when asked
+
+            assert self.resolved is not None  # set whenever registry is reachable
+            decision, profile = plan_model(self.registry, self.resolved, model, optimizer, optimizer_kwargs, sample)
+            chosen = decision.plan
+            plan = PlanRequest(
+                chosen.chunk_size,
+                chosen.persistent_chunks,
+                chosen.buffers,
+                chosen.state_home,
+                chosen.block_policy,
+                chosen.predicted,
+                order=profile.order,  # pack in execution order now, no re-pack at the first step
+            )
+            self.__dict__["_decision"] = decision
         states = ModelStates(
             self.registry,
             model,
@@ -221,6 +255,16 @@ class Runtime:
         return model, states.optimizer
 
     # -- introspection ----------------------------------------------------------------------
+    @property
+    def plan(self) -> Plan | None:
+        """The plan in force for the model ``rt.manage`` managed last (None before); with
+        ``sample=`` given, the planner's, with its predictions (``rt.plan.as_dict()``)."""
+        return self.__dict__.get("_plan")
+
+    @plan.setter
+    def plan(self, value: Plan | None) -> None:
+        self.__dict__["_plan"] = value  # the manager keeps it current (re-packs included)
+
     @property
     def registry(self) -> Registry:
         if self._registry is None or self._scheduler is None:
@@ -256,9 +300,21 @@ class Runtime:
                 cancelled=c.cancelled,
                 fallbacks=c.fallbacks,
             )
+        tiers = ("device", "host", "nvme")
+        managed = [states.describe() for states in self._model_states]
+        model_states = ModelStateStatistics(
+            models=len(managed),
+            chunks=sum(len(d["chunks"]) for d in managed),
+            persistent_chunks=sum(d["plan"]["persistent_chunks"] for d in managed),
+            resident_bytes={tier: registry.resident_bytes("chunk", tier) for tier in tiers},
+            peak_resident_bytes={tier: registry.peak_resident_bytes("chunk", tier) for tier in tiers},
+            chunk_steps=sum(d["chunk_steps"] for d in managed),
+            early_chunk_steps=sum(d["early_chunk_steps"] for d in managed),
+        )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},
             scheduler=self.scheduler.statistics(),
             registry=registry.statistics(),
             activations=activations,
+            model_states=model_states,
         )

@@ -166,7 +166,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self.pool = ChunkPool(registry, [], 0)
         self._has_grad = [False] * len(self.params)
         self._pstate: dict[int, ParamState] = {}
-        self._order = list(range(len(self.params)))
+        self._order = self._initial_order()
         self._recording: list[int] | None = None
         self._seen: set[int] = set()
         self._recorded: list[int] | None = None
@@ -206,6 +206,14 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self.optimizer = ManagedOptimizer(self, base)
         self._register_hooks()
         _MANAGED[model] = self
+
+    def _initial_order(self) -> list[int]:
+        """Rule 2: registration order, or the execution order the planner's profile recorded
+        (``PlanRequest.order``), which spares the re-pack at the first step."""
+        order = self._request.order
+        if order is None or sorted(order) != list(range(len(self.params))):
+            return list(range(len(self.params)))
+        return list(order)
 
     def _plan_layout(
         self, order: Sequence[int], held: Mapping[str, int] | None = None

@@ -4,8 +4,10 @@ A plan says how big chunks are, how many of the first chunks stay on the device,
 non-persistent chunks the device buffer pool holds, and where each chunk's master parameters
 and optimizer states live. ``rt.manage(..., plan=)`` takes a hand-written plan (a dict in
 the shape of :meth:`Plan.as_dict`, a :class:`Plan`, or the path of a JSON file saved by
-:meth:`Plan.save`); fields it leaves out follow the default rule. The automatic planner
-(profile + cost model) is a later step and will make ``"auto"`` the default.
+:meth:`Plan.save`); fields it leaves out follow the default rule. ``"auto"`` asks the planner
+(:mod:`tiermem.planner`) when it has a profile, and follows the default rule otherwise. A plan
+may carry a per-block activation policy (``block_policy``), which ``rt.offload_activations``
+applies under policy ``auto``, and the planner's prediction, which travels with it.
 
 # NOTE [ Default placement rule ]
 1. Device bytes of a persistent chunk: its parameters, gradients and optimizer states
@@ -39,6 +41,7 @@ from tiermem.tiers.base import ALIGNMENT
 from tiermem.units import format_size, parse_size, round_up
 
 STATE_HOMES = ("device", "host", "nvme")
+BLOCK_POLICIES = ("keep", "recompute", "host", "nvme")
 PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted")
 
 
@@ -74,25 +77,53 @@ class Budgets:
 
 @dataclass(frozen=True)
 class Prediction:
-    """What a planner predicted for a plan (``None`` until one did)."""
+    """What a planner predicted for a plan (``None`` until one did): seconds a step takes,
+    peak managed bytes per tier, the transient operator peak on top of the device's (not
+    managed, NOTE [ Cost model ] rule 3) and the fragmentation margin the fit was checked with."""
 
     step_s: float | None = None
     peak_bytes: Mapping[str, int | None] = field(default_factory=lambda: {"device": None, "host": None, "nvme": None})
+    transient_bytes: int | None = None
+    fragmentation_margin: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step_s": self.step_s, "peak_bytes": dict(self.peak_bytes)}
+        data: dict[str, Any] = {"step_s": self.step_s, "peak_bytes": dict(self.peak_bytes)}
+        if self.step_s is not None:  # the planner's extras; the contract's two keys otherwise
+            data["transient_bytes"] = self.transient_bytes
+            data["fragmentation_margin"] = self.fragmentation_margin
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> Prediction:
+        """The inverse of :meth:`as_dict` (``None``: nothing predicted); raises ``ValueError``."""
+        if data is None:
+            return cls()
+        if not isinstance(data, Mapping) or not isinstance(data.get("peak_bytes") or {}, Mapping):
+            raise ValueError(f"expected {{'step_s': ..., 'peak_bytes': {{...}}}} or null, got {data!r}")
+        unknown = set(data) - {"step_s", "peak_bytes", "transient_bytes", "fragmentation_margin"}
+        if unknown:
+            raise ValueError(f"unknown key(s) {sorted(unknown)}")
+        peaks: dict[str, int | None] = {tier: None for tier in STATE_HOMES}
+        peaks.update(data.get("peak_bytes") or {})
+        return cls(data.get("step_s"), peaks, data.get("transient_bytes"), data.get("fragmentation_margin"))
 
 
 @dataclass(frozen=True)
 class PlanRequest:
     """The fields of a hand-written plan; ``None`` means "follow the default rule".
 
-    ``state_home`` may be one home for every non-persistent chunk ("host" or "nvme")."""
+    ``state_home`` may be one home for every non-persistent chunk ("host" or "nvme").
+    ``block_policy`` and ``predicted`` are carried into the plan as they are. ``order``: the
+    parameters' execution order a profile recorded, to pack in from the start (NOTE
+    [ Model-state rules ] rule 2); None packs in registration order until the first forward."""
 
     chunk_size: int | None = None
     persistent_chunks: int | None = None
     buffers: int | None = None
     state_home: tuple[str, ...] | str | None = None
+    block_policy: tuple[str, ...] | None = None
+    predicted: Prediction = field(default_factory=Prediction)
+    order: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -127,12 +158,16 @@ class Plan:
             f.write("\n")
 
 
-def parse_plan(spec: Plan | Mapping[str, Any] | str | os.PathLike[str] | None) -> PlanRequest:
+def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[str] | None) -> PlanRequest:
     """A :class:`PlanRequest` from what ``plan=`` accepts; every problem reported at once."""
     if spec is None or spec == "auto":
         return PlanRequest()
+    if isinstance(spec, PlanRequest):
+        return spec
     if isinstance(spec, Plan):
-        return PlanRequest(spec.chunk_size, spec.persistent_chunks, spec.buffers, spec.state_home)
+        return PlanRequest(
+            spec.chunk_size, spec.persistent_chunks, spec.buffers, spec.state_home, spec.block_policy, spec.predicted
+        )
     if isinstance(spec, (str, os.PathLike)):
         try:
             with open(spec, encoding="utf-8") as f:
@@ -153,8 +188,9 @@ def parse_plan(spec: Plan | Mapping[str, Any] | str | os.PathLike[str] | None) -
             number = parse_size(value) if key == "chunk_size" else value
             if isinstance(number, bool) or not isinstance(number, int):
                 raise ValueError(f"must be an integer, got {value!r}")
-            if number < (1 if key != "persistent_chunks" else 0):
-                raise ValueError(f"must be {'>= 0' if key == 'persistent_chunks' else '> 0'}, got {value!r}")
+            # buffers=0 is what a plan whose every chunk persists says (Plan.save round trip)
+            if number < (1 if key == "chunk_size" else 0):
+                raise ValueError(f"must be {'> 0' if key == 'chunk_size' else '>= 0'}, got {value!r}")
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -170,11 +206,17 @@ def parse_plan(spec: Plan | Mapping[str, Any] | str | os.PathLike[str] | None) -
             problems.append(f"state_home: a list of {'|'.join(STATE_HOMES)} per chunk, got {homes!r}")
         else:
             values["state_home"] = tuple(homes)
-    if spec.get("block_policy") is not None:
-        problems.append(
-            "block_policy: rt.manage does not apply activation policies yet; leave it null and use "
-            "rt.offload_activations(model, policy=...)"
-        )
+    policies = spec.get("block_policy")
+    if policies is not None:
+        if isinstance(policies, str) or not isinstance(policies, Sequence) or set(policies) - set(BLOCK_POLICIES):
+            names = "|".join(BLOCK_POLICIES)
+            problems.append(f"block_policy: a list of {names}, one per activation block, got {policies!r}")
+        else:
+            values["block_policy"] = tuple(policies)
+    try:
+        values["predicted"] = Prediction.from_dict(spec.get("predicted"))
+    except ValueError as exc:
+        problems.append(f"predicted: {exc}")
     if problems:
         raise PlanError("tiermem plan: " + "; ".join(problems))
     return PlanRequest(**values)
@@ -215,7 +257,14 @@ def decide(
         )
     homes = _homes(needs, persistent, budgets, request.state_home)
     _check_fits(needs, persistent, buffers, chunk_size, homes, budgets)
-    return Plan(chunk_size=chunk_size, persistent_chunks=persistent, buffers=buffers, state_home=homes)
+    return Plan(
+        chunk_size=chunk_size,
+        persistent_chunks=persistent,
+        buffers=buffers,
+        state_home=homes,
+        block_policy=request.block_policy,
+        predicted=request.predicted,
+    )
 
 
 def _default_persistent(

@@ -1,0 +1,303 @@
+"""The planner (issue 6): the profiling step records what it says and changes nothing; the cache
+round-trips, invalidates and clears; the search picks the fastest fitting plan on hand-checkable
+profiles and names each tier's shortfall when nothing fits; ``plan="auto"`` training is bitwise
+plain PyTorch, its predicted device peak matches the accounting, and plans round-trip.
+(NOTE [ Profiling step ], NOTE [ Profile cache ], NOTE [ Cost model ], NOTE [ Plan search ])"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem.models.data import MarkovChainData
+from tiermem.models.gpt import GPT, GPTConfig, measure_activations
+from tiermem.planner import BlockStats, NoPlanFitsError, ParamStats, Profile, cache, search
+from tiermem.planner.auto import profile_model
+from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, predict
+from tiermem.planner.profiler import measure
+from tiermem.planner.search import packings
+from tiermem.states.placement import Plan
+
+CONFIG = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=64)
+BATCH = 4
+MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def one_thread(tmp_path, monkeypatch):
+    """One OpenMP thread (TRAPS 7) and a private profile cache."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def settings(tmp_path, device: int | str) -> dict:
+    return {
+        "device": {"capacity": device, "device": "cpu"},
+        "host": {"capacity": "256MiB"},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "256MiB", "block_size": "64KiB"},
+        "scheduler": {"loop": "asyncio"},
+        "activations": {"min_bytes": "16KiB"},
+    }
+
+
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    data = MarkovChainData(CONFIG.vocab_size, CONFIG.seq_len, seed=0)
+    return [data.batch(BATCH, torch.device("cpu")) for _ in range(steps)]
+
+
+# -- profiler -------------------------------------------------------------------------------------
+
+
+def test_profile_records_times_and_the_measured_activation_bytes():
+    model = gpt()
+    x, _ = batches(1)[0]
+    # measure_activations passes one tensor as inputs and targets: so do we (same storages)
+    blocks, outside, params, order, _, shared, param_block = measure(
+        model, (x, x), sections=lambda i: 2, min_bytes=1, device=torch.device("cpu")
+    )
+    truth = measure_activations(CONFIG, BATCH)
+    assert [b.saved_bytes + b.small_bytes for b in blocks] == list(truth.blocks)
+    assert outside.saved_bytes + outside.small_bytes == truth.outside
+    assert all(b.forward_s > 0 and b.backward_s > 0 for b in blocks)
+    assert all(b.input_bytes == BATCH * CONFIG.seq_len * CONFIG.d_model * 4 for b in blocks)
+    assert sorted(order) == list(range(len(params))) and len(params) == len(list(model.parameters()))
+    assert [i for i in shared] == [0]  # the tied embedding / LM head
+    # wte first used before the blocks, block parameters in their block, ln_f after them
+    names = [n for n, _ in model.named_parameters()]
+    assert param_block[names.index("wte.weight")] == -1
+    assert param_block[names.index("blocks.1.mlp.fc.weight")] == 1
+    assert param_block[names.index("ln_f.weight")] == CONFIG.n_layer
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profiling_leaves_rng_and_batchnorm_statistics_as_they_were():
+    """TRAPS 10: dropout draws random numbers, BatchNorm updates its running statistics."""
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList(
+                nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Dropout(0.5)) for _ in range(2)
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return x.square().mean()
+
+    torch.manual_seed(0)
+    net = Net()
+    sample = (torch.randn(8, 16),)
+    buffers = [b.clone() for b in net.buffers()]
+    rng = torch.get_rng_state()
+    measure(net, sample, sections=lambda i: 2, min_bytes=1, device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(torch.equal(a, b) for a, b in zip(buffers, net.buffers(), strict=True))
+    assert net.blocks[0][1].num_batches_tracked.item() == 0
+
+
+def test_profile_cache_round_trip_invalidation_and_clear(tmp_path):
+    model = gpt()
+    x, y = batches(1)[0]
+    with tiermem.Runtime(settings(tmp_path, "64MiB")) as rt:
+        args = (rt.registry, rt.resolved, model, torch.optim.AdamW, {"lr": 1e-3})
+        first = profile_model(*args, (x, y))
+        assert first.key and (cache.cache_dir() / f"{first.key}.json").is_file()
+        again = profile_model(*args, (x, y))
+        assert again == first  # read back from the cache, not measured again
+        other = profile_model(*args, (x[:2], y[:2]))  # another batch shape: another key
+        assert other.key != first.key and other.blocks[0].saved_bytes < first.blocks[0].saved_bytes
+    assert Profile.from_json(first.to_json()) == first
+    assert cache.clear() == 2 and cache.load(first.key) is None
+
+
+# -- search on synthetic profiles ------------------------------------------------------------------
+
+
+def synthetic(
+    layers: int, *, saved: int = 16 * MiB, forward_s: float = 0.01, param: int = MiB, memcpy: float = 1e9, nvme=None
+) -> Profile:
+    """``layers`` blocks of two ``param``-byte parameters each, plus an embedding."""
+    params = [ParamStats(param)] + [ParamStats(param) for _ in range(2 * layers)]
+    modules = [(0,)] + [(1 + 2 * i, 2 + 2 * i) for i in range(layers)]
+    links = {"device->host": memcpy, "host->device": memcpy}
+    if nvme:
+        links.update({"device->nvme": nvme, "nvme->device": nvme, "host->nvme": nvme, "nvme->host": nvme})
+    return Profile(
+        blocks=tuple(BlockStats(f"b{i}", forward_s, 2 * forward_s, saved, input_bytes=MiB) for i in range(layers)),
+        outside=BlockStats("outside", 0.001, 0.002, MiB),
+        params=tuple(params),
+        order=tuple(range(len(params))),
+        modules=tuple(modules),
+        shared=(),
+        links=links,
+        optimizer_s_per_byte=1e-10,
+        param_block=(-1, *(i // 2 for i in range(2 * layers))),
+    )
+
+
+def test_search_keeps_everything_when_the_device_is_roomy():
+    decision = search(synthetic(4), {"device": 1 << 30, "host": 1 << 30, "nvme": 1 << 30})
+    plan = decision.plan
+    assert plan.persistent_chunks == plan.chunks and plan.buffers == 0
+    assert plan.block_policy == ("keep",) * 4
+    assert decision.estimate.parts_s["copies"] == 0 and decision.estimate.parts_s["recompute"] == 0
+
+
+def test_search_prefers_recompute_when_compute_is_cheaper_than_copies_and_host_when_not():
+    """Two blocks of 64 MiB saved; the device holds the states (5 MiB of parameters, 20 MiB
+    with gradients and Adam states) and one block. Recompute costs the block's forward again;
+    a host round trip costs 128 MiB at 1 GB/s (~0.13 s)."""
+    caps = {"device": 20 * MiB + 64 * MiB + 2 * MiB + 8 * MiB, "host": 1 << 30, "nvme": 0}
+    cheap = search(synthetic(2, saved=64 * MiB, forward_s=0.01), caps)
+    assert cheap.plan.block_policy == ("recompute", "keep")
+    costly = search(synthetic(2, saved=64 * MiB, forward_s=1.0), caps)
+    assert costly.plan.block_policy == ("host", "keep")
+    for decision in (cheap, costly):
+        assert decision.estimate.fits(caps)  # every tier, with the margin
+        assert decision.estimate.device_demand * (1 + FRAGMENTATION_MARGIN) <= caps["device"]
+
+
+def test_search_is_the_fastest_fitting_plan_of_a_100_layer_model():
+    """Against a brute force over every persistent count and activation family at the largest
+    chunk size: the search's plan fits and is at least as fast (NOTE [ Plan search ])."""
+    profile = synthetic(100, saved=8 * MiB, nvme=1e9)
+    caps = {"device": 900 * MiB, "host": 2 << 30, "nvme": 4 << 30}
+    decision = search(profile, caps)
+    assert decision.estimate.fits(caps)
+    assert len(decision.plan.block_policy) == 100 and decision.plan.chunks == len(decision.plan.state_home)
+    from tiermem.planner.costmodel import StatesChoice
+
+    packing = packings(profile)[-1]
+    best = float("inf")
+    for persistent in range(0, packing.chunks + 1, 5):
+        for kept in range(0, 101, 10):
+            for kind in ("recompute", "host", "nvme"):
+                policies = (kind,) * (100 - kept) + ("keep",) * kept
+                streamed = packing.chunks - persistent
+                buffers = min(packing.min_buffers + 1, streamed) if streamed else 0
+                choice = StatesChoice(packing, persistent, buffers, packing.host_end(persistent, 1 << 30))
+                estimate = predict(profile, choice, policies)
+                if estimate.fits(caps):
+                    best = min(best, estimate.step_s)
+    assert best < float("inf")
+    assert decision.estimate.step_s <= best * 1.0001
+
+
+def test_no_plan_fits_names_each_tiers_shortfall():
+    with pytest.raises(NoPlanFitsError) as info:
+        search(synthetic(4), {"device": 4 * MiB, "host": 1 << 30, "nvme": 1 << 30})
+    error = info.value
+    assert error.shortfall["device"] > 0 and error.shortfall["host"] == 0 and error.shortfall["nvme"] == 0
+    assert "device short by" in str(error) and "Raise [device] capacity" in str(error)
+    assert isinstance(error, tiermem.errors.TiermemError)
+
+
+# -- plan="auto" on a real model --------------------------------------------------------------------
+
+
+def plain_losses(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model = gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in steps:
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("fraction", [0.75, 0.45])
+def test_auto_plan_is_bitwise_plain_pytorch_and_its_device_peak_is_predicted(tmp_path, fraction):
+    steps = batches(3)
+    want_losses, want_params = plain_losses(steps)
+    truth = measure_activations(CONFIG, BATCH).total
+    need = 16 * sum(p.numel() for p in gpt().parameters()) + truth  # states + every activation
+    capacity = int(need * fraction)
+    model = gpt()
+    with tiermem.Runtime(settings(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-2, sample=steps[0])
+        plan = rt.plan
+        assert plan.predicted.step_s is not None and plan.block_policy is not None
+        losses = []
+        for x, y in steps:
+            with rt.offload_activations(model):  # policy auto: the plan's per-block policy
+                _, loss = model(x, y)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        stats = rt.stats().as_dict()
+    device = stats["tiers"]["device"]
+    assert device["peak_bytes"] <= device["capacity"] == capacity
+    predicted = plan.predicted.peak_bytes["device"]
+    # Between what the plan must hold (no prefetch landed early) and the prediction with every
+    # prefetch landing while its predecessor is still alive (capped at the capacity): which
+    # one a run sees is timing. Above: within 10% (the issue's bound). Below: 15%, since on
+    # this tiny model one 16 KiB-granular tensor or one 200 KiB chunk is several percent
+    # (measured: 10.3% below at 0.45 of the need; 0-3% on the 4x256 GPT in bench/planner.py).
+    demand = rt.__dict__["_decision"].estimate.device_demand
+    assert demand * 0.85 <= device["peak_bytes"] <= predicted * 1.1
+    if "nvme" in plan.block_policy:
+        assert stats["activations"]["bytes_written"]["nvme"] > 0
+    if fraction < 0.5:
+        assert plan.persistent_chunks < plan.chunks or set(plan.block_policy) != {"keep"}
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(losses, want_losses, strict=True))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(model.parameters(), want_params, strict=True))
+    assert list(tmp_path.glob("tiermem-*")) == []
+
+
+def test_plan_save_and_plan_path_round_trip(tmp_path):
+    x, y = batches(1)[0]
+    path = tmp_path / "plan.json"
+    with tiermem.Runtime(settings(tmp_path, "8MiB")) as rt:
+        rt.manage(gpt(), torch.optim.AdamW, lr=1e-3, sample=(x, y))
+        rt.plan.save(path)
+        first = rt.plan
+    saved = json.loads(path.read_text())
+    assert set(saved["predicted"]["peak_bytes"]) == {"device", "host", "nvme"}
+    assert isinstance(saved["predicted"]["step_s"], float)
+    with tiermem.Runtime(settings(tmp_path, "8MiB")) as rt:
+        rt.manage(gpt(), torch.optim.AdamW, lr=1e-3, plan=str(path))
+        assert isinstance(rt.plan, Plan)
+        assert rt.plan.as_dict() == first.as_dict()
+
+
+def test_tiermem_plan_json_is_well_formed(tmp_path):
+    config = tmp_path / "tiers.toml"
+    config.write_text(
+        '[device]\ncapacity = "48MiB"\ndevice = "cpu"\n[host]\ncapacity = "512MiB"\n'
+        f'[nvme]\ncapacity = "512MiB"\npaths = ["{tmp_path}"]\n'
+    )
+    command = [sys.executable, "-m", "tiermem", "plan", "--config", str(config), "--model", "tiny", "--batch", "2"]
+    command += ["--seq", "64", "--json"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    plan = result["plan"]
+    assert {"chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted"} <= set(plan)
+    assert plan["predicted"]["peak_bytes"]["device"] <= result["capacities"]["device"]
+    assert result["reasons"] and result["reasons"][0].startswith("binding tier")
+    config.write_text(config.read_text().replace("48MiB", "1MiB"))
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "device short by" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,29 @@
+"""The planner (ProTrain's memory-aware profiler, cost model and search). Pure where it decides:
+a :class:`~tiermem.planner.profile.Profile` and free bytes per tier in, a frozen
+:class:`~tiermem.states.placement.Plan` out (DESIGN "Policy vs mechanism").
+
+- :mod:`~tiermem.planner.profile`: what one instrumented step measured (JSON round trip).
+- :mod:`~tiermem.planner.profiler`: the instrumented step itself (NOTE [ Profiling step ]).
+- :mod:`~tiermem.planner.cache`: profiles cached in the user's cache (NOTE [ Profile cache ]).
+- :mod:`~tiermem.planner.costmodel`: a plan's step time and peak bytes (NOTE [ Cost model ]).
+- :mod:`~tiermem.planner.search`: the fastest plan that fits (NOTE [ Plan search ]).
+- :mod:`~tiermem.planner.auto`: profile-or-cache, then search, for ``rt.manage(plan="auto")``.
+"""
+
+from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, Estimate, predict
+from tiermem.planner.errors import NoPlanFitsError, ProfileError
+from tiermem.planner.profile import BlockStats, ParamStats, Profile
+from tiermem.planner.search import Decision, search
+
+__all__ = [
+    "FRAGMENTATION_MARGIN",
+    "BlockStats",
+    "Decision",
+    "Estimate",
+    "NoPlanFitsError",
+    "ParamStats",
+    "Profile",
+    "ProfileError",
+    "predict",
+    "search",
+]

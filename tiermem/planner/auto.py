@@ -1,0 +1,145 @@
+"""``plan="auto"``: profile (or take the cached profile), then search. The one place where the
+planner meets a live model and Runtime; everything it calls below is pure or measures.
+
+::
+
+    decision, profile = plan_model(rt.registry, rt.resolved, model, torch.optim.AdamW, {"lr": 1e-3}, (x, y))
+    print(decision.plan.as_dict(), decision.reasons)
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiermem.activations.blocks import BlockSpec
+from tiermem.config import Config
+from tiermem.planner import cache
+from tiermem.planner.errors import ProfileError
+from tiermem.planner.profile import Profile
+from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte, probe_links, probe_size
+from tiermem.planner.search import Decision, search
+from tiermem.registry import Registry
+from tiermem.states.optimizer import SUPPORTED
+
+log = logging.getLogger("tiermem.planner")
+
+
+def free_bytes(registry: Registry) -> dict[str, int]:
+    """What each tier has free now (the capacities the search must respect)."""
+    return {
+        name: tier.capacity - tier.statistics().current_bytes
+        for name, tier in registry.tiers.items()
+        if name in ("device", "host", "nvme")
+    }
+
+
+def _optimizer_facts(
+    model: nn.Module, optimizer: Any, kwargs: Mapping[str, Any]
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any], list[dict[str, Any]]]:
+    params = list(model.parameters())
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return type(optimizer), dict(optimizer.defaults), list(optimizer.param_groups)
+    if isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
+        return optimizer, dict(kwargs), [{"params": [p for p in params if p.requires_grad], **kwargs}]
+    raise ProfileError(f"tiermem planner: cannot profile the optimizer {optimizer!r}; pass a torch.optim optimizer")
+
+
+def _tier_facts(resolved: Config) -> dict[str, Any]:
+    """The resolved configuration without capacities (NOTE [ Profile cache ] rule 1)."""
+    facts = resolved.to_dict()
+    for section in facts.values():
+        section.pop("capacity", None)
+    return facts
+
+
+def profile_model(
+    registry: Registry,
+    resolved: Config,
+    model: nn.Module,
+    optimizer: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    sample: Sample,
+    *,
+    blocks: BlockSpec = None,
+    use_cache: bool = True,
+) -> Profile:
+    """The model's profile: from the cache when its key matches and it revalidates, else measured."""
+    cls, defaults, groups = _optimizer_facts(model, optimizer, optimizer_kwargs)
+    device = torch.device(resolved.device.device)
+    key = cache.profile_key(
+        model,
+        sample,
+        str(device),
+        _tier_facts(resolved),
+        {"class": f"{cls.__module__}.{cls.__qualname__}", "defaults": defaults},
+    )
+    if use_cache and key is not None:
+        cached = cache.load(key)
+        if cached is not None and cache.still_valid(cached, registry):
+            log.info("tiermem planner: using the cached profile %s", key)
+            return cached
+    start = time.perf_counter()
+    names = SUPPORTED[cls](groups) if cls in SUPPORTED else ("exp_avg", "exp_avg_sq")
+    params = list(model.parameters())
+    optimized = {id(p) for group in groups for p in group["params"]}
+    sections = [len(names) if id(p) in optimized else 0 for p in params]
+    blocks_stats, outside, param_stats, order, modules, shared, param_block = measure(
+        model,
+        sample,
+        sections=lambda i: sections[i],
+        min_bytes=resolved.activations.min_bytes,
+        device=device,
+        blocks=blocks,
+    )
+    size = probe_size(registry)
+    links = probe_links(registry, size)
+    per_byte = optimizer_seconds_per_byte(cls, defaults, params)
+    profile = Profile(
+        blocks=tuple(blocks_stats),
+        outside=outside,
+        params=tuple(param_stats),
+        order=tuple(order),
+        modules=tuple(modules),
+        shared=tuple(shared),
+        links=links,
+        optimizer_s_per_byte=per_byte,
+        cpu=device.type == "cpu",
+        device=str(device),
+        threads=torch.get_num_threads(),
+        min_bytes=resolved.activations.min_bytes,
+        key=key or "",
+        profiling_s=time.perf_counter() - start,
+        extra={"probe_bytes": size},
+        param_block=tuple(param_block),
+    )
+    if use_cache and key is not None:
+        cache.store(profile)
+    return profile
+
+
+def plan_model(
+    registry: Registry,
+    resolved: Config,
+    model: nn.Module,
+    optimizer: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    sample: Sample,
+    *,
+    blocks: BlockSpec = None,
+    use_cache: bool = True,
+    capacities: Mapping[str, int] | None = None,
+) -> tuple[Decision, Profile]:
+    """Profile, then search under ``capacities`` (default: what the tiers have free now)."""
+    profile = profile_model(
+        registry, resolved, model, optimizer, optimizer_kwargs, sample, blocks=blocks, use_cache=use_cache
+    )
+    caps = dict(capacities) if capacities is not None else free_bytes(registry)
+    decision = search(profile, caps, states_offload=profile.cpu)
+    log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
+    return decision, profile

@@ -1,0 +1,441 @@
+"""The cost model: a candidate plan's step time and its peak bytes on every tier. Pure.
+
+# NOTE [ Cost model ]
+1. Device bytes (what the device tier accounts, NOTE [ Model-state rules ] rule 6):
+   persistent chunks (parameters and optimizer states), ``buffers`` streamed chunks'
+   parameters, gradient chunks, and the saved activations the offloader manages (rule 4).
+   Gradients (``zero_grad(set_to_none=True)``, the default, drops them between steps) are
+   allocated during backward, as activations are freed: a persistent chunk's gradient chunk
+   appears when backward reaches the block that first used its last parameter (NOTE
+   [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
+   write-back lands (one being filled, plus the chunks of shared, tied parameters, whose
+   gradients complete only at the end of backward). The device peak is the largest sum
+   over that backward timeline and the end of forward.
+2. Activations on the device: the part outside blocks, kept blocks, offloaded blocks whose
+   write has not landed yet (the offloader keeps a tensor readable at its source until its
+   write lands) and, in backward, the block being fetched back (prefetches ``LOOKAHEAD`` ahead
+   only take room that is free: the offloader drops one that does not fit). A
+   recomputed block's checkpoint keeps only its input, as a plain tensor: not on the tier,
+   but in RAM; it shows in ``ram_bytes``, as do saved tensors below ``min_bytes``.
+3. The transient operator peak (memory inside and between operators, unmanaged) is predicted
+   separately: the largest ``transient_bytes`` of a block, or of the part outside blocks.
+4. Fragmentation margin: a plan fits when every tier's predicted peak times
+   ``1 + FRAGMENTATION_MARGIN`` is within its capacity. The tiers account exact bytes with
+   page-rounded chunks, so the margin covers the model's approximations (in-flight timing,
+   gradient chunks), not allocator fragmentation; on CUDA the caching allocator adds its own.
+5. Time on the CPU device (TRAPS 7): compute, recompute, every device<->host copy, the
+   staging copy of every NVMe byte and the optimizer step run on the same cores, so they
+   add up; NVMe transfers themselves (DMA) overlap compute and only their excess over the
+   compute they can hide behind is added (a stall). On CUDA, copies overlap compute too.
+6. NVMe activation I/O follows NOTE [ Adaptive keep ]: writes queue in forward order;
+   backward prefetches ``LOOKAHEAD`` blocks ahead, reads queue; backward waits when a read
+   lands after it needs the block. Chunk I/O from NVMe homes shares that link.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from tiermem.planner.profile import Profile
+from tiermem.states.placement import ChunkNeeds, reserve_bytes
+
+FRAGMENTATION_MARGIN = 0.05
+"""Rule 4: headroom on every tier's predicted peak."""
+LOOKAHEAD = 2
+"""Blocks the offloader prefetches ahead of backward (``ActivationOffloader.lookahead``)."""
+POLICIES = ("keep", "recompute", "host", "nvme")
+TIERS = ("device", "host", "nvme")
+
+
+class Packing:
+    """One chunk size's chunks in execution order, with prefix sums so a (persistent,
+    buffers, homes) choice costs O(log chunks) to evaluate."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        needs: Sequence[ChunkNeeds],
+        min_buffers: int,
+        shared_chunks: int,
+        stages: Sequence[int] | None = None,
+    ) -> None:
+        self.chunk_size = chunk_size
+        self.needs = tuple(needs)
+        #: per chunk, the backward stage its gradient chunk appears at (rule 1); unknown: the first
+        self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
+        self.min_buffers = min_buffers
+        #: chunks holding tied parameters (their gradients stay on the device all backward)
+        self.shared_chunks = shared_chunks
+        acc = itertools.accumulate
+        self._nbytes = [0, *acc(n.nbytes for n in needs)]
+        self._device = [0, *acc(n.device_bytes for n in needs)]
+        self._home = [0, *acc(n.home_bytes for n in needs)]
+        self._grad = [0, *acc(n.grad_bytes for n in needs)]
+        self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
+        self._optim = [0, *acc(n.nbytes if n.sections and n.trainable else 0 for n in needs)]
+        suffix = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
+        self._max_home_from = suffix
+        self._max_nbytes_from = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            self._max_nbytes_from[i] = max(self._max_nbytes_from[i + 1], needs[i].nbytes)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.needs)
+
+    @staticmethod
+    def _sum(prefix: list[int], start: int, stop: int) -> int:
+        return prefix[stop] - prefix[start] if stop > start else 0
+
+    def host_bytes(self, persistent: int, host_end: int) -> int:
+        """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
+        rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
+        chunks' gradients, and room to stage two NVMe homes)."""
+        n = self.chunks
+        return (
+            self._sum(self._hostuse, persistent, host_end)
+            + self._sum(self._grad, host_end, n)
+            + 2 * self._max_home_from[host_end]
+        )
+
+    def host_end(self, persistent: int, host_budget: int) -> int:
+        """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""
+        lo, hi = persistent, self.chunks
+        if self.host_bytes(persistent, hi) <= host_budget:
+            return hi
+        # host_bytes grows with host_end (a home costs more than staging it): binary search.
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.host_bytes(persistent, mid) <= host_budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+@dataclass(frozen=True)
+class StatesChoice:
+    """Where model states go: a prefix persists, ``buffers`` slots stream the rest, and the
+    streamed chunks ``persistent..host_end-1`` live on the host, the others on NVMe."""
+
+    packing: Packing
+    persistent: int
+    buffers: int
+    host_end: int
+
+    @property
+    def homes(self) -> tuple[str, ...]:
+        n = self.packing.chunks
+        return ("device",) * self.persistent + ("host",) * (self.host_end - self.persistent) + (
+            "nvme",
+        ) * (n - self.host_end)
+
+
+@dataclass(frozen=True)
+class StatesCost:
+    device_bytes: int
+    #: device bytes ``placement`` reserves (rule 1 of its NOTE: 2 buffers per slot)
+    reserve_device_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+    memcpy_bytes: int
+    nvme_read_forward: int
+    nvme_read_backward: int
+    nvme_step_bytes: int
+    optimizer_s: float
+    #: persistent parameters + states + buffer pool: on the device the whole step
+    static_device: int = 0
+    #: streamed chunks' gradient chunks on the device at once
+    grad_in_flight: int = 0
+    #: persistent chunks' gradient chunks, all of them
+    grad_total: int = 0
+    #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
+    grad_stages: tuple[tuple[int, int], ...] = ()
+    device_parts: dict[str, int] = field(default_factory=dict)
+
+
+def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
+    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear)."""
+    pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
+    n = pk.chunks
+    s = Packing._sum
+    chunk = pk._max_nbytes_from[p]
+    streamed_trainable = sum(1 for need in pk.needs[p:] if need.trainable)
+    in_flight = min(streamed_trainable, 1 + pk.shared_chunks) if streamed_trainable else 0
+    grad_total = s(pk._grad, 0, p)
+    persistent_bytes = s(pk._device, 0, p) - grad_total
+    pool = b * chunk
+    grads = in_flight * chunk
+    stages: tuple[tuple[int, int], ...] = ()
+    if timeline:
+        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in range(p) if pk.needs[c].grad_bytes)
+    # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
+    # fetched again (least recently used go first).
+    refetch_end = max(p, n - b)
+    memcpy = (
+        s(pk._nbytes, p, h)  # forward fetch from host homes
+        + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
+        + s(pk._grad, p, n)  # gradient write-back of every streamed chunk
+    )
+    nvme_fwd = s(pk._nbytes, h, n)
+    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
+    nvme_step = 2 * s(pk._home, h, n)  # stage each NVMe home in and write it back
+    return StatesCost(
+        device_bytes=persistent_bytes + pool + grads + grad_total,
+        reserve_device_bytes=persistent_bytes + reserve_bytes(b, pk.chunk_size),
+        host_bytes=pk.host_bytes(p, h) if p < n else 0,
+        nvme_bytes=s(pk._home, h, n),
+        memcpy_bytes=memcpy,
+        nvme_read_forward=nvme_fwd,
+        nvme_read_backward=nvme_bwd,
+        nvme_step_bytes=nvme_step,
+        optimizer_s=profile.optimizer_s_per_byte * s(pk._optim, 0, n),
+        static_device=persistent_bytes + pool,
+        grad_in_flight=grads,
+        grad_total=grad_total,
+        grad_stages=stages,
+        device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
+    )
+
+
+@dataclass(frozen=True)
+class ActivationCost:
+    #: the largest of the three below
+    device_peak: int
+    #: the same, without opportunistic prefetches (rule 2)
+    device_demand: int
+    #: at the end of forward (outside blocks included)
+    forward_peak: int
+    #: when the head's backward is done (kept blocks, writes in flight)
+    head_live: int
+    #: per block, when its backward starts (kept blocks up to it, blocks fetched back)
+    stage_live: tuple[int, ...]
+    #: the same without what prefetching adds (the least each stage needs)
+    stage_demand: tuple[int, ...]
+    host_bytes: int
+    nvme_bytes: int
+    #: plain (unmanaged) RAM: recomputed blocks' inputs, tensors below min_bytes
+    ram_bytes: int
+    recompute_s: float
+    memcpy_bytes: int
+    nvme_bytes_moved: int
+    stall_s: float
+
+
+def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: float = 0.0) -> ActivationCost:
+    """Rules 2 and 6 for one per-block policy. ``nvme_busy_s``: NVMe time other traffic
+    (chunk reads) takes on the same link during forward and backward."""
+    blocks = profile.blocks
+    outside = profile.outside
+    write_bw = profile.links.get("device->nvme") or 0.0
+    read_bw = profile.links.get("nvme->device") or write_bw
+    count = len(blocks)
+    # Forward: block ends on the compute clock; NVMe writes queue behind each other.
+    clock = outside.forward_s / 2  # embeddings run before the first block
+    write_free = nvme_busy_s / 2
+    ends, write_end = [0.0] * count, [0.0] * count
+    kept_prefix, peak, recompute, host, nvme, ram, memcpy = 0, 0, 0.0, 0, 0, 0, 0
+    # Writes land in issue order (one queue), so the ones still in flight are a window.
+    pending: list[int] = []
+    pending_bytes, landed = 0, 0
+    for i, (block, policy) in enumerate(zip(blocks, policies, strict=True)):
+        clock += block.forward_s
+        ends[i] = clock
+        ram += block.small_bytes
+        if policy == "keep":
+            kept_prefix += block.saved_bytes
+        elif policy == "recompute":
+            recompute += block.forward_s
+            ram += block.input_bytes
+        elif policy == "host":
+            host += block.saved_bytes
+            memcpy += 2 * block.saved_bytes
+        elif policy == "nvme" and write_bw > 0:
+            write_free = max(write_free, ends[i] - block.forward_s) + block.saved_bytes / write_bw
+            write_end[i] = write_free
+            nvme += block.saved_bytes
+            pending.append(i)
+            pending_bytes += block.saved_bytes
+        else:
+            kept_prefix += block.saved_bytes  # no NVMe link measured: the bytes stay
+        # The block's own tensors are all on the device until its forward ends (its writes
+        # start as they are saved), plus the earlier writes that have not landed.
+        peak = max(peak, kept_prefix + pending_bytes + (0 if policy in ("keep", "nvme") else block.saved_bytes))
+        while landed < len(pending) and write_end[pending[landed]] <= clock:
+            pending_bytes -= blocks[pending[landed]].saved_bytes
+            landed += 1
+    forward_end = clock + outside.forward_s / 2
+    while landed < len(pending) and write_end[pending[landed]] <= forward_end:
+        pending_bytes -= blocks[pending[landed]].saved_bytes
+        landed += 1
+    peak = max(peak, kept_prefix + pending_bytes) + outside.saved_bytes
+    # Backward: the head's backward first, then blocks in reverse; reads issued LOOKAHEAD ahead.
+    clock = forward_end + outside.backward_s / 2
+    read_free = max(write_free, clock)
+    stall = 0.0
+    ready = [0.0] * count
+    started = [0.0] * count
+    live_kept = kept_prefix
+    head_live = kept_prefix + pending_bytes
+    stage_live = [0] * count
+    stage_demand = [0] * count
+    for i in range(count - 1, -1, -1):
+        issue_at = started[i + LOOKAHEAD] if i + LOOKAHEAD < count else clock
+        if policies[i] == "nvme" and write_bw > 0:
+            read_free = max(read_free, issue_at, write_end[i]) + blocks[i].saved_bytes / read_bw
+            ready[i] = read_free
+            if ready[i] > clock:
+                stall += ready[i] - clock
+                clock = ready[i]
+        started[i] = clock
+        # Prefetches are opportunistic (one that finds the device full is dropped and the block
+        # is fetched on demand later): a stage must hold its own block, and holds the ones
+        # prefetched behind it where there is room.
+        own = blocks[i].saved_bytes if policies[i] in ("nvme", "host") else 0
+        window = sum(
+            blocks[j].saved_bytes for j in range(max(0, i - LOOKAHEAD), i + 1) if policies[j] in ("nvme", "host")
+        )
+        stage_demand[i] = live_kept + own
+        stage_live[i] = live_kept + window
+        if policies[i] == "keep":
+            live_kept -= blocks[i].saved_bytes
+        clock += blocks[i].backward_s + (blocks[i].forward_s if policies[i] == "recompute" else 0.0)
+    ram += outside.small_bytes
+    moved = 2 * nvme
+    return ActivationCost(
+        device_peak=max([peak, head_live, *stage_live]),
+        device_demand=max([peak, head_live, *stage_demand]),
+        forward_peak=peak,
+        head_live=head_live,
+        stage_live=tuple(stage_live),
+        stage_demand=tuple(stage_demand),
+        host_bytes=host,
+        nvme_bytes=nvme,
+        ram_bytes=ram,
+        recompute_s=recompute,
+        memcpy_bytes=memcpy,
+        nvme_bytes_moved=moved,
+        stall_s=stall,
+    )
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """What the cost model predicts for one plan."""
+
+    step_s: float
+    peak_bytes: dict[str, int]
+    transient_bytes: int
+    ram_bytes: int
+    parts_s: dict[str, float]
+    device_parts: dict[str, int]
+    reserve_device_bytes: int
+    #: the device peak without opportunistic prefetches: what must fit (rule 2)
+    device_demand: int = 0
+
+    def needed(self) -> dict[str, int]:
+        return {**self.peak_bytes, "device": self.device_demand or self.peak_bytes["device"]}
+
+    def fits(self, capacities: Mapping[str, int], margin: float = FRAGMENTATION_MARGIN) -> bool:
+        need = self.needed()
+        return all(need[t] * (1 + margin) <= capacities[t] for t in TIERS) and (
+            self.reserve_device_bytes <= capacities["device"]
+        )
+
+    def within(self, capacities: Mapping[str, int]) -> Estimate:
+        """The same estimate with the device peak capped at its capacity: prefetches fill the
+        device only up to it (rule 2)."""
+        capped = min(self.peak_bytes["device"], max(capacities["device"], self.device_demand))
+        peaks = {**self.peak_bytes, "device": capped}
+        return dataclasses.replace(self, peak_bytes=peaks)
+
+    def shortfall(self, capacities: Mapping[str, int], margin: float = FRAGMENTATION_MARGIN) -> dict[str, int]:
+        """Bytes each tier lacks (0 where it fits), margin included."""
+        need = self.needed()
+        short = {t: max(0, int(need[t] * (1 + margin)) - capacities[t]) for t in TIERS}
+        short["device"] = max(short["device"], self.reserve_device_bytes - capacities["device"])
+        return short
+
+
+def device_peak(states: StatesCost, acts: ActivationCost, *, prefetch: bool = True) -> int:
+    """Rule 1: the largest device total over forward's end and backward's stages (with the
+    prefetched blocks, or only what each stage needs)."""
+    count = len(acts.stage_live)
+    stages = acts.stage_live if prefetch else acts.stage_demand
+
+    def grads_by(stage: int) -> int:
+        return sum(nbytes for at, nbytes in states.grad_stages if at >= stage)
+
+    moments = [acts.forward_peak, acts.head_live + grads_by(count), states.grad_total]
+    moments += [live + grads_by(i) for i, live in enumerate(stages)]
+    return states.static_device + states.grad_in_flight + max(moments)
+
+
+def transient_peak(profile: Profile) -> int:
+    """Rule 3."""
+    return max([profile.outside.transient_bytes, *(b.transient_bytes for b in profile.blocks)])
+
+
+def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estimate:
+    """Rule 5: the step time and peaks of states and activations together."""
+    compute = profile.compute_s
+    memcpy_bw = profile.memcpy_bw or float("inf")
+    read_bw = profile.links.get("nvme->device") or profile.links.get("nvme->host") or float("inf")
+    write_bw = profile.links.get("host->nvme") or profile.links.get("device->nvme") or float("inf")
+    nvme_moved = states.nvme_read_forward + states.nvme_read_backward + states.nvme_step_bytes + acts.nvme_bytes_moved
+    copy_s = (states.memcpy_bytes + acts.memcpy_bytes) / memcpy_bw
+    staging_s = nvme_moved / memcpy_bw if profile.cpu else 0.0
+    # Chunk reads from NVMe hide behind the compute of the pass that needs them, except the
+    # first chunk of each pass; the optimizer's staging hides behind the step of the chunk before.
+    forward = sum(b.forward_s for b in profile.blocks) + profile.outside.forward_s
+    backward = compute - forward
+    chunk_stall = max(0.0, states.nvme_read_forward / read_bw - forward) + max(
+        0.0, states.nvme_read_backward / read_bw - backward
+    )
+    step_io = states.nvme_step_bytes / 2 / read_bw + states.nvme_step_bytes / 2 / write_bw
+    step_stall = max(0.0, step_io - states.optimizer_s)
+    parts = {
+        "compute": compute,
+        "recompute": acts.recompute_s,
+        "copies": copy_s + staging_s if profile.cpu else 0.0,
+        "optimizer": states.optimizer_s,
+        "io_stall": acts.stall_s + chunk_stall + step_stall,
+    }
+    if not profile.cpu:  # rule 5: on CUDA, device<->host copies run on their own stream
+        parts["io_stall"] += max(0.0, copy_s - compute)
+    return Estimate(
+        step_s=sum(parts.values()),
+        peak_bytes={
+            "device": device_peak(states, acts),
+            "host": states.host_bytes + acts.host_bytes,
+            "nvme": states.nvme_bytes + acts.nvme_bytes,
+        },
+        transient_bytes=transient_peak(profile),
+        ram_bytes=acts.ram_bytes,
+        parts_s=parts,
+        device_parts={**states.device_parts, "activations": acts.device_peak},
+        reserve_device_bytes=states.reserve_device_bytes,
+        device_demand=device_peak(states, acts, prefetch=False),
+    )
+
+
+def predict(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
+    """The full prediction for one plan (rules 1-6)."""
+    states = states_cost(profile, choice)
+    read_bw = profile.links.get("nvme->device") or 0.0
+    busy = (states.nvme_read_forward + states.nvme_read_backward) / read_bw if read_bw else 0.0
+    return combine(profile, states, activation_cost(profile, policies, busy))
+
+
+def fastest_fitting(front: Sequence[tuple[int, float, int]], room: int) -> int | None:
+    """Index into a Pareto front sorted by device bytes (ascending; time descending) of the
+    fastest entry using at most ``room`` device bytes."""
+    keys = [entry[0] for entry in front]
+    index = bisect.bisect_right(keys, room) - 1
+    return index if index >= 0 else None

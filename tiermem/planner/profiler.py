@@ -1,0 +1,420 @@
+"""The instrumented step: what the planner needs, measured on a sample batch.
+
+# NOTE [ Profiling step ]
+1. It runs before the parameters are chunked, in plain PyTorch, on a sample the user gives
+   (``rt.manage(..., sample=...)``): a tuple of the model's positional arguments, or a
+   callable ``sample(model) -> loss``. A tuple's backward is that of its scalar outputs (a
+   loss), or of every differentiable output with ones when there is none.
+2. It changes nothing training depends on (TRAPS 10): the RNG states (CPU and CUDA) are
+   forked, every buffer (BatchNorm running statistics, ``num_batches_tracked``) is copied
+   back, the parameters' ``.grad`` are put back as they were, and the mode is left alone.
+3. Pass 1 measures bytes: saved tensors per block through saved-tensor hooks (first saver
+   counts, parameters, buffers and their views left out, as the offloader does), and the
+   live tensor bytes around every operator through a dispatch mode (the transient peaks).
+   It also warms up. Passes 2 and 3 measure time with only block hooks installed; the
+   smaller of the two counts (shared machines only ever add time).
+4. Backward time per block: from the pre-hook of its output's ``grad_fn`` to the gradient of
+   its input; where the input needs no gradient, to the next block's start.
+5. Links are probed through the real tiers (registry moves, the path training uses), the
+   optimizer on a sample of the real parameter shapes, scaled by bytes.
+6. On a CUDA device the dispatch mode does not see backward (it runs on the device's own
+   threads): transient backward peaks are then those of forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from tiermem.activations.blocks import BlockSpec, find_blocks
+from tiermem.planner.errors import ProfileError
+from tiermem.planner.profile import BlockStats, ParamStats
+from tiermem.registry import Registry
+from tiermem.schedulers.base import Priority
+
+Sample = tuple[Any, ...] | Callable[[nn.Module], torch.Tensor]
+
+PROBE_BYTES = 32 << 20
+"""Bytes moved per link probe (less where a tier has less free)."""
+OPTIMIZER_SAMPLE_BYTES = 32 << 20
+"""Parameter bytes the optimizer timing steps over (then scaled to the model's)."""
+
+
+@dataclass
+class _Marks:
+    """Timestamps and byte counts of one pass."""
+
+    forward: list[tuple[float, float]] = field(default_factory=list)
+    backward_start: dict[int, float] = field(default_factory=dict)
+    backward_end: dict[int, float] = field(default_factory=dict)
+    saved: list[int] = field(default_factory=list)
+    small: list[int] = field(default_factory=list)
+    inputs: list[int] = field(default_factory=list)
+    outside_saved: int = 0
+    outside_small: int = 0
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Live tensor bytes after every operator, and their peak since :meth:`mark` (rule 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self._seen: set[int] = set()
+
+    def mark(self) -> int:
+        self.peak = self.live
+        return self.live
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.layout == torch.strided:
+                self._track(t.untyped_storage())
+        self.peak = max(self.peak, self.live)
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        if key in self._seen:
+            return
+        nbytes = storage.nbytes()
+        self._seen.add(key)
+        self.live += nbytes
+        weakref.finalize(storage, self._freed, key, nbytes)
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+
+@contextlib.contextmanager
+def unchanged_training_state(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Rule 2 (TRAPS 10): RNG, buffers and ``.grad`` as they were, whatever happens inside."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    grads = [(p, p.grad) for p in model.parameters()]
+    devices = [device] if device.type == "cuda" else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for p, grad in grads:
+            p.grad = grad
+
+
+def _loss(model: nn.Module, sample: Sample) -> list[torch.Tensor]:
+    """Rule 1: the tensors to run backward from."""
+    if callable(sample):
+        loss = sample(model)
+        outputs = [loss] if isinstance(loss, torch.Tensor) else []
+    else:
+        outputs = [t for t in tree_leaves(model(*sample)) if isinstance(t, torch.Tensor) and t.requires_grad]
+    scalars = [t for t in outputs if t.dim() == 0]
+    chosen = scalars or outputs
+    if not chosen:
+        raise ProfileError(
+            "tiermem planner: the profiling sample gave no output that requires grad; pass sample=(inputs...) "
+            "whose forward returns a loss or differentiable outputs, or sample=lambda model: loss"
+        )
+    return chosen
+
+
+def _run(model: nn.Module, sample: Sample) -> tuple[float, float]:
+    """One forward and backward: (forward seconds, backward seconds)."""
+    start = time.perf_counter()
+    outputs = _loss(model, sample)
+    middle = time.perf_counter()
+    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+    return middle - start, time.perf_counter() - middle
+
+
+class _BlockHooks:
+    """Per-block forward and backward timestamps (rules 3 and 4), and saved bytes when asked."""
+
+    def __init__(self, blocks: Sequence[nn.Module], protected: set[int], min_bytes: int, live: _LiveBytes | None):
+        self.blocks = blocks
+        self.protected = protected
+        self.min_bytes = min_bytes
+        self.live = live
+        self.marks = _Marks()
+        self.running: int | None = None
+        self.seen: set[tuple[int, int]] = set()
+        self.peaks: dict[tuple[str, int], int] = {}
+        self._base: dict[tuple[str, int], int] = {}
+        self._handles: list[Any] = []
+        self._started = 0.0
+
+    def __enter__(self) -> _BlockHooks:
+        count = len(self.blocks)
+        self.marks.saved = [0] * count
+        self.marks.small = [0] * count
+        self.marks.inputs = [0] * count
+        self.marks.forward = [(0.0, 0.0)] * count
+        for index, block in enumerate(self.blocks):
+            self._handles.append(block.register_forward_pre_hook(functools.partial(self._pre, index)))
+            self._handles.append(
+                block.register_forward_hook(functools.partial(self._post, index), always_call=True)
+            )
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _pre(self, index: int, _module: nn.Module, args: Any) -> None:
+        self.running = index
+        self._started = time.perf_counter()
+        tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
+        if tensors:
+            self.marks.inputs[index] = tensors[0].untyped_storage().nbytes()
+            first = tensors[0]
+            if first.requires_grad:
+                first.register_hook(functools.partial(self._input_grad, index))
+        if self.live is not None:
+            self._base[("forward", index)] = self.live.mark()
+
+    def _post(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        self.marks.forward[index] = (self._started, time.perf_counter())
+        self.running = None
+        if self.live is not None:
+            # Rule 3: peak above what the block leaves behind (its saved tensors and output).
+            self.peaks[("forward", index)] = self.live.peak - self.live.live
+            self.live.mark()  # the next peak is that of what runs after this block
+        for t in tree_leaves(output):
+            if isinstance(t, torch.Tensor) and t.grad_fn is not None:
+                t.grad_fn.register_prehook(functools.partial(self._backward_start, index))
+                break
+
+    def _backward_start(self, index: int, _grads: Any) -> None:
+        self.marks.backward_start.setdefault(index, time.perf_counter())
+        if self.live is not None:
+            self._base[("backward", index)] = self.live.mark()
+
+    def _input_grad(self, index: int, _grad: torch.Tensor) -> None:
+        self.marks.backward_end.setdefault(index, time.perf_counter())
+        if self.live is not None and ("backward", index) in self._base:
+            self.peaks[("backward", index)] = self.live.peak - self._base[("backward", index)]
+
+    # -- saved tensors (rule 3) ------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        key = (id(storage), tensor._version)
+        if id(storage) not in self.protected and key not in self.seen:
+            self.seen.add(key)
+            nbytes = storage.nbytes()
+            big = nbytes >= self.min_bytes
+            if self.running is None:
+                if big:
+                    self.marks.outside_saved += nbytes
+                else:
+                    self.marks.outside_small += nbytes
+            elif big:
+                self.marks.saved[self.running] += nbytes
+            else:
+                self.marks.small[self.running] += nbytes
+        return tensor  # the graph keeps it alive, so ids are not reused while counting
+
+
+def _blocks_and_order(model: nn.Module, blocks: BlockSpec) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter]]:
+    try:
+        found = find_blocks(model, blocks)
+    except ValueError as exc:
+        raise ProfileError(f"tiermem planner: {exc}") from exc
+    return found, list(model.parameters())
+
+
+def _record_order(
+    model: nn.Module, params: Sequence[nn.Parameter], where: Callable[[], int]
+) -> tuple[list[Any], list[int], set[int], dict[int, int]]:
+    """Hooks recording the parameters' execution order as the manager will (NOTE [ Model-state
+    rules ] rule 2): each module's own parameters as its forward pre-hook runs; and ``where()``
+    (the running block) each was first used in (NOTE [ Profile fields ] rule 4)."""
+    index = {id(p): i for i, p in enumerate(params)}
+    order: list[int] = []
+    seen: set[int] = set()
+    blocks: dict[int, int] = {}
+
+    def pre(module: nn.Module, _args: Any) -> None:
+        for p in module._parameters.values():
+            if p is not None and index[id(p)] not in seen:
+                seen.add(index[id(p)])
+                order.append(index[id(p)])
+                blocks[index[id(p)]] = where()
+
+    handles = [m.register_forward_pre_hook(pre) for m in model.modules() if any(True for _ in m._parameters)]
+    return handles, order, seen, blocks
+
+
+def measure(
+    model: nn.Module,
+    sample: Sample,
+    *,
+    sections: Callable[[int], int],
+    min_bytes: int,
+    device: torch.device,
+    blocks: BlockSpec = None,
+) -> tuple[list[BlockStats], BlockStats, list[ParamStats], list[int], list[tuple[int, ...]], list[int], list[int]]:
+    """Rules 1-4: blocks, the part outside them, parameters, execution order, modules, shared."""
+    found, params = _blocks_and_order(model, blocks)
+    modules_list = [m for _, m in found]
+    index = {id(p): i for i, p in enumerate(params)}
+    protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+    owners: dict[int, int] = {}
+    modules: list[tuple[int, ...]] = []
+    for module in model.modules():
+        own = tuple(index[id(p)] for p in module._parameters.values() if p is not None)
+        if own:
+            modules.append(own)
+            for i in own:
+                owners[i] = owners.get(i, 0) + 1
+    shared = sorted(i for i, n in owners.items() if n > 1)
+    with unchanged_training_state(model, device):
+        # Pass 1: bytes, order, warm-up.
+        live = _LiveBytes()
+        hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+
+        def where() -> int:
+            if hooks.running is not None:
+                return hooks.running
+            ended = [i for i, (_, end) in enumerate(hooks.marks.forward) if end]
+            return max(ended) + 1 if ended else -1  # between blocks: backward reaches it after the next
+
+        handles, order, seen, first_block = _record_order(model, params, where)
+        try:
+            with hooks, live, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+                live.mark()
+                outputs = _loss(model, sample)
+                # Peak since the last block ended (the head and loss) above what remains.
+                head_transient = live.peak - live.live
+                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                del outputs
+        finally:
+            for handle in handles:
+                handle.remove()
+        order += [i for i in range(len(params)) if i not in seen]
+        marks = hooks.marks
+        peaks = hooks.peaks
+        for p in params:
+            p.grad = None
+        # Passes 2 and 3: time.
+        timings = []
+        for _ in range(2):
+            with _BlockHooks(modules_list, protected, min_bytes, None) as timer:
+                forward_s, backward_s = _run(model, sample)
+            for p in params:
+                p.grad = None
+            timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
+        _, forward_s, backward_s, times = min(timings, key=lambda t: t[0])
+    stats = []
+    block_fwd = block_bwd = 0.0
+    for i, (name, _) in enumerate(found):
+        start, end = times.forward[i]
+        f = max(end - start, 0.0)
+        b_start = times.backward_start.get(i)
+        b_end = times.backward_end.get(i)
+        if b_end is None and b_start is not None:  # rule 4: input needed no gradient
+            b_end = times.backward_start.get(i - 1) if i > 0 else None
+        b = max(b_end - b_start, 0.0) if b_start is not None and b_end is not None else 2 * f
+        block_fwd += f
+        block_bwd += b
+        transient = max(peaks.get(("forward", i), 0), peaks.get(("backward", i), 0) - marks.saved[i])
+        stats.append(BlockStats(name, f, b, marks.saved[i], marks.small[i], marks.inputs[i], max(transient, 0)))
+    outside = BlockStats(
+        "outside",
+        max(forward_s - block_fwd, 0.0),
+        max(backward_s - block_bwd, 0.0),
+        marks.outside_saved,
+        marks.outside_small,
+        0,
+        max(head_transient, 0),
+    )
+    param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
+    param_block = [first_block.get(i, -1) for i in range(len(params))]
+    return stats, outside, param_stats, order, modules, shared, param_block
+
+
+def optimizer_seconds_per_byte(
+    optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any], params: Sequence[nn.Parameter]
+) -> float:
+    """Rule 5: one warm step of ``optimizer_class`` over copies of (a sample of) the trainable
+    parameters, per byte. Copies: the model's own parameters and states stay untouched."""
+    sample: list[torch.Tensor] = []
+    total = 0
+    for p in params:
+        if not p.requires_grad:
+            continue
+        sample.append(p.detach().clone().requires_grad_(True))
+        total += p.numel() * p.element_size()
+        if total >= OPTIMIZER_SAMPLE_BYTES:
+            break
+    if not sample:
+        return 0.0
+    for t in sample:
+        t.grad = torch.full_like(t, 1e-3)
+    optimizer = optimizer_class(sample, **dict(defaults))
+    optimizer.step()  # creates the states
+    best = float("inf")
+    for _ in range(2):
+        start = time.perf_counter()
+        optimizer.step()
+        best = min(best, time.perf_counter() - start)
+    return best / total
+
+
+LINKS = (
+    ("device", "host"),
+    ("host", "device"),
+    ("device", "nvme"),
+    ("nvme", "device"),
+    ("host", "nvme"),
+    ("nvme", "host"),
+)
+
+
+def probe_size(registry: Registry, nbytes: int = PROBE_BYTES) -> int:
+    """The probe's bytes: ``nbytes``, or a quarter of the least free tier, page-rounded."""
+    free = [tier.capacity - tier.statistics().current_bytes for tier in registry.tiers.values()]
+    size = min(nbytes, *(f // 4 for f in free))
+    return size - size % 4096
+
+
+def probe_links(registry: Registry, size: int) -> dict[str, float]:
+    """Rule 5: bytes/s of each link, moving ``size`` bytes through the real tiers (best of
+    three: the first touches fault pages in)."""
+    tiers = registry.tiers
+    result: dict[str, float] = {}
+    if size < 1 << 20:
+        return result  # too little room to measure anything meaningful
+    device = tiers["device"].device  # type: ignore[attr-defined]
+    for src, dst in LINKS:
+        best = 0.0
+        for _ in range(3):
+            tensor = torch.ones(size, dtype=torch.uint8, device=device if src == "device" else "cpu")
+            handle = registry.register(tensor, "device", dedup=False, kind="probe")
+            try:
+                if src != "device":
+                    handle.move_to(src, Priority.DEMAND)
+                    handle.wait()
+                start = time.perf_counter()
+                handle.move_to(dst, Priority.DEMAND)
+                handle.wait()
+                best = max(best, size / max(time.perf_counter() - start, 1e-9))
+            finally:
+                handle.free()
+        result[f"{src}->{dst}"] = best
+    return result
