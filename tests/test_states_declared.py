@@ -74,11 +74,14 @@ def test_overlapped_step_is_bitwise(tmp_path, home, micro_batches):
             grad_accumulation_steps=micro_batches,
         )
         got = plain_loop(model, optimizer, steps, micro_batches, None)
-        described = managed(rt).describe()
-        assert any(c["home"] == home for c in described["chunks"])
+        assert any(c["home"] == home for c in managed(rt).describe()["chunks"])
+        stats = rt.stats().as_dict()["model_states"]
         # The first window shows the gradients are left alone; every later one steps early.
-        assert described["early_chunk_steps"] > 0
-        assert described["early_chunk_steps"] + described["chunk_steps"] > steps
+        assert stats["early_chunk_steps"] > 0
+        assert stats["early_chunk_steps"] + stats["chunk_steps"] > steps
+        assert stats["models"] == 1 and stats["chunks"] > stats["persistent_chunks"]
+        assert stats["peak_resident_bytes"]["device"] <= rt.stats().as_dict()["tiers"]["device"]["capacity"]
+        assert stats["resident_bytes"][home] > 0
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
@@ -109,7 +112,7 @@ def test_declared_clipping_is_pytorchs_norm(tmp_path, micro_batches):
             got_norms.append(optimizer.grad_norm)
             optimizer.zero_grad()
             scheduler.step()
-        assert managed(rt).describe()["early_chunk_steps"] == 0  # the norm needs every gradient first
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] == 0  # the norm needs every gradient
     assert_bitwise(got_losses, want_losses)
     assert_bitwise(got_norms, norms)
     assert max(float(n) for n in norms) > clip  # the test clips for real
@@ -133,7 +136,7 @@ def test_gradients_edited_from_the_start_turn_early_steps_off(tmp_path):
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
         model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), grad_accumulation_steps=2)
         got = plain_loop(model, optimizer, 3, 2, None, edit_grads_at=0)
-        assert managed(rt).describe()["early_chunk_steps"] == 0
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] == 0
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 

@@ -47,17 +47,43 @@ class ActivationStatistics:
 
 
 @dataclass(frozen=True)
+class ModelStateStatistics:
+    """Chunks of managed models (``rt.manage``), summed over models; bytes per tier."""
+
+    models: int = 0
+    chunks: int = 0
+    persistent_chunks: int = 0
+    resident_bytes: Mapping[str, int] = field(default_factory=dict)
+    peak_resident_bytes: Mapping[str, int] = field(default_factory=dict)
+    chunk_steps: int = 0
+    early_chunk_steps: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "models": self.models,
+            "chunks": self.chunks,
+            "persistent_chunks": self.persistent_chunks,
+            "resident_bytes": dict(self.resident_bytes),
+            "peak_resident_bytes": dict(self.peak_resident_bytes),
+            "chunk_steps": self.chunk_steps,
+            "early_chunk_steps": self.early_chunk_steps,
+        }
+
+
+@dataclass(frozen=True)
 class Stats:
     tiers: Mapping[str, TierStatistics]
     scheduler: SchedulerStatistics
     registry: RegistryStatistics
     activations: ActivationStatistics = ActivationStatistics()
+    model_states: ModelStateStatistics = ModelStateStatistics()
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "tiers": {name: tier.as_dict() for name, tier in self.tiers.items()},
             "links": {name: link.as_dict() for name, link in self.scheduler.links.items()},
             "activations": self.activations.as_dict(),
+            "model_states": self.model_states.as_dict(),
             "dedup_hits": self.registry.dedup_hits,
             "forwarded": self.registry.forwarded,
             "cancelled": self.registry.cancelled,
