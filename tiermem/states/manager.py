@@ -56,9 +56,12 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's); the manager is not meant to be driven from two threads.
 8. Not yet: CUDA with offloaded states (this step keeps every chunk's states on a CUDA
-   device, or refuses), ``create_graph=True`` backward, ``torch.compile``, ``model.to()``
-   after managing. Reentrant checkpointing works (its nested backward may end ours early;
-   later gradients are then brought back and added, exactly).
+   device, or refuses), mixed-precision working parameters (bf16/fp16 chunks with fp32
+   masters; autocast over fp32 parameters works), ``create_graph=True`` backward,
+   ``model.to()`` after managing. ``torch.compile`` of a managed model raises
+   :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
+   Reentrant checkpointing works (its nested backward may end ours early; later gradients
+   are then brought back and added, exactly).
 """
 
 from __future__ import annotations
