@@ -185,3 +185,36 @@ def test_autocast_bf16_over_managed_parameters_is_bitwise(tmp_path):
         got = run(model, optimizer)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_reentrant_checkpoint_ending_our_backward_early_never_steps_early(tmp_path):
+    """Everything after the embeddings in one reentrant checkpoint: its nested backward runs
+    our hooks first and ends before the embeddings get their gradients (NOTE [ Declared
+    steps ] rule 2). Stepping a chunk then would miss gradients still to come."""
+    from tests.test_states import GPT
+
+    class Checkpointed(GPT):
+        def rest(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln(x))
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1]))
+            return torch.utils.checkpoint.checkpoint(self.rest, x, use_reentrant=True)
+
+    def build() -> GPT:
+        torch.manual_seed(0)
+        model = Checkpointed(head_first=True)  # untied head: the embeddings get gradients only outside
+        return model
+
+    plain = build()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 4, 1, None)
+    model = build()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "host"}, grad_accumulation_steps=1
+        )
+        got = plain_loop(model, optimizer, 4, 1, None)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

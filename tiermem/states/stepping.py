@@ -9,9 +9,10 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
    may read, clip and edit ``.grad`` freely (TRAPS 4).
 2. Counting: a backward counts when it ends complete, every parameter the forward used with
    grad enabled having received its gradient. A reentrant checkpoint's nested backward that
-   ends ours early does not count (NOTE rule 8 of the manager); a backward that leaves a used
-   parameter without gradient does not count either, which can only lose overlap, never step
-   early. ``optimizer.step()`` resets the count.
+   ends ours early does not count (NOTE rule 8 of the manager) and turns early steps off
+   until the next ``optimizer.step()`` (it forgot which gradients are still to come); a
+   backward that leaves a used parameter without gradient does not count either, which can
+   only lose overlap, never step early. ``optimizer.step()`` resets the count.
 3. Early steps, when no clipping is declared: in a backward that will complete the window,
    after exactly one forward with grad since the previous complete backward, and after the
    first window's ``optimizer.step()`` (which re-packs and shows whether gradients stay
@@ -89,6 +90,7 @@ class StepMixin(StatesBase):
     _early_allowed: bool
     _windows: int
     _stepped: set[int]
+    _partial_end: bool
     #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
     _grad_versions: dict[int, tuple[torch.Tensor, int]]
 
@@ -100,6 +102,7 @@ class StepMixin(StatesBase):
         self._early_allowed = self._accumulation is not None and self._max_norm is None
         self._windows = 0
         self._stepped = set()
+        self._partial_end = False
         self._grad_versions = {}
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
@@ -118,6 +121,7 @@ class StepMixin(StatesBase):
             and self._grad_forwards == 1
             and self._counted + 1 == self._accumulation
             and not self._repack_pending
+            and not self._partial_end
         )
 
     def _backward_entered(self, chunk: Chunk) -> None:
@@ -146,6 +150,9 @@ class StepMixin(StatesBase):
                 self.pool.release(chunk)
         self._early = False
         if not complete:
+            # A nested backward ended ours early and forgot which gradients are still to come
+            # (rule 2): no early step until the next optimizer.step().
+            self._partial_end = True
             return
         self._counted += 1
         self._grad_forwards = 0
@@ -162,6 +169,7 @@ class StepMixin(StatesBase):
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._grad_forwards = 0
+        self._partial_end = False
         if self._accumulation is not None:
             self._check_gradients_untouched(stepped, counted)
             self._windows += 1
