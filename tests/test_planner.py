@@ -20,8 +20,9 @@ from tiermem.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.planner import BlockStats, NoPlanFitsError, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
 from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, predict
-from tiermem.planner.profiler import measure
+from tiermem.planner.profiler import measure, optimizer_seconds_per_byte
 from tiermem.planner.search import packings
+from tiermem.states.errors import PlanError
 from tiermem.states.placement import Plan
 
 CONFIG = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=64)
@@ -196,6 +197,25 @@ def test_search_is_the_fastest_fitting_plan_of_a_100_layer_model():
                     best = min(best, estimate.step_s)
     assert best < float("inf")
     assert decision.estimate.step_s <= best * 1.0001
+
+
+def test_search_plans_the_states_around_a_fixed_block_policy():
+    roomy = {"device": 1 << 30, "host": 1 << 30, "nvme": 1 << 30}
+    decision = search(synthetic(4), roomy, block_policy="recompute")
+    assert decision.plan.block_policy == ("recompute",) * 4 and decision.estimate.parts_s["recompute"] > 0
+    mixed = search(synthetic(2), roomy, block_policy=["host", "keep"])
+    assert mixed.plan.block_policy == ("host", "keep")
+    with pytest.raises(PlanError, match="one per activation block"):
+        search(synthetic(2), roomy, block_policy=["keep"])
+    with pytest.raises(PlanError, match="block_policy"):
+        search(synthetic(2), roomy, block_policy="disk")
+
+
+def test_optimizer_timing_takes_a_constructed_optimizers_defaults():
+    """AdamW's ``defaults`` hold ``decoupled_weight_decay``, which its constructor refuses."""
+    params = list(gpt().parameters())
+    defaults = torch.optim.AdamW(params, lr=1e-3).defaults
+    assert optimizer_seconds_per_byte(torch.optim.AdamW, defaults, params) > 0
 
 
 def test_no_plan_fits_names_each_tiers_shortfall():

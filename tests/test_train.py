@@ -40,11 +40,13 @@ TINY_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "64"
 
 
 @pytest.fixture(autouse=True)
-def _clean_environment(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No stray TIERMEM_* settings from the developer's shell."""
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """No stray TIERMEM_* settings from the developer's shell; the planner's profiles cached
+    under tmp_path, not in the user's cache."""
     for name in list(os.environ):
         if name.upper().startswith("TIERMEM_"):
             monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
 
 
 def _config_file(tmp_path: Path) -> str:
@@ -111,10 +113,28 @@ def test_train_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert for_activations < measured.total
     assert budget["fraction_of_activations"] == pytest.approx(expected / measured.total)
     states = result["model_states"]
-    assert states["parameters"] == GPT(TINY).num_parameters() and states["persistent_chunks"] == 0
-    assert states["chunks"] > 1 and sum(states["homes"].values()) == states["chunks"]
+    assert states["parameters"] == GPT(TINY).num_parameters()
+    assert states["persistent_chunks"] + sum(states["homes"].values()) == states["chunks"]
     assert 0 < states["peak_device_chunk_bytes"] <= result["tiers"]["device"]["capacity"]
-    assert result["links"]["host->device"] > 0 or result["links"].get("nvme->device", 0) > 0
+    # The planner decided (NOTE [ Predicted and measured ]): predicted next to measured.
+    plan = result["plan"]
+    assert plan["source"] == "planner" and plan["reasons"] and plan["activations_as_planned"]
+    assert plan["chunk_size"] == states["chunk_size"] and plan["persistent_chunks"] == states["persistent_chunks"]
+    assert len(plan["block_policy"]) == TINY.n_layer and len(plan["state_home"]) == states["chunks"]
+    assert plan["capacities"]["device"] == result["tiers"]["device"]["capacity"]
+    assert plan["measured"]["step_s"] == result["median_step_s"]
+    for tier in ("device", "host", "nvme"):
+        assert plan["measured"]["peak_bytes"][tier] == result["tiers"][tier]["peak_bytes"]
+        predicted = plan["predicted"]["peak_bytes"][tier]
+        assert isinstance(predicted, int) and predicted <= plan["capacities"][tier]
+    assert plan["predicted"]["step_s"] > 0
+    assert plan["ratios"]["step_s"] == pytest.approx(plan["predicted"]["step_s"] / plan["measured"]["step_s"])
+    device_peak = plan["measured"]["peak_bytes"]["device"]
+    assert 0 < device_peak <= plan["capacities"]["device"]  # the capacity is a promise
+    predicted_device = plan["predicted"]["peak_bytes"]["device"]
+    assert plan["ratios"]["peak_bytes"]["device"] == pytest.approx(predicted_device / device_peak)
+    # Below the need: something left the device (streamed chunks, or activations not kept).
+    assert states["persistent_chunks"] < states["chunks"] or set(plan["block_policy"]) != {"keep"}
     nvme = result["nvme"]
     assert set(nvme) >= {"bytes_written_per_step", "drive_bytes", "drive_writes_per_day", "assumption"}
     assert nvme["drive_bytes"] == drive_capacity(nvme["paths"]) > 0
@@ -126,6 +146,11 @@ def test_train_json_summary(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
 def test_nvme_policy_writes_to_nvme(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     result = _train_json(capsys, "--config", _config_file(tmp_path), "--policy", "nvme")
     assert result["policy"] == "nvme"
+    # The planner planned the model states around the fixed activation policy, or (when none fits
+    # the budget) freely, and says the run's policy is not the plan's.
+    plan = result["plan"]
+    assert plan["source"] == "planner"
+    assert plan["block_policy"] == ["nvme"] * TINY.n_layer or not plan["activations_as_planned"]
     assert all(math.isfinite(x) for x in result["losses"])
     assert result["tiers"]["nvme"]["bytes_written"] > 0
     assert result["nvme"]["bytes_written_per_step"] == result["nvme"]["bytes_written"] / 5 > 0
@@ -143,6 +168,23 @@ def test_configured_device_capacity_is_kept(
     result = _train_json(capsys, "--config", str(path), "--steps", "1")
     assert result["device_budget"]["source"] == "config"
     assert result["tiers"]["device"]["capacity"] == 3 << 20
+
+
+@needs_offload
+def test_state_home_gives_a_hand_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A roomier device than the default budget: this is about the plan's plumbing.
+    config = tmp_path / "roomy.toml"
+    config.write_text(Path(_config_file(tmp_path)).read_text().replace('[device]\n', '[device]\ncapacity = "8MiB"\n'))
+    result = _train_json(capsys, "--config", str(config), "--state-home", "nvme", "--steps", "2")
+    plan = result["plan"]
+    assert plan["source"] == "hand" and plan["predicted"]["step_s"] is None and plan["ratios"]["step_s"] is None
+    assert "host" not in result["model_states"]["homes"]
+    saved = tmp_path / "plan.json"
+    saved.write_text(json.dumps({"persistent_chunks": 0, "state_home": "nvme"}))
+    result = _train_json(capsys, "--config", str(config), "--plan", str(saved), "--steps", "2")
+    states = result["model_states"]
+    assert result["plan"]["source"] == "hand" and states["persistent_chunks"] == 0
+    assert states["homes"] == {"nvme": states["chunks"]} and result["tiers"]["nvme"]["peak_bytes"] > 0
 
 
 def test_default_budget_is_below_the_need_unless_it_cannot_be() -> None:

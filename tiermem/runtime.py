@@ -218,18 +218,24 @@ class Runtime:
         cached in the user's cache directory. The plan then carries a per-block activation
         policy that ``rt.offload_activations(model)`` applies under policy ``auto``, and its
         predictions (``rt.plan.predicted``). Without a sample, ``"auto"`` follows the default
-        placement rule and predicts nothing.
+        placement rule and predicts nothing. ``plan={"block_policy": "nvme"}`` (or a list, one
+        policy per block) with a sample plans everything else around that activation policy.
 
         ``grad_accumulation_steps`` / ``clip_grad_norm`` (max L2 norm) declare the loop: step
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
         edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
         of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
         """
-        if sample is not None and (plan is None or plan == "auto"):
+        # plan={"block_policy": ...} with a sample: the planner searches the model states around
+        # the activation policy the caller fixed (a name for every block, or one per block).
+        fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
+        if sample is not None and (plan is None or plan == "auto" or fixed is not None):
             from tiermem.planner.auto import plan_model  # the planner only when asked
 
             assert self.resolved is not None  # set whenever registry is reachable
-            decision, profile = plan_model(self.registry, self.resolved, model, optimizer, optimizer_kwargs, sample)
+            decision, profile = plan_model(
+                self.registry, self.resolved, model, optimizer, optimizer_kwargs, sample, block_policy=fixed
+            )
             chosen = decision.plan
             plan = PlanRequest(
                 chosen.chunk_size,

@@ -13,13 +13,37 @@ run under tiermem can be compared bit for bit with the same loop without it. See
 such a comparison must reproduce: ``torch.manual_seed(seed)`` then ``GPT(config)`` on the
 CPU, moved to the device; data from ``MarkovChainData(vocab_size, seq_len, seed=seed)``,
 one ``batch(batch_size)`` per step; ``torch.optim.AdamW(model.parameters(), lr=lr)``, handed
-to ``rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)`` unless
+to ``rt.manage(model, optimizer, plan=..., sample=..., grad_accumulation_steps=1)`` unless
 ``manage_states`` is off (the declared loop lets offloaded chunks step during backward).
+
+With ``states_plan="auto"`` (the default) the planner profiles the first batch (drawn from a
+second ``MarkovChainData`` with the same seed, so the loop's data is untouched; the profiling
+step leaves the RNG and the model as they were, NOTE [ Profiling step ]) and chooses chunk
+size, persistent chunks, buffers, homes and, under activation policy ``auto``, each block's
+policy; a fixed activation policy (``policy="nvme"``, or the configuration's) is planned
+around instead. The summary's ``plan`` block puts the plan's predictions next to what the run
+measured (NOTE [ Predicted and measured ]).
+
+# NOTE [ Predicted and measured ]
+1. ``predicted``: the planner's step time and peak bytes per tier (``rt.plan.predicted``);
+   ``null`` for a hand plan (nothing predicted it).
+2. ``measured``: the median step time, and each tier's peak bytes from ``rt.stats()``. A
+   tier's peak covers the whole Runtime's life, so it includes the profiling step's link
+   probes (32 MiB, or a quarter of the least free tier when less) where those were larger
+   than the run's own bytes: on a tier the plan barely uses (NVMe under a host-homed plan),
+   the measured peak is then the probe's.
+3. ``ratios``: predicted / measured (1.0 is exact; ``null`` where either is missing or 0).
+   The planner predicts the plan's activation policy; with a per-block mapping given by hand
+   the loop runs another one, and ``activations_as_planned`` is false. So it is when a fixed
+   policy (``policy="nvme"``) fits no plan under the budget: the planner then plans freely,
+   the loop runs the fixed policy, and the offloader's own fallbacks (recompute when the
+   device is full) keep it within the capacity.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import shutil
 import signal
@@ -34,6 +58,7 @@ import torch
 
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.planner.errors import NoPlanFitsError
 from tiermem.runtime import Runtime
 
 __all__ = ["ENDURANCE_ASSUMPTION", "PolicyLike", "TrainSummary", "drive_capacity", "train"]
@@ -48,6 +73,8 @@ ENDURANCE_ASSUMPTION = (
     "one drive each; training runs around the clock at this run's pace; only bytes that reached "
     "the NVMe tier count (cancelled writes do not), not filesystem or flash write amplification"
 )
+
+log = logging.getLogger("tiermem.train")
 
 _TIER_KEYS = ("capacity", "peak_bytes", "bytes_written", "bytes_read")
 
@@ -71,6 +98,8 @@ class TrainSummary:
     nvme: dict[str, Any]
     model_states: dict[str, Any] | None = None
     links: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: NOTE [ Predicted and measured ]: the plan, its predictions and what was measured
+    plan: dict[str, Any] | None = None
 
     @property
     def tokens_per_step(self) -> int:
@@ -108,6 +137,7 @@ class TrainSummary:
             "model_states": None if self.model_states is None else dict(self.model_states),
             "links": dict(self.links),
             "nvme": dict(self.nvme),
+            "plan": None if self.plan is None else dict(self.plan),
         }
 
 
@@ -162,7 +192,7 @@ def train(
     progress: bool = True,
     on_step: Callable[[int, float, float], None] | None = None,
     manage_states: bool = True,
-    states_plan: Any = None,
+    states_plan: Any = "auto",
 ) -> TrainSummary:
     """Train ``GPT(model_config)`` for ``steps`` AdamW steps on generated data.
 
@@ -171,7 +201,8 @@ def train(
     ``rt`` may be started or not; one that is not is started here and closed at the end.
     ``on_step(step, loss, seconds)`` is called after each step; ``progress`` draws a bar on
     stderr. The caller's global RNG state is restored afterwards. ``manage_states`` puts the
-    model's states in chunks (``states_plan``: what ``rt.manage(plan=)`` takes).
+    model's states in chunks (``states_plan``: ``"auto"`` asks the planner, with the first
+    batch as its sample; anything else is what ``rt.manage(plan=)`` takes, a hand plan).
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
@@ -199,12 +230,36 @@ def train(
         data = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed)
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         parameters = model.num_parameters()
-        before = rt.stats().as_dict()
-        if manage_states:
+        planned = manage_states and (states_plan is None or states_plan == "auto")
+        fixed_fits = True
+        if planned:
+            # The loop's first batch, from a twin of its data stream (same seed, own generator):
+            # the loop still draws that batch itself, so its data and losses are unchanged.
+            sample = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed).batch(batch_size, device)
+            fixed = _fixed_policy(policy, rt)
+            plan: Any = "auto" if fixed is None else {"block_policy": fixed}
+            try:
+                model, optimizer = rt.manage(model, optimizer, plan=plan, sample=sample, grad_accumulation_steps=1)
+            except NoPlanFitsError as exc:
+                if fixed is None:
+                    raise
+                # Rule 3: the fixed policy fits no plan (its writes in flight need room the budget
+                # lacks); plan freely, run the policy asked for, and let the offloader's fallbacks
+                # keep it within the capacity.
+                log.warning("tiermem train: no plan fits activation policy %r (%s); planning freely", fixed, exc)
+                model, optimizer = rt.manage(model, optimizer, plan="auto", sample=sample, grad_accumulation_steps=1)
+                fixed_fits = False
+        elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
+        # After rt.manage: the profiling step's link probes and the chunks' first placement are
+        # not this run's steps (NOTE [ Predicted and measured ] rule 2 for the peaks, which cannot
+        # be taken apart this way).
+        before = rt.stats().as_dict()
         losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step)
         after = rt.stats().as_dict()
         states = _states_summary(rt, parameters) if manage_states else None
+        as_planned = fixed_fits and not isinstance(policy, Mapping)
+        plan_block = _plan_summary(rt, after, seconds, planned, as_planned) if manage_states else None
     nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
     train_s = sum(seconds)
     drive = drive_capacity(rt.resolved.nvme.paths)
@@ -238,7 +293,46 @@ def train(
             "drive_writes_per_day": per_s * 86400 / drive if drive else None,
             "assumption": ENDURANCE_ASSUMPTION,
         },
+        plan=plan_block,
     )
+
+
+def _fixed_policy(policy: PolicyLike, rt: Runtime) -> str | None:
+    """The activation policy the planner must plan around: a fixed name given here or by the
+    configuration; None where the planner chooses (``auto``) or a per-block mapping decides
+    (NOTE [ Predicted and measured ] rule 3)."""
+    name = rt.config.activations.policy if policy is None else policy
+    return name if isinstance(name, str) and name != "auto" else None
+
+
+def _ratio(predicted: float | None, measured: float | None) -> float | None:
+    return predicted / measured if predicted is not None and measured else None
+
+
+def _plan_summary(
+    rt: Runtime, stats: Mapping[str, Any], seconds: list[float], planned: bool, as_planned: bool
+) -> dict[str, Any]:
+    """NOTE [ Predicted and measured ]: the plan's decisions, predictions, measurements, ratios."""
+    assert rt.plan is not None  # rt.manage ran
+    plan = rt.plan.as_dict()
+    predicted = plan.pop("predicted")
+    decision = rt.__dict__.get("_decision") if planned else None  # what rt.manage's planner returned
+    measured_step = statistics.median(seconds) if seconds else None
+    measured_peaks = {tier: int(stats["tiers"][tier]["peak_bytes"]) for tier in ("device", "host", "nvme")}
+    predicted_peaks = predicted.get("peak_bytes") or {}
+    return {
+        "source": "planner" if decision is not None else "hand",
+        **plan,
+        "activations_as_planned": as_planned,
+        "reasons": list(decision.reasons) if decision is not None else [],
+        "capacities": {tier: int(stats["tiers"][tier]["capacity"]) for tier in ("device", "host", "nvme")},
+        "predicted": predicted,
+        "measured": {"step_s": measured_step, "peak_bytes": measured_peaks},
+        "ratios": {
+            "step_s": _ratio(predicted.get("step_s"), measured_step),
+            "peak_bytes": {tier: _ratio(predicted_peaks.get(tier), measured_peaks[tier]) for tier in measured_peaks},
+        },
+    }
 
 
 def _states_summary(rt: Runtime, parameters: int) -> dict[str, Any]:

@@ -5,11 +5,13 @@ the drive's endurance.
 Unless the configuration sets ``[device] capacity`` (file or ``TIERMEM_DEVICE_CAPACITY``),
 the device budget is deliberately half of the activation bytes one step saves — measured
 for this model and batch — so activations must leave the device and offloading really
-happens, plus a quarter of the model-state bytes (16 per parameter), in which the chunks of
-parameters, gradients and AdamW states stream through the device buffer pool from their
-homes (``--no-states`` leaves the states as ordinary tensors outside the tiers). The loop
-itself lives in :mod:`tiermem.train`; this module only parses, chooses
-the budget and prints.
+happens, plus a quarter of the model-state bytes (16 per parameter). Within that one
+budget the planner (``rt.manage(plan="auto", sample=<the first batch>)``) chooses chunk size,
+persistent chunks, buffers, homes and each block's activation policy, and the summary puts
+its predicted step time and peak bytes next to the measured ones. ``--state-home host|nvme``
+or ``--plan FILE`` give a hand plan instead; ``--no-states`` leaves the states as ordinary
+tensors outside the tiers. The loop itself lives in :mod:`tiermem.train`; this module only
+parses, chooses the budget and prints.
 """
 
 from __future__ import annotations
@@ -42,10 +44,11 @@ _STATE_BYTES_PER_PARAMETER = 16  # fp32 parameter + gradient + AdamW exp_avg and
 STATES_BUDGET_FRACTION = 0.25
 """Device room for model-state chunks by default, as a fraction of the model-state bytes."""
 _POOL_SLOTS = 4
-"""Buffers the default plan expects the pool to need: a block's chunk, the tied embedding's, prefetch."""
+"""Buffers the hand plan of ``--state-home`` expects the pool to need: a block's chunk, the tied
+embedding's, prefetch."""
 STATES_PLAN = {"persistent_chunks": 0}
-"""With the default budget every chunk streams through the buffer pool (the planner, when it
-decides, may keep some resident)."""
+"""The hand plan of ``--state-home host|nvme``: every chunk streams through the buffer pool
+(the planner, by default, decides this instead)."""
 
 
 def _positive_int(text: str) -> int:
@@ -90,7 +93,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--state-home",
         choices=("auto", "host", "nvme"),
         default="auto",
-        help="where offloaded chunks of parameters and AdamW states live (default: auto, the placement rule)",
+        help="where offloaded chunks of parameters and AdamW states live: host or nvme give a hand plan (every "
+        "chunk streamed, chunks sized to the budget); default: auto, the planner decides",
+    )
+    parser.add_argument(
+        "--plan",
+        metavar="FILE",
+        default="auto",
+        help="a hand plan for the model states (JSON, as rt.plan.save writes it); default: auto, the planner",
     )
     parser.add_argument(
         "--no-states",
@@ -135,16 +145,14 @@ def run(args: argparse.Namespace) -> int:
     parameters = sum(sizes) // 4  # fp32
     state_bytes = parameters * _STATE_BYTES_PER_PARAMETER
     budget = _budget(config, measured, args.policy or config.activations.policy, state_bytes)
-    plan: dict[str, Any] | None = None
-    if args.states:
-        plan = {}
+    plan: Any = args.plan
+    if args.states and args.state_home != "auto":
+        plan = {"state_home": args.state_home}
         if budget["source"] == "default":
             # A parameter and a gradient buffer per pool slot, a few slots: chunks small enough
             # that the pool fits the share (never below the largest parameter).
             chunk_size = max(max(sizes), budget["model_state_share"] // (2 * _POOL_SLOTS))
-            plan = {**STATES_PLAN, "chunk_size": chunk_size}
-        if args.state_home != "auto":
-            plan["state_home"] = args.state_home
+            plan.update(STATES_PLAN, chunk_size=chunk_size)
     if budget["source"] == "default":
         config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
 
@@ -161,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
             seed=args.seed,
             progress=not args.json,
             manage_states=args.states,
-            states_plan=plan or None,
+            states_plan=plan,
         )
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
     budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
@@ -273,6 +281,45 @@ def _states_line(params: int, states: dict[str, Any] | None) -> str:
     )
 
 
+def _plan_lines(plan: dict[str, Any]) -> list[tuple[str, str]]:
+    """The plan's decisions, and predicted next to measured (NOTE [ Predicted and measured ])."""
+    homes = plan["state_home"]
+    policies = plan["block_policy"]
+    decided = (
+        f"{plan['source']}: chunks of {format_size(plan['chunk_size'])}, {plan['persistent_chunks']} of {len(homes)} "
+        f"persistent, {plan['buffers']} buffers, homes host {homes.count('host')} / nvme {homes.count('nvme')}; "
+        f"blocks {' '.join(policies) if policies else 'as the activation policy says'}"
+    )
+    lines = [("plan", decided)]
+    predicted, measured, ratios = plan["predicted"], plan["measured"], plan["ratios"]
+    if predicted.get("step_s") is None:
+        lines.append(("predicted", "nothing (a hand plan)"))
+        return lines
+
+    def ratio(value: float | None) -> str:
+        return f"{value:.2f}x" if value is not None else "-"
+
+    lines.append(
+        (
+            "step: predicted",
+            f"{predicted['step_s']:.3f}s, measured {measured['step_s']:.3f}s (median): {ratio(ratios['step_s'])}",
+        )
+    )
+    for tier in ("device", "host", "nvme"):
+        want, got = predicted["peak_bytes"].get(tier), measured["peak_bytes"][tier]
+        shown = format_size(want) if want is not None else "-"
+        lines.append(
+            (
+                f"{tier} peak: predicted",
+                f"{shown}, measured {format_size(got)} of {format_size(plan['capacities'][tier])}: "
+                f"{ratio(ratios['peak_bytes'][tier])}",
+            )
+        )
+    if not plan["activations_as_planned"]:
+        lines.append(("note", "the run's activation policy is not the plan's: predictions are for the plan's"))
+    return lines
+
+
 def _print_summary(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -309,6 +356,8 @@ def _print_summary(result: dict[str, Any]) -> None:
     lines += [(f"activations {key}", _show_stat(key, value)) for key, value in result["activations"].items()]
     moved = {name: value for name, value in result["links"].items() if value}
     lines.append(("moved", ", ".join(f"{name} {format_size(value)}" for name, value in moved.items()) or "-"))
+    if result.get("plan") is not None:
+        lines += _plan_lines(result["plan"])
     if result["activations"].get("captured_bytes") == 0 and policy != "keep":
         lines.append(("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's"))
     per_step, per_s = format_size(nvme["bytes_written_per_step"]), format_size(nvme["bytes_written_per_s"])

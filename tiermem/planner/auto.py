@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -134,12 +134,14 @@ def plan_model(
     blocks: BlockSpec = None,
     use_cache: bool = True,
     capacities: Mapping[str, int] | None = None,
+    block_policy: str | Sequence[str] | None = None,
 ) -> tuple[Decision, Profile]:
-    """Profile, then search under ``capacities`` (default: what the tiers have free now)."""
+    """Profile, then search under ``capacities`` (default: what the tiers have free now);
+    ``block_policy`` fixes the activation policy (NOTE [ Plan search ] rule 1)."""
     profile = profile_model(
         registry, resolved, model, optimizer, optimizer_kwargs, sample, blocks=blocks, use_cache=use_cache
     )
     caps = dict(capacities) if capacities is not None else free_bytes(registry)
-    decision = search(profile, caps, states_offload=profile.cpu)
+    decision = search(profile, caps, states_offload=profile.cpu, block_policy=block_policy)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return decision, profile

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -46,6 +47,11 @@ Sample = tuple[Any, ...] | Callable[[nn.Module], torch.Tensor]
 
 PROBE_BYTES = 32 << 20
 """Bytes moved per link probe (less where a tier has less free)."""
+MIN_PROBE_BYTES = 64 << 10
+"""The smallest probe still measured. A small device budget (a tight ``tiermem train``) leaves
+room for small probes only; they underrate bandwidth (per-move latency weighs more), which
+errs on the slow side, while no measurement at all would make the cost model treat NVMe as
+absent and host copies as free."""
 OPTIMIZER_SAMPLE_BYTES = 32 << 20
 """Parameter bytes the optimizer timing steps over (then scaled to the model's)."""
 
@@ -366,7 +372,12 @@ def optimizer_seconds_per_byte(
         return 0.0
     for t in sample:
         t.grad = torch.full_like(t, 1e-3)
-    optimizer = optimizer_class(sample, **dict(defaults))
+    # A constructed optimizer's ``defaults`` can hold keys its constructor does not take (AdamW
+    # records ``decoupled_weight_decay``, which only Adam accepts): pass the ones it takes.
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    kwargs = {k: v for k, v in defaults.items() if takes_any or k in accepted}
+    optimizer = optimizer_class(sample, **kwargs)
     optimizer.step()  # creates the states
     best = float("inf")
     for _ in range(2):
@@ -398,7 +409,7 @@ def probe_links(registry: Registry, size: int) -> dict[str, float]:
     three: the first touches fault pages in)."""
     tiers = registry.tiers
     result: dict[str, float] = {}
-    if size < 1 << 20:
+    if size < MIN_PROBE_BYTES:
         return result  # too little room to measure anything meaningful
     device = tiers["device"].device  # type: ignore[attr-defined]
     for src, dst in LINKS:

@@ -5,7 +5,7 @@
    thinned to ``MAX_SIZES``), persistent chunks (every prefix), buffers (the fewest one module
    needs, one more to prefetch into, or every streamed chunk), where each streamed chunk's
    states live (the longest host prefix the host holds, then NVMe), and the per-block
-   activation policy.
+   activation policy (or the one the caller fixed: ``block_policy=``, searched around).
 2. Activation policies come from families, each with ``k`` trailing blocks kept: every
    other block recomputed, or offloaded to the host, or to NVMe, or NVMe for the blocks whose
    I/O hides and recompute for the rest; TBA's adaptive-keep rule gives one more candidate.
@@ -45,7 +45,8 @@ from tiermem.planner.costmodel import (
 from tiermem.planner.errors import NoPlanFitsError
 from tiermem.planner.profile import Profile
 from tiermem.states.chunks import ParamInfo, pack, size_candidates
-from tiermem.states.placement import ChunkNeeds, Plan, Prediction, normalize_chunk_size
+from tiermem.states.errors import PlanError
+from tiermem.states.placement import BLOCK_POLICIES, ChunkNeeds, Plan, Prediction, normalize_chunk_size
 from tiermem.units import format_size
 
 MAX_SIZES = 12
@@ -107,17 +108,36 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None) -> list
     return result
 
 
-def activation_candidates(profile: Profile) -> list[_Act]:
-    """Rule 2."""
+def fixed_policies(profile: Profile, block_policy: str | Sequence[str]) -> tuple[str, ...]:
+    """A caller's activation policy (one name for every block, or one per block) as one per
+    block; raises ``PlanError`` when it names an unknown policy or the wrong number of blocks."""
+    count = len(profile.blocks)
+    policies = (block_policy,) * count if isinstance(block_policy, str) else tuple(block_policy)
+    unknown = sorted(set(policies) - set(BLOCK_POLICIES))
+    if unknown or len(policies) != count:
+        raise PlanError(
+            f"tiermem planner: block_policy must be one of {'|'.join(BLOCK_POLICIES)} or a list of them, one per "
+            f"activation block ({count} blocks), got {list(policies)!r}"
+        )
+    return policies
+
+
+def activation_candidates(profile: Profile, block_policy: str | Sequence[str] | None = None) -> list[_Act]:
+    """Rule 2 (``block_policy``: the one candidate the caller fixed)."""
     count = len(profile.blocks)
     memcpy_bw = profile.memcpy_bw or math.inf
     has_nvme = bool(profile.links.get("device->nvme"))
     families: list[tuple[str, tuple[str, ...]]] = [("keep", ("keep",) * count)]
-    kinds = ["recompute", "host"] + (["nvme"] if has_nvme else [])
-    for kept in range(count):
+    if block_policy is not None:
+        fixed = fixed_policies(profile, block_policy)
+        families = [(f"fixed by the caller ({', '.join(sorted(set(fixed)))})", fixed)]
+        kinds: list[str] = []
+    else:
+        kinds = ["recompute", "host"] + (["nvme"] if has_nvme else [])
+    for kept in range(count if kinds else 0):
         for kind in kinds:
             families.append((f"{kind}, last {kept} kept", (kind,) * (count - kept) + ("keep",) * kept))
-    if has_nvme and count:
+    if has_nvme and count and block_policy is None:
         write_bw = profile.links["device->nvme"]
         read_bw = profile.links.get("nvme->device") or write_bw
         tba = adaptive_keep([BlockProfile(b.forward_s, b.saved_bytes) for b in profile.blocks], write_bw, read_bw)
@@ -159,12 +179,15 @@ def search(
     states_offload: bool = True,
     chunk_sizes: Sequence[int] | None = None,
     margin: float = FRAGMENTATION_MARGIN,
+    block_policy: str | Sequence[str] | None = None,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``states_offload``:
-    whether streamed chunks are possible (not yet on CUDA, NOTE [ Model-state rules ] rule 8)."""
+    whether streamed chunks are possible (not yet on CUDA, NOTE [ Model-state rules ] rule 8).
+    ``block_policy``: the activation policy the caller fixed (a name for every block, or one
+    per block); the model states are searched around it."""
     caps = {t: int(capacities[t]) for t in TIERS}
     usable = {t: caps[t] / (1 + margin) for t in TIERS}
-    acts = activation_candidates(profile)
+    acts = activation_candidates(profile, block_policy)
     front = pareto(acts)
     front_keys = [(a.device, a.time, i) for i, a in enumerate(front)]
     memcpy_bw = profile.memcpy_bw or math.inf
