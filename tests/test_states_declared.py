@@ -218,3 +218,36 @@ def test_reentrant_checkpoint_ending_our_backward_early_never_steps_early(tmp_pa
         got = plain_loop(model, optimizer, 4, 1, None)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_fp16_autocast_with_grad_scaler_is_bitwise(tmp_path):
+    """fp16 compute with torch.amp.GradScaler over managed fp32 parameters (the loop undeclared:
+    the scaler unscales .grad between backward and step), including a skipped step: the first
+    scale (2**24) overflows fp16 gradients."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24)
+        out = []
+        for step in range(4):
+            tokens, targets = batch(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(tokens)
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad()
+            out += [loss.detach(), torch.tensor(scaler.get_scale())]
+        return out
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adam"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), plan={"state_home": "nvme"})
+        got = run(model, optimizer)
+    assert float(want[2]) < 2.0**24  # the scaler did back off: a step was skipped
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
