@@ -251,3 +251,34 @@ def test_fp16_autocast_with_grad_scaler_is_bitwise(tmp_path):
     assert float(want[2]) < 2.0**24  # the scaler did back off: a step was skipped
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_gradients_freed_as_chunks_step_when_asked(tmp_path):
+    """keep_gradients=False: the same training, and offloaded chunks that stepped during backward
+    hold no gradient afterwards (rule 6)."""
+    steps = 4
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adamw"](param_groups(model)),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        got = plain_loop(model, optimizer, steps - 1, 1, None)
+        tokens, targets = batch(steps - 1)  # the last step by hand (its LR already set by the loop's StepLR)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        got.append(loss.detach())
+        freed = [p for p in model.parameters() if p.requires_grad and p.grad is None]
+        assert freed  # offloaded chunks stepped and dropped their gradients
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
+        optimizer.step()
+        optimizer.zero_grad()
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    with tiermem.Runtime(config(tmp_path, 1 << 20)) as rt, pytest.raises(ValueError, match="keep_gradients"):
+        rt.manage(make_model(), torch.optim.Adam, lr=1e-3, keep_gradients=False)

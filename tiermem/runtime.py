@@ -200,6 +200,7 @@ class Runtime:
         sample: Any = None,
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
+        keep_gradients: bool = True,
         **optimizer_kwargs: Any,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers.
@@ -225,6 +226,9 @@ class Runtime:
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
         edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
         of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
+        ``keep_gradients=False`` (declared loops) frees each offloaded chunk's gradients once
+        it has stepped during backward, as ``zero_grad()`` would next: their ``.grad`` is
+        None after backward, and the host holds no gradient bytes between steps.
         """
         # plan={"block_policy": ...} with a sample: the planner searches the model states around
         # the activation policy the caller fixed (a name for every block, or one per block).
@@ -256,6 +260,7 @@ class Runtime:
             plan_owner=self,
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
+            keep_gradients=keep_gradients,
         )
         self._model_states.append(states)
         return model, states.optimizer

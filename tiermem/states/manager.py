@@ -126,6 +126,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         plan_owner: object | None = None,
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
+        keep_gradients: bool = True,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -159,7 +160,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         owners = Counter(i for names in self._module_names.values() for _, i in names)
         self._shared = {i for i, count in owners.items() if count > 1}
         self._request: PlanRequest = parse_plan(plan)
-        self._init_stepping(grad_accumulation_steps, clip_grad_norm)
+        self._init_stepping(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
         self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
 

@@ -32,6 +32,10 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
    model's parameters (the real gradients, wherever they live), so the total norm is
    PyTorch's own, computed before any chunk steps; ``optimizer.grad_norm`` holds it. No early
    steps then: the norm needs every gradient.
+6. ``keep_gradients=False`` (declared loops only): a chunk that stepped early frees its
+   gradients at once, as the ``zero_grad()`` that follows would; their ``.grad`` is None
+   after backward. With NVMe homes this keeps the host free of gradient bytes between
+   steps (they otherwise wait there until ``zero_grad``, 4 bytes a parameter).
 """
 
 from __future__ import annotations
@@ -91,11 +95,18 @@ class StepMixin(StatesBase):
     _windows: int
     _stepped: set[int]
     _partial_end: bool
+    _keep_gradients: bool
     #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
     _grad_versions: dict[int, tuple[torch.Tensor, int]]
 
-    def _init_stepping(self, grad_accumulation_steps: Any, clip_grad_norm: Any) -> None:
+    def _init_stepping(self, grad_accumulation_steps: Any, clip_grad_norm: Any, keep_gradients: bool = True) -> None:
         self._accumulation, self._max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
+        if not keep_gradients and self._accumulation is None:
+            raise ValueError(
+                "tiermem manage: keep_gradients=False frees gradients as chunks step during backward, which only "
+                "declared loops do: give grad_accumulation_steps= too"
+            )
+        self._keep_gradients = bool(keep_gradients)
         self._counted = 0
         self._grad_forwards = 0
         self._early = False
@@ -141,6 +152,13 @@ class StepMixin(StatesBase):
         self._stepped.add(chunk.index)
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {})
         self.early_chunk_steps += 1
+        if not self._keep_gradients and chunk.grad is not None:
+            # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
+            for slot in chunk.layout.slots:
+                self._has_grad[slot.index] = False
+                self.params[slot.index].grad = None
+            chunk.grad.free()
+            chunk.grad = None
 
     def _backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
