@@ -89,6 +89,9 @@ def main() -> int:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
     parser.add_argument("--chunk-size", type=int, default=64 << 20, help="bytes (default 64 MiB)")
+    parser.add_argument(
+        "--free-gradients", action="store_true", help="rt.manage(keep_gradients=False)"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -151,7 +154,7 @@ def main() -> int:
     largest = 4 * config.d_model * max(4 * config.d_model, config.vocab_size)
     plan = {"state_home": "nvme", "persistent_chunks": 0, "chunk_size": max(largest, args.chunk_size)}
     sampler = PeakSampler()
-    result: dict[str, Any] = {"machine": facts}
+    result: dict[str, Any] = {"machine": facts, "keep_gradients": not args.free_gradients}
     try:
         with tiermem.Runtime(tier_config) as rt:
             started = time.perf_counter()
@@ -162,7 +165,12 @@ def main() -> int:
             say(f"built in {result['build_s']:.1f}s (RssAnon {format_size(_status_kib('RssAnon'))})")
             started = time.perf_counter()
             model, optimizer = rt.manage(
-                model, torch.optim.AdamW, lr=1e-4, plan=plan, grad_accumulation_steps=1
+                model,
+                torch.optim.AdamW,
+                lr=1e-4,
+                plan=plan,
+                grad_accumulation_steps=1,
+                keep_gradients=not args.free_gradients,
             )
             result["manage_s"] = time.perf_counter() - started
             result["plan"] = {k: v for k, v in rt.plan.as_dict().items() if k not in ("state_home", "predicted")}

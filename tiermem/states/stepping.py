@@ -35,7 +35,8 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
 6. ``keep_gradients=False`` (declared loops only): a chunk that stepped early frees its
    gradients at once, as the ``zero_grad()`` that follows would; their ``.grad`` is None
    after backward. With NVMe homes this keeps the host free of gradient bytes between
-   steps (they otherwise wait there until ``zero_grad``, 4 bytes a parameter).
+   steps (they otherwise wait there until ``zero_grad``, 4 bytes a parameter). The caller
+   has promised not to touch gradients, so early steps start in the first window.
 """
 
 from __future__ import annotations
@@ -128,7 +129,7 @@ class StepMixin(StatesBase):
         self._early = (
             self._early_allowed
             and self._accumulation is not None
-            and self._windows > 0
+            and (self._windows > 0 or not self._keep_gradients)
             and self._grad_forwards == 1
             and self._counted + 1 == self._accumulation
             and not self._repack_pending
