@@ -3,13 +3,17 @@
 
 Every measurement runs in a fresh process, alternating A B A B (tiermem, fio, tiermem,
 fio, ...), so throttling of a shared VM or a noisy neighbour hits both sides alike
-(DESIGN.md, "Measuring"). Per round:
+(DESIGN.md, "Measuring"). Per round, for each tiermem backend asked for (``--backends``,
+default ``auto,posix``: auto picks ``aio`` where Linux AIO works, so the batched kernel
+queue and the thread pool are measured side by side):
 
 1. ``tiermem bench io --through raw``        (the tier's own read/write, 1 MiB, QD 32)
 2. fio                                        (same size, block size, queue depth)
 3. ``tiermem bench io --through scheduler``  (end to end: store/fetch of a managed tensor)
 4. fio
 5. and 6.-8.: the same four at 64 KiB, QD 32 (the small-request case: requests/s)
+
+``--cases small`` runs only 5.-8. (the 64 KiB comparison), ``--cases large`` only 1.-4.
 
 Both sides first write the whole file untimed, then time one overwrite (durable at the
 end: tiermem ``fdatasync``, fio ``--end_fsync=1``) and one read, with ``O_DIRECT``
@@ -20,7 +24,8 @@ scheduler requests in one process, see ``tiermem.benchio.latency``).
 It prints the machine's facts, the exact commands, every sample, the medians and the
 ratios tiermem/fio. Without fio installed it prints tiermem's numbers only.
 
-    python bench/io_vs_fio.py [--path DIR] [--size 1GiB] [--rounds 3]
+    python bench/io_vs_fio.py [--path DIR] [--size 1GiB] [--rounds 3] [--backends auto,posix]
+                              [--cases all|small|large]
 """
 
 from __future__ import annotations
@@ -69,9 +74,11 @@ def run(cmd: list[str], *, timeout: float = 600) -> str:
     return done.stdout
 
 
-def tiermem_cmd(args: argparse.Namespace, through: str, block_size: int, queue_depth: int) -> list[str]:
+def tiermem_cmd(
+    args: argparse.Namespace, backend: str, through: str, block_size: int, queue_depth: int
+) -> list[str]:
     return [
-        sys.executable, "-m", "tiermem", "bench", "io", "--json", "--tier", "nvme", "--backend", args.backend,
+        sys.executable, "-m", "tiermem", "bench", "io", "--json", "--tier", "nvme", "--backend", backend,
         "--path", args.path, "--size", str(args.size), "--block-size", str(block_size),
         "--queue-depth", str(queue_depth), "--op", "both", "--repeats", "1", "--through", through,
     ]  # fmt: skip
@@ -135,9 +142,9 @@ class Pacer:
 
 
 def run_tiermem(
-    args: argparse.Namespace, pacer: Pacer, through: str, block_size: int, queue_depth: int
+    args: argparse.Namespace, pacer: Pacer, backend: str, through: str, block_size: int, queue_depth: int
 ) -> dict[str, Any]:
-    argv = tiermem_cmd(args, through, block_size, queue_depth)[3:]  # after "python -m tiermem"
+    argv = tiermem_cmd(args, backend, through, block_size, queue_depth)[3:]  # after "python -m tiermem"
     child = subprocess.Popen(
         [sys.executable, "-c", _CHILD, *argv],
         stdin=subprocess.PIPE,
@@ -219,15 +226,20 @@ def main() -> int:
     parser.add_argument("--queue-depth", type=int, default=32, help="queue depth (default 32)")
     parser.add_argument("--small-block-size", default="64KiB", help="small-request block size (default 64KiB)")
     parser.add_argument("--small-queue-depth", type=int, default=32, help="small-request queue depth (default 32)")
+    parser.add_argument("--cases", choices=("all", "small", "large"), default="all", help="which block sizes to run")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds (default 3)")
     parser.add_argument(
         "--gap", type=float, default=4.0, help="idle seconds before every run's I/O, both sides (default 4)"
     )
     parser.add_argument("--latency-samples", type=int, default=300, help="requests per side in the latency probe")
-    parser.add_argument("--backend", default="posix", help="tiermem NVMe backend (default posix: fio uses libaio)")
+    parser.add_argument(
+        "--backends", default="auto,posix",
+        help="tiermem NVMe backends, comma-separated (default auto,posix; auto picks aio where it works)",
+    )  # fmt: skip
     parser.add_argument("--fio", default=shutil.which("fio"), help="the fio binary (default: fio on PATH)")
     args = parser.parse_args()
     args.size = parse_size(args.size)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     big, small = parse_size(args.block_size), parse_size(args.small_block_size)
     qd, small_qd = args.queue_depth, args.small_queue_depth
     fio_version = run([args.fio, "--version"]).strip() if args.fio else None
@@ -235,42 +247,56 @@ def main() -> int:
     started = time.monotonic()
     with work_dir(args.path) as path:
         args.path = path
-        cases = [("raw", big, qd), ("scheduler", big, qd), ("raw", small, small_qd), ("scheduler", small, small_qd)]
-        tm: dict[tuple[str, int, str], Samples] = {}
+        cases = []
+        if args.cases in ("all", "large"):
+            cases += [("raw", big, qd), ("scheduler", big, qd)]
+        if args.cases in ("all", "small"):
+            cases += [("raw", small, small_qd), ("scheduler", small, small_qd)]
+        tm: dict[tuple[str, str, int, str], Samples] = {}
         fio: dict[tuple[int, str], Samples] = {}
-        machine: dict[str, Any] | None = None
+        machines: dict[str, dict[str, Any]] = {}
         pacer = Pacer(args.gap)
-        print(f"tiermem command: {shlex.join(tiermem_cmd(args, '{raw|scheduler}', big, qd))}")
+        any_backend = "{" + "|".join(backends) + "}"
+        print(f"tiermem command: {shlex.join(tiermem_cmd(args, any_backend, '{raw|scheduler}', big, qd))}")
         if args.fio:
             print(f"fio command:     {shlex.join(fio_cmd(args, os.path.join(path, 'fio-bench-PID.dat'), big, qd))}")
         else:
             print("fio: not installed (apt-get install fio); tiermem's numbers only")
         for round_no in range(args.rounds):
             for through, block, depth in cases:
-                report = run_tiermem(args, pacer, through, block, depth)
-                machine = machine or report["machine"]
-                for result in report["results"]:
-                    tm.setdefault((through, block, result["op"]), Samples()).add(
-                        result["bytes_per_s"]["median"], result["requests_per_s"], result["latency_s"]["p50"]
-                    )
-                if args.fio:  # B after every A
-                    for op, numbers in run_fio(args, pacer, block, depth).items():
-                        fio.setdefault((block, op), Samples()).add(
-                            numbers["bytes_per_s"], numbers["requests_per_s"], numbers["p50_s"]
+                for backend in backends:
+                    report = run_tiermem(args, pacer, backend, through, block, depth)
+                    machines.setdefault(backend, report["machine"])
+                    for result in report["results"]:
+                        tm.setdefault((backend, through, block, result["op"]), Samples()).add(
+                            result["bytes_per_s"]["median"], result["requests_per_s"], result["latency_s"]["p50"]
                         )
+                    if args.fio:  # B after every A
+                        for op, numbers in run_fio(args, pacer, block, depth).items():
+                            fio.setdefault((block, op), Samples()).add(
+                                numbers["bytes_per_s"], numbers["requests_per_s"], numbers["p50_s"]
+                            )
             print(f"round {round_no + 1}/{args.rounds} done ({time.monotonic() - started:.0f}s)", flush=True)
-        probe_cmd = [sys.executable, "-c", _PROBE, path, args.backend, str(args.latency_samples), str(small), str(big)]
-        pacer.wait()
-        probe = json.loads(run(probe_cmd))
+        probes: dict[str, Any] = {}
+        for backend in backends:
+            # The probe runs the engine directly, so it takes the name auto resolved to.
+            name = machines[backend]["backend"] if backend == "auto" else backend
+            blocks = [str(b) for b in dict.fromkeys(b for _t, b, _d in cases)]
+            probe_cmd = [sys.executable, "-c", _PROBE, path, name, str(args.latency_samples), *blocks]
+            pacer.wait()
+            probes[backend] = json.loads(run(probe_cmd))
+            pacer.ended()
 
-    assert machine is not None
+    machine = machines[backends[0]]
     print()
     print("machine")
     print(f"  {machine['cpu_count']} CPUs ({machine['cpu_model']}), {format_size(machine['memory_total'])} RAM")
     print(f"  {machine['platform']}, python {machine['python']}, torch {machine['torch']}")
     for fs in machine.get("filesystems", []):
         print(f"  path {fs['path']}: {fs['fstype']} on {fs['device']} (mounted at {fs['mountpoint']})")
-    print(f"  tiermem backend: {machine['backend']} ({machine['backend_reason']})")
+    for backend in backends:
+        facts = machines[backend]
+        print(f"  tiermem --backend {backend}: {facts['backend']} ({facts['backend_reason']})")
     print(f"  O_DIRECT: {machine['direct']} ({machine['direct_reason']}); page cache: {machine['page_cache']}")
     print(f"  fio: {fio_version or 'not installed'}; host kernel {platform.release()}")
     print(
@@ -280,46 +306,54 @@ def main() -> int:
     )
     print()
     print("samples (MiB/s per run, in run order)")
-    for (through, block, op), samples in tm.items():
+    for (backend, through, block, op), samples in tm.items():
         mib = ", ".join(f"{v / (1 << 20):,.0f}" for v in samples.bytes_per_s)
-        print(f"  tiermem {through:<9} {op:<5} {format_size(block):>6}: {mib}")
+        label = machines[backend]["backend"]
+        print(f"  tiermem {label:<5} {through:<9} {op:<5} {format_size(block):>6}: {mib}")
     for (block, op), samples in fio.items():
         mib = ", ".join(f"{v / (1 << 20):,.0f}" for v in samples.bytes_per_s)
-        print(f"  fio               {op:<5} {format_size(block):>6}: {mib}")
+        print(f"  fio                     {op:<5} {format_size(block):>6}: {mib}")
     print()
     print(f"medians and ratios tiermem/fio (goal: bandwidth >= {BANDWIDTH_GOAL}x, small requests/s >= {SMALL_GOAL}x)")
     for through, block, depth in cases:
         is_small = block == small and (block != big or depth != qd)
         for op in ("write", "read"):
-            ours = tm[(through, block, op)]
-            theirs = fio.get((block, op))
-            label = f"{through} {op} {format_size(block)} QD{depth}"
-            if is_small:
-                print(
-                    ratio_line(label, ours.requests_per_s, theirs.requests_per_s if theirs else None, "req", SMALL_GOAL)
-                )
-            else:
-                print(
-                    ratio_line(label, ours.bytes_per_s, theirs.bytes_per_s if theirs else None, "bytes", BANDWIDTH_GOAL)
-                )
+            for backend in backends:
+                ours = tm[(backend, through, block, op)]
+                theirs = fio.get((block, op))
+                label = f"{machines[backend]['backend']} {through} {op} {format_size(block)} QD{depth}"
+                if is_small:
+                    line = ratio_line(
+                        label, ours.requests_per_s, theirs.requests_per_s if theirs else None, "req", SMALL_GOAL
+                    )
+                else:
+                    line = ratio_line(
+                        label, ours.bytes_per_s, theirs.bytes_per_s if theirs else None, "bytes", BANDWIDTH_GOAL
+                    )
+                print(line)
     print()
     print("p50 latency per request (ms): tiermem (issue to completion) vs fio (clat)")
     for through, block, depth in cases:
         for op in ("write", "read"):
-            ours = statistics.median(tm[(through, block, op)].p50_s) * 1e3
             theirs = fio.get((block, op))
             other = f"{statistics.median(theirs.p50_s) * 1e3:.2f}" if theirs else "-"
-            print(f"  {through:<9} {op:<5} {format_size(block):>6} QD{depth}: tiermem {ours:.2f}   fio {other}")
+            for backend in backends:
+                ours = statistics.median(tm[(backend, through, block, op)].p50_s) * 1e3
+                label = machines[backend]["backend"]
+                case = f"{label:<5} {through:<9} {op:<5} {format_size(block):>6} QD{depth}"
+                print(f"  {case}: tiermem {ours:.2f}   fio {other}")
     print()
     print("scheduler's added latency per request (QD 1, median of alternating samples)")
-    for entry in probe:
-        for op in ("read", "write"):
-            numbers = entry[op]
-            print(
-                f"  {op:<5} {format_size(entry['block_size']):>6}: raw {numbers['raw_s'] * 1e6:,.0f} µs, "
-                f"through the scheduler {numbers['scheduler_s'] * 1e6:,.0f} µs, "
-                f"added {numbers['added_s'] * 1e6:,.0f} µs ({entry['samples']} samples each)"
-            )
+    for backend in backends:
+        for entry in probes[backend]:
+            for op in ("read", "write"):
+                numbers = entry[op]
+                print(
+                    f"  {machines[backend]['backend']:<5} {op:<5} {format_size(entry['block_size']):>6}: "
+                    f"raw {numbers['raw_s'] * 1e6:,.0f} µs, "
+                    f"through the scheduler {numbers['scheduler_s'] * 1e6:,.0f} µs, "
+                    f"added {numbers['added_s'] * 1e6:,.0f} µs ({entry['samples']} samples each)"
+                )
     print(f"\ntotal {time.monotonic() - started:.0f}s")
     return 0
 

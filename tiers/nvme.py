@@ -514,13 +514,16 @@ class NvmeTier(Tier):
         address = request.address + seg.buf_offset
         if not self._queueable[seg.file] or (address | seg.length | seg.file_offset) % ALIGNMENT:
             return None
-        return IoOp(
-            request.op == "write",
-            self._handles[seg.file],
-            address,
-            seg.length,
-            seg.file_offset,
-            functools.partial(self._queued_done, request, seg),
+        # _make, not IoOp(...): a NamedTuple's generated __new__ costs a Python call (TRAPS 15).
+        return IoOp._make(
+            (
+                request.op == "write",
+                self._handles[seg.file],
+                address,
+                seg.length,
+                seg.file_offset,
+                functools.partial(self._queued_done, request, seg),
+            )
         )
 
     def _queued_done(self, request: _Request, seg: _Segment, nbytes: int, error: OSError | None) -> None:
