@@ -30,6 +30,8 @@ class ActivationStatistics:
     forwarded: int = 0
     cancelled: int = 0
     fallbacks: int = 0
+    #: Fallbacks by ``"<cause>-><action>"`` (NOTE [ Activation fallbacks ] rule 6).
+    fallback_reasons: Mapping[str, int] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -43,6 +45,7 @@ class ActivationStatistics:
             "forwarded": self.forwarded,
             "cancelled": self.cancelled,
             "fallbacks": self.fallbacks,
+            "fallback_reasons": dict(self.fallback_reasons),
         }
 
 

@@ -23,7 +23,13 @@
    blocks before it in reverse forward order; and otherwise fetches on demand.
 6. A saved activation is freed when autograd drops it (the graph is released), never at
    unpack: ``retain_graph=True`` unpacks again (TRAPS 9).
-7. Disk full or the host tier full: the block falls back to keep, with a warning.
+7. A tier that fails (disk full, I/O error, tier full) or a device budget that runs short
+   changes blocks as NOTE [ Activation fallbacks ] says: kept, recomputed from the next
+   block on, or spilled synchronously; a clear error only when nothing fits. Decisions
+   are taken when a block starts, since recompute must wrap the block's forward.
+8. What the offloader learns about a model (block sizes, adaptive keep's choice, tier
+   outages, write-backs in flight) outlives one context: ``tiermem train`` opens a
+   context per step, and the next step starts from what the last one measured.
 """
 
 from __future__ import annotations
@@ -41,8 +47,16 @@ import torch
 from torch import nn
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
-from tiermem.activations.policy import BlockPolicy, BlockProfile, PolicySpec, adaptive_keep, resolve_policies
-from tiermem.errors import DiskFullError, TierCapacityError, TiermemError
+from tiermem.activations.fallback import ModelMemory, WriteLedger, decide, failure_cause, first_tensor_numel
+from tiermem.activations.policy import (
+    BlockPolicy,
+    BlockProfile,
+    PolicySpec,
+    adaptive_keep,
+    flexible_blocks,
+    resolve_policies,
+)
+from tiermem.errors import StorageError, TierCapacityError, TiermemError
 from tiermem.registry import Handle, ObjectState, Registry
 from tiermem.schedulers.base import Priority
 
@@ -53,8 +67,9 @@ log = logging.getLogger("tiermem.activations")
 
 
 class ActivationMemoryError(TiermemError, MemoryError):
-    """Raised when saved activations do not fit in the device budget even after the
-    write-backs in flight have landed."""
+    """Raised when a saved activation fits nowhere: not in the device budget after the
+    write-backs in flight landed, and no other tier would take it (NOTE [ Activation
+    fallbacks ] rule 5); or when backward cannot bring one back into the device budget."""
 
 
 @dataclass
@@ -69,7 +84,22 @@ class ActivationCounters:
     offloaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
     fetched_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
     fallbacks: int = 0
+    #: Fallbacks by ``"<cause>-><action>"`` (NOTE [ Activation fallbacks ] rule 6).
+    fallback_reasons: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    #: What offloading each model learned (rule 8), by model (weakly) and block names.
+    models: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], ModelMemory]] = field(
+        default_factory=weakref.WeakKeyDictionary, repr=False
+    )
+
+    def memory_for(self, model: nn.Module, block_names: tuple[str, ...]) -> ModelMemory:
+        with self.lock:
+            per_model = self.models.setdefault(model, {})
+            memory = per_model.get(block_names)
+            if memory is None:
+                # The ledger adds landed bytes to offloaded_bytes under this same lock.
+                memory = per_model[block_names] = ModelMemory(WriteLedger(self.offloaded_bytes, self.lock))
+            return memory
 
 
 class SavedActivation:
@@ -107,6 +137,12 @@ class _Group:
     started: float = 0.0
     forward_s: float = 0.0
     prefetched: bool = False
+    #: Elements of the block's first tensor input, to scale size estimates by.
+    input_numel: int = 0
+    #: A fallback may change this block's policy (NOTE [ Activation fallbacks ] rule 2).
+    flexible: bool = False
+    #: The block's estimated saved bytes when it started (None: nothing measured yet).
+    expected: int | None = None
 
 
 def _version_error(tensor: torch.Tensor, expected: int) -> RuntimeError:
@@ -143,18 +179,24 @@ class ActivationOffloader:
         self.min_bytes = min_bytes
         self.lookahead = lookahead
         self.blocks = find_blocks(model, blocks)
-        names = [name for name, _ in self.blocks]
-        self.policies, self.adaptive = resolve_policies(policy, names, default_policy)
+        self.names = [name for name, _ in self.blocks]
+        self.policies, self.adaptive = resolve_policies(policy, self.names, default_policy)
+        self.flexible = flexible_blocks(policy if policy is not None else default_policy, self.policies, self.adaptive)
+        self.memory = counters.memory_for(model, tuple(self.names))
+        if self.adaptive and self.memory.adapted is not None:
+            self.policies = list(self.memory.adapted)  # rule 8: what the last step chose
         self._device_tier: MemoryTier = registry.tiers["device"]  # type: ignore[assignment]
         self._protected: set[int] = set()
         self._groups: dict[tuple[int, int], _Group] = {}
         self._current: _Group | None = None
-        self._forward_id = 0
+        self._forward_id = self.memory.forwards
         self._last_index = len(self.blocks)
         self._hooks: list[Any] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
         self._lock = threading.Lock()
+        #: Fallbacks already reported, by (forward, block, reason): one warning each.
+        self._reported: set[tuple[int, int, str]] = set()
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -163,9 +205,10 @@ class ActivationOffloader:
         for index, (_name, block) in enumerate(self.blocks):
             self._hooks.append(block.register_forward_pre_hook(self._block_started(index)))
             self._hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
-            if self.policies[index] is BlockPolicy.RECOMPUTE:
+            always = self.policies[index] is BlockPolicy.RECOMPUTE and not self.flexible[index]
+            if always or self.flexible[index]:
                 self._wrapped.append((block, block.__dict__.get("forward")))
-                self._wrap_recompute(block)
+                self._wrap_recompute(block, index, always)
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return self
@@ -186,31 +229,49 @@ class ActivationOffloader:
                     block.__dict__["forward"] = previous
             self._wrapped.clear()
             self._current = None
+            self._drain()  # failures reported by now are warned about at the end of the step
 
-    @staticmethod
-    def _wrap_recompute(block: nn.Module) -> None:
+    def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
+        """Checkpoint the block's forward: always (a user's ``recompute``), or when the
+        policy decided at its start says so (NOTE [ Activation fallbacks ] rule 1)."""
         # The instance's own forward when something (accelerate, peft, a user) patched one in.
         original = block.forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not torch.is_grad_enabled():
-                return original(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            if torch.is_grad_enabled() and (always or self._recomputing(index)):
+                return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+            return original(*args, **kwargs)
 
         block.forward = forward  # type: ignore[method-assign]
 
+    def _recomputing(self, index: int) -> bool:
+        group = self._current
+        return group is not None and group.index == index and group.policy is BlockPolicy.RECOMPUTE
+
     # -- block tracking ----------------------------------------------------------------------
     def _block_started(self, index: int) -> Any:
-        def hook(_module: nn.Module, _args: Any) -> None:
+        def hook(_module: nn.Module, args: Any) -> None:
             if self._in_backward() or not torch.is_grad_enabled():
                 return
             with self._lock:
                 if index <= self._last_index:  # a new forward pass begins
-                    self._forward_id += 1
+                    self.memory.forward_started()
+                    self._forward_id = self.memory.forwards
+                    self._reported.clear()
                     self._prune()
                 self._last_index = index
-                group = _Group(self._forward_id, index, self.policies[index], started=time.perf_counter())
+                group = _Group(
+                    self._forward_id,
+                    index,
+                    self.policies[index],
+                    input_numel=first_tensor_numel(args),
+                    flexible=self.flexible[index],
+                )
                 self._groups[(self._forward_id, index)] = group
+                self._drain()
+                if group.flexible:
+                    group.policy = self._decide(group)
+                group.started = time.perf_counter()
                 self._current = group
 
         return hook
@@ -226,6 +287,8 @@ class ActivationOffloader:
                 if tensor._version != saved.version:
                     saved.modified = _version_error(tensor, saved.version)
             group.pending.clear()
+            if group.policy is not BlockPolicy.RECOMPUTE:  # a recomputed block saves ~nothing here
+                self.memory.measured(index, group.saved_bytes, group.input_numel)
             if self.adaptive and index == len(self.blocks) - 1:
                 self._adapt(group.forward_id)
 
@@ -246,6 +309,89 @@ class ActivationOffloader:
     def _in_backward() -> bool:
         return torch._C._current_graph_task_id() != -1
 
+    # -- fallbacks (NOTE [ Activation fallbacks ]) ------------------------------------------------
+    def _device_free(self) -> int:
+        stats = self._device_tier.statistics()
+        return stats.capacity - stats.current_bytes
+
+    def _device_room(self) -> int:
+        """Rule 4: the device budget minus what stays resident (write-backs in flight to
+        working tiers free their bytes on landing) and what the tensors saved outside the
+        blocks will need."""
+        working = [t for t in ("host", "nvme") if self.memory.outage(t) is None]
+        room = self._device_free() + self.memory.ledger.inflight_bytes(working)
+        return room - self.memory.outside_bytes
+
+    def _decide(self, group: _Group) -> BlockPolicy:
+        """Rules 3 and 4: this forward's policy for a flexible block, as it starts."""
+        planned = group.policy
+        if planned is BlockPolicy.RECOMPUTE:
+            return planned
+        expected = group.expected = self.memory.estimate(group.index, group.input_numel)
+        ledger = self.memory.ledger
+        if expected is not None and expected > self._device_free() and ledger.inflight_bytes():
+            # Tight: whether the block fits depends on write-backs in flight landing (the
+            # block would wait for them at its first saved tensor anyway). Learn how they
+            # end first, so a failing disk is known before the room is counted on.
+            ledger.wait_idle()
+            self._drain()
+        outage = self.memory.outage(planned.value) if planned.offloads else None
+        room = self._device_room()
+        policy, fallback = decide(planned, outage.cause if outage else None, expected, room)
+        if fallback:
+            why = f"{planned.value} is out ({outage.message})" if outage else "the device budget is short"
+            if policy is BlockPolicy.RECOMPUTE:
+                later = "now" if planned is BlockPolicy.KEEP or outage else "when backward brings them back"
+                why += (
+                    f"; its ~{expected} saved bytes would not fit {later}: {room} bytes of the device budget "
+                    "are not held by what stays resident"
+                )
+            self._fallback(group.forward_id, group.index, fallback, why)
+        return policy
+
+    def _drain(self) -> None:
+        """Act on write-backs that ended since the last look (rule 3): a failure puts its
+        tier out and keeps the rest of its block, including the block running now."""
+        ledger = self.memory.ledger
+        failures, landed = ledger.take_failures()
+        for tier in landed:
+            self.memory.tier_worked(tier)
+        for failure in failures:
+            self.memory.tier_failed(failure.tier, failure.cause, failure.message)
+            group = self._groups.get((failure.forward_id, failure.index))
+            if group is not None and group.policy.value == failure.tier:
+                group.policy = BlockPolicy.KEEP
+            self._fallback(
+                failure.forward_id,
+                failure.index,
+                f"{failure.cause}->keep",
+                f"a write-back of {failure.nbytes} bytes to {failure.tier} failed ({failure.message}); "
+                "what did not land stays on the device",
+            )
+        current = self._current
+        if current is not None and current.policy.offloads:
+            outage = self.memory.outage(current.policy.value)
+            if outage is not None:
+                current.policy = BlockPolicy.KEEP
+                self._fallback(
+                    current.forward_id,
+                    current.index,
+                    f"{outage.cause}->keep",
+                    f"its tier is out ({outage.message})",
+                )
+
+    def _fallback(self, forward_id: int, index: int, reason: str, why: str) -> None:
+        """Rule 6: count a fallback and warn, once per forward, block and reason."""
+        key = (forward_id, index, reason)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        with self.counters.lock:
+            self.counters.fallbacks += 1
+            self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
+        where = f"block {index} ({self.names[index]})" if index >= 0 else "a saved tensor outside the blocks"
+        log.warning("tiermem activations: %s falls back to %s [%s]: %s", where, reason.split("->")[1], reason, why)
+
     # -- adaptive keep -----------------------------------------------------------------------
     def _adapt(self, forward_id: int) -> None:
         """NOTE [ Adaptive keep ]: choose the next forward's policies from this one."""
@@ -256,7 +402,8 @@ class ActivationOffloader:
         write_bw = write.bytes / write.busy_s
         read_bw = read.bytes / read.busy_s if read is not None and read.busy_s > 0 and read.bytes else write_bw
         profile = [
-            BlockProfile(g.forward_s, g.saved_bytes)
+            # A block recomputed by a fallback saved nothing this time: use its last size.
+            BlockProfile(g.forward_s, self.memory.estimate(i, g.input_numel) or g.saved_bytes)
             for i in range(len(self.blocks))
             if (g := self._groups.get((forward_id, i))) is not None
         ]
@@ -273,6 +420,7 @@ class ActivationOffloader:
                 len(self.blocks),
             )
             self.policies = policies
+        self.memory.adapted = list(policies)
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
@@ -285,8 +433,10 @@ class ActivationOffloader:
             or tensor.device != self._device_tier.device
         ):
             return tensor  # rule 3
+        if self.memory.ledger.pending_failures:
+            self._drain()
         group = self._current
-        handle = self._register(tensor)
+        handle = self._register(tensor, group)
         saved = SavedActivation(handle, tensor, group)
         hit = handle.obj.refs > 1
         with self.counters.lock:
@@ -294,47 +444,140 @@ class ActivationOffloader:
                 self.counters.dedup_hits += 1
             else:
                 self.counters.captured_bytes += handle.obj.nbytes
+        if group is None and not hit:
+            self.memory.outside_now += handle.obj.nbytes
         if group is not None:
             group.saved.append(weakref.ref(saved))
             group.pending.append((saved, tensor))
             if not hit:
                 group.saved_bytes += handle.obj.nbytes
-            if group.policy.offloads and not hit:
+            if group.policy.offloads and not hit and handle.tier == "device":
                 self._write_back(handle, group)
         return saved
 
-    def _register(self, tensor: torch.Tensor) -> Handle:
+    def _register(self, tensor: torch.Tensor, group: _Group | None) -> Handle:
         try:
             return self.registry.register(tensor, "device", kind="activation")
         except TierCapacityError:
             pass
         # Write-backs in flight free device memory when they land: wait for them, then retry.
-        for obj in self.registry.objects():
-            if obj.kind == "activation" and obj.state is ObjectState.MOVING:
-                with contextlib.suppress(Exception):
-                    self.registry.wait(obj)
+        self.memory.ledger.wait_idle()
+        self._drain()
         try:
             return self.registry.register(tensor, "device", kind="activation")
         except TierCapacityError as exc:
-            raise ActivationMemoryError(
-                f"tiermem activations: a saved tensor of {tensor.untyped_storage().nbytes()} bytes does not fit "
-                f"in the device budget ({exc.used} of {exc.capacity} bytes in use after the write-backs in flight "
-                "landed). Offload more blocks (policy nvme/host), recompute some, or raise [device] capacity."
-            ) from exc
+            # A helper, not a local holding ``exc``: that local would sit in a reference
+            # cycle through the traceback and keep the block's tensors alive (TRAPS 14).
+            return self._spill(tensor, group, exc)
+
+    def _spill(self, tensor: torch.Tensor, group: _Group | None, device_error: TierCapacityError) -> Handle:
+        """NOTE [ Activation fallbacks ] rule 5: write a tensor the device cannot hold
+        synchronously to another tier, where a fallback may; else the clear error."""
+        nbytes = tensor.untyped_storage().nbytes()
+        index = group.index if group is not None else -1
+        forward_id = group.forward_id if group is not None else self._forward_id
+        tried: list[str] = []
+        spill = group.flexible if group is not None else any(self.flexible)
+        if spill and self._evict(self._device_tier.reserved_size(nbytes)):
+            with contextlib.suppress(TierCapacityError):
+                return self.registry.register(tensor, "device", kind="activation")
+        for tier in self._spill_tiers(group) if spill else []:
+            outage = self.memory.outage(tier)
+            if outage is not None:
+                tried.append(f"{tier} is out ({outage.message})")
+                continue
+            try:
+                handle = self.registry.register(tensor, tier, kind="activation")
+            except (StorageError, TierCapacityError) as exc:
+                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                tried.append(f"{tier}: {exc}")
+                continue
+            with self.counters.lock:
+                self.counters.offloaded_bytes[tier] = self.counters.offloaded_bytes.get(tier, 0) + handle.obj.nbytes
+            self._fallback(
+                forward_id,
+                index,
+                f"device_full->spill:{tier}",
+                f"a saved tensor of {nbytes} bytes does not fit in the device budget "
+                f"({device_error.used} of {device_error.capacity} bytes in use); written to {tier} synchronously",
+            )
+            return handle
+        where = f"block {index} ({self.names[index]})" if group is not None else "outside the blocks"
+        elsewhere = (
+            "; ".join(tried)
+            if tried
+            else "no other tier was tried: a block the policy keeps stays on the device (NOTE [ Activation "
+            "fallbacks ] rule 2)"
+        )
+        raise ActivationMemoryError(
+            f"tiermem activations: a saved tensor of {nbytes} bytes ({where}) does not fit in the device budget "
+            f"({device_error.used} of {device_error.capacity} bytes in use after the write-backs in flight "
+            f"landed), and nowhere else: {elsewhere}. Recompute is chosen when a block starts, so it could not "
+            "take this one. Raise [device] capacity, recompute this block or more blocks (policy 'recompute', or "
+            "a mapping such as {0: 'recompute'}), offload more blocks (policy nvme/host/auto), or free space for "
+            "the nvme/host tiers."
+        ) from device_error
+
+    def _evict(self, needed: int) -> bool:
+        """Rule 5: make ``needed`` device bytes free by writing kept blocks of this forward
+        out, synchronously, the block backward needs last first. True when it worked."""
+        ours = (g for (f, _), g in self._groups.items() if f == self._forward_id and g is not self._current)
+        candidates = sorted((g for g in ours if g.flexible), key=lambda g: g.index)
+        for group in candidates:
+            for handle in self._live_handles(group.saved):
+                if self._device_free() >= needed:
+                    return True
+                if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
+                    continue
+                tier = next((t for t in self._spill_tiers(group) if self.memory.outage(t) is None), None)
+                if tier is None:
+                    return False
+                try:
+                    handle.move_to(tier, Priority.DEMAND)
+                    handle.wait()
+                except (StorageError, TierCapacityError) as exc:
+                    exc.__traceback__ = None  # TRAPS 15: it may hold this frame's callers
+                    self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                    continue
+                with self.counters.lock:
+                    self.counters.offloaded_bytes[tier] = self.counters.offloaded_bytes.get(tier, 0) + handle.obj.nbytes
+                self._fallback(
+                    group.forward_id,
+                    group.index,
+                    f"device_full->evict:{tier}",
+                    f"the device budget is full; its kept tensors are written to {tier} to make room for later ones "
+                    "(backward needs this block after them)",
+                )
+        return self._device_free() >= needed
+
+    def _spill_tiers(self, group: _Group | None) -> list[str]:
+        """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""
+        order = []
+        if group is not None:
+            order += [p.value for p in (group.policy, self.policies[group.index]) if p.offloads]
+        order += ["nvme", "host"]
+        return [t for i, t in enumerate(order) if t in self.registry.tiers and t not in order[:i]]
 
     def _write_back(self, handle: Handle, group: _Group) -> None:
         tier = group.policy.value
         try:
-            handle.move_to(tier, Priority.WRITEBACK)
-        except (DiskFullError, TierCapacityError) as exc:
-            # Rule 7: keep this block resident rather than fail the step.
-            log.warning("tiermem activations: block %d falls back to keep: %s", group.index, exc)
+            transfer = handle.move_to(tier, Priority.WRITEBACK)
+        except (StorageError, TierCapacityError) as exc:
+            # NOTE [ Activation fallbacks ] rule 3, found at once: keep this block resident.
+            cause = failure_cause(exc)
+            self.memory.tier_failed(tier, cause, str(exc))
             group.policy = BlockPolicy.KEEP
-            with self.counters.lock:
-                self.counters.fallbacks += 1
+            self._fallback(group.forward_id, group.index, f"{cause}->keep", f"writing to {tier} failed: {exc}")
             return
-        with self.counters.lock:
-            self.counters.offloaded_bytes[tier] += handle.obj.nbytes
+        error = handle.obj.error
+        if error is not None:
+            # The write failed before move_to returned, so the registry read its error on
+            # this thread: Transfer.exception() re-raises it, and its traceback now holds
+            # this frame and _pack's (with the saved tensor) in a cycle only the GC frees.
+            # Cut it; the failure is still reported, by message (TRAPS 15).
+            error.__traceback__ = None
+        if transfer is not None:
+            self.memory.ledger.started(transfer, handle.obj, handle.obj.nbytes, tier, group.forward_id, group.index)
 
     def _unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
@@ -359,7 +602,23 @@ class ActivationOffloader:
         target = obj.target
         prefetching = obj.state is ObjectState.MOVING and target is not None and target.tier.name == "device"
         start = time.perf_counter()
-        tensor = handle.tensor("device")
+        try:
+            tensor = handle.tensor("device")
+        except TierCapacityError as exc:
+            group = saved.group
+            where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
+            unknown = (
+                " Nothing was measured of this block when it started (a model's first forward), so it could not "
+                "be switched to recompute in time (NOTE [ Activation fallbacks ] rule 1); the next forward would."
+                if group is not None and group.flexible and group.expected is None
+                else ""
+            )
+            raise ActivationMemoryError(
+                f"tiermem activations: backward needs a saved tensor of {obj.nbytes} bytes ({where}) back from "
+                f"{source}, but the device budget has {exc.used} of {exc.capacity} bytes in use.{unknown} Raise "
+                "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
+                "{0: 'recompute'})."
+            ) from exc
         if source != "device":
             with self.counters.lock:
                 self.counters.backward_wait_s += time.perf_counter() - start
@@ -368,7 +627,10 @@ class ActivationOffloader:
         return tensor
 
     def _prefetch_before(self, group: _Group) -> None:
-        """Rule 5: bring back the ``lookahead`` blocks backward needs next."""
+        """Rule 5: bring back the ``lookahead`` blocks backward needs next, in order, and
+        only into free device bytes: a prefetch must never take the room the block needed
+        sooner has to be fetched into (it stops at the first that does not fit, and that
+        block is tried again at the next unpack)."""
         for index in range(group.index - 1, max(group.index - 1 - self.lookahead, -1), -1):
             earlier = self._groups.get((group.forward_id, index))
             if earlier is None or earlier.prefetched:
@@ -376,12 +638,30 @@ class ActivationOffloader:
             earlier.prefetched = True
             for handle in self._live_handles(earlier.saved):
                 source = handle.tier
-                if source == "device" or handle.state is not ObjectState.RESIDENT:
+                if source == "device":
+                    obj = handle.obj
+                    if obj.state is ObjectState.MOVING and obj.target is not None and not obj.target.tier.is_memory:
+                        # Its write is still in flight and backward needs it soon: cancel the
+                        # write (rule 5's forwarding, early), or it would land and need a fetch
+                        # into room that earlier blocks' prefetches had meanwhile taken.
+                        handle.move_to("device")
+                        with self.counters.lock:
+                            self.counters.cancelled += 1
                     continue
-                with contextlib.suppress(Exception):  # a failed prefetch surfaces at the demand fetch
+                if handle.state is not ObjectState.RESIDENT:
+                    continue
+                if handle.obj.nbytes > self._device_free():
+                    earlier.prefetched = False
+                    return
+                try:
                     handle.move_to("device", Priority.PREFETCH)
-                    with self.counters.lock:
-                        self.counters.fetched_bytes[source] += handle.obj.nbytes
+                except TierCapacityError:
+                    earlier.prefetched = False
+                    return
+                except Exception:  # noqa: BLE001 - a failed prefetch surfaces at the demand fetch
+                    continue
+                with self.counters.lock:
+                    self.counters.fetched_bytes[source] += handle.obj.nbytes
 
     @staticmethod
     def _live_handles(refs: Sequence[weakref.ref[SavedActivation]]) -> Iterator[Handle]:

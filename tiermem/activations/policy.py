@@ -70,6 +70,16 @@ def resolve_policies(spec: PolicySpec, block_names: Sequence[str], default: str)
     return policies, False
 
 
+def flexible_blocks(spec: PolicySpec, policies: Sequence[BlockPolicy], adaptive: bool) -> list[bool]:
+    """Which blocks a fallback may change (NOTE [ Activation fallbacks ] rule 2): those that
+    offload, and those whose policy tiermem chose (all under ``auto``; the kept last block
+    of a plain ``host``/``nvme`` policy). A user's explicit ``keep``/``recompute`` stays."""
+    chosen_last = isinstance(spec, str) and spec in ("host", "nvme")
+    return [
+        adaptive or policy.offloads or (chosen_last and i == len(policies) - 1) for i, policy in enumerate(policies)
+    ]
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """What one forward measured of a block."""
