@@ -59,6 +59,8 @@ def _worker(args: argparse.Namespace) -> dict:
         "nvme": {"paths": [args.path], "capacity": "32GiB"},
         "activations": {"min_bytes": "1MiB"},
     }
+    if args.block_size:
+        tier_config["nvme"]["block_size"] = args.block_size
     with tiermem.Runtime(tier_config) as rt:
 
         def step() -> float:
@@ -77,7 +79,9 @@ def _worker(args: argparse.Namespace) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         before = rt.stats().as_dict()["activations"]
+        cpu_before = process.cpu_times()
         times = [step() for _ in range(args.steps)]
+        cpu_after = process.cpu_times()
         running = False
         sampler.join()
         after = rt.stats().as_dict()
@@ -85,11 +89,15 @@ def _worker(args: argparse.Namespace) -> dict:
     return {
         "policy": args.policy,
         "step_s": times,
+        # CPU seconds of the whole process (every thread) per step: the work offloading adds,
+        # less sensitive than wall time to other processes sharing the cores (TRAPS 7).
+        "cpu_s_per_step": (cpu_after.user + cpu_after.system - cpu_before.user - cpu_before.system) / args.steps,
         "rss_peak_delta": peak[0] - base_rss,
         "tiermem_peak_resident": activations["peak_resident_bytes"],
         "captured_per_step": (activations["captured_bytes"] - before["captured_bytes"]) // args.steps,
         "nvme_written_per_step": (activations["bytes_written"]["nvme"] - before["bytes_written"]["nvme"]) // args.steps,
         "backward_wait_s": activations["backward_wait_s"] - before["backward_wait_s"],
+        "fallbacks": activations["fallbacks"] - before["fallbacks"],
         "write_link": after["links"].get("device->nvme", {}),
     }
 
@@ -126,6 +134,9 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds over the policies")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--path", default=None, help="NVMe directory (default: a temp dir)")
+    parser.add_argument(
+        "--block-size", default=None, help="[nvme] block_size, also the scheduler's request size (default: config's)"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
@@ -144,6 +155,7 @@ def main() -> int:
         f"--batch={args.batch}",
         f"--steps={args.steps}",
         f"--path={path}",
+        *([f"--block-size={args.block_size}"] if args.block_size else []),
     ]
     policies = args.policies.split(",")
     runs: dict[str, list[dict]] = {p: [] for p in policies}
@@ -162,8 +174,10 @@ def main() -> int:
             runs[policy].append(result)
             print(
                 f"round {round_ + 1} {policy:<9} median step {statistics.median(result['step_s']):.3f}s  "
+                f"CPU {result['cpu_s_per_step']:.2f}s/step  "
                 f"RSS peak +{result['rss_peak_delta'] / 2**20:.0f}MiB  "
-                f"tiermem peak {result['tiermem_peak_resident'] / 2**20:.0f}MiB",
+                f"tiermem peak {result['tiermem_peak_resident'] / 2**20:.0f}MiB  "
+                f"load {os.getloadavg()[0]:.1f}",  # other processes on the machine (2 cores here)
                 file=sys.stderr,
             )
     if not args.path:
@@ -172,11 +186,13 @@ def main() -> int:
     for policy, results in runs.items():
         summary[policy] = {
             "median_step_s": statistics.median(t for r in results for t in r["step_s"]),
+            "cpu_s_per_step": statistics.median(r["cpu_s_per_step"] for r in results),
             "rss_peak_delta_bytes": int(statistics.median(r["rss_peak_delta"] for r in results)),
             "tiermem_peak_resident_bytes": int(statistics.median(r["tiermem_peak_resident"] for r in results)),
             "captured_bytes_per_step": results[-1]["captured_per_step"],
             "nvme_written_per_step": results[-1]["nvme_written_per_step"],
             "backward_wait_s": statistics.median(r["backward_wait_s"] / args.steps for r in results),
+            "fallbacks": sum(r.get("fallbacks", 0) for r in results),
         }
     keep = summary.get("keep")
     if args.json:
@@ -188,8 +204,8 @@ def main() -> int:
         f"seq {args.seq}, batch {args.batch}; {args.rounds} rounds x {args.steps} steps per policy"
     )
     header = (
-        f"{'policy':<10} {'step s':>8} {'x keep':>7} {'RSS peak':>10} {'x keep':>7} {'tiermem peak':>13} "
-        f"{'x keep':>7} {'nvme/step':>10} {'bwd wait':>9}"
+        f"{'policy':<10} {'step s':>8} {'x keep':>7} {'CPU s':>6} {'x keep':>7} {'RSS peak':>10} {'x keep':>7} "
+        f"{'tiermem peak':>13} {'x keep':>7} {'nvme/step':>10} {'bwd wait':>9} {'fallbacks':>9}"
     )
     print(header)
     for policy, s in summary.items():
@@ -199,9 +215,10 @@ def main() -> int:
 
         print(
             f"{policy:<10} {s['median_step_s']:>8.3f} {ratio('median_step_s'):>7} "
+            f"{s['cpu_s_per_step']:>6.2f} {ratio('cpu_s_per_step'):>7} "
             f"{s['rss_peak_delta_bytes'] / 2**20:>8.0f}Mi {ratio('rss_peak_delta_bytes'):>7} "
             f"{s['tiermem_peak_resident_bytes'] / 2**20:>11.0f}Mi {ratio('tiermem_peak_resident_bytes'):>7} "
-            f"{s['nvme_written_per_step'] / 2**20:>8.0f}Mi {s['backward_wait_s']:>9.3f}"
+            f"{s['nvme_written_per_step'] / 2**20:>8.0f}Mi {s['backward_wait_s']:>9.3f} {s['fallbacks']:>9}"
         )
     return 0
 
