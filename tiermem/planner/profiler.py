@@ -11,8 +11,11 @@
 3. Pass 1 measures bytes: saved tensors per block through saved-tensor hooks (first saver
    counts, parameters, buffers and their views left out, as the offloader does), and the
    live tensor bytes around every operator through a dispatch mode (the transient peaks).
-   It also warms up. Passes 2 and 3 measure time with only block hooks installed; the
-   smaller of the two counts (shared machines only ever add time).
+   It also warms up. The next passes measure time with only block hooks installed: two, and
+   more while they have taken under ``TIMING_BUDGET_S`` together (at most
+   ``MAX_TIMING_PASSES``); the fastest counts (shared machines only ever add time, and a
+   small model's step swung 0.04-0.32 s between consecutive plain steps here under load, so
+   two short passes are too few).
 4. Backward time per block: from the pre-hook of its output's ``grad_fn`` to the gradient of
    its input; where the input needs no gradient, to the next block's start.
 5. Links are probed through the real tiers (registry moves, the path training uses), the
@@ -47,6 +50,10 @@ Sample = tuple[Any, ...] | Callable[[nn.Module], torch.Tensor]
 
 PROBE_BYTES = 32 << 20
 """Bytes moved per link probe (less where a tier has less free)."""
+MIN_TIMING_PASSES = 2
+MAX_TIMING_PASSES = 8
+TIMING_BUDGET_S = 1.0
+"""NOTE [ Profiling step ] rule 3: timing passes, and the seconds below which more are run."""
 MIN_PROBE_BYTES = 64 << 10
 """The smallest probe still measured. A small device budget (a tight ``tiermem train``) leaves
 room for small probes only; they underrate bandwidth (per-move latency weighs more), which
@@ -317,14 +324,16 @@ def measure(
         peaks = hooks.peaks
         for p in params:
             p.grad = None
-        # Passes 2 and 3: time.
+        # Timing passes: at least two, more while they are short (rule 3).
         timings = []
-        for _ in range(2):
+        spent = 0.0
+        while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
             with _BlockHooks(modules_list, protected, min_bytes, None) as timer:
                 forward_s, backward_s = _run(model, sample)
             for p in params:
                 p.grad = None
             timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
+            spent += forward_s + backward_s
         _, forward_s, backward_s, times = min(timings, key=lambda t: t[0])
     stats = []
     block_fwd = block_bwd = 0.0
