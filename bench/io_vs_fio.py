@@ -257,10 +257,12 @@ def main() -> int:
         machines: dict[str, dict[str, Any]] = {}
         pacer = Pacer(args.gap)
         any_backend = "{" + "|".join(backends) + "}"
-        print(f"tiermem command: {shlex.join(tiermem_cmd(args, any_backend, '{raw|scheduler}', big, qd))}")
-        if args.fio:
-            print(f"fio command:     {shlex.join(fio_cmd(args, os.path.join(path, 'fio-bench-PID.dat'), big, qd))}")
-        else:
+        for block, depth in dict.fromkeys((b, d) for _t, b, d in cases):
+            print(f"tiermem command: {shlex.join(tiermem_cmd(args, any_backend, '{raw|scheduler}', block, depth))}")
+            if args.fio:
+                fio_file = os.path.join(path, "fio-bench-PID.dat")
+                print(f"fio command:     {shlex.join(fio_cmd(args, fio_file, block, depth))}")
+        if not args.fio:
             print("fio: not installed (apt-get install fio); tiermem's numbers only")
         for round_no in range(args.rounds):
             for through, block, depth in cases:

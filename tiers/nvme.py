@@ -76,6 +76,11 @@ _DATA_NAME = "data"
 #: Files grow in steps of at least this (or one stripe row), so fallocate stays rare.
 _GROWTH_STEP = 64 << 20
 
+# This process's PID, refreshed in a forked child: the per-request owner check (TRAPS 12)
+# without a getpid system call per request (TRAPS 15).
+_pid = [os.getpid()]
+os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
 
 class _Segment(NamedTuple):
     """The part of a request inside one stripe unit (so inside one file)."""
@@ -463,7 +468,7 @@ class NvmeTier(Tier):
             raise self._storage_error(file, "fdatasync", 0, self._file_sizes[file], exc) from exc
 
     def _check_owner(self) -> None:
-        if os.getpid() != self._owner_pid:
+        if _pid[0] != self._owner_pid:
             # A forked child has the pool object but none of its threads: a submit would
             # hang forever (TRAPS 12).
             raise RuntimeError(

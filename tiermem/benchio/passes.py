@@ -269,37 +269,35 @@ class CaseEnv:
             ends[index] = perf()
             landed.put(index)
 
-        futures: list[Future[None]] = []
+        # Only the requests in flight are kept: holding every future of a pass (tens of
+        # thousands at 64 KiB) would make the harness churn memory the tier does not.
+        pending: dict[int, Future[None]] = {}
         error: BaseException | None = None
-        inflight = 0
+        issued = 0
         start_all = perf()
         try:
             for index in range(count):
-                if inflight >= depth:
-                    inflight -= 1
-                    error = futures[landed.get()].exception()  # done: exception() does not wait
+                if len(pending) >= depth:
+                    error = pending.pop(landed.get()).exception()  # done: exception() does not wait
                     if error is not None:
                         break
                 starts[index] = perf()
                 future = issue(alloc, index * block, views[index])
-                futures.append(future)
-                inflight += 1
+                pending[index] = future
+                issued += 1
                 future.add_done_callback(functools.partial(on_done, index))
-            while inflight:  # every issued request puts its index exactly once
-                inflight -= 1
-                landed.get()
+            while pending:  # every issued request puts its index exactly once
+                error = error or pending.pop(landed.get()).exception()
         finally:
             # Every request in flight must land before anyone frees or reuses the buffer, on
             # an error or Ctrl-C too (NvmeTier futures cannot be cancelled). Wait on the
             # futures themselves: a Ctrl-C may have left the loop above with puts pending.
-            concurrent.futures.wait(futures)
-        error = error or next((f.exception() for f in futures if f.exception() is not None), None)
+            concurrent.futures.wait(list(pending.values()))
         if error is not None:
             raise error
         if op == "write":
             _sync(tier)
         seconds = perf() - start_all
-        issued = len(futures)
         return PassResult(seconds, issued, [e - s for s, e in zip(starts[:issued], ends[:issued], strict=True)])
 
     def _scheduler_pass(self, op: str) -> PassResult:
