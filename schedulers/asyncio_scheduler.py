@@ -66,6 +66,10 @@ class _Move:
     error: BaseException | None = None
     cancelled: bool = False
     queued: bool = True
+    # Resolved once per move rather than per block (small blocks are counted per request,
+    # TRAPS 15): the distinct tiers whose in-flight bytes it holds, and its link's counters.
+    tier_names: tuple[str, ...] = ()
+    link: _Link | None = None
 
     @property
     def remaining(self) -> int:
@@ -168,6 +172,7 @@ class AsyncioScheduler:
             dst_offset,
             executor,
             max(self.block_size, MEMORY_BLOCK_SIZE) if memory_only else self.block_size,
+            tier_names=tuple(dict.fromkeys((src.tier.name, dst.tier.name))),
         )
         with self._close_lock:  # close() cannot begin between the check and the hand-over
             if self._closed:
@@ -331,12 +336,15 @@ class AsyncioScheduler:
                 self._finish(move)
             return
         move.inflight += 1
-        for tier in {src.tier, dst.tier}:
-            self._inflight_bytes[tier.name] += span
+        for name in move.tier_names:
+            self._inflight_bytes[name] += span
         self._inflight_requests[move.executor.name] += 1
-        link = self._counters.links.get(transfer.link)
-        if link is None:  # not setdefault(_, _Link()): that builds a _Link for every block
-            link = self._counters.links[transfer.link] = _Link()
+        link = move.link
+        if link is None:
+            link = self._counters.links.get(transfer.link)
+            if link is None:
+                link = self._counters.links[transfer.link] = _Link()
+            move.link = link
         issued_at = time.perf_counter()
         if link.inflight == 0:
             link.busy_since = issued_at
@@ -382,10 +390,12 @@ class AsyncioScheduler:
     ) -> None:
         transfer = move.transfer
         move.inflight -= 1
-        for tier in {transfer.src.tier, transfer.dst.tier}:
-            self._inflight_bytes[tier.name] -= span
+        for name in move.tier_names:
+            self._inflight_bytes[name] -= span
         self._inflight_requests[move.executor.name] -= 1
-        link = self._counters.links[transfer.link]
+        link = move.link
+        if link is None:
+            raise internal_error("a block finished on a move that never issued one")
         link.inflight -= 1
         if link.inflight == 0:
             link.busy_s += time.perf_counter() - link.busy_since
