@@ -20,13 +20,15 @@
    until its forward ends and checked there too, since most in-place changes happen
    inside the block, to tensors that are gone by backward; serves a tensor whose write is in
    flight from memory and cancels that write (forwarding); prefetches the ``lookahead``
-   blocks before it in reverse forward order; and otherwise fetches on demand.
+   blocks before it in reverse forward order, in order and only into free device bytes
+   (a prefetch never takes the room a block needed sooner must be fetched into), and
+   cancels their writes still in flight; and otherwise fetches on demand.
 6. A saved activation is freed when autograd drops it (the graph is released), never at
    unpack: ``retain_graph=True`` unpacks again (TRAPS 9).
 7. A tier that fails (disk full, I/O error, tier full) or a device budget that runs short
    changes blocks as NOTE [ Activation fallbacks ] says: kept, recomputed from the next
-   block on, or spilled synchronously; a clear error only when nothing fits. Decisions
-   are taken when a block starts, since recompute must wrap the block's forward.
+   block on, or evicted/spilled synchronously; a clear error only when nothing fits.
+   Decisions are taken when a block starts, since recompute must wrap the block's forward.
 8. What the offloader learns about a model (block sizes, adaptive keep's choice, tier
    outages, write-backs in flight) outlives one context: ``tiermem train`` opens a
    context per step, and the next step starts from what the last one measured.
