@@ -201,6 +201,7 @@ class Runtime:
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
         keep_gradients: bool = True,
+        param_dtype: torch.dtype | None = None,
         **optimizer_kwargs: Any,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers.
@@ -229,6 +230,10 @@ class Runtime:
         ``keep_gradients=False`` (declared loops) frees each offloaded chunk's gradients once
         it has stepped during backward, as ``zero_grad()`` would next: their ``.grad`` is
         None after backward, and the host holds no gradient bytes between steps.
+        ``param_dtype`` (``torch.bfloat16``/``torch.float16``): mixed precision, the model's
+        parameters (and floating buffers) become working copies in that dtype on the device,
+        the optimizer steps fp32 masters kept with its states (a master-weights loop, exactly);
+        leaving ``with rt`` restores the fp32 masters.
         """
         # plan={"block_policy": ...} with a sample: the planner searches the model states around
         # the activation policy the caller fixed (a name for every block, or one per block).
@@ -261,6 +266,7 @@ class Runtime:
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
             keep_gradients=keep_gradients,
+            param_dtype=param_dtype,
         )
         self._model_states.append(states)
         return model, states.optimizer

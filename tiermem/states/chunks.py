@@ -13,6 +13,10 @@
    starts page-aligned for O_DIRECT (TRAPS 5).
 4. The chunk size is at least the largest parameter: a parameter never spans two chunks.
    A parameter is stored contiguous (a non-contiguous one becomes contiguous).
+6. Mixed precision (``rt.manage(param_dtype=)``): chunks hold bf16/fp16 working parameters;
+   the fp32 masters and optimizer states live in home sections ``master_scale`` (2) times as
+   long, each parameter at ``master_scale`` times its working offset (128-byte aligned), and
+   an offloaded home ends with a working copy the device fetches and the step refreshes.
 5. Chunk size rule: the candidates run from the largest parameter (rounded up to 4096) to
    ``min(MAX_CHUNK_SIZE, all parameter bytes)``, ``CANDIDATES_PER_OCTAVE`` a doubling on a
    geometric scale, each rounded up to 4096. A candidate wastes ``chunks * size - parameter
@@ -68,6 +72,14 @@ class Slot:
         ``base`` is where the chunk's section starts inside ``data`` (rule 3)."""
         start = base + self.offset
         return data[start : start + self.nbytes].view(self.dtype).view(self.shape)
+
+    def master_view(self, data: torch.Tensor, base: int, scale: int) -> torch.Tensor:
+        """This parameter's fp32 master inside a home section laid out ``scale`` times wider
+        than the working chunk (rule 6); ``scale`` 1 is :meth:`view`."""
+        if scale == 1:
+            return self.view(data, base)
+        start = base + self.offset * scale
+        return data[start : start + self.nbytes * scale].view(torch.float32).view(self.shape)
 
 
 @dataclass(frozen=True)
@@ -137,8 +149,19 @@ class Chunk:
     only the state sections (device-homed chunks). ``grad`` is the gradient chunk.
     """
 
-    def __init__(self, layout: ChunkLayout, *, persistent: bool, home: str, sections: int, device: torch.device):
+    def __init__(
+        self,
+        layout: ChunkLayout,
+        *,
+        persistent: bool,
+        home: str,
+        sections: int,
+        device: torch.device,
+        master_scale: int = 1,
+    ):
         self.layout = layout
+        #: fp32 master bytes per working byte (rule 6): 1 without mixed precision
+        self.master_scale = master_scale
         self.index = layout.index
         self.nbytes = layout.nbytes
         self.persistent = persistent
@@ -175,13 +198,27 @@ class Chunk:
     def resident(self) -> bool:
         return self.dev is not None
 
+    @property
+    def has_master(self) -> bool:
+        """The home holds the master parameters (offloaded, or fp32 masters of working chunks)."""
+        return self.offloaded or self.master_scale > 1
+
     def section_base(self, k: int) -> int:
-        """Where optimizer-state section ``k`` starts in ``home`` (after the master, if offloaded)."""
-        return (k + (1 if self.offloaded else 0)) * self.nbytes
+        """Where optimizer-state section ``k`` starts in ``home`` (after the master, if it has one)."""
+        return (k + (1 if self.has_master else 0)) * self.nbytes * self.master_scale
+
+    @property
+    def working_base(self) -> int:
+        """Where the device fetches the working parameters from in an offloaded home (rule 6)."""
+        if self.master_scale == 1:
+            return 0
+        return (self.sections + 1) * self.nbytes * self.master_scale
 
     @property
     def home_bytes(self) -> int:
-        return self.nbytes * (self.sections + (1 if self.offloaded else 0))
+        sections = self.sections + (1 if self.has_master else 0)
+        working = self.nbytes if self.offloaded and self.master_scale > 1 else 0
+        return self.nbytes * self.master_scale * sections + working
 
     def __repr__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"

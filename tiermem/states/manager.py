@@ -56,8 +56,7 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's); the manager is not meant to be driven from two threads.
 8. Not yet: CUDA with offloaded states (this step keeps every chunk's states on a CUDA
-   device, or refuses), mixed-precision working parameters (bf16/fp16 chunks with fp32
-   masters; autocast over fp32 parameters works), ``create_graph=True`` backward,
+   device, or refuses), ``create_graph=True`` backward,
    ``model.to()`` after managing. ``torch.compile`` of a managed model raises
    :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
@@ -98,6 +97,24 @@ log = logging.getLogger("tiermem.states")
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
 
 
+def _working_dtype(param_dtype: Any, params: Sequence[nn.Parameter]) -> tuple[torch.dtype | None, int]:
+    """``rt.manage(param_dtype=)``: the working dtype and the master scale (chunk layout rule 6)."""
+    if param_dtype is None:
+        return None, 1
+    if param_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"tiermem manage: param_dtype must be torch.bfloat16 or torch.float16 (working parameters with fp32 "
+            f"masters), got {param_dtype!r}"
+        )
+    other = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+    if other:
+        raise StatesUsageError(
+            f"tiermem manage: param_dtype={param_dtype} keeps fp32 masters of fp32 parameters, but the model has "
+            f"{', '.join(other)} parameters; build the model in float32"
+        )
+    return param_dtype, 4 // param_dtype.itemsize
+
+
 def _refuse_compile() -> None:
     """Rule 8: dynamo would trace the hooks that fetch, release and refill chunk storage into graphs."""
     eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
@@ -127,6 +144,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         grad_accumulation_steps: int | None = None,
         clip_grad_norm: float | None = None,
         keep_gradients: bool = True,
+        param_dtype: torch.dtype | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -144,13 +162,18 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                     f"tiermem manage: parameters must be dense tensors with data; got {p.layout} on {p.device}"
                 )
         self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._param_dtype, self._master_scale = _working_dtype(param_dtype, self.params)
         base = coerce_optimizer(self.params, optimizer, optimizer_kwargs or {})
         self.optimizer_class = type(base)
         self.state_names = state_names(self.optimizer_class, base.param_groups)
         self._optimized = {self._index[id(p)] for group in base.param_groups for p in group["params"]}
         self._trainable = [p.requires_grad for p in self.params]
+        working = self._param_dtype
         self._info = [
-            ParamInfo(p.numel() * p.element_size(), tuple(p.shape), p.dtype, p.requires_grad) for p in self.params
+            ParamInfo(p.numel() * working.itemsize, tuple(p.shape), working, p.requires_grad)
+            if working is not None
+            else ParamInfo(p.numel() * p.element_size(), tuple(p.shape), p.dtype, p.requires_grad)
+            for p in self.params
         ]
         self._module_names: dict[nn.Module, list[tuple[str, int]]] = {}
         for module in model.modules():
@@ -207,6 +230,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.device != self.device:
                     module._buffers[name] = buffer.to(self.device)
+                if buffer is not None and self._param_dtype is not None and buffer.is_floating_point():
+                    module._buffers[name] = module._buffers[name].to(self._param_dtype)  # as model.to(dtype)
         self.optimizer = ManagedOptimizer(self, base)
         self._register_hooks()
         _MANAGED[model] = self
@@ -277,7 +302,10 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         return layouts, plan
 
     def _needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
-        return [ChunkNeeds(layout.nbytes, layout.trainable, self._sections(layout)) for layout in layouts]
+        return [
+            ChunkNeeds(layout.nbytes, layout.trainable, self._sections(layout), self._master_scale)
+            for layout in layouts
+        ]
 
     def _sections(self, layout: ChunkLayout) -> int:
         return len(self.state_names) if any(s.index in self._optimized for s in layout.slots) else 0
@@ -301,6 +329,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                 home=plan.state_home[layout.index],
                 sections=self._sections(layout),
                 device=self.device,
+                master_scale=self._master_scale,
             )
             self.chunks.append(chunk)
             for slot in layout.slots:
@@ -308,15 +337,19 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             if persistent:
                 chunk.dev = self._register(chunk.data, "device")
                 for slot in layout.slots:
-                    slot.view(chunk.data).copy_(snapshot.data[slot.index])
-                if chunk.sections:
-                    chunk.home = self._register(
-                        torch.zeros(chunk.home_bytes, dtype=torch.uint8, device=self.device), "device"
-                    )
+                    slot.view(chunk.data).copy_(snapshot.data[slot.index])  # casts to a working dtype
+                if chunk.sections or chunk.has_master:
+                    home = torch.zeros(chunk.home_bytes, dtype=torch.uint8, device=self.device)
+                    if chunk.has_master:  # fp32 masters of working chunks (chunk layout rule 6)
+                        for slot in layout.slots:
+                            slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
+                    chunk.home = self._register(home, "device")
             else:
                 home = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
                 for slot in layout.slots:
-                    slot.view(home).copy_(snapshot.data[slot.index])
+                    if chunk.master_scale > 1:
+                        slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
+                    slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
                 chunk.home = self._register(home, chunk.home_tier)
             grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
             if any(grad is not None for _, grad in grads):
@@ -331,6 +364,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         if len(self._slots) != len(self.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
         for p, (chunk, slot) in zip(self.params, self._slots, strict=True):
+            if p.dtype != slot.dtype:
+                p.grad = None  # a working dtype: the gradient comes back as a view below
             p.data = slot.view(chunk.data)
         for chunk in self.chunks:
             if not chunk.persistent:

@@ -169,8 +169,15 @@ class ManagedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # validates and matches parameters, as PyTorch does
+        # PyTorch casts floating states to each parameter's dtype; under mixed precision the
+        # parameters are working copies (bf16) and the states belong to the fp32 masters, so
+        # the chunks take the saved values themselves, matched to parameters as PyTorch does.
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        by_id = dict(zip(saved_ids, params, strict=True))
+        raw = {by_id[k]: v for k, v in state_dict["state"].items() if k in by_id}
         try:
-            self._backend.import_optimizer_state(self, self.state)
+            self._backend.import_optimizer_state(self, {p: raw.get(p, s) for p, s in self.state.items()})
         finally:
             self.state.clear()
 

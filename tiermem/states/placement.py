@@ -52,14 +52,20 @@ class ChunkNeeds:
     nbytes: int
     trainable: bool
     sections: int
+    #: fp32 master bytes per working byte: 2 for bf16/fp16 working chunks (chunk layout rule 6)
+    master_scale: int = 1
 
     @property
     def device_bytes(self) -> int:
-        return self.nbytes * (1 + (1 if self.trainable else 0) + self.sections)
+        if self.master_scale == 1:
+            return self.nbytes * (1 + (1 if self.trainable else 0) + self.sections)
+        master = self.nbytes * self.master_scale * (1 + self.sections)
+        return self.nbytes * (1 + (1 if self.trainable else 0)) + master
 
     @property
     def home_bytes(self) -> int:
-        return self.nbytes * (1 + self.sections)
+        working = self.nbytes if self.master_scale > 1 else 0
+        return self.nbytes * self.master_scale * (1 + self.sections) + working
 
     @property
     def grad_bytes(self) -> int:

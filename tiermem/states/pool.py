@@ -81,7 +81,7 @@ class ChunkPool:
         self.resident[chunk.index] = chunk
         try:
             chunk.fetching = self.registry.scheduler.submit(
-                home.obj.home, dev.obj.home, nbytes=chunk.nbytes, priority=priority
+                home.obj.home, dev.obj.home, nbytes=chunk.nbytes, src_offset=chunk.working_base, priority=priority
             )
         except BaseException:
             self.release(chunk)
@@ -190,7 +190,11 @@ class ChunkPool:
         assert chunk.home is not None and chunk.dev is not None
         chunk.home.wait()
         transfer = self.registry.scheduler.submit(
-            chunk.dev.obj.home, chunk.home.obj.home, nbytes=chunk.nbytes, priority=Priority.DEMAND
+            chunk.dev.obj.home,
+            chunk.home.obj.home,
+            nbytes=chunk.nbytes,
+            dst_offset=chunk.working_base,
+            priority=Priority.DEMAND,
         )
         transfer.wait()
         self.writes += 1

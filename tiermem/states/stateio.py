@@ -46,7 +46,7 @@ class StateIOMixin(StatesBase):
                         value = record.scalars[key]
                         entry[key] = value.clone() if isinstance(value, torch.Tensor) else value
                     else:
-                        view = slot.view(home, chunk.section_base(names.index(key)))  # type: ignore[arg-type]
+                        view = slot.master_view(home, chunk.section_base(names.index(key)), chunk.master_scale)  # type: ignore[arg-type]
                         entry[key] = view.to("cpu", copy=True)
                 out[self.params[slot.index]] = entry
         return out
@@ -78,7 +78,8 @@ class StateIOMixin(StatesBase):
                                     f"tiermem: optimizer state {key!r} has shape {list(value.shape)} but its "
                                     f"parameter has {list(slot.shape)}"
                                 )
-                            slot.view(home, chunk.section_base(names.index(key))).copy_(value)
+                            base = chunk.section_base(names.index(key))
+                            slot.master_view(home, base, chunk.master_scale).copy_(value)
                         else:
                             record.scalars[key] = value
                     self._pstate[slot.index] = record
@@ -137,14 +138,23 @@ class StateIOMixin(StatesBase):
         return data
 
     def _param_copy(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s values as a fresh CPU tensor of its own."""
+        """Parameter ``i``'s values as a fresh CPU tensor of its own (its working dtype)."""
         chunk, slot = self._slots[i]
         if chunk.resident:
             self.pool.wait(chunk)
             source = slot.view(chunk.data)
         else:
-            source = slot.view(self._home_readable(chunk))
+            source = slot.view(self._home_readable(chunk), chunk.working_base)
         return source.to("cpu", copy=True)
+
+    def _master_copy(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s full-precision value: its fp32 master under mixed precision."""
+        chunk, slot = self._slots[i]
+        if chunk.master_scale == 1:
+            return self._param_copy(i)
+        assert chunk.home is not None
+        home = self._home_readable(chunk) if chunk.offloaded else chunk.home.tensor("device")
+        return slot.master_view(home, 0, chunk.master_scale).to("cpu", copy=True)
 
     def _state_dict_started(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
         self._sd_keep_vars = keep_vars
@@ -194,12 +204,18 @@ class StateIOMixin(StatesBase):
         self._unpin_loading()
 
     def _unpin_loading(self) -> None:
+        """The loaded chunks are written: their masters take the loaded values (chunk layout
+        rule 6), and they may be evicted again."""
         for chunk in self._loading:
+            if chunk.master_scale > 1:
+                with self._home_writable(chunk) as home:
+                    for slot in chunk.layout.slots:
+                        slot.master_view(home, 0, chunk.master_scale).copy_(slot.view(chunk.data))
             chunk.pins -= 1
         self._loading.clear()
 
     def _snapshot(self) -> Snapshot:
-        data = [self._param_copy(i) for i in range(len(self.params))]
+        data = [self._master_copy(i) for i in range(len(self.params))]
         grads: list[torch.Tensor | None] = [None] * len(self.params)
         for chunk in self.chunks:
             if chunk.grad is None:
@@ -216,6 +232,7 @@ class StateIOMixin(StatesBase):
         """Copy every parameter (and gradient) into an ordinary tensor, chunk by chunk."""
         needed = sum(info.nbytes for info in self._info)
         needed += sum(info.nbytes for info, has in zip(self._info, self._has_grad, strict=True) if has)
+        needed *= self.chunks[0].master_scale if self.chunks else 1  # fp32 masters come back
         ours = sum(self._held_bytes().get(t, 0) for t in ("device", "host")) if self.device.type == "cpu" else 0
         if needed > core.memory_available(self.device) + ours:
             log.warning(
@@ -225,20 +242,25 @@ class StateIOMixin(StatesBase):
             )
             return False
         for chunk in list(self.chunks):
-            if chunk.resident:
+            # Mixed precision restores the fp32 masters (and fp32 gradients): the full-precision
+            # model, as the master-weights loop would hand it over.
+            scale, base = chunk.master_scale, 0
+            if chunk.resident and scale == 1:
                 self.pool.wait(chunk)
                 source = chunk.data
+            elif scale > 1 and not chunk.offloaded:
+                assert chunk.home is not None
+                source = chunk.home.tensor("device")
             else:
                 source = self._home_readable(chunk)
             grads = self._grad_bytes(chunk) if chunk.grad is not None else None
             for slot in chunk.layout.slots:
                 p = self.params[slot.index]
-                value = slot.view(source)
-                p.data = torch.empty(slot.shape, dtype=slot.dtype, device=self.device).copy_(value)
+                value = slot.master_view(source, base, scale)
+                p.grad = None
+                p.data = torch.empty(slot.shape, dtype=value.dtype, device=self.device).copy_(value)
                 if grads is not None and self._has_grad[slot.index]:
-                    p.grad = torch.empty(slot.shape, dtype=slot.dtype, device=self.device).copy_(slot.view(grads))
-                else:
-                    p.grad = None
+                    p.grad = torch.empty(slot.shape, dtype=value.dtype, device=self.device).copy_(slot.view(grads))
             # Give this chunk's memory back before the next one is copied.
             chunk.data.untyped_storage().resize_(0)
             for handle in (chunk.dev, chunk.home, chunk.grad):

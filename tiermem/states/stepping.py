@@ -281,14 +281,18 @@ class StepMixin(StatesBase):
         attributes: Mapping[str, Any],
     ) -> None:
         names = self.state_names
+        scale = chunk.master_scale
         objects: dict[int, torch.Tensor] = {}
-        if chunk.offloaded:
+        if chunk.has_master:
+            # The optimizer steps the master (an offloaded home's, or the fp32 master of a working
+            # chunk, chunk layout rule 6) with the gradient in its dtype, as a master-weights loop does.
             assert chunk.home is not None and chunk.grad is not None
-            home = chunk.home.tensor("host")
+            home = chunk.home.tensor(chunk.home.tier)
             grads = self._grad_bytes(chunk)
             for slot in slots:
-                master = slot.view(home)
-                master.grad = slot.view(grads)
+                master = slot.master_view(home, 0, scale)
+                grad = slot.view(grads)
+                master.grad = grad.float() if scale > 1 else grad
                 objects[slot.index] = master
         else:
             home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
@@ -298,7 +302,9 @@ class StepMixin(StatesBase):
             record = self._pstate.get(slot.index)
             if record is not None:
                 state[objects[slot.index]] = {
-                    key: slot.view(home, chunk.section_base(names.index(key))) if key in names else record.scalars[key]
+                    key: slot.master_view(home, chunk.section_base(names.index(key)), scale)
+                    if key in names
+                    else record.scalars[key]
                     for key in record.keys
                 }
         by_group: dict[int, list[torch.Tensor]] = {}
@@ -314,11 +320,19 @@ class StepMixin(StatesBase):
             record = ParamState(list(entry))
             for key, value in entry.items():
                 if key in names and isinstance(value, torch.Tensor) and value.shape == obj.shape:
-                    target = slot.view(home, chunk.section_base(names.index(key)))
+                    target = slot.master_view(home, chunk.section_base(names.index(key)), scale)
                     if not same(value, target):
                         target.copy_(value)
                 else:
                     record.scalars[key] = value
             self._pstate[slot.index] = record
-            if chunk.offloaded:
-                obj.grad = None
+        if scale > 1:  # refresh the working copy from the stepped masters (chunk layout rule 6)
+            for slot in slots:
+                master = objects[slot.index]
+                if chunk.offloaded:
+                    slot.view(home, chunk.working_base).copy_(master)
+                else:
+                    slot.view(chunk.data).copy_(master)
+        if chunk.has_master:
+            for slot in slots:
+                objects[slot.index].grad = None

@@ -1,0 +1,122 @@
+"""Mixed precision (``rt.manage(param_dtype=)``, chunk layout rule 6): bf16/fp16 working
+parameters on the device, fp32 masters and optimizer states in the homes; training is bitwise
+the master-weights loop in plain PyTorch, on the CPU, with states on the device, host and NVMe."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import (
+    OPTIMIZERS,
+    assert_bitwise,
+    batch,
+    config,
+    make_model,
+    one_thread,  # noqa: F401  (autouse fixture)
+    param_groups,
+    state_bytes,
+)
+from tiermem.states import StatesUsageError
+
+
+def master_weights_loop(dtype: torch.dtype, name: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Plain PyTorch: a working copy of the model in ``dtype``, AdamW/SGD over fp32 masters."""
+    model = make_model()
+    masters = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in model.parameters()]
+    by_id = {id(p): m for p, m in zip(model.parameters(), masters, strict=True)}
+    groups = [{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in param_groups(model)]
+    optimizer = OPTIMIZERS[name](groups)
+    model.to(dtype)
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step)
+        loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        for p, m in zip(model.parameters(), masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters, strict=True):
+                p.copy_(m)
+        model.zero_grad()
+        losses.append(loss.detach())
+    return losses, [m.detach().clone() for m in masters]
+
+
+def managed_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        tokens, targets = batch(step)
+        loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("dtype", "name", "fraction", "home"),
+    [
+        (torch.bfloat16, "adamw", 1.0, "host"),
+        (torch.bfloat16, "adamw", 0.1, "host"),
+        (torch.bfloat16, "adamw", 0.1, "nvme"),
+        (torch.float16, "sgd", 0.5, "nvme"),
+    ],
+)
+def test_mixed_precision_is_the_master_weights_loop(tmp_path, dtype, name, fraction, home):
+    steps = 3
+    want_losses, want_masters = master_weights_loop(dtype, name, steps)
+    model = make_model()
+    capacity = int(state_bytes(name, model) * fraction)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS[name](param_groups(model)), plan={"state_home": home}, param_dtype=dtype
+        )
+        assert all(p.dtype == dtype for p in model.parameters())
+        got = managed_loop(model, optimizer, steps)
+        state = model.state_dict()
+        assert all(v.dtype == dtype for v in state.values())
+        stats = rt.stats().as_dict()
+        assert stats["tiers"]["device"]["peak_bytes"] <= capacity
+    assert_bitwise(got, want_losses)
+    # Leaving the Runtime hands back the fp32 masters.
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert_bitwise([p.detach() for p in model.parameters()], want_masters)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mixed_precision_state_dicts_round_trip(tmp_path):
+    """Saved working parameters and fp32 optimizer states load back exactly after more training;
+    the masters take the loaded (working) values."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), param_dtype=torch.bfloat16)
+        managed_loop(model, optimizer, 2)
+        model_state, optimizer_state = model.state_dict(), optimizer.state_dict()
+        exp_avg = next(s["exp_avg"] for s in optimizer_state["state"].values())
+        assert exp_avg.dtype == torch.float32  # the states are the masters'
+        managed_loop(model, optimizer, 1)
+        after = model.state_dict()
+        assert any(not torch.equal(after[key], value) for key, value in model_state.items())
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        assert_bitwise(list(model.state_dict().values()), list(model_state.values()))
+        loaded = optimizer.state_dict()["state"]
+        for index, entry in optimizer_state["state"].items():
+            keys = ("exp_avg", "exp_avg_sq")
+            assert_bitwise([loaded[index][k] for k in keys], [entry[k] for k in keys])
+    named = dict(model.named_parameters())  # after the Runtime: the fp32 masters, = the loaded working values
+    assert_bitwise([p.detach() for p in named.values()], [model_state[name].float() for name in named])
+
+
+def test_mixed_precision_refuses_what_it_cannot_keep_exact(tmp_path):
+    with tiermem.Runtime(config(tmp_path, 1 << 20)) as rt:
+        with pytest.raises(ValueError, match="param_dtype must be"):
+            rt.manage(make_model(), torch.optim.Adam, lr=1e-3, param_dtype=torch.float64)
+        half = make_model().to(torch.bfloat16)
+        with pytest.raises(StatesUsageError, match="build the model in float32"):
+            rt.manage(half, torch.optim.Adam, lr=1e-3, param_dtype=torch.bfloat16)
