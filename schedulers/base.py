@@ -147,11 +147,14 @@ class Transfer:
         """The error the move ended with, or None; does not block (None while running)."""
         if not self._future.done():
             return None
+        # Not via _raise_if_failed: raising and catching here would add this frame to the
+        # error's traceback on every call, and a traceback keeps its frames' locals alive.
         try:
-            self._raise_if_failed()
-        except BaseException as exc:  # noqa: BLE001
-            return exc
-        return None
+            return self._future.exception(0)
+        except CancelledError:
+            return TransferCancelledError(
+                f"tiermem scheduler: the {self.link} move of {self.nbytes} bytes was cancelled"
+            )
 
     def cancel(self) -> None:
         """Ask for the move to stop. Blocks not yet issued are dropped; blocks in flight

@@ -250,7 +250,7 @@ def test_interrupts_leave_no_files(tmp_path: Path) -> None:
         (["--op", "copy"], "expected one of read, write, both"),
         (["--tier", "gpu"], "expected one of nvme, host, device"),
         (["--through", "loop"], "expected one of raw, scheduler"),
-        (["--backend", "spdk"], "expected one of auto, posix, kvikio"),
+        (["--backend", "spdk"], "expected one of auto, kvikio, aio, posix"),
         (["--tier", "host", "--backend", "posix"], "for --tier nvme"),
         (["--size", "1PiB"], "--size"),
     ],
@@ -280,4 +280,14 @@ def test_more_than_the_disk_holds(tmp_path: Path, capsys: pytest.CaptureFixture[
 def test_kvikio_unavailable_is_an_error_not_a_traceback(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     status, _out, err = bench(capsys, "--path", str(tmp_path), "--backend", "kvikio", *TINY)
     assert status == 1 and "kvikio" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_aio_backend_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--backend aio`` names the Linux AIO backend (where the kernel offers it)."""
+    if auto_backend(tmp_path) != "aio":
+        pytest.skip("Linux AIO is not usable here")
+    report = bench_json(capsys, "--path", str(tmp_path), "--backend", "aio", "--op", "both", "--verify", *TINY)
+    assert {r["backend"] for r in report["results"]} == {"aio"}
+    assert all(r["bytes_per_s"]["median"] > 0 for r in report["results"])
     assert list(tmp_path.iterdir()) == []

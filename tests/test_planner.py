@@ -245,6 +245,20 @@ def test_no_plan_fits_names_each_tiers_shortfall():
     assert isinstance(error, tiermem.errors.TiermemError)
 
 
+def test_streaming_gradients_let_a_small_host_hold_nvme_states():
+    """grads_stream (keep_gradients=False, a step every backward): the host budgets two NVMe
+    chunks' gradients instead of all of them (placement rule 3), so 12 MiB of host suffices
+    where keeping every gradient there needs more; the prediction stays within the host."""
+    profile = synthetic(16, nvme=1e9, saved=MiB)
+    capacities = {"device": 32 * MiB, "host": 12 * MiB, "nvme": 1 << 30}
+    with pytest.raises(NoPlanFitsError) as info:
+        search(profile, capacities)
+    assert info.value.shortfall["host"] > 0
+    decision = search(profile, capacities, grads_stream=True)
+    assert "nvme" in decision.plan.state_home
+    assert decision.estimate.peak_bytes["host"] <= capacities["host"]
+
+
 # -- plan="auto" on a real model --------------------------------------------------------------------
 
 

@@ -27,7 +27,7 @@ def test_rok_writes_csv_and_png(tmp_path, capsys, monkeypatch):
             "--steps",
             "1",
             "--layers",
-            "2",
+            "4",
             "--d-model",
             "32",
             "--heads",
@@ -53,7 +53,8 @@ def test_rok_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     by = {(r["policy"], int(r["batch_size"])): int(r["peak_activation_bytes"]) for r in rows}
     assert by[("keep", 2)] > by[("keep", 1)] > 0  # more batch, more activations kept
     assert by[("recompute", 2)] < by[("keep", 2)]  # recompute keeps only block inputs
-    assert int(next(r for r in rows if r["policy"] == "nvme")["nvme_written_per_step"]) > 0
+    # Writes that backward overtook are cancelled, not written: over four blocks some land.
+    assert int(next(r for r in rows if r["policy"] == "nvme")["nvme_written_per_step"]) > 0, rows
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(disk.iterdir()) == []
 

@@ -282,3 +282,30 @@ def test_gradients_freed_as_chunks_step_when_asked(tmp_path):
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     with tiermem.Runtime(config(tmp_path, 1 << 20)) as rt, pytest.raises(ValueError, match="keep_gradients"):
         rt.manage(make_model(), torch.optim.Adam, lr=1e-3, keep_gradients=False)
+
+
+@pytest.mark.parametrize("host_fraction", [0.1, 0.2])
+def test_streaming_gradients_fit_a_small_host(tmp_path, host_fraction):
+    """keep_gradients=False with a step every backward: NVMe chunks' gradients only pass
+    through the host (placement rule 3), so a host of a tenth of the state bytes suffices
+    where keeping every gradient there until optimizer.step() does not; training is exact."""
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    cfg = config(tmp_path, int(total * 0.1), host=int(total * host_fraction))
+    with tiermem.Runtime(cfg) as rt, pytest.raises(tiermem.states.StatesMemoryError, match="the host needs"):
+        other = make_model()
+        rt.manage(other, OPTIMIZERS["adamw"](param_groups(other)), grad_accumulation_steps=1)
+    with tiermem.Runtime(cfg) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1, keep_gradients=False
+        )
+        assert any(c["home"] == "nvme" for c in managed(rt).describe()["chunks"])
+        got = plain_loop(model, optimizer, steps, 1, None)
+        stats = rt.stats().as_dict()
+        assert stats["model_states"]["early_chunk_steps"] > 0
+        assert stats["tiers"]["host"]["peak_bytes"] <= int(total * host_fraction)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

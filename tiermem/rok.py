@@ -12,6 +12,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,8 +53,10 @@ def measure_point(
             return train_step(rt, model, optimizer, x, y, policy)[1]
 
         step()
+        _settle(rt)
         before = rt.stats().as_dict()["activations"]
         times = [step() for _ in range(steps)]
+        _settle(rt)  # bytes_written counts landed writes: let the last ones land
         after = rt.stats().as_dict()["activations"]
     return RokPoint(
         policy=policy,
@@ -63,6 +66,16 @@ def measure_point(
         captured_bytes_per_step=(after["captured_bytes"] - before["captured_bytes"]) // steps,
         nvme_written_per_step=(after["bytes_written"]["nvme"] - before["bytes_written"]["nvme"]) // steps,
     )
+
+
+def _settle(rt: Runtime, timeout_s: float = 30.0) -> None:
+    """Wait until no move is queued or in flight (bounded: a hang is not a measurement)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        scheduler = rt.scheduler.statistics()
+        if not any(scheduler.inflight_bytes.values()) and not any(scheduler.queued.values()):
+            return
+        time.sleep(0.001)
 
 
 def sweep(

@@ -33,6 +33,7 @@ from tiermem.schedulers.base import Priority
 from tiermem.states import ModelStates
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.states.placement import Plan, PlanRequest
+from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
@@ -242,8 +243,16 @@ class Runtime:
             from tiermem.planner.auto import plan_model  # the planner only when asked
 
             assert self.resolved is not None  # set whenever registry is reachable
+            accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
             decision, profile = plan_model(
-                self.registry, self.resolved, model, optimizer, optimizer_kwargs, sample, block_policy=fixed
+                self.registry,
+                self.resolved,
+                model,
+                optimizer,
+                optimizer_kwargs,
+                sample,
+                block_policy=fixed,
+                grads_stream=grads_stream(accumulation, max_norm, keep_gradients),
             )
             chosen = decision.plan
             plan = PlanRequest(
@@ -316,6 +325,7 @@ class Runtime:
                 forwarded=c.forwarded,
                 cancelled=c.cancelled,
                 fallbacks=c.fallbacks,
+                fallback_reasons=dict(c.fallback_reasons),
             )
         tiers = ("device", "host", "nvme")
         managed = [states.describe() for states in self._model_states]

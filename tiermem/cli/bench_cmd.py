@@ -17,12 +17,13 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from tiermem.tiers.backends import BACKEND_NAMES
 from tiermem.units import format_size, parse_size
 
 if TYPE_CHECKING:  # the engine imports torch: only when a benchmark actually runs
     from tiermem.benchio import BenchReport, BenchSpec
 
-_BACKENDS = ("auto", "posix", "kvikio")
+_BACKENDS = BACKEND_NAMES
 _OPS = {"read": ("read",), "write": ("write",), "both": ("write", "read")}
 _MAX_QUEUE_DEPTH = 1024
 #: Show the progress bar only once a run has taken this long (short runs stay quiet).
@@ -47,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     io.add_argument("--tier", default="nvme", metavar="{nvme,host,device}", help="tier to measure (default nvme)")
     io.add_argument(
-        "--backend", default="auto", metavar="{auto,posix,kvikio}", help="NVMe storage backend (default auto)"
+        "--backend",
+        default="auto",
+        metavar="{" + ",".join(BACKEND_NAMES) + "}",
+        help="NVMe storage backend (default auto)",
     )
     io.add_argument(
         "--path",

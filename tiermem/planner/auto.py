@@ -135,13 +135,17 @@ def plan_model(
     use_cache: bool = True,
     capacities: Mapping[str, int] | None = None,
     block_policy: str | Sequence[str] | None = None,
+    grads_stream: bool = False,
 ) -> tuple[Decision, Profile]:
     """Profile, then search under ``capacities`` (default: what the tiers have free now);
-    ``block_policy`` fixes the activation policy (NOTE [ Plan search ] rule 1)."""
+    ``block_policy`` fixes the activation policy (NOTE [ Plan search ] rule 1); ``grads_stream``:
+    the loop frees NVMe chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
     profile = profile_model(
         registry, resolved, model, optimizer, optimizer_kwargs, sample, blocks=blocks, use_cache=use_cache
     )
     caps = dict(capacities) if capacities is not None else free_bytes(registry)
-    decision = search(profile, caps, states_offload=profile.cpu, block_policy=block_policy)
+    decision = search(
+        profile, caps, states_offload=profile.cpu, block_policy=block_policy, grads_stream=grads_stream
+    )
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return decision, profile

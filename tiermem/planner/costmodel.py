@@ -62,8 +62,11 @@ class Packing:
         min_buffers: int,
         shared_chunks: int,
         stages: Sequence[int] | None = None,
+        grads_stream: bool = False,
     ) -> None:
         self.chunk_size = chunk_size
+        #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
+        self.grads_stream = grads_stream
         self.needs = tuple(needs)
         #: per chunk, the backward stage its gradient chunk appears at (rule 1); unknown: the first
         self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
@@ -81,6 +84,9 @@ class Packing:
         for i in range(len(needs) - 1, -1, -1):
             suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
         self._max_home_from = suffix
+        self._max_grad_from = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
         self._max_nbytes_from = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
             self._max_nbytes_from[i] = max(self._max_nbytes_from[i + 1], needs[i].nbytes)
@@ -96,13 +102,10 @@ class Packing:
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
-        chunks' gradients, and room to stage two NVMe homes)."""
+        chunks' gradients (two at once when they stream), and room to stage two NVMe homes)."""
         n = self.chunks
-        return (
-            self._sum(self._hostuse, persistent, host_end)
-            + self._sum(self._grad, host_end, n)
-            + 2 * self._max_home_from[host_end]
-        )
+        nvme_grads = 2 * self._max_grad_from[host_end] if self.grads_stream else self._sum(self._grad, host_end, n)
+        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + 2 * self._max_home_from[host_end]
 
     def host_end(self, persistent: int, host_budget: int) -> int:
         """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""

@@ -80,8 +80,11 @@ class _Act:
     time: float
 
 
-def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None) -> list[Packing]:
-    """Rule 1: one packing per chunk size, in the profile's execution order."""
+def packings(
+    profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_stream: bool = False
+) -> list[Packing]:
+    """Rule 1: one packing per chunk size, in the profile's execution order (``grads_stream``:
+    NOTE [ Default placement rule ] rule 3)."""
     infos = [ParamInfo(p.nbytes, (p.nbytes,), torch.uint8, p.trainable) for p in profile.params]
     if chunk_sizes is None:
         sizes = size_candidates(infos)
@@ -104,7 +107,7 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None) -> list
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
             stages = [max(profile.param_block[s.index] for s in layout.slots) for layout in layouts]
-        result.append(Packing(size, needs, span + shared, shared, stages))
+        result.append(Packing(size, needs, span + shared, shared, stages, grads_stream))
     return result
 
 
@@ -180,11 +183,13 @@ def search(
     chunk_sizes: Sequence[int] | None = None,
     margin: float = FRAGMENTATION_MARGIN,
     block_policy: str | Sequence[str] | None = None,
+    grads_stream: bool = False,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``states_offload``:
     whether streamed chunks are possible (not yet on CUDA, NOTE [ Model-state rules ] rule 8).
     ``block_policy``: the activation policy the caller fixed (a name for every block, or one
-    per block); the model states are searched around it."""
+    per block); the model states are searched around it. ``grads_stream``: the loop frees NVMe
+    chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
     caps = {t: int(capacities[t]) for t in TIERS}
     usable = {t: caps[t] / (1 + margin) for t in TIERS}
     acts = activation_candidates(profile, block_policy)
@@ -196,7 +201,7 @@ def search(
     closest: tuple[float, StatesChoice, _Act] | None = None
     considered = 0
     tie = 0
-    for packing in packings(profile, chunk_sizes):
+    for packing in packings(profile, chunk_sizes, grads_stream):
         n = packing.chunks
         for persistent in range(0 if states_offload else n, n + 1):
             streamed = n - persistent

@@ -12,12 +12,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from tiermem.errors import TierCapacityError
 from tiermem.registry import ObjectState
 from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import StatesBase, Use, same
-from tiermem.states.errors import StatesUsageError
+from tiermem.states.errors import StatesMemoryError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer
+from tiermem.units import format_size
 
 
 class BackwardMixin(StatesBase):
@@ -166,7 +168,21 @@ class BackwardMixin(StatesBase):
             return
         for slot in chunk.layout.slots:
             self.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
-        handle.move_to("host", Priority.WRITEBACK)
+        try:
+            handle.move_to("host", Priority.WRITEBACK)
+        except TierCapacityError:
+            # Staged NVMe homes free host bytes as their write-backs land (early steps).
+            self._wait_home_moves()
+            try:
+                handle.move_to("host", Priority.WRITEBACK)
+            except TierCapacityError as exc:
+                raise StatesMemoryError(
+                    f"tiermem model states: chunk {chunk.index}'s gradients ({format_size(exc.requested)}) go to the "
+                    f"host until the optimizer steps, but {format_size(exc.used)} of {format_size(exc.capacity)} "
+                    "are in use; raise [host] capacity (a plan made for streaming gradients, keep_gradients=False, "
+                    "needs every chunk to step as its backward ends: a nested reentrant backward or accumulation "
+                    "keeps them all)"
+                ) from exc
 
     def _end_backward(self) -> None:
         """Autograd's final callback: unpin, send every gradient home, expose it."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import Handle, Registry
+from tiermem.registry import Handle, ObjectState, Registry
 from tiermem.states.chunks import Chunk, ParamInfo, Slot
 from tiermem.states.errors import StatesClosedError, StatesMemoryError
 from tiermem.states.optimizer import ManagedOptimizer
@@ -100,6 +100,8 @@ class StatesBase:
         raise NotImplementedError
 
     _repack_pending: bool
+    #: parameters several modules own (tied weights)
+    _shared: set[int]
 
     def _repack(self) -> None:
         raise NotImplementedError
@@ -128,6 +130,13 @@ class StatesBase:
 
     def _grad_bytes(self, chunk: Chunk) -> torch.Tensor:
         raise NotImplementedError
+
+    def _wait_home_moves(self, skip: Chunk | None = None) -> None:
+        """Wait until no home but ``skip``'s is moving: write-backs of NVMe homes free the
+        host bytes they were staged in when they land."""
+        for other in self.chunks:
+            if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
+                other.home.wait()
 
     def _version(self) -> tuple[int, int]:
         """Changes whenever a chunk's home may have changed (cache key for home reads)."""

@@ -281,6 +281,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                     min_buffers=self._min_buffers(layouts),
                     budgets=budgets,
                     request=asked,
+                    grads_stream=self._grads_stream,
                 )
             except (StatesMemoryError, PlanError) as exc:
                 first_error = first_error or exc

@@ -20,7 +20,11 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
 3. Homes of the other chunks, in order: the host while its free capacity still holds the
    chunk's home (master + states) and gradients, else NVMe. An NVMe chunk's gradients still
    wait on the host until ``optimizer.step()`` (so ``.grad`` stays readable, TRAPS 4), and
-   the host keeps room to stage two NVMe homes during the step.
+   the host keeps room to stage two NVMe homes during the step. When gradients stream
+   (``grads_stream``: a declared loop that steps every backward without clipping and
+   ``keep_gradients=False``), each NVMe chunk steps as its backward ends and frees its
+   gradients (NOTE [ Declared steps ] rule 6), so the host only holds two chunks' gradients
+   at once: the one stepping and the one on its way.
 4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
    parameters shared by several modules (tied weights stay pinned through backward), plus
    one slot to prefetch into; never more than the non-persistent chunks.
@@ -41,6 +45,8 @@ from tiermem.tiers.base import ALIGNMENT
 from tiermem.units import format_size, parse_size, round_up
 
 STATE_HOMES = ("device", "host", "nvme")
+STAGED_HOMES = 2
+"""Rule 3: NVMe homes the host has room to stage at once (one steps, one is on its way)."""
 BLOCK_POLICIES = ("keep", "recompute", "host", "nvme")
 PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted")
 
@@ -245,8 +251,10 @@ def decide(
     min_buffers: int,
     budgets: Budgets,
     request: PlanRequest,
+    grads_stream: bool = False,
 ) -> Plan:
-    """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes."""
+    """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes;
+    ``grads_stream``: rule 3's streaming gradients."""
     total = len(needs)
     persistent = request.persistent_chunks
     if persistent is not None and persistent > total:
@@ -261,8 +269,8 @@ def decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
-    homes = _homes(needs, persistent, budgets, request.state_home)
-    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets)
+    homes = _homes(needs, persistent, budgets, request.state_home, grads_stream)
+    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream)
     return Plan(
         chunk_size=chunk_size,
         persistent_chunks=persistent,
@@ -290,8 +298,19 @@ def _default_persistent(
     return len(needs)
 
 
+def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], grads_stream: bool) -> int:
+    """Rule 3: host bytes the NVMe chunks' gradients take at their peak."""
+    if grads_stream:
+        return 2 * max((n.grad_bytes for n in nvme_needs), default=0)
+    return sum(n.grad_bytes for n in nvme_needs)
+
+
 def _homes(
-    needs: Sequence[ChunkNeeds], persistent: int, budgets: Budgets, request: tuple[str, ...] | str | None
+    needs: Sequence[ChunkNeeds],
+    persistent: int,
+    budgets: Budgets,
+    request: tuple[str, ...] | str | None,
+    grads_stream: bool = False,
 ) -> tuple[str, ...]:
     total = len(needs)
     if isinstance(request, tuple):
@@ -319,28 +338,39 @@ def _homes(
             host_free -= need.home_bytes + need.grad_bytes
         else:
             homes.append("nvme")
-            host_free -= need.grad_bytes
+            if not grads_stream:
+                host_free -= need.grad_bytes
 
     def staging() -> int:
-        return 2 * max((needs[i].home_bytes for i in streamed if homes[i] == "nvme"), default=0)
+        nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
+        stream = nvme_grad_bytes(nvme, True) if grads_stream else 0
+        return STAGED_HOMES * max((n.home_bytes for n in nvme), default=0) + stream
 
     for i in reversed(streamed):
         if host_free >= staging():
             break
         if homes[i] == "host":
             homes[i] = "nvme"
-            host_free += needs[i].home_bytes
+            host_free += needs[i].home_bytes + (needs[i].grad_bytes if grads_stream else 0)
     return tuple(homes)
 
 
 def _check_fits(
-    needs: Sequence[ChunkNeeds], persistent: int, buffers: int, chunk_size: int, homes: Sequence[str], budgets: Budgets
+    needs: Sequence[ChunkNeeds],
+    persistent: int,
+    buffers: int,
+    chunk_size: int,
+    homes: Sequence[str],
+    budgets: Budgets,
+    grads_stream: bool = False,
 ) -> None:
     device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = 2 * max((n.home_bytes for n in nvme_homes), default=0)
-    host = sum(n.home_bytes + n.grad_bytes for n in host_homes) + sum(n.grad_bytes for n in nvme_homes) + staging
+    staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
+    host = (
+        sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_stream) + staging
+    )
     nvme = sum(n.home_bytes for n in nvme_homes)
     problems = []
     if device > budgets.device:

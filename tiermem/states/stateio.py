@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import ObjectState
 from tiermem.schedulers.base import Priority
 from tiermem.states import core
 from tiermem.states.chunks import Chunk
@@ -94,9 +93,7 @@ class StateIOMixin(StatesBase):
             handle.move_to("host", Priority.DEMAND)
         except TierCapacityError:
             # Earlier homes' write-backs free host memory when they land (the plan stages two).
-            for other in self.chunks:
-                if other.home is not None and other is not chunk and other.home.state is ObjectState.MOVING:
-                    other.home.wait()
+            self._wait_home_moves(skip=chunk)
             try:
                 handle.move_to("host", Priority.DEMAND)
             except TierCapacityError as exc:

@@ -50,11 +50,13 @@ from typing import Any
 import torch
 
 from tiermem.errors import TierCapacityError
+from tiermem.registry import ObjectState
 from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk, Slot
 from tiermem.states.core import ParamState, StatesBase, same
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, run_step
+from tiermem.states.placement import STAGED_HOMES
 
 log = logging.getLogger("tiermem.states")
 
@@ -79,6 +81,14 @@ def check_declarations(grad_accumulation_steps: Any, clip_grad_norm: Any) -> tup
         norm = float(clip_grad_norm)
         steps = steps or 1
     return steps, norm
+
+
+def grads_stream(accumulation: int | None, max_norm: float | None, keep_gradients: bool) -> bool:
+    """Whether every backward steps each offloaded chunk as it ends and frees its gradients
+    (rules 3 and 6), so NVMe chunks' gradients only pass through the host: a declared loop
+    stepping every backward, without clipping (which needs the whole norm first), that gave
+    up its gradients (NOTE [ Default placement rule ] rule 3)."""
+    return accumulation == 1 and max_norm is None and not keep_gradients
 
 
 class StepMixin(StatesBase):
@@ -108,6 +118,8 @@ class StepMixin(StatesBase):
                 "declared loops do: give grad_accumulation_steps= too"
             )
         self._keep_gradients = bool(keep_gradients)
+        #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
+        self._grads_stream = grads_stream(self._accumulation, self._max_norm, self._keep_gradients)
         self._counted = 0
         self._grad_forwards = 0
         self._early = False
@@ -132,15 +144,34 @@ class StepMixin(StatesBase):
             and (self._windows > 0 or not self._keep_gradients)
             and self._grad_forwards == 1
             and self._counted + 1 == self._accumulation
-            and not self._repack_pending
+            and (not self._repack_pending or not self._keep_gradients)  # see step()
             and not self._partial_end
         )
 
     def _backward_entered(self, chunk: Chunk) -> None:
-        """A chunk's backward began: stage its NVMe home for an early step (rule 3)."""
-        if self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None:
-            with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
-                chunk.home.move_to("host", Priority.PREFETCH)
+        """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan
+        keeps host room for ``STAGED_HOMES`` homes (placement rule 3): one prefetched, one the
+        step stages on demand; so nothing is prefetched while another home is off NVMe (staged
+        or still being written back), nor the home of a chunk holding shared parameters (tied
+        weights: it steps only once the whole backward is over, and would hold the room)."""
+        if not (self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None):
+            return
+        if self._homes_off_nvme() >= STAGED_HOMES - 1:
+            return  # the step stages it on demand once earlier write-backs landed
+        if any(slot.index in self._shared for slot in chunk.layout.slots):
+            return
+        with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
+            chunk.home.move_to("host", Priority.PREFETCH)
+
+    def _homes_off_nvme(self) -> int:
+        """NVMe homes staged on the host or moving (either way they hold host bytes)."""
+        return sum(
+            1
+            for c in self.chunks
+            if c.home_tier == "nvme"
+            and c.home is not None
+            and (c.home.state is ObjectState.MOVING or c.home.tier != "nvme")
+        )
 
     def _gradients_complete(self, chunk: Chunk) -> None:
         """Every used parameter of an offloaded chunk has its gradient, sent home (rule 3)."""
@@ -196,7 +227,10 @@ class StepMixin(StatesBase):
         if self._max_norm is not None:
             optimizer.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._max_norm)
         if self._repack_pending:
+            # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
+            # parameters hold no gradient now, so the new chunks step exactly the others.
             self._repack()
+            stepped = set()
         self.pool.release_all()
         self._generation += 1
         group_of = self._group_of(optimizer)
