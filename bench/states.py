@@ -17,8 +17,11 @@ the whole process life (model construction included), and tiermem's own accounti
 tier's ``peak_bytes``). ``MALLOC_MMAP_THRESHOLD_`` is set so glibc returns freed blocks
 (TRAPS 8).
 
-tiermem mode: ``rt.manage(model, torch.optim.AdamW, lr=..., grad_accumulation_steps=1)``
-(declaring the loop lets offloaded chunks step during backward), forward and backward inside
+tiermem mode: ``rt.manage(model, torch.optim.AdamW, lr=..., grad_accumulation_steps=1,
+keep_gradients=False)`` (declaring the loop lets offloaded chunks step during backward; the
+loop zeroes gradients after each step anyway, so they are dropped as soon as each chunk stepped
+and the host holds only those on their way, ``--no-free-gradients`` keeps them until step()),
+forward and backward inside
 ``rt.offload_activations(model, policy=--activations)``: the saved activations of a 200M GPT
 at batch 2x256 (~560 MB) do not fit a device budget the chunks already fill. When the plan is
 refused at the asked capacities, ``--fit`` (default) raises the refused tier to what the
@@ -199,7 +202,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             }
             rt = tiermem.Runtime(tier_config).start()
             try:
-                model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, grad_accumulation_steps=1)
+                model, optimizer = rt.manage(
+                    model,
+                    torch.optim.AdamW,
+                    lr=1e-4,
+                    grad_accumulation_steps=1,
+                    keep_gradients=not args.free_gradients,
+                )
                 break
             except StatesMemoryError as exc:
                 rt.close()
@@ -338,6 +347,7 @@ def _run_worker(args: argparse.Namespace, mode: str, size: str, path: str) -> di
         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--nvme-path={path}",
         f"--device-fraction={args.device_fraction}", f"--host-fraction={args.host_fraction}",
         f"--activations={args.activations}", f"--threads={args.threads}", "--fit" if args.fit else "--no-fit",
+        "--free-gradients" if args.free_gradients else "--no-free-gradients",
     ]  # fmt: skip
     out = subprocess.run(command, env=env, capture_output=True, text=True)
     if out.returncode != 0:
@@ -467,6 +477,10 @@ def main() -> int:
     parser.add_argument("--activations", default="nvme", choices=["none", "auto", "keep", "nvme", "recompute", "host"],
                         help="rt.offload_activations policy in tiermem mode ('none': not used)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--free-gradients", action=argparse.BooleanOptionalAction, default=True,
+                        help="rt.manage(keep_gradients=False): offloaded chunks drop their gradients once they "
+                        "stepped during backward, as the loop's zero_grad() would next (default: on; the host then "
+                        "only holds gradients on their way home)"),
     parser.add_argument("--nvme-path", default=None, help="directory for NVMe files (default: a temp dir in $TMPDIR)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -520,7 +534,7 @@ def main() -> int:
     machine["elapsed_s"] = round(time.perf_counter() - started, 1)
     summaries = {size: _summarize(results[size]) for size in sizes}
     settings = {k: getattr(args, k) for k in ("steps", "warmup", "rounds", "device_fraction", "host_fraction",
-                                              "fit", "activations", "threads")}
+                                              "fit", "activations", "threads", "free_gradients")}
     if args.json:
         print(json.dumps({"machine": machine, "settings": settings, "sizes": summaries, "left_behind": leftovers},
                          indent=2))
