@@ -14,6 +14,17 @@
 6. Every issued block is tracked by its move; a move completes (done, failed or
    cancelled) only when none of its blocks are in flight, so after ``wait()`` the
    caller may free or reuse both buffers.
+7. Runs: where the executing tier is ``vectored`` (it splits a request into block-sized
+   I/Os itself: the NVMe tier), the blocks of one move admitted together go to it as one
+   call on one buffer view — a *run* of contiguous blocks, one future, one submission.
+   Rules 3-5 still count every block of a run (a run of k blocks takes k request slots and
+   its bytes), so the device sees the same block-sized requests at the same depth; what
+   goes is the Python work per block (a future, a view, a dispatch), which is what limits
+   small blocks on a small machine (TRAPS 15). A run takes at most ``RUN_SHARE`` of the
+   tier's queue depth, so runs land staggered and the queue refills as each one does,
+   instead of draining to empty before the next batch; and rule 1's granularity becomes
+   "after each run", at most a quarter of the queue. A run fails as a whole when any of
+   its blocks fails (the move fails with it, as it would for one failed block).
 
 All scheduler state is touched only on the loop thread; the training thread talks to
 it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures. Tiers
@@ -52,6 +63,8 @@ log = logging.getLogger("tiermem.scheduler")
 PREFETCH_SHARE = 0.75
 #: Memory-to-memory copies have no queue to overtake in; bigger blocks cost less overhead.
 MEMORY_BLOCK_SIZE = 8 << 20
+#: The most of a vectored tier's queue depth one run may take (rule 7).
+RUN_SHARE = 0.25
 
 
 @dataclass
@@ -62,7 +75,7 @@ class _Move:
     executor: Tier
     block_size: int
     issued: int = 0  # bytes issued so far
-    inflight: int = 0  # blocks in flight
+    inflight: int = 0  # runs in flight (a run is one call to the executing tier, rule 7)
     error: BaseException | None = None
     cancelled: bool = False
     queued: bool = True
@@ -70,6 +83,8 @@ class _Move:
     # TRAPS 15): the distinct tiers whose in-flight bytes it holds, and its link's counters.
     tier_names: tuple[str, ...] = ()
     link: _Link | None = None
+    #: The most blocks one call to the executor may carry (rule 7); 1 for tiers that are not vectored.
+    max_run: int = 1
 
     @property
     def remaining(self) -> int:
@@ -132,8 +147,8 @@ class AsyncioScheduler:
         self._inflight_requests: dict[str, int] = collections.defaultdict(int)
         self._counters = _Counters()
         self._waits = WaitRecorder()
-        # Finished blocks, from tier threads to the loop (see the module docstring).
-        self._landed: collections.deque[tuple[_Move, int, int, Future[None], float]] = collections.deque()
+        # Finished runs, from tier threads to the loop (see the module docstring).
+        self._landed: collections.deque[tuple[_Move, int, int, int, Future[None], float]] = collections.deque()
         self._drain_scheduled = False
         self._closed = False
         self._close_lock = threading.Lock()
@@ -173,6 +188,7 @@ class AsyncioScheduler:
             executor,
             max(self.block_size, MEMORY_BLOCK_SIZE) if memory_only else self.block_size,
             tier_names=tuple(dict.fromkeys((src.tier.name, dst.tier.name))),
+            max_run=max(1, int(executor.queue_depth * RUN_SHARE)) if executor.vectored else 1,
         )
         with self._close_lock:  # close() cannot begin between the check and the hand-over
             if self._closed:
@@ -281,12 +297,14 @@ class AsyncioScheduler:
         bound = self.tier_max_inflight.get(tier.name, self.max_inflight)
         return int(bound * PREFETCH_SHARE) if priority == Priority.PREFETCH else bound
 
-    def _admits(self, move: _Move, nbytes: int, held: set[str]) -> bool:
-        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on."""
+    def _admits(self, move: _Move, nbytes: int, held: set[str], slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
+        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
+        ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
+        counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
         transfer = move.transfer
         executor = move.executor
         priority = transfer.priority
-        slots = self._inflight_requests[executor.name]
+        slots = self._inflight_requests[executor.name] + slots_ahead
         if slots >= executor.queue_depth:
             return False
         if priority == Priority.PREFETCH and slots and slots >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
@@ -294,29 +312,48 @@ class AsyncioScheduler:
         for tier in (transfer.src.tier, transfer.dst.tier):
             if priority > Priority.DEMAND and tier.name in held:
                 return False  # rule 2: nothing of lower priority slips in ahead of a waiting demand
-            inflight = self._inflight_bytes[tier.name]
+            inflight = self._inflight_bytes[tier.name] + bytes_ahead
             if inflight and inflight + nbytes > self._limit(tier, priority):
                 return False
         return True
 
+    def _admitted_run(self, move: _Move, held: set[str]) -> tuple[int, int]:
+        """How much of ``move`` to issue now: (bytes, blocks), (0, 0) when rules 2-5 admit
+        nothing. Blocks are admitted one by one, as if each were issued alone, up to the
+        move's run length (rule 7), so a run never holds more than its blocks would."""
+        block, remaining = move.block_size, move.remaining
+        length = min(block, remaining)
+        if not self._admits(move, length, held):
+            return 0, 0
+        total, blocks = length, 1
+        while blocks < move.max_run and total < remaining:
+            length = min(block, remaining - total)
+            if not self._admits(move, length, held, blocks, total):
+                break
+            total += length
+            blocks += 1
+        return total, blocks
+
     def _dispatch(self) -> None:
-        """Issue every block that rules 2-5 admit, highest priority first."""
+        """Issue every block that rules 2-5 admit, highest priority first (in runs, rule 7)."""
         held: set[str] = set()
         for priority in Priority:
             queue = self._queues[priority]
             for move in list(queue):
                 while move.remaining > 0 and move.queued:
-                    length = min(move.block_size, move.remaining)
-                    if not self._admits(move, length, held):
+                    length, blocks = self._admitted_run(move, held)
+                    if not blocks:
                         if priority == Priority.DEMAND:
                             held.update((move.transfer.src.tier.name, move.transfer.dst.tier.name))
                         break
-                    self._issue(move, length)
+                    self._issue(move, length, blocks)
                 if move.remaining == 0 and move.queued:
                     queue.remove(move)
                     move.queued = False
 
-    def _issue(self, move: _Move, length: int) -> None:
+    def _issue(self, move: _Move, length: int, blocks: int = 1) -> None:
+        """Hand ``blocks`` contiguous blocks (``length`` bytes) of ``move`` to its executor
+        in one call: a run (rule 7), or a single block."""
         transfer = move.transfer
         src, dst = transfer.src, transfer.dst
         src_off = move.src_offset + move.issued
@@ -338,7 +375,7 @@ class AsyncioScheduler:
         move.inflight += 1
         for name in move.tier_names:
             self._inflight_bytes[name] += span
-        self._inflight_requests[move.executor.name] += 1
+        self._inflight_requests[move.executor.name] += blocks
         link = move.link
         if link is None:
             link = self._counters.links.get(transfer.link)
@@ -349,10 +386,10 @@ class AsyncioScheduler:
         if link.inflight == 0:
             link.busy_since = issued_at
         link.inflight += 1
-        future.add_done_callback(lambda f: self._block_landed((move, span, length, f, issued_at)))
+        future.add_done_callback(lambda f: self._block_landed((move, span, length, blocks, f, issued_at)))
 
-    def _block_landed(self, block: tuple[_Move, int, int, Future[None], float]) -> None:
-        """Any thread: hand a finished block to the loop, waking it only if no drain is due.
+    def _block_landed(self, block: tuple[_Move, int, int, int, Future[None], float]) -> None:
+        """Any thread: hand a finished run (or block) to the loop, waking it only if no drain is due.
 
         The flag is cleared by the drain *before* it empties the deque, and set here *after*
         the append, so a block is either taken by a drain already running or schedules one."""
@@ -386,13 +423,21 @@ class AsyncioScheduler:
         return length
 
     def _block_done(
-        self, move: _Move, span: int, length: int, future: Future[None], issued_at: float, *, dispatch: bool = True
+        self,
+        move: _Move,
+        span: int,
+        length: int,
+        blocks: int,
+        future: Future[None],
+        issued_at: float,
+        *,
+        dispatch: bool = True,
     ) -> None:
         transfer = move.transfer
         move.inflight -= 1
         for name in move.tier_names:
             self._inflight_bytes[name] -= span
-        self._inflight_requests[move.executor.name] -= 1
+        self._inflight_requests[move.executor.name] -= blocks
         link = move.link
         if link is None:
             raise internal_error("a block finished on a move that never issued one")
@@ -402,7 +447,7 @@ class AsyncioScheduler:
         exc = future.exception()
         if exc is None:
             link.bytes += length
-            link.requests += 1
+            link.requests += blocks  # blocks, as the device counts requests (a run is several)
         elif move.error is None:
             move.error = exc
             self._unqueue(move)

@@ -167,6 +167,52 @@ def test_buffered_fallback_is_said_and_measured(
     assert list(tmp_path.iterdir()) == []
 
 
+# -- runs (raw calls of several blocks, as the scheduler issues them) ------------------------------
+@pytest.mark.parametrize(("run_blocks", "longest"), [("auto", 2), ("1", 1), ("3", 3)])
+def test_raw_runs_move_every_byte_and_count_blocks(
+    run_blocks: str, longest: int, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At QD 8, auto runs are 2 blocks (a quarter of the queue depth); 3 does not divide 8, so
+    some calls are shorter (only free slots are filled). Every byte is verified, and the
+    requests counted are blocks whatever the calls."""
+    from tiermem.tiers.nvme import NvmeTier
+
+    calls: list[int] = []
+    original = NvmeTier.write
+
+    def logged(self: NvmeTier, allocation: Any, offset: int, src: Any) -> Any:
+        calls.append(src.numel())
+        return original(self, allocation, offset, src)
+
+    monkeypatch.setattr(NvmeTier, "write", logged)
+    report = bench_json(
+        capsys, "--path", str(tmp_path), "--size", "2MiB", "--block-size", "64KiB", "--queue-depth", "8",
+        "--repeats", "2", "--run-blocks", run_blocks, "--verify",
+    )  # fmt: skip
+    check_shape(report)
+    assert report["machine"]["run_blocks"] == (run_blocks if run_blocks == "auto" else int(run_blocks))
+    block = 64 << 10
+    assert max(calls) == longest * block and all(c % block == 0 for c in calls)
+    assert sum(calls) == 3 * (2 << 20)  # the untimed prepare pass and two timed writes
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("inner", ["posix", "aio"])
+def test_an_io_error_inside_a_raw_run_fails_the_bench_cleanly(
+    inner: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if inner == "aio" and not aio.probe(tmp_path)[0]:
+        pytest.skip(f"aio unusable here: {aio.probe(tmp_path)[1]}")
+    backend = FaultyBackend(AioBackend() if inner == "aio" else PosixBackend(), eio_on_write=6)
+    _with_backend(monkeypatch, backend)
+    status, _out, err = bench(
+        capsys, "--path", str(tmp_path), "--size", "2MiB", "--block-size", "64KiB", "--queue-depth", "8",
+    )  # fmt: skip
+    assert status == 1, err
+    assert "write" in err and "Input/output error" in err and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
 # -- Ctrl-C ---------------------------------------------------------------------------------------
 def _start_long_run(argv: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
     # QD 1 and small blocks over many repeats: minutes of work, interrupted after a moment.
@@ -253,6 +299,9 @@ def test_interrupts_leave_no_files(tmp_path: Path) -> None:
         (["--backend", "spdk"], "expected one of auto, kvikio, aio, posix"),
         (["--tier", "host", "--backend", "posix"], "for --tier nvme"),
         (["--size", "1PiB"], "--size"),
+        (["--run-blocks", "0"], "between 1 and"),
+        (["--run-blocks", "2", "--through", "scheduler"], "only for --through raw"),
+        (["--tier", "host", "--run-blocks", "2"], "only the nvme tier"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -124,6 +124,12 @@ class Tier(abc.ABC):
     name: str
     #: True when allocations expose a tensor (device, host)
     is_memory: bool = True
+    #: True when the tier carries out a request spanning several blocks as block-sized I/Os
+    #: of its own (the NVMe tier splits every request at its stripe unit, ``block_size``),
+    #: so a scheduler may hand it a *run* of contiguous blocks in one call — one future, one
+    #: buffer view, one submission — without the device seeing larger requests. A run's
+    #: future completes when all of its blocks have, and fails as a whole if any block does.
+    vectored: bool = False
 
     def __init__(self, name: str, capacity: int, *, queue_depth: int = 2) -> None:
         if name not in TIER_NAMES:

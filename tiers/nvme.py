@@ -193,6 +193,9 @@ class NvmeTier(Tier):
     """
 
     is_memory = False
+    #: Every request is split at stripe-unit boundaries into I/Os of at most ``block_size``
+    #: (rule 2), so a scheduler may hand it runs of contiguous blocks in one call.
+    vectored = True
 
     def __init__(
         self,

@@ -70,6 +70,9 @@ class BenchSpec:
     repeats: int = 3
     through: str = "raw"
     verify: bool = False
+    #: Raw passes: the most blocks per call to the tier; None: as the scheduler runs them
+    #: (a quarter of the queue depth on the nvme tier, 1 elsewhere). See ``passes``.
+    run_blocks: int | None = None
 
     def cases(self) -> list[tuple[int, int]]:
         return list(itertools.product(self.block_sizes, self.queue_depths))
@@ -205,6 +208,9 @@ def machine_facts(spec: BenchSpec, tier_facts: dict[str, Any], notes: Sequence[s
         "tier": spec.tier,
         "through": spec.through,
         "verify": spec.verify,
+        # Raw passes: most blocks per tier call ("auto": a quarter of the queue depth on the
+        # nvme tier, as the scheduler's runs; 1 elsewhere). The device sees block-sized I/Os.
+        "run_blocks": "auto" if spec.run_blocks is None else spec.run_blocks,
     }
     if spec.tier == "nvme":
         filesystems = []
@@ -246,6 +252,7 @@ def run_benchmark(
             through=spec.through,
             paths=list(spec.paths),
             backend=spec.backend,
+            run_blocks=spec.run_blocks,
         ) as env:
             if machine is None:
                 machine = machine_facts(spec, env.describe(), env.notes)

@@ -2,13 +2,18 @@
 
 A *case* is one (block size, queue depth) of one tier, reached one of two ways:
 
-- ``raw``: straight through the tier's ``write``/``read``, one request per block, with
-  exactly ``queue_depth`` requests in flight (a new one is issued as one completes, as
-  fio's ``iodepth`` does), between the tier and a host buffer.
+- ``raw``: straight through the tier's ``write``/``read``, between the tier and a host
+  buffer, with at most ``queue_depth`` blocks in flight (new ones are issued as soon as
+  slots free, as fio's ``iodepth`` does). On a vectored tier (NVMe) the blocks go in
+  *runs*, as the scheduler issues them (its rule 7): one call of up to ``run_blocks``
+  contiguous blocks, which the tier splits into block-sized I/Os again and submits
+  together — so the device sees ``block_size`` requests, up to ``queue_depth`` of them in
+  flight, and Python pays for one call, not one per block. ``run_blocks=1`` is one call
+  per block. Requests counted are blocks; a latency is one call's (its last block's).
 - ``scheduler``: end to end, the way a managed tensor is stored and fetched: one move of
   the whole size through :class:`AsyncioScheduler` between an allocation in a peer memory
   tier and the tier under test. The scheduler splits it into blocks and keeps
-  ``queue_depth`` in flight on the NVMe tier itself (its rule 5).
+  ``queue_depth`` in flight on the NVMe tier itself (its rule 5), in runs (rule 7).
 
 A *pass* moves all ``size`` bytes once. Write passes end with ``NvmeTier.sync()`` so the
 bytes are durable when the clock stops (TRAPS 5). Read passes never come from the page
@@ -38,7 +43,7 @@ import torch
 
 from tiermem.benchio.pattern import fill_pattern, first_mismatch
 from tiermem.errors import TiermemError, TiermemWarning
-from tiermem.schedulers.asyncio_scheduler import MEMORY_BLOCK_SIZE, AsyncioScheduler
+from tiermem.schedulers.asyncio_scheduler import MEMORY_BLOCK_SIZE, RUN_SHARE, AsyncioScheduler
 from tiermem.schedulers.base import Priority, Transfer
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.device import DeviceTier
@@ -66,17 +71,25 @@ class PassResult:
 
 # -- one case -------------------------------------------------------------------------------------
 class _LatencyProbe:
-    """Times every request a tier serves (call to completion). Installed on the executing
-    tier in scheduler mode, where the requests are issued by the scheduler, not by us."""
+    """Times every call a tier serves (call to completion) and counts the requests in it.
+    Installed on the executing tier in scheduler mode, where the calls are made by the
+    scheduler, not by us. A call to a vectored tier may carry a run of blocks (scheduler
+    rule 7): it counts as that many requests, its latency is its last block's."""
 
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self.latencies: list[float] = []
+        self.requests = 0
 
-    def wrap(self, method: Callable[[Allocation, int, torch.Tensor], Future[None]]) -> Callable[..., Future[None]]:
+    def wrap(
+        self, tier: Tier, method: Callable[[Allocation, int, torch.Tensor], Future[None]]
+    ) -> Callable[..., Future[None]]:
         latencies = self.latencies
+        block = self.block_size if tier.vectored else 0
 
         def timed(allocation: Allocation, offset: int, buffer: torch.Tensor) -> Future[None]:
             start = time.perf_counter()
+            self.requests += -(-buffer.numel() // block) if block else 1
             future = method(allocation, offset, buffer)
             # Closes over a float and a list only: no buffer kept alive (TRAPS 14).
             future.add_done_callback(lambda _f: latencies.append(time.perf_counter() - start))
@@ -136,6 +149,7 @@ class CaseEnv:
         through: str,
         paths: list[str],
         backend: Any,
+        run_blocks: int | None = None,
     ) -> None:
         self.tier_name = tier_name
         self.size = size
@@ -143,10 +157,12 @@ class CaseEnv:
         self.queue_depth = queue_depth
         self.through = through
         self.notes: list[str] = []
+        #: Raw passes: the most blocks in one call to the tier (None: as the scheduler runs them).
+        self.run_blocks = 1
         self._tiers: list[Tier] = []
         self._scheduler: AsyncioScheduler | None = None
-        self._probe = _LatencyProbe()
-        self._views: list[torch.Tensor] | None = None
+        self._probe = _LatencyProbe(block_size)
+        self._views: dict[tuple[int, int], torch.Tensor] = {}
         self.peer: Tier | None = None
         self.peer_alloc: Allocation | None = None
         capacity = round_up(size, ALIGNMENT)
@@ -154,6 +170,16 @@ class CaseEnv:
             self.tier = self._make_tier(tier_name, capacity, paths, backend)
             self.alloc = self.tier.allocate(size)
             self.direct = bool(self.tier.describe().get("direct", False))
+            if run_blocks is None:
+                # The scheduler's run length for this tier (its rule 7): 1 where the tier is
+                # not vectored, since there a call of several blocks would be one larger I/O.
+                run_blocks = max(1, int(queue_depth * RUN_SHARE)) if self.tier.vectored else 1
+            elif run_blocks > 1 and not self.tier.vectored:
+                raise ValueError(
+                    f"tiermem bench io: runs of {run_blocks} blocks need a tier that splits a call into "
+                    f"block-sized I/Os (the nvme tier); the {tier_name} tier would do one larger copy"
+                )
+            self.run_blocks = max(1, min(int(run_blocks), queue_depth))
             if through == "raw":
                 # The host side of the I/O: 4096-aligned so O_DIRECT runs zero-copy (TRAPS 5).
                 if tier_name == "device" and torch.cuda.is_available():
@@ -175,8 +201,8 @@ class CaseEnv:
                 block = max(block_size, MEMORY_BLOCK_SIZE) if self.tier.is_memory else block_size
                 self._scheduler = AsyncioScheduler(max_inflight=block * queue_depth, block_size=block_size)
                 for tier in self._tiers:
-                    tier.write = self._probe.wrap(tier.write)  # type: ignore[method-assign]
-                    tier.read = self._probe.wrap(tier.read)  # type: ignore[method-assign]
+                    tier.write = self._probe.wrap(tier, tier.write)  # type: ignore[method-assign]
+                    tier.read = self._probe.wrap(tier, tier.read)  # type: ignore[method-assign]
         except BaseException:
             self.close()
             raise
@@ -251,59 +277,74 @@ class CaseEnv:
 
     def _raw_pass(self, op: str) -> PassResult:
         tier, alloc, block, depth = self.tier, self.alloc, self.block_size, self.queue_depth
+        size, max_run = self.size, self.run_blocks
         issue = tier.write if op == "write" else tier.read
-        if self._views is None:
-            # Sliced once, outside the clock: fio does not build its buffers per request either.
-            self._views = [self.buffer[o : o + block] for o in range(0, self.size, block)]
         views = self._views
-        count = len(views)
-        starts = [0.0] * count
-        ends = [0.0] * count
         # Completions come back through a SimpleQueue (C, no Python-level lock or Condition):
         # the harness should cost per request as little as fio's does, so small requests
         # measure the tier, not this loop (TRAPS 15).
         landed: queue.SimpleQueue[int] = queue.SimpleQueue()
         perf = time.perf_counter
+        starts: list[float] = []
+        ends: list[float] = []
 
         def on_done(index: int, _future: Future[None]) -> None:
             ends[index] = perf()
             landed.put(index)
 
-        # Only the requests in flight are kept: holding every future of a pass (tens of
+        # Only the calls in flight are kept: holding every future of a pass (tens of
         # thousands at 64 KiB) would make the harness churn memory the tier does not.
-        pending: dict[int, Future[None]] = {}
+        pending: dict[int, tuple[Future[None], int]] = {}
         error: BaseException | None = None
-        issued = 0
+        inflight = 0  # blocks in flight, at most ``depth``: the queue depth counts blocks, not calls
+        offset = 0
         start_all = perf()
         try:
-            for index in range(count):
-                if len(pending) >= depth:
-                    error = pending.pop(landed.get()).exception()  # done: exception() does not wait
-                    if error is not None:
-                        break
-                starts[index] = perf()
-                future = issue(alloc, index * block, views[index])
-                pending[index] = future
-                issued += 1
+            while offset < size:
+                while inflight >= depth:
+                    future, blocks = pending.pop(landed.get())
+                    inflight -= blocks
+                    error = error or future.exception()  # done: exception() does not wait
+                if error is not None:
+                    break
+                # As the scheduler does (its rule 7): as many blocks as there are free slots,
+                # at most a run's worth, in one call on one view.
+                blocks = min(max_run, depth - inflight)
+                nbytes = min(blocks * block, size - offset)
+                key = (offset, nbytes)
+                view = views.get(key)
+                if view is None:
+                    # Sliced once (the untimed prepare pass fills this cache): fio does not
+                    # build its buffers per request either.
+                    view = views[key] = self.buffer[offset : offset + nbytes]
+                index = len(starts)
+                starts.append(perf())
+                ends.append(0.0)
+                future = issue(alloc, offset, view)
+                pending[index] = (future, blocks)
+                inflight += blocks
+                offset += nbytes
                 future.add_done_callback(functools.partial(on_done, index))
-            while pending:  # every issued request puts its index exactly once
-                error = error or pending.pop(landed.get()).exception()
+            while pending:  # every issued call puts its index exactly once
+                future, _blocks = pending.pop(landed.get())
+                error = error or future.exception()
         finally:
             # Every request in flight must land before anyone frees or reuses the buffer, on
             # an error or Ctrl-C too (NvmeTier futures cannot be cancelled). Wait on the
             # futures themselves: a Ctrl-C may have left the loop above with puts pending.
-            concurrent.futures.wait(list(pending.values()))
+            concurrent.futures.wait([future for future, _blocks in pending.values()])
         if error is not None:
             raise error
         if op == "write":
             _sync(tier)
         seconds = perf() - start_all
-        return PassResult(seconds, issued, [e - s for s, e in zip(starts[:issued], ends[:issued], strict=True)])
+        return PassResult(seconds, -(-size // block), [e - s for s, e in zip(starts, ends, strict=True)])
 
     def _scheduler_pass(self, op: str) -> PassResult:
         scheduler, peer_alloc = self._scheduler, self.peer_alloc
         assert scheduler is not None and peer_alloc is not None
         self._probe.latencies.clear()
+        self._probe.requests = 0
         start = time.perf_counter()
         if op == "write":  # a store: write-back priority, as Runtime.store uses
             _wait(scheduler.submit(peer_alloc, self.alloc, nbytes=self.size, priority=Priority.WRITEBACK))
@@ -312,7 +353,7 @@ class CaseEnv:
             _wait(scheduler.submit(self.alloc, peer_alloc, nbytes=self.size, priority=Priority.DEMAND))
         seconds = time.perf_counter() - start
         latencies = list(self._probe.latencies)
-        return PassResult(seconds, len(latencies), latencies)
+        return PassResult(seconds, self._probe.requests, latencies)
 
     def _drop_page_cache(self) -> None:
         """Buffered I/O only: flush, then ask the kernel to drop the files' cached pages

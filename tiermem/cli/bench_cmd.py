@@ -86,6 +86,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="{raw,scheduler}",
         help="raw: the tier's own read/write; scheduler: end to end, a managed tensor's store/fetch (default raw)",
     )
+    io.add_argument(
+        "--run-blocks",
+        default="auto",
+        metavar="{auto,N}",
+        help=(
+            "raw, nvme: most blocks per call to the tier, which splits each call into block-sized I/Os "
+            "(default auto: a quarter of the queue depth, as the scheduler's runs; 1: a call per block)"
+        ),
+    )
     io.add_argument("--verify", action="store_true", help="check every byte read back; mismatches fail the run")
     io.add_argument("--json", action="store_true", help="print JSON for scripts instead of a table")
 
@@ -179,6 +188,17 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         )
     else:
         depths = SWEEP_QUEUE_DEPTHS if args.sweep else (32,)
+    through = _choice("--through", args.through, THROUGH)
+    run_blocks: int | None = None
+    if args.run_blocks != "auto":
+        run_blocks = _int("--run-blocks", args.run_blocks, 1, _MAX_QUEUE_DEPTH)
+        if through != "raw":
+            raise UsageError("--run-blocks: only for --through raw; the scheduler sizes its own runs")
+        if tier != "nvme" and run_blocks > 1:
+            raise UsageError(
+                f"--run-blocks {run_blocks}: only the nvme tier splits a call into block-sized I/Os; "
+                f"the {tier} tier would do one larger copy"
+            )
     return BenchSpec(
         tier=tier,
         backend=backend,
@@ -188,8 +208,9 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
         queue_depths=depths,
         ops=_OPS[_choice("--op", args.op, tuple(_OPS))],
         repeats=_int("--repeats", args.repeats, 1, 10_000),
-        through=_choice("--through", args.through, THROUGH),
+        through=through,
         verify=args.verify,
+        run_blocks=run_blocks,
     )
 
 
@@ -265,6 +286,16 @@ def _header_lines(machine: dict[str, Any], spec: BenchSpec) -> list[str]:
         pinned = f", pinned: {'yes' if facts['pinned'] else 'no'}" if "pinned" in facts else ""
         lines.append(f"tier: {facts.get('tier')} memory on {facts.get('device')}{pinned}")
     lines.append(f"page cache: {machine['page_cache']}")
+    if spec.tier == "nvme":
+        runs = spec.run_blocks
+        how = (
+            "one call per block"
+            if runs == 1
+            else f"calls of up to {'QD/4' if runs is None else runs} contiguous blocks each, which the tier "
+            "splits into block-sized I/Os and submits together"
+        )
+        who = "raw" if spec.through == "raw" else "the scheduler (its rule 7)"
+        lines.append(f"requests: {who} issues {how}; at most the queue depth of blocks in flight")
     lines += [f"note: {note}" for note in machine.get("notes", [])]
     return lines
 
@@ -292,7 +323,10 @@ def _print_table(report: BenchReport) -> None:
     # Piped output gets a fixed width, so a table saved to a file does not wrap at 80 columns.
     console = Console(width=None if sys.stdout.isatty() else 120, soft_wrap=False)
     console.print(table)
-    print("MiB/s: median (min, max) over the repeats; req/s: median; latency per request, over all repeats")
+    print(
+        "MiB/s: median (min, max) over the repeats; req/s: blocks, median; "
+        "latency per call to the tier (a run: its last block), over all repeats"
+    )
 
 
 class _Progress:
