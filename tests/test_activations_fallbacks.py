@@ -14,7 +14,7 @@ from torch import nn
 
 import tiermem
 from tests.test_activations import Decoder, _assert_identical, _batch, _settled_activations, _step, offloaded
-from tiermem.activations import ActivationMemoryError, BlockPolicy
+from tiermem.activations import ActivationMemoryError, ActivationOffloader, BlockPolicy
 from tiermem.activations.fallback import MAX_OUTAGE_FORWARDS, ModelMemory, WriteLedger, decide
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
@@ -106,6 +106,74 @@ def test_auto_fits_a_device_budget_of_about_one_block(tmp_path):
         assert stats["fallbacks"] == sum(reasons.values())
         assert stats["peak_resident_bytes"] <= 1 << 20
         assert offloaded(stats, "nvme")  # the other blocks still went to disk
+    assert list(tmp_path.iterdir()) == []
+
+
+def _synchronous_write_backs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every write-back lands before the next tensor is saved, so what the device holds
+    when backward starts (and at each unpack) does not depend on the machine's load."""
+    original = ActivationOffloader._write_back
+
+    def write_back(self, handle, group):
+        original(self, handle, group)
+        with contextlib.suppress(Exception):  # a failure is the ledger's to report
+            handle.wait()
+
+    monkeypatch.setattr(ActivationOffloader, "_write_back", write_back)
+
+
+def test_prefetch_never_takes_the_room_a_demand_fetch_needs(tmp_path, monkeypatch):
+    """Regression (issue 4): at 840 KiB the kept last block does not fit and is partly
+    evicted to NVMe in forward. Backward's first unpack in that block prefetched the
+    blocks before it *before* fetching the block's own evicted tensors on demand, so the
+    prefetches took the room and backward died with ActivationMemoryError. Unpack now
+    fetches on demand first and prefetches the rest of its own block before earlier
+    blocks (each in reverse pack order). Deterministic: write-backs land synchronously."""
+    _synchronous_write_backs(monkeypatch)
+    torch.manual_seed(0)
+    model = Decoder(layers=6)
+    want = _step(model, contextlib.nullcontext())
+    with tiermem.Runtime(_config(tmp_path, "840KiB")) as rt:
+        for _ in range(2):  # the first step evicts the kept block; the second decides from sizes
+            offloader = rt.offload_activations(model, policy="nvme")
+            _assert_identical(_step(model, offloader), want)
+        assert "device_full->evict:nvme" in _reasons(offloader)
+        stats = _settled_activations(rt)
+        assert stats["resident_bytes"] == 0 and stats["bytes_read"]["nvme"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatch):
+    """Rule 5's backstop: when prefetches hold the room a demand fetch needs (here forced
+    by prefetching the earlier blocks before every demand, as unpack did before issue 4),
+    the prefetched objects backward needs last are written back to NVMe until it fits,
+    instead of an ActivationMemoryError; gradients stay bitwise those of plain PyTorch."""
+    _synchronous_write_backs(monkeypatch)
+    demand, prefetch = ActivationOffloader._demand, ActivationOffloader._prefetch_before
+
+    def earlier_blocks_only(self, group):  # never the rest of the block being unpacked
+        earlier = self._groups.get((group.forward_id, group.index - 1))
+        if earlier is not None:
+            prefetch(self, earlier)
+
+    def prefetch_first(self, handle, group):
+        if group is not None:
+            self._prefetch_before(group)  # takes the free room before the demand can
+        demand(self, handle, group)
+
+    monkeypatch.setattr(ActivationOffloader, "_prefetch_before", earlier_blocks_only)
+    monkeypatch.setattr(ActivationOffloader, "_demand", prefetch_first)
+    torch.manual_seed(0)
+    model = Decoder(layers=6)
+    want = _step(model, contextlib.nullcontext())
+    with tiermem.Runtime(_config(tmp_path, "840KiB")) as rt:
+        for _ in range(2):
+            offloader = rt.offload_activations(model, policy="nvme")
+            _assert_identical(_step(model, offloader), want)
+        assert offloader.counters.prefetch_released > 0
+        stats = _settled_activations(rt)
+        assert stats["resident_bytes"] == 0
+        assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
     assert list(tmp_path.iterdir()) == []
 
 

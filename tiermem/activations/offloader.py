@@ -19,10 +19,15 @@
    check off) and raises PyTorch's error on a mismatch; a block's saved tensors are held
    until its forward ends and checked there too, since most in-place changes happen
    inside the block, to tensors that are gone by backward; serves a tensor whose write is in
-   flight from memory and cancels that write (forwarding); prefetches the ``lookahead``
-   blocks before it in reverse forward order, in order and only into free device bytes
-   (a prefetch never takes the room a block needed sooner must be fetched into), and
-   cancels their writes still in flight; and otherwise fetches on demand.
+   flight from memory and cancels that write (forwarding); otherwise starts its fetch on
+   demand *before* any prefetch; then prefetches the rest of its block and the
+   ``lookahead`` blocks before it, in the order backward needs them (reverse forward order,
+   each block's tensors in reverse pack order) and only into free device bytes, stopping
+   at the first that does not fit, and cancels their writes still in flight. So a
+   prefetch never takes the room something needed sooner must be fetched into. Should a
+   demand still find no room (a guess of the order that autograd did not follow), it waits
+   for the write-backs in flight, then writes prefetched objects nobody unpacked yet back
+   to their tier, the one needed last first; the clear error only when nothing is left.
 6. A saved activation is freed when autograd drops it (the graph is released), never at
    unpack: ``retain_graph=True`` unpacks again (TRAPS 9).
 7. A tier that fails (disk full, I/O error, tier full) or a device budget that runs short
@@ -58,8 +63,8 @@ from tiermem.activations.policy import (
     flexible_blocks,
     resolve_policies,
 )
-from tiermem.errors import StorageError, TierCapacityError, TiermemError
-from tiermem.registry import Handle, ObjectState, Registry
+from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
+from tiermem.registry import Handle, ManagedObject, ObjectState, Registry
 from tiermem.schedulers.base import Priority
 
 if TYPE_CHECKING:
@@ -86,6 +91,8 @@ class ActivationCounters:
     offloaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
     fetched_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
     fallbacks: int = 0
+    #: Prefetched objects written back again to make room for a demand fetch (rule 5).
+    prefetch_released: int = 0
     #: Fallbacks by ``"<cause>-><action>"`` (NOTE [ Activation fallbacks ] rule 6).
     fallback_reasons: dict[str, int] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -199,6 +206,10 @@ class ActivationOffloader:
         self._lock = threading.Lock()
         #: Fallbacks already reported, by (forward, block, reason): one warning each.
         self._reported: set[tuple[int, int, str]] = set()
+        #: Objects prefetched for backward and not unpacked since, by object id: (object,
+        #: its block, the tier it came from, its place in that block's order). A demand
+        #: fetch that finds no room may give them back (rule 5).
+        self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], _Group, str, int]] = {}
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -260,6 +271,7 @@ class ActivationOffloader:
                     self.memory.forward_started()
                     self._forward_id = self.memory.forwards
                     self._reported.clear()
+                    self._prefetched.clear()
                     self._prune()
                 self._last_index = index
                 group = _Group(
@@ -589,38 +601,33 @@ class ActivationOffloader:
         original = saved.tensor_ref()
         if original is not None and original._version != saved.version:
             raise _version_error(original, saved.version)
-        if saved.group is not None:
-            self._prefetch_before(saved.group)
         handle: Handle = saved.handle
         obj = handle.obj
+        group = saved.group
+        # Backward needs this object now: it is no prefetch that a demand may take back.
+        self._prefetched.pop(obj.id, None)
         if obj.state is ObjectState.MOVING and obj.home.tier.is_memory and obj.home.tier.name == "device":
             # Forwarding: still in memory; the write is no longer needed.
             with self.counters.lock:
                 self.counters.forwarded += 1
                 self.counters.cancelled += 1
             handle.move_to("device")
+            if group is not None:
+                self._prefetch_before(group)
             return handle.tensor()
         source = obj.tier
         target = obj.target
         prefetching = obj.state is ObjectState.MOVING and target is not None and target.tier.name == "device"
         start = time.perf_counter()
+        # The demand first, prefetches after: the room it needs is never taken by blocks
+        # backward needs later (rule 5). The fetch runs while the prefetches are issued.
+        self._demand(handle, group)
+        if group is not None:
+            self._prefetch_before(group)
         try:
             tensor = handle.tensor("device")
-        except TierCapacityError as exc:
-            group = saved.group
-            where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
-            unknown = (
-                " Nothing was measured of this block when it started (a model's first forward), so it could not "
-                "be switched to recompute in time (NOTE [ Activation fallbacks ] rule 1); the next forward would."
-                if group is not None and group.flexible and group.expected is None
-                else ""
-            )
-            raise ActivationMemoryError(
-                f"tiermem activations: backward needs a saved tensor of {obj.nbytes} bytes ({where}) back from "
-                f"{source}, but the device budget has {exc.used} of {exc.capacity} bytes in use.{unknown} Raise "
-                "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
-                "{0: 'recompute'})."
-            ) from exc
+        except TierCapacityError as exc:  # the object left the device meanwhile (not expected)
+            raise self._demand_error(obj, source, group, exc) from exc
         if source != "device":
             with self.counters.lock:
                 self.counters.backward_wait_s += time.perf_counter() - start
@@ -628,17 +635,94 @@ class ActivationOffloader:
                     self.counters.fetched_bytes[source] += obj.nbytes
         return tensor
 
+    def _demand(self, handle: Handle, group: _Group | None) -> None:
+        """Start bringing ``handle``'s object back into the device budget for backward, now
+        (rule 5). When it does not fit: wait for the write-backs in flight to land, then
+        give back prefetched objects backward needs later; the clear error only when it
+        still does not fit."""
+        obj = handle.obj
+        if obj.tier == "device" or (obj.state is ObjectState.MOVING and obj.target is not None):
+            return  # on the device, or on its way (a prefetch, promoted by the read)
+        needed = self._device_tier.reserved_size(obj.nbytes)
+        waited = False
+        while True:
+            try:
+                handle.move_to("device", Priority.DEMAND)
+                return
+            except TierCapacityError as exc:
+                if not waited and self.memory.ledger.inflight_bytes():
+                    waited = True
+                    self.memory.ledger.wait_idle()
+                    continue
+                if self._release_prefetched(needed, exclude=obj):
+                    continue
+                error = self._demand_error(obj, obj.tier, group, exc)
+                exc.__traceback__ = None  # TRAPS 15: it may hold this frame's callers
+                raise error from exc
+
+    def _demand_error(
+        self, obj: ManagedObject, source: str, group: _Group | None, exc: TierCapacityError
+    ) -> ActivationMemoryError:
+        where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
+        unknown = (
+            " Nothing was measured of this block when it started (a model's first forward), so it could not "
+            "be switched to recompute in time (NOTE [ Activation fallbacks ] rule 1); the next forward would."
+            if group is not None and group.flexible and group.expected is None
+            else ""
+        )
+        return ActivationMemoryError(
+            f"tiermem activations: backward needs a saved tensor of {obj.nbytes} bytes ({where}) back from "
+            f"{source}, but the device budget has {exc.used} of {exc.capacity} bytes in use.{unknown} Raise "
+            "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
+            "{0: 'recompute'})."
+        )
+
+    def _release_prefetched(self, needed: int, exclude: ManagedObject) -> bool:
+        """Rule 5: give the device room a demand fetch needs back from prefetches, the
+        object backward needs last first: each is written back to the tier it came from
+        (synchronously; a prefetch in flight lands first) and its block is prefetched
+        again later. Only objects no saved tensor has been unpacked from since they were
+        prefetched are touched: nothing backward holds. True when one was given back."""
+        entries = sorted(self._prefetched.items(), key=lambda item: (item[1][1].index, item[1][3]))
+        released = False
+        for key, (ref, group, tier, _order) in entries:
+            if self._device_free() >= needed:
+                break
+            del self._prefetched[key]
+            obj = ref()
+            if obj is None or obj is exclude or obj.state is ObjectState.FREED:
+                continue
+            group.prefetched = False  # fetched again when there is room
+            with contextlib.suppress(Exception):  # a failed prefetch left it where it was
+                self.registry.wait(obj)
+            if obj.state is not ObjectState.RESIDENT or obj.tier != "device" or obj.refs == 0:
+                continue
+            try:
+                self.registry.move(obj, tier, Priority.DEMAND)
+                self.registry.wait(obj)
+            except (StorageError, TierCapacityError) as exc:
+                exc.__traceback__ = None  # TRAPS 15
+                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                continue
+            except ObjectFreedError:
+                continue
+            released = True
+            with self.counters.lock:
+                self.counters.prefetch_released += 1
+        return released
+
     def _prefetch_before(self, group: _Group) -> None:
-        """Rule 5: bring back the ``lookahead`` blocks backward needs next, in order, and
-        only into free device bytes: a prefetch must never take the room the block needed
-        sooner has to be fetched into (it stops at the first that does not fit, and that
-        block is tried again at the next unpack)."""
-        for index in range(group.index - 1, max(group.index - 1 - self.lookahead, -1), -1):
+        """Rule 5: bring back what backward needs next, in that order, and only into free
+        device bytes: the rest of this block, then the ``lookahead`` blocks before it,
+        each block's tensors in reverse pack order. A prefetch never takes the room
+        something needed sooner must be fetched into: it stops at the first that does not
+        fit, and that block is tried again at the next unpack."""
+        for index in range(group.index, max(group.index - 1 - self.lookahead, -1), -1):
             earlier = self._groups.get((group.forward_id, index))
             if earlier is None or earlier.prefetched:
                 continue
             earlier.prefetched = True
-            for handle in self._live_handles(earlier.saved):
+            for order, handle in enumerate(self._live_handles(earlier.saved[::-1])):
                 source = handle.tier
                 if source == "device":
                     obj = handle.obj
@@ -652,7 +736,7 @@ class ActivationOffloader:
                     continue
                 if handle.state is not ObjectState.RESIDENT:
                     continue
-                if handle.obj.nbytes > self._device_free():
+                if self._device_tier.reserved_size(handle.obj.nbytes) > self._device_free():
                     earlier.prefetched = False
                     return
                 try:
@@ -662,6 +746,7 @@ class ActivationOffloader:
                     return
                 except Exception:  # noqa: BLE001 - a failed prefetch surfaces at the demand fetch
                     continue
+                self._prefetched[handle.obj.id] = (weakref.ref(handle.obj), earlier, source, -order)
                 with self.counters.lock:
                     self.counters.fetched_bytes[source] += handle.obj.nbytes
 
