@@ -172,6 +172,7 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
             _assert_identical(_step(model, offloader), want)
         assert offloader.counters.prefetch_released > 0
         stats = _settled_activations(rt)
+        assert stats["prefetch_released"] == offloader.counters.prefetch_released
         assert stats["resident_bytes"] == 0
         assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
     assert list(tmp_path.iterdir()) == []

@@ -324,6 +324,7 @@ class Runtime:
                 dedup_hits=c.dedup_hits,
                 forwarded=c.forwarded,
                 cancelled=c.cancelled,
+                prefetch_released=c.prefetch_released,
                 fallbacks=c.fallbacks,
                 fallback_reasons=dict(c.fallback_reasons),
             )

@@ -29,6 +29,9 @@ class ActivationStatistics:
     dedup_hits: int = 0
     forwarded: int = 0
     cancelled: int = 0
+    #: Prefetched saved tensors written back to their tier to make room for a demand read
+    #: (NOTE [ Activation offload rules ] 5): a sign the look-ahead is too long for the device budget.
+    prefetch_released: int = 0
     fallbacks: int = 0
     #: Fallbacks by ``"<cause>-><action>"`` (NOTE [ Activation fallbacks ] rule 6).
     fallback_reasons: Mapping[str, int] = field(default_factory=dict)
@@ -44,6 +47,7 @@ class ActivationStatistics:
             "dedup_hits": self.dedup_hits,
             "forwarded": self.forwarded,
             "cancelled": self.cancelled,
+            "prefetch_released": self.prefetch_released,
             "fallbacks": self.fallbacks,
             "fallback_reasons": dict(self.fallback_reasons),
         }

@@ -130,7 +130,7 @@ class WriteLedger:
     ) -> None:
         # Read from the object's state, never via transfer.exception(): that re-raises the
         # stored error, whose traceback then holds this caller's frames (a saved-tensor
-        # hook's, with the saved tensor) while the object keeps the error: TRAPS 15.
+        # hook's, with the saved tensor) while the object keeps the error: TRAPS 16.
         # The registry's own callback ran first: the object is home on ``tier`` if the
         # write landed, with ``error`` set if it failed (NOTE [ Managed object rules ] 2).
         obj = ref()

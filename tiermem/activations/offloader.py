@@ -550,7 +550,7 @@ class ActivationOffloader:
                     handle.move_to(tier, Priority.DEMAND)
                     handle.wait()
                 except (StorageError, TierCapacityError) as exc:
-                    exc.__traceback__ = None  # TRAPS 15: it may hold this frame's callers
+                    exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
                     self.memory.tier_failed(tier, failure_cause(exc), str(exc))
                     continue
                 with self.counters.lock:
@@ -588,7 +588,7 @@ class ActivationOffloader:
             # The write failed before move_to returned, so the registry read its error on
             # this thread: Transfer.exception() re-raises it, and its traceback now holds
             # this frame and _pack's (with the saved tensor) in a cycle only the GC frees.
-            # Cut it; the failure is still reported, by message (TRAPS 15).
+            # Cut it; the failure is still reported, by message (TRAPS 16).
             error.__traceback__ = None
         if transfer is not None:
             self.memory.ledger.started(transfer, handle.obj, handle.obj.nbytes, tier, group.forward_id, group.index)
@@ -657,7 +657,7 @@ class ActivationOffloader:
                 if self._release_prefetched(needed, exclude=obj):
                     continue
                 error = self._demand_error(obj, obj.tier, group, exc)
-                exc.__traceback__ = None  # TRAPS 15: it may hold this frame's callers
+                exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
                 raise error from exc
 
     def _demand_error(
@@ -701,7 +701,7 @@ class ActivationOffloader:
                 self.registry.move(obj, tier, Priority.DEMAND)
                 self.registry.wait(obj)
             except (StorageError, TierCapacityError) as exc:
-                exc.__traceback__ = None  # TRAPS 15
+                exc.__traceback__ = None  # TRAPS 16
                 self.memory.tier_failed(tier, failure_cause(exc), str(exc))
                 continue
             except ObjectFreedError:
