@@ -12,6 +12,18 @@ from concurrent.futures import Future
 import torch
 
 from tiermem.tiers.base import Allocation, Tier
+from tiermem.tiers.device import DeviceTier
+
+#: The scheduler tests' block size.
+BLOCK = 64 << 10
+
+
+def filled(device: DeviceTier, nbytes: int, seed: int = 0) -> Allocation:
+    """A device allocation of ``nbytes`` random bytes (seeded), to move and compare."""
+    allocation = device.allocate(nbytes)
+    generator = torch.Generator().manual_seed(seed)
+    allocation.view().copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator))
+    return allocation
 
 
 class GatedTier(Tier):
@@ -83,3 +95,9 @@ class GatedTier(Tier):
             pending, self.pending = self.pending, []
         for _future, run in pending:
             run()  # type: ignore[operator]
+
+
+class VectoredGatedTier(GatedTier):
+    """A gated tier that splits a call into blocks itself, as the NVMe tier does (scheduler rule 7)."""
+
+    vectored = True

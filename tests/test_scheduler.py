@@ -9,64 +9,15 @@ import time
 import pytest
 import torch
 
-from tests.gated_tier import GatedTier
+from tests.gated_tier import BLOCK, GatedTier, filled
 from tiermem.errors import RuntimeClosedError, TransferCancelledError
 from tiermem.schedulers import AsyncioScheduler, Priority
-from tiermem.tiers.device import DeviceTier
-
-BLOCK = 64 << 10
-
-
-@pytest.fixture
-def device():
-    tier = DeviceTier(1 << 30, "cpu")
-    yield tier
-    tier.close()
-
-
-@pytest.fixture
-def gated(make_scheduler):
-    """Gated storage tiers, released at teardown so no scheduler waits forever on them."""
-    made: list[GatedTier] = []
-
-    def make(**kwargs) -> GatedTier:
-        tier = GatedTier(**kwargs)
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.gated = False
-        tier.release_all()
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def make_scheduler(request):
-    made: list[AsyncioScheduler] = []
-
-    def make(**kwargs) -> AsyncioScheduler:
-        kwargs.setdefault("block_size", BLOCK)
-        kwargs.setdefault("loop", request.param)
-        scheduler = AsyncioScheduler(debug=True, **kwargs)
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        scheduler.close()
-
-
-def _filled(device: DeviceTier, nbytes: int, seed: int = 0):
-    allocation = device.allocate(nbytes)
-    generator = torch.Generator().manual_seed(seed)
-    allocation.view().copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator))
-    return allocation
 
 
 def test_demand_fetch_overtakes_a_long_writeback(device, make_scheduler, gated):
     storage = gated(queue_depth=1)
     scheduler = make_scheduler()
-    big = _filled(device, 8 * BLOCK)
+    big = filled(device, 8 * BLOCK)
     big_dst = storage.allocate(8 * BLOCK)
     writeback = scheduler.submit(big, big_dst, priority=Priority.WRITEBACK)
     storage.wait_pending(1)  # first write-back block in flight; the rest queued behind the bound
@@ -93,7 +44,7 @@ def test_blocks_are_split_and_bytes_arrive_intact(device, make_scheduler, gated)
     storage = gated(queue_depth=4, gated=False)
     scheduler = make_scheduler()
     nbytes = 5 * BLOCK + 123
-    src = _filled(device, nbytes, seed=3)
+    src = filled(device, nbytes, seed=3)
     middle = storage.allocate(nbytes)
     back = device.allocate(nbytes)
     scheduler.submit(src, middle, priority=Priority.WRITEBACK).wait(timeout=10)
@@ -112,7 +63,7 @@ def test_blocks_are_split_and_bytes_arrive_intact(device, make_scheduler, gated)
 def test_move_larger_than_inflight_bound_proceeds_block_by_block(device, make_scheduler, gated):
     storage = gated(queue_depth=8, gated=False)
     scheduler = make_scheduler(max_inflight=BLOCK // 2)  # smaller than one block
-    src = _filled(device, 4 * BLOCK)
+    src = filled(device, 4 * BLOCK)
     dst = storage.allocate(4 * BLOCK)
     scheduler.submit(src, dst, priority=Priority.PREFETCH).wait(timeout=10)
     assert scheduler.statistics().links["device->nvme"].bytes == 4 * BLOCK
@@ -121,7 +72,7 @@ def test_move_larger_than_inflight_bound_proceeds_block_by_block(device, make_sc
 def test_inflight_bytes_stay_within_the_bound(device, make_scheduler, gated):
     storage = gated(queue_depth=64)
     scheduler = make_scheduler(max_inflight=4 * BLOCK)
-    src = _filled(device, 32 * BLOCK)
+    src = filled(device, 32 * BLOCK)
     dst = storage.allocate(32 * BLOCK)
     transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
     storage.wait_pending(4)
@@ -139,7 +90,7 @@ def test_prefetch_never_starves_writeback(device, make_scheduler, gated):
     prefetch_dst = device.allocate(64 * BLOCK)
     prefetch = scheduler.submit(prefetch_src, prefetch_dst, priority=Priority.PREFETCH)
     storage.wait_pending(3)  # prefetch may fill 3/4 of the bound
-    wb_src = _filled(device, BLOCK)
+    wb_src = filled(device, BLOCK)
     wb_dst = storage.allocate(BLOCK)
     writeback = scheduler.submit(wb_src, wb_dst, priority=Priority.WRITEBACK)
     storage.wait_pending(4)  # the write-back got the reserved share at once
@@ -153,7 +104,7 @@ def test_prefetch_never_starves_writeback(device, make_scheduler, gated):
 def test_cancel_drops_queued_blocks_and_waits_for_inflight(device, make_scheduler, gated):
     storage = gated(queue_depth=1)
     scheduler = make_scheduler()
-    src = _filled(device, 8 * BLOCK)
+    src = filled(device, 8 * BLOCK)
     dst = storage.allocate(8 * BLOCK)
     transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
     storage.wait_pending(1)
@@ -171,7 +122,7 @@ def test_cancel_drops_queued_blocks_and_waits_for_inflight(device, make_schedule
 def test_error_reaches_the_waiter_and_stops_the_move(device, make_scheduler, gated):
     storage = gated(queue_depth=1)
     scheduler = make_scheduler()
-    src = _filled(device, 4 * BLOCK)
+    src = filled(device, 4 * BLOCK)
     dst = storage.allocate(4 * BLOCK)
     transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
     storage.wait_pending(1)
@@ -205,7 +156,7 @@ def test_promote_moves_a_prefetch_ahead(device, make_scheduler, gated):
 
 def test_memory_to_memory_copies_are_asynchronous_and_exact(device, make_scheduler):
     scheduler = make_scheduler()
-    src = _filled(device, 3 * (8 << 20) + 5)
+    src = filled(device, 3 * (8 << 20) + 5)
     dst = device.allocate(src.nbytes)
     transfer = scheduler.submit(src, dst)
     transfer.wait(timeout=30)
@@ -224,7 +175,7 @@ def test_submit_after_close_is_a_clear_error(device):
 def test_close_cancels_queued_moves(device):
     storage = GatedTier(queue_depth=1)
     scheduler = AsyncioScheduler(loop="asyncio", block_size=BLOCK)
-    src = _filled(device, 4 * BLOCK)
+    src = filled(device, 4 * BLOCK)
     dst = storage.allocate(4 * BLOCK)
     transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
     storage.wait_pending(1)
@@ -245,7 +196,7 @@ def test_the_loop_is_never_blocked(device, caplog):
     # Generous: a shared 2-core machine can stall any callback for tens of milliseconds.
     scheduler._loop.slow_callback_duration = 0.25
     with caplog.at_level(logging.WARNING, logger="asyncio"):
-        src = _filled(device, 64 * BLOCK)
+        src = filled(device, 64 * BLOCK)
         dst = storage.allocate(64 * BLOCK)
         for _ in range(5):
             scheduler.submit(src, dst, priority=Priority.WRITEBACK).wait(timeout=10)
@@ -255,7 +206,7 @@ def test_the_loop_is_never_blocked(device, caplog):
 
 def test_statistics_is_an_immutable_snapshot(device, make_scheduler):
     scheduler = make_scheduler()
-    src = _filled(device, BLOCK)
+    src = filled(device, BLOCK)
     dst = device.allocate(BLOCK)
     scheduler.submit(src, dst).wait(timeout=10)
     stats = scheduler.statistics()
@@ -275,7 +226,7 @@ def test_prefetch_leaves_request_slots_for_writebacks(device, make_scheduler, ga
     storage.wait_pending(3)
     time.sleep(0.05)
     assert len(storage.pending) == 3
-    writeback = scheduler.submit(_filled(device, BLOCK), storage.allocate(BLOCK), priority=Priority.WRITEBACK)
+    writeback = scheduler.submit(filled(device, BLOCK), storage.allocate(BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(4)
     assert storage.log[3][0] == "write"
     storage.gated = False
@@ -287,11 +238,11 @@ def test_prefetch_leaves_request_slots_for_writebacks(device, make_scheduler, ga
 def test_a_waiting_demand_is_not_overtaken_by_smaller_blocks(device, make_scheduler, gated):
     storage = gated(queue_depth=64)
     scheduler = make_scheduler(max_inflight=2 * BLOCK)
-    big = scheduler.submit(_filled(device, 2 * BLOCK), storage.allocate(2 * BLOCK), priority=Priority.WRITEBACK)
+    big = scheduler.submit(filled(device, 2 * BLOCK), storage.allocate(2 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(2)  # the byte bound is full
     demand = scheduler.submit(storage.allocate(BLOCK), device.allocate(BLOCK), priority=Priority.DEMAND)
     small = [
-        scheduler.submit(_filled(device, 4096), storage.allocate(4096), priority=Priority.WRITEBACK) for _ in range(4)
+        scheduler.submit(filled(device, 4096), storage.allocate(4096), priority=Priority.WRITEBACK) for _ in range(4)
     ]
     time.sleep(0.05)
     storage.release(2)
@@ -305,8 +256,8 @@ def test_a_waiting_demand_is_not_overtaken_by_smaller_blocks(device, make_schedu
 
 def test_a_partial_move_never_pads_into_bytes_it_does_not_own(device, make_scheduler):
     scheduler = make_scheduler()
-    src = _filled(device, 8192, seed=1)
-    dst = _filled(device, 8192, seed=2)
+    src = filled(device, 8192, seed=1)
+    dst = filled(device, 8192, seed=2)
     before = dst.view().clone()
     scheduler.submit(src, dst, nbytes=100).wait(timeout=10)
     assert torch.equal(dst.view(0, 100), src.view(0, 100))
@@ -318,7 +269,7 @@ def test_a_burst_of_completions_is_dispatched_by_priority(device, make_scheduler
     # slots they free still go to the waiting demand first (rule 2), none to the write-back.
     storage = gated(queue_depth=4)
     scheduler = make_scheduler()
-    big = _filled(device, 16 * BLOCK)
+    big = filled(device, 16 * BLOCK)
     big_dst = storage.allocate(16 * BLOCK)
     writeback = scheduler.submit(big, big_dst, priority=Priority.WRITEBACK)
     storage.wait_pending(4)

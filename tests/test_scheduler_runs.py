@@ -8,77 +8,29 @@ timing is asserted.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.gated_tier import GatedTier
+from tests.gated_tier import BLOCK, GatedTier, VectoredGatedTier, filled
 from tiermem.errors import StorageIOError, TransferCancelledError
-from tiermem.schedulers import AsyncioScheduler, Priority
+from tiermem.schedulers import Priority
 from tiermem.schedulers.asyncio_scheduler import RUN_SHARE
 from tiermem.tiers.backends import aio
 from tiermem.tiers.backends.aio import AioBackend
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
-from tiermem.tiers.base import Allocation
-from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.nvme import NvmeTier
 
-BLOCK = 64 << 10
-
-
-class VectoredGatedTier(GatedTier):
-    """A gated tier that splits a call into blocks itself, as the NVMe tier does."""
-
-    vectored = True
-
 
 @pytest.fixture
-def device() -> Iterator[DeviceTier]:
-    tier = DeviceTier(1 << 30, "cpu")
-    yield tier
-    tier.close()
-
-
-@pytest.fixture(params=["asyncio", "uvloop"])
-def make_scheduler(request: pytest.FixtureRequest) -> Iterator[Callable[..., AsyncioScheduler]]:
-    made: list[AsyncioScheduler] = []
-
-    def make(**kwargs: object) -> AsyncioScheduler:
-        kwargs.setdefault("block_size", BLOCK)
-        kwargs.setdefault("loop", request.param)
-        scheduler = AsyncioScheduler(debug=True, **kwargs)  # type: ignore[arg-type]
-        made.append(scheduler)
-        return scheduler
-
-    yield make
-    for scheduler in made:
-        scheduler.close()
-
-
-@pytest.fixture
-def gated() -> Iterator[Callable[..., VectoredGatedTier]]:
-    made: list[VectoredGatedTier] = []
-
-    def make(**kwargs: object) -> VectoredGatedTier:
-        tier = VectoredGatedTier(**kwargs)  # type: ignore[arg-type]
-        made.append(tier)
-        return tier
-
-    yield make
-    for tier in made:
-        tier.gated = False
-        tier.release_all()
-
-
-def _filled(device: DeviceTier, nbytes: int, seed: int = 0) -> Allocation:
-    allocation = device.allocate(nbytes)
-    generator = torch.Generator().manual_seed(seed)
-    allocation.view().copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=generator))
-    return allocation
+def gated(gated: Callable[..., GatedTier]) -> Callable[..., GatedTier]:
+    """The shared gated tiers, vectored: they take runs, as the NVMe tier does."""
+    return functools.partial(gated, VectoredGatedTier)
 
 
 def _settle() -> None:
@@ -91,7 +43,7 @@ def test_a_move_goes_to_a_vectored_tier_in_runs_that_fill_its_queue(device, make
     scheduler = make_scheduler()
     run = max(1, int(8 * RUN_SHARE))
     assert run == 2
-    src = _filled(device, 16 * BLOCK)
+    src = filled(device, 16 * BLOCK)
     dst = storage.allocate(16 * BLOCK)
     transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK)
     storage.wait_pending(4)
@@ -117,7 +69,7 @@ def test_runs_carry_the_bytes_and_the_tail_intact(device, make_scheduler, gated)
     storage = gated(queue_depth=16, gated=False)
     scheduler = make_scheduler()
     nbytes = 37 * BLOCK + 123  # a short last block inside the last run
-    src = _filled(device, nbytes, seed=3)
+    src = filled(device, nbytes, seed=3)
     middle = storage.allocate(nbytes)
     back = device.allocate(nbytes)
     scheduler.submit(src, middle, priority=Priority.WRITEBACK).wait(timeout=10)
@@ -131,7 +83,7 @@ def test_runs_carry_the_bytes_and_the_tail_intact(device, make_scheduler, gated)
 def test_the_byte_bound_cuts_a_run_short(device, make_scheduler, gated) -> None:
     storage = gated(queue_depth=16)
     scheduler = make_scheduler(max_inflight=3 * BLOCK)
-    transfer = scheduler.submit(_filled(device, 12 * BLOCK), storage.allocate(12 * BLOCK), priority=Priority.WRITEBACK)
+    transfer = scheduler.submit(filled(device, 12 * BLOCK), storage.allocate(12 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(1)
     _settle()
     # Blocks are admitted one by one: three fit the bound, the run's fourth does not, and
@@ -153,7 +105,7 @@ def test_prefetch_runs_leave_the_write_back_share(device, make_scheduler, gated)
     storage.wait_pending(3)
     _settle()
     assert sum(length for *_x, length in storage.log) == 6 * BLOCK  # 3/4 of 8 slots, in runs of 2
-    writeback = scheduler.submit(_filled(device, 2 * BLOCK), storage.allocate(2 * BLOCK), priority=Priority.WRITEBACK)
+    writeback = scheduler.submit(filled(device, 2 * BLOCK), storage.allocate(2 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(4)
     assert storage.log[3][0] == "write" and storage.log[3][3] == 2 * BLOCK
     storage.gated = False
@@ -165,7 +117,7 @@ def test_prefetch_runs_leave_the_write_back_share(device, make_scheduler, gated)
 def test_a_demand_takes_the_slots_a_landing_run_frees(device, make_scheduler, gated) -> None:
     storage = gated(queue_depth=8)
     scheduler = make_scheduler()
-    writeback = scheduler.submit(_filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
+    writeback = scheduler.submit(filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(4)
     demand = scheduler.submit(storage.allocate(4 * BLOCK), device.allocate(4 * BLOCK), priority=Priority.DEMAND)
     _settle()  # the demand waits: every slot is taken
@@ -186,7 +138,7 @@ def test_a_demand_takes_the_slots_a_landing_run_frees(device, make_scheduler, ga
 def test_a_failed_run_fails_the_move_and_issues_nothing_more(device, make_scheduler, gated) -> None:
     storage = gated(queue_depth=8)
     scheduler = make_scheduler()
-    transfer = scheduler.submit(_filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
+    transfer = scheduler.submit(filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(4)
     storage.fail_next = OSError(5, "injected I/O error in a run")
     storage.release(1)
@@ -203,7 +155,7 @@ def test_a_failed_run_fails_the_move_and_issues_nothing_more(device, make_schedu
 def test_cancel_drops_unissued_runs_and_waits_for_those_in_flight(device, make_scheduler, gated) -> None:
     storage = gated(queue_depth=8)
     scheduler = make_scheduler()
-    transfer = scheduler.submit(_filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
+    transfer = scheduler.submit(filled(device, 32 * BLOCK), storage.allocate(32 * BLOCK), priority=Priority.WRITEBACK)
     storage.wait_pending(4)
     transfer.cancel()
     _settle()
@@ -217,7 +169,7 @@ def test_cancel_drops_unissued_runs_and_waits_for_those_in_flight(device, make_s
 def test_a_tier_that_is_not_vectored_gets_one_block_per_call(device, make_scheduler) -> None:
     storage = GatedTier(queue_depth=8, gated=False)
     scheduler = make_scheduler()
-    scheduler.submit(_filled(device, 8 * BLOCK), storage.allocate(8 * BLOCK), priority=Priority.WRITEBACK).wait(
+    scheduler.submit(filled(device, 8 * BLOCK), storage.allocate(8 * BLOCK), priority=Priority.WRITEBACK).wait(
         timeout=10
     )
     assert [length for *_x, length in storage.log] == [BLOCK] * 8
@@ -249,7 +201,7 @@ def test_nvme_round_trip_in_runs(device, make_scheduler, tmp_path: Path, backend
     try:
         scheduler = make_scheduler()
         nbytes = 45 * BLOCK + 5000  # several runs, a short last block (padded for O_DIRECT)
-        src = _filled(device, nbytes, seed=7)
+        src = filled(device, nbytes, seed=7)
         home = nvme.allocate(nbytes)
         back = device.allocate(nbytes)
         scheduler.submit(src, home, priority=Priority.WRITEBACK).wait(timeout=30)
@@ -278,7 +230,7 @@ def test_nvme_fault_in_one_block_fails_the_run_and_the_move(
     try:
         scheduler = make_scheduler()
         nbytes = 32 * BLOCK
-        src = _filled(device, nbytes, seed=1)
+        src = filled(device, nbytes, seed=1)
         home = nvme.allocate(nbytes)
         back = device.allocate(nbytes)
         if op == "write":

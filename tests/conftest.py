@@ -1,0 +1,52 @@
+"""Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.gated_tier import BLOCK, GatedTier
+from tiermem.schedulers import AsyncioScheduler
+from tiermem.tiers.device import DeviceTier
+
+
+@pytest.fixture
+def device() -> Iterator[DeviceTier]:
+    tier = DeviceTier(1 << 30, "cpu")
+    yield tier
+    tier.close()
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def make_scheduler(request: pytest.FixtureRequest) -> Iterator[Callable[..., AsyncioScheduler]]:
+    made: list[AsyncioScheduler] = []
+
+    def make(**kwargs: object) -> AsyncioScheduler:
+        kwargs.setdefault("block_size", BLOCK)
+        kwargs.setdefault("loop", request.param)
+        scheduler = AsyncioScheduler(debug=True, **kwargs)  # type: ignore[arg-type]
+        made.append(scheduler)
+        return scheduler
+
+    yield make
+    for scheduler in made:
+        scheduler.close()
+
+
+@pytest.fixture
+def gated(make_scheduler: Callable[..., AsyncioScheduler]) -> Iterator[Callable[..., GatedTier]]:
+    """Gated storage tiers (``tier_class=`` picks a subclass), released at teardown so no
+    scheduler waits forever on them. Requests ``make_scheduler`` so that the tiers are
+    released before the schedulers close."""
+    made: list[GatedTier] = []
+
+    def make(tier_class: type[GatedTier] = GatedTier, **kwargs: object) -> GatedTier:
+        tier = tier_class(**kwargs)  # type: ignore[arg-type]
+        made.append(tier)
+        return tier
+
+    yield make
+    for tier in made:
+        tier.gated = False
+        tier.release_all()
