@@ -18,9 +18,11 @@ from torch import nn
 import tiermem
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig, measure_activations
-from tiermem.planner import BlockStats, NoPlanFitsError, ParamStats, Profile, cache, search
+from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
-from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, predict
+from tiermem.planner.calibrate import calibrate
+from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, StatesChoice, predict
+from tiermem.planner.profile import PROFILE_VERSION
 from tiermem.planner.profiler import measure, optimizer_seconds_per_byte
 from tiermem.planner.search import packings
 from tiermem.states.errors import PlanError
@@ -75,6 +77,9 @@ def test_profile_records_times_and_the_measured_activation_bytes():
     assert [b.saved_bytes + b.small_bytes for b in blocks] == list(truth.blocks)
     assert outside.saved_bytes + outside.small_bytes == truth.outside
     assert all(b.forward_s > 0 and b.backward_s > 0 for b in blocks)
+    # NOTE [ Profile fields ] rule 6: one registry object per distinct saved storage
+    assert all(b.saved_count > 0 for b in blocks) and outside.saved_count > 0
+    assert all(b.saved_count <= b.saved_bytes for b in blocks)
     assert all(b.input_bytes == BATCH * CONFIG.seq_len * CONFIG.d_model * 4 for b in blocks)
     assert sorted(order) == list(range(len(params))) and len(params) == len(list(model.parameters()))
     assert [i for i in shared] == [0]  # the tied embedding / LM head
@@ -144,6 +149,61 @@ def test_a_cached_profile_whose_bandwidth_no_longer_holds_is_measured_again(tmp_
     assert again.profiling_s > 0 and again.links["device->host"] < 1e15
 
 
+def test_profile_records_the_managed_steps_measured_overheads(tmp_path):
+    """NOTE [ Overhead calibration ]: the profile carries per-unit costs measured on the real
+    manager and offloader (eight configurations timed), they survive the JSON round trip, and
+    the calibration leaves the RNG and the tiers as they were (TRAPS 10)."""
+    model = gpt()
+    x, y = batches(1)[0]
+    with tiermem.Runtime(settings(tmp_path, "64MiB")) as rt:
+        rng = torch.get_rng_state()
+        profile = profile_model(rt.registry, rt.resolved, model, torch.optim.AdamW, {"lr": 1e-3}, (x, y))
+        assert torch.equal(torch.get_rng_state(), rng)
+        tiers = rt.stats().as_dict()["tiers"]
+        assert all(tiers[t]["current_bytes"] == 0 for t in ("device", "host", "nvme"))
+    costs = profile.overheads
+    assert costs.measured
+    configurations = {"plain", "persistent", "keep", "host", "recompute", "forward", "one_chunk", "chunks"}
+    assert set(costs.steps_s) == configurations
+    assert all(t > 0 for t in costs.steps_s.values())
+    assert min(costs.param_s, costs.saved_s, costs.offload_s, costs.recompute_s, costs.chunk_s) >= 0
+    assert Profile.from_json(profile.to_json()).overheads == costs
+    assert all(b.saved_count > 0 for b in profile.blocks)
+
+
+def test_calibration_falls_back_to_charging_nothing_without_room(tmp_path):
+    """NOTE [ Overhead calibration ] rule 4: a device too small for the calibration model
+    gives the documented fallback (nothing measured, nothing charged), and frees what it made."""
+    with tiermem.Runtime(settings(tmp_path, "256KiB")) as rt:
+        costs = calibrate(rt.registry, torch.optim.AdamW, {"lr": 1e-3})
+        assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
+    assert costs == Overheads() and not costs.measured
+
+
+def test_a_profile_of_an_older_version_is_measured_again(tmp_path):
+    """Bumping PROFILE_VERSION (3: saved-tensor counts and measured overheads) re-measures a
+    profile cached by an older tiermem, even when stored under the current key."""
+    assert PROFILE_VERSION >= 3
+    model = gpt()
+    x, y = batches(1)[0]
+    with tiermem.Runtime(settings(tmp_path, "64MiB")) as rt:
+        args = (rt.registry, rt.resolved, model, torch.optim.AdamW, {"lr": 1e-3})
+        first = profile_model(*args, (x, y))
+        old = first.as_dict()
+        old["version"] = 2
+        del old["overheads"]
+        for block in (*old["blocks"], old["outside"]):
+            del block["saved_count"]
+        path = cache.cache_dir() / f"{first.key}.json"
+        path.write_text(json.dumps(old))
+        assert cache.load(first.key) is None
+        with pytest.raises(ValueError, match="version 2"):
+            Profile.from_dict(old)
+        again = profile_model(*args, (x, y))
+    assert again != first and again.version == PROFILE_VERSION and again.overheads.measured
+    assert cache.load(first.key) == again  # the re-measured profile replaced the stale one
+
+
 # -- search on synthetic profiles ------------------------------------------------------------------
 
 
@@ -167,6 +227,70 @@ def synthetic(
         optimizer_s_per_byte=1e-10,
         param_block=(-1, *(i // 2 for i in range(2 * layers))),
     )
+
+
+def with_overheads(profile: Profile, **costs: float) -> Profile:
+    return dataclasses.replace(profile, overheads=Overheads(measured=True, **costs))
+
+
+def test_cost_model_charges_per_streamed_chunk_so_fewer_chunks_predict_faster():
+    """NOTE [ Cost model ] rule 7: with equal bytes (every chunk streamed, one buffer each so
+    nothing is fetched twice), the plan with fewer chunks predicts faster by exactly the
+    measured per-chunk cost; persistent chunks are not charged per chunk."""
+    profile = with_overheads(synthetic(8), chunk_s=0.004)
+    small, large = packings(profile, [MiB, 4 * MiB])
+    assert small.chunks > large.chunks > 1
+    policies = ("keep",) * 8
+    estimates = {}
+    for packing in (small, large):
+        n = packing.chunks
+        estimates[n] = predict(profile, StatesChoice(packing, 0, n, n), policies)
+    few, many = estimates[large.chunks], estimates[small.chunks]
+    assert few.parts_s["copies"] == pytest.approx(many.parts_s["copies"])  # the same bytes moved
+    assert many.parts_s["overhead"] - few.parts_s["overhead"] == pytest.approx(0.004 * (small.chunks - large.chunks))
+    assert few.step_s < many.step_s
+    persistent = predict(profile, StatesChoice(small, small.chunks, 0, small.chunks), policies)
+    assert persistent.parts_s["overhead"] == 0
+    bare = predict(synthetic(8), StatesChoice(small, 0, small.chunks, small.chunks), policies)
+    assert bare.parts_s["overhead"] == 0  # nothing measured: nothing charged
+
+
+def test_cost_model_charges_per_parameter_and_per_registered_offloaded_and_recomputed_tensor():
+    """Rule 7: per parameter always; per saved tensor for blocks the offloader registers (not
+    recomputed ones, which pay checkpoint's own per-tensor cost); again per tensor offloaded."""
+    base = synthetic(4)
+    blocks = tuple(dataclasses.replace(b, saved_count=3) for b in base.blocks)
+    profile = with_overheads(
+        dataclasses.replace(base, blocks=blocks, outside=dataclasses.replace(base.outside, saved_count=2)),
+        param_s=0.001,
+        saved_s=0.01,
+        offload_s=0.1,
+        recompute_s=1.0,
+    )
+    packing = packings(profile)[-1]
+    choice = StatesChoice(packing, packing.chunks, 0, packing.chunks)
+    per_param = 0.001 * len(profile.params)
+    overhead = {
+        policies: predict(profile, choice, policies).parts_s["overhead"]
+        for policies in (("keep",) * 4, ("recompute",) * 4, ("host", "host", "keep", "keep"))
+    }
+    assert overhead[("keep",) * 4] == pytest.approx(per_param + 0.01 * (4 * 3 + 2))
+    assert overhead[("recompute",) * 4] == pytest.approx(per_param + 0.01 * 2 + 1.0 * 12)
+    assert overhead[("host", "host", "keep", "keep")] == pytest.approx(per_param + 0.01 * 14 + 0.1 * 6)
+
+
+def test_search_prefers_fewer_larger_chunks_where_the_device_has_room():
+    """The same model and budgets: without a per-chunk cost the search streams many 1 MiB
+    chunks; with one it streams fewer, larger chunks (and the prediction charges them)."""
+    profile = synthetic(8, saved=MiB)
+    caps = {"device": 40 * MiB, "host": 1 << 30, "nvme": 1 << 30}
+    free = search(profile, caps)
+    costly = search(with_overheads(profile, chunk_s=0.005), caps)
+    few, many = (d.plan.chunks - d.plan.persistent_chunks for d in (costly, free))
+    assert 0 < few < many
+    assert costly.plan.chunk_size > free.plan.chunk_size
+    assert costly.estimate.parts_s["overhead"] == pytest.approx(0.005 * few)
+    assert costly.estimate.fits(caps)
 
 
 def test_search_keeps_everything_when_the_device_is_roomy():
@@ -199,8 +323,6 @@ def test_search_is_the_fastest_fitting_plan_of_a_100_layer_model():
     decision = search(profile, caps)
     assert decision.estimate.fits(caps)
     assert len(decision.plan.block_policy) == 100 and decision.plan.chunks == len(decision.plan.state_home)
-    from tiermem.planner.costmodel import StatesChoice
-
     packing = packings(profile)[-1]
     best = float("inf")
     for persistent in range(0, packing.chunks + 1, 5):

@@ -4,6 +4,7 @@ a :class:`~tiermem.planner.profile.Profile` and free bytes per tier in, a frozen
 
 - :mod:`~tiermem.planner.profile`: what one instrumented step measured (JSON round trip).
 - :mod:`~tiermem.planner.profiler`: the instrumented step itself (NOTE [ Profiling step ]).
+- :mod:`~tiermem.planner.calibrate`: a managed step's own overheads (NOTE [ Overhead calibration ]).
 - :mod:`~tiermem.planner.cache`: profiles cached in the user's cache (NOTE [ Profile cache ]).
 - :mod:`~tiermem.planner.costmodel`: a plan's step time and peak bytes (NOTE [ Cost model ]).
 - :mod:`~tiermem.planner.search`: the fastest plan that fits (NOTE [ Plan search ]).
@@ -12,7 +13,7 @@ a :class:`~tiermem.planner.profile.Profile` and free bytes per tier in, a frozen
 
 from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, Estimate, predict
 from tiermem.planner.errors import NoPlanFitsError, ProfileError
-from tiermem.planner.profile import BlockStats, ParamStats, Profile
+from tiermem.planner.profile import BlockStats, Overheads, ParamStats, Profile
 from tiermem.planner.search import Decision, search
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "Decision",
     "Estimate",
     "NoPlanFitsError",
+    "Overheads",
     "ParamStats",
     "Profile",
     "ProfileError",

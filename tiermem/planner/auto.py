@@ -20,6 +20,7 @@ from torch import nn
 from tiermem.activations.blocks import BlockSpec
 from tiermem.config import Config
 from tiermem.planner import cache
+from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import Profile
 from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte, probe_links, probe_size
@@ -100,6 +101,8 @@ def profile_model(
     size = probe_size(registry)
     links = probe_links(registry, size)
     per_byte = optimizer_seconds_per_byte(cls, defaults, params)
+    copy_bw = min((links[k] for k in ("device->host", "host->device") if links.get(k)), default=0.0)
+    overheads = calibrate(registry, cls, defaults, copy_bw)
     profile = Profile(
         blocks=tuple(blocks_stats),
         outside=outside,
@@ -117,6 +120,7 @@ def profile_model(
         profiling_s=time.perf_counter() - start,
         extra={"probe_bytes": size},
         param_block=tuple(param_block),
+        overheads=overheads,
     )
     if use_cache and key is not None:
         cache.store(profile)

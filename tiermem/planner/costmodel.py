@@ -16,7 +16,9 @@
    write lands) and, in backward, the block being fetched back (prefetches ``LOOKAHEAD`` ahead
    only take room that is free: the offloader drops one that does not fit). A
    recomputed block's checkpoint keeps only its input, as a plain tensor: not on the tier,
-   but in RAM; it shows in ``ram_bytes``, as do saved tensors below ``min_bytes``.
+   but in RAM; it shows in ``ram_bytes``, as do saved tensors below ``min_bytes``. Its saved
+   tensors never reach the tier either (checkpoint's own hooks hold them, in forward only
+   while an operator runs, in backward while it recomputes): the device peak counts none.
 3. The transient operator peak (memory inside and between operators, unmanaged) is predicted
    separately: the largest ``transient_bytes`` of a block, or of the part outside blocks.
 4. Fragmentation margin: a plan fits when every tier's predicted peak times
@@ -30,6 +32,14 @@
 6. NVMe activation I/O follows NOTE [ Adaptive keep ]: writes queue in forward order;
    backward prefetches ``LOOKAHEAD`` blocks ahead, reads queue; backward waits when a read
    lands after it needs the block. Chunk I/O from NVMe homes shares that link.
+7. A managed step's own work (NOTE [ Profile fields ] rule 6, measured by NOTE [ Overhead
+   calibration ]) runs on the training thread and adds up with the rest: per parameter
+   (hooks, per-parameter optimizer calls), per saved tensor the offloader registers (blocks
+   kept, offloaded to host or NVMe, and outside blocks; a recomputed block registers none),
+   per saved tensor offloaded (its move out and back, beyond the bytes), per saved tensor of
+   a recomputed block (checkpoint's hooks, beyond the recompute itself), and per streamed
+   chunk (its moves through the scheduler, beyond the bytes). With equal bytes, fewer and
+   larger streamed chunks are faster; persistent chunks cost nothing per chunk.
 """
 
 from __future__ import annotations
@@ -161,6 +171,8 @@ class StatesCost:
     #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
     grad_stages: tuple[tuple[int, int], ...] = ()
     device_parts: dict[str, int] = field(default_factory=dict)
+    #: chunks that stream (rule 7)
+    streamed_chunks: int = 0
 
 
 def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
@@ -191,7 +203,9 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     nvme_step = 2 * s(pk._home, h, n)  # stage each NVMe home in and write it back
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
-        reserve_device_bytes=persistent_bytes + reserve_bytes(b, pk.chunk_size),
+        # what placement checks before building (its rule 1): persistent chunks with their
+        # gradients, and the pool's reserve
+        reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
         nvme_bytes=s(pk._home, h, n),
         memcpy_bytes=memcpy,
@@ -204,6 +218,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_total=grad_total,
         grad_stages=stages,
         device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
+        streamed_chunks=n - p,
     )
 
 
@@ -229,6 +244,11 @@ class ActivationCost:
     memcpy_bytes: int
     nvme_bytes_moved: int
     stall_s: float
+    #: saved tensors the offloader registers, and those it moves out and back (rule 7)
+    registered: int = 0
+    offloaded: int = 0
+    #: saved tensors (in the profile's forward) of recomputed blocks
+    recomputed: int = 0
 
 
 def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: float = 0.0) -> ActivationCost:
@@ -269,7 +289,8 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
             kept_prefix += block.saved_bytes  # no NVMe link measured: the bytes stay
         # The block's own tensors are all on the device until its forward ends (its writes
         # start as they are saved), plus the earlier writes that have not landed.
-        peak = max(peak, kept_prefix + pending_bytes + (0 if policy in ("keep", "nvme") else block.saved_bytes))
+        # A recomputed block's tensors never reach the tier (rule 2).
+        peak = max(peak, kept_prefix + pending_bytes + (block.saved_bytes if policy == "host" else 0))
         while landed < len(pending) and write_end[pending[landed]] <= clock:
             pending_bytes -= blocks[pending[landed]].saved_bytes
             landed += 1
@@ -311,6 +332,7 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
         clock += blocks[i].backward_s + (blocks[i].forward_s if policies[i] == "recompute" else 0.0)
     ram += outside.small_bytes
     moved = 2 * nvme
+    registered, offloaded, recomputed = saved_counts(profile, policies)
     return ActivationCost(
         device_peak=max([peak, head_live, *stage_live]),
         device_demand=max([peak, head_live, *stage_demand]),
@@ -325,7 +347,37 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
         memcpy_bytes=memcpy,
         nvme_bytes_moved=moved,
         stall_s=stall,
+        registered=registered,
+        offloaded=offloaded,
+        recomputed=recomputed,
     )
+
+
+def saved_counts(profile: Profile, policies: Sequence[str]) -> tuple[int, int, int]:
+    """Rule 7: (saved tensors the offloader registers, those it offloads, those of recomputed
+    blocks) under ``policies``."""
+    registered, offloaded, recomputed = profile.outside.saved_count, 0, 0
+    offloads = ("host", "nvme") if profile.links.get("device->nvme") else ("host",)
+    for block, policy in zip(profile.blocks, policies, strict=True):
+        if policy == "recompute":
+            recomputed += block.saved_count
+        else:
+            registered += block.saved_count
+        if policy in offloads:
+            offloaded += block.saved_count
+    return registered, offloaded, recomputed
+
+
+def states_overhead_s(profile: Profile, streamed_chunks: int) -> float:
+    """Rule 7, the model states' part: per parameter and per streamed chunk."""
+    costs = profile.overheads
+    return costs.param_s * len(profile.params) + costs.chunk_s * streamed_chunks
+
+
+def activation_overhead_s(profile: Profile, acts: ActivationCost) -> float:
+    """Rule 7, the activations' part: per registered, offloaded and recomputed saved tensor."""
+    costs = profile.overheads
+    return costs.saved_s * acts.registered + costs.offload_s * acts.offloaded + costs.recompute_s * acts.recomputed
 
 
 @dataclass(frozen=True)
@@ -409,6 +461,8 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
         "copies": copy_s + staging_s if profile.cpu else 0.0,
         "optimizer": states.optimizer_s,
         "io_stall": acts.stall_s + chunk_stall + step_stall,
+        "overhead": states_overhead_s(profile, states.streamed_chunks)
+        + activation_overhead_s(profile, acts),
     }
     if not profile.cpu:  # rule 5: on CUDA, device<->host copies run on their own stream
         parts["io_stall"] += max(0.0, copy_s - compute)

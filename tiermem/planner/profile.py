@@ -23,6 +23,15 @@ seconds, sizes bytes, bandwidths bytes per second.
    gradient when it reaches that point (empty: unknown, all at backward's start).
 5. ``links`` maps ``"src->dst"`` to measured bytes/s through the real tiers; ``memcpy_bw``
    is device<->host, the copy every CPU-mode move pays on the shared cores (TRAPS 7).
+6. ``saved_count``: how many distinct storages make up ``saved_bytes`` (the tensors the
+   offloader registers, one registry object each). ``overheads``: what a managed step costs
+   beyond the plain-PyTorch step the blocks' times measure, per unit of managed work: per
+   parameter (the manager's hooks, per-parameter optimizer calls), per saved tensor the
+   offloader registers, per saved tensor it moves to the host and back (beyond its bytes),
+   per saved tensor of a recomputed block (checkpoint's hooks, beyond the forward run again),
+   and per streamed chunk (fetches, evictions, pins, gradient write-back, the chunk's
+   optimizer staging: moves through the scheduler thread, beyond their bytes). Measured by
+   a calibration on the real machinery (NOTE [ Profiling step ] rule 7).
 """
 
 from __future__ import annotations
@@ -33,7 +42,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 #: Bumped when the profile's shape or meaning changes: older cached profiles are re-measured.
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,22 @@ class BlockStats:
     small_bytes: int = 0
     input_bytes: int = 0
     transient_bytes: int = 0
+    saved_count: int = 0
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """Rule 6: seconds a managed step costs beyond plain PyTorch, per unit of managed work.
+    ``measured`` is False for the fallback (no room to calibrate): every cost 0, nothing charged."""
+
+    param_s: float = 0.0
+    saved_s: float = 0.0
+    offload_s: float = 0.0
+    recompute_s: float = 0.0
+    chunk_s: float = 0.0
+    measured: bool = False
+    #: the calibration's raw step times (seconds, median per configuration), for reports
+    steps_s: Mapping[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,6 +107,7 @@ class Profile:
     profiling_s: float = 0.0
     extra: Mapping[str, Any] = field(default_factory=dict)
     param_block: tuple[int, ...] = ()
+    overheads: Overheads = field(default_factory=Overheads)
 
     @property
     def memcpy_bw(self) -> float:
@@ -103,6 +129,7 @@ class Profile:
         data = asdict(self)
         data["links"] = dict(self.links)
         data["extra"] = dict(self.extra)
+        data["overheads"]["steps_s"] = dict(self.overheads.steps_s)
         return data
 
     def to_json(self) -> str:
@@ -132,6 +159,7 @@ class Profile:
                 profiling_s=float(data.get("profiling_s", 0.0)),
                 extra=dict(data.get("extra", {})),
                 param_block=tuple(int(i) for i in data.get("param_block", ())),
+                overheads=Overheads(**data["overheads"]),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile is missing or mistypes a field: {exc}") from exc

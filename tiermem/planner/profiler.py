@@ -13,15 +13,20 @@
    live tensor bytes around every operator through a dispatch mode (the transient peaks).
    It also warms up. The next passes measure time with only block hooks installed: two, and
    more while they have taken under ``TIMING_BUDGET_S`` together (at most
-   ``MAX_TIMING_PASSES``); the fastest counts (shared machines only ever add time, and a
-   small model's step swung 0.04-0.32 s between consecutive plain steps here under load, so
-   two short passes are too few).
+   ``MAX_TIMING_PASSES``); the median pass counts (the lower middle of an even count): the
+   cost model predicts the median step a run measures, and the fastest pass of a shared
+   machine predicted 5-25% too fast (bench/README.md, Planner); a small model's step swung
+   0.04-0.32 s between consecutive plain steps here under load, so two short passes are too
+   few.
 4. Backward time per block: from the pre-hook of its output's ``grad_fn`` to the gradient of
    its input; where the input needs no gradient, to the next block's start.
 5. Links are probed through the real tiers (registry moves, the path training uses), the
    optimizer on a sample of the real parameter shapes, scaled by bytes.
 6. On a CUDA device the dispatch mode does not see backward (it runs on the device's own
    threads): transient backward peaks are then those of forward.
+7. What a managed step adds beyond this plain step (hooks, saved-tensor registration, per
+   chunk moves) is measured separately, on the real machinery (NOTE [ Overhead calibration ]
+   in ``tiermem.planner.calibrate``), and counted per unit: saved tensors per block here.
 """
 
 from __future__ import annotations
@@ -71,9 +76,11 @@ class _Marks:
     backward_start: dict[int, float] = field(default_factory=dict)
     backward_end: dict[int, float] = field(default_factory=dict)
     saved: list[int] = field(default_factory=list)
+    saved_count: list[int] = field(default_factory=list)
     small: list[int] = field(default_factory=list)
     inputs: list[int] = field(default_factory=list)
     outside_saved: int = 0
+    outside_saved_count: int = 0
     outside_small: int = 0
 
 
@@ -174,6 +181,7 @@ class _BlockHooks:
     def __enter__(self) -> _BlockHooks:
         count = len(self.blocks)
         self.marks.saved = [0] * count
+        self.marks.saved_count = [0] * count
         self.marks.small = [0] * count
         self.marks.inputs = [0] * count
         self.marks.forward = [(0.0, 0.0)] * count
@@ -234,10 +242,12 @@ class _BlockHooks:
             if self.running is None:
                 if big:
                     self.marks.outside_saved += nbytes
+                    self.marks.outside_saved_count += 1
                 else:
                     self.marks.outside_small += nbytes
             elif big:
                 self.marks.saved[self.running] += nbytes
+                self.marks.saved_count[self.running] += 1
             else:
                 self.marks.small[self.running] += nbytes
         return tensor  # the graph keeps it alive, so ids are not reused while counting
@@ -334,7 +344,9 @@ def measure(
                 p.grad = None
             timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
             spent += forward_s + backward_s
-        _, forward_s, backward_s, times = min(timings, key=lambda t: t[0])
+        # The median pass (the lower middle of an even count), not the fastest: the cost model
+        # predicts the median step a run measures (rule 3).
+        _, forward_s, backward_s, times = sorted(timings, key=lambda t: t[0])[(len(timings) - 1) // 2]
     stats = []
     block_fwd = block_bwd = 0.0
     for i, (name, _) in enumerate(found):
@@ -348,7 +360,11 @@ def measure(
         block_fwd += f
         block_bwd += b
         transient = max(peaks.get(("forward", i), 0), peaks.get(("backward", i), 0) - marks.saved[i])
-        stats.append(BlockStats(name, f, b, marks.saved[i], marks.small[i], marks.inputs[i], max(transient, 0)))
+        stats.append(
+            BlockStats(
+                name, f, b, marks.saved[i], marks.small[i], marks.inputs[i], max(transient, 0), marks.saved_count[i]
+            )
+        )
     outside = BlockStats(
         "outside",
         max(forward_s - block_fwd, 0.0),
@@ -357,6 +373,7 @@ def measure(
         marks.outside_small,
         0,
         max(head_transient, 0),
+        marks.outside_saved_count,
     )
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]

@@ -37,10 +37,12 @@ from tiermem.planner.costmodel import (
     Packing,
     StatesChoice,
     activation_cost,
+    activation_overhead_s,
     combine,
     fastest_fitting,
     predict,
     states_cost,
+    states_overhead_s,
 )
 from tiermem.planner.errors import NoPlanFitsError
 from tiermem.planner.profile import Profile
@@ -161,6 +163,7 @@ def activation_candidates(profile: Profile, block_policy: str | Sequence[str] | 
         time = cost.recompute_s + cost.stall_s + cost.memcpy_bytes / memcpy_bw
         if profile.cpu:
             time += cost.nvme_bytes_moved / memcpy_bw  # staging copies share the cores (TRAPS 7)
+        time += activation_overhead_s(profile, cost)
         result.append(_Act(policies, family, cost.device_demand, cost.host_bytes, cost.nvme_bytes, time))
     return result
 
@@ -218,6 +221,7 @@ def search(
                     + (states.nvme_read_forward + states.nvme_read_backward + states.nvme_step_bytes)
                     * (1 / memcpy_bw if profile.cpu else 0.0)
                     + max(0.0, (states.nvme_read_forward + states.nvme_read_backward) / read_bw - profile.compute_s)
+                    + states_overhead_s(profile, states.streamed_chunks)
                 )
                 # The separable bound: gradients coexist with activations' peak or come after it.
                 room = usable["device"] - states.static_device - states.grad_in_flight

@@ -1,0 +1,202 @@
+"""What a managed step costs beyond plain PyTorch, measured on the real machinery.
+
+# NOTE [ Overhead calibration ]
+1. Why: the profiling step runs the model in plain PyTorch, so it never sees the work a
+   tiermem step adds on the training thread: the manager's module hooks and per-parameter
+   optimizer calls, the offloader registering every saved tensor, and per streamed chunk the
+   fetches, evictions, pins, gradient write-back and optimizer staging, each a move handed to
+   the scheduler's thread and waited for. On two shared cores that per-move cost grows with
+   the machine's load (a thread wake-up waits for a time slice): ~23 ms a chunk at load ~13
+   here, well under 1 ms on a quiet machine (bench/README.md, Planner). A cost model pricing
+   bytes alone then predicts every plan too fast and prefers many small chunks.
+2. How: a small stack of ``LAYERS`` blocks (``Linear(WIDTH, WIDTH)`` then GELU, two saved
+   tensors a block) is trained in the same registry the real model will use, with the
+   user's optimizer class, in seven configurations: plain PyTorch; managed with every chunk
+   persistent (one chunk a layer); the same under the offloader keeping every saved tensor;
+   the same offloading every saved tensor to the host; the same recomputing every block;
+   managed with the whole model in one streamed chunk (host home, one buffer); and one
+   streamed chunk a layer (two buffers); an eighth runs the plain model's forward alone.
+   They alternate step by step (A B C ... A B C ...), so a change of load hits each alike;
+   each takes the median of ``STEPS`` steps after one warm-up.
+3. What: differences of those medians, each per unit of the work it adds (never below 0):
+   ``param_s`` (persistent minus plain, per parameter), ``saved_s`` (keep minus persistent,
+   per saved tensor), ``offload_s`` (host minus keep, per saved tensor, less the bytes'
+   copies at the measured device<->host bandwidth), ``recompute_s`` (recompute minus
+   persistent minus the forward it runs again, per saved tensor of the recomputed blocks:
+   checkpoint's own hooks and bookkeeping), ``chunk_s`` (one chunk a layer minus one
+   chunk, per extra chunk, less the extra bytes refetched). The calibration model's tensors
+   are small (16 KiB), so what it measures is the per-object cost; bytes are priced by the
+   links (NOTE [ Cost model ] rule 5).
+4. It changes nothing training depends on (TRAPS 10): the RNG is forked, the real model is
+   not touched, and every chunk and saved tensor it made is freed before it returns. When
+   the tiers have no room for it (a tiny device budget), the fallback is ``Overheads()``:
+   nothing measured, nothing charged (``measured`` False), and the planner prices bytes only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import statistics
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiermem.activations.offloader import ActivationCounters, ActivationOffloader
+from tiermem.planner.profile import Overheads
+from tiermem.registry import Registry
+from tiermem.states.errors import PlanError
+from tiermem.states.manager import ModelStates
+from tiermem.states.optimizer import SUPPORTED
+from tiermem.tiers.base import ALIGNMENT
+
+log = logging.getLogger("tiermem.planner")
+
+LAYERS = 16
+WIDTH = 64
+BATCH = 64
+STEPS = 7
+"""Rule 2: timed steps per configuration (after one warm-up)."""
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _kwargs(optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    accepted = inspect.signature(optimizer_class.__init__).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
+    return {k: v for k, v in defaults.items() if takes_any or k in accepted}
+
+
+def _saved_count(model: nn.Module, x: torch.Tensor) -> int:
+    """Distinct storages autograd saves, parameters left out (as the offloader counts them)."""
+    protected = {id(p.untyped_storage()) for p in model.parameters()}
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = id(t.untyped_storage())
+        if key not in protected:
+            seen.add(key)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x)
+    del loss
+    return len(seen)
+
+
+def calibrate(
+    registry: Registry,
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: Mapping[str, Any],
+    memcpy_bw: float = 0.0,
+) -> Overheads:
+    """Rules 2-4: the per-unit overheads of a managed step on this machine, now."""
+    if optimizer_class not in SUPPORTED:
+        optimizer_class, defaults = torch.optim.AdamW, {"lr": 1e-3}
+    kwargs = _kwargs(optimizer_class, defaults)
+    device = registry.tiers["device"].device  # type: ignore[attr-defined]
+    layer_bytes = (WIDTH * WIDTH + WIDTH) * 4
+    per_layer = -(-(layer_bytes + 64) // ALIGNMENT) * ALIGNMENT  # one layer's parameters a chunk
+    whole = per_layer * LAYERS
+    persistent = {"chunk_size": per_layer, "persistent_chunks": LAYERS, "buffers": 0}
+    plans: dict[str, dict[str, Any] | None] = {
+        "plain": None,
+        "persistent": persistent,
+        "one_chunk": {"chunk_size": whole, "persistent_chunks": 0, "buffers": 1, "state_home": "host"},
+        "chunks": {"chunk_size": per_layer, "persistent_chunks": 0, "buffers": 2, "state_home": "host"},
+    }
+    # (configuration, model, offloader policy): the persistent model serves three (rule 2)
+    configs = [
+        ("plain", "plain", None),
+        ("persistent", "persistent", None),
+        ("keep", "persistent", "keep"),
+        ("host", "persistent", "host"),
+        ("recompute", "persistent", "recompute"),
+        ("forward", "plain", "forward only"),
+        ("one_chunk", "one_chunk", None),
+        ("chunks", "chunks", None),
+    ]
+    counters = ActivationCounters()
+    managed: list[ModelStates] = []
+    with contextlib.ExitStack() as stack, torch.random.fork_rng(devices=[]):
+        stack.callback(lambda: [states.close() for states in managed])
+        torch.manual_seed(0)
+        x = torch.randn(BATCH, WIDTH, device=device)
+        saved = 0
+        try:
+            built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+            for name, plan in plans.items():
+                model = _Net().to(device)
+                if plan is None:
+                    saved = _saved_count(model, x)
+                    built[name] = (model, optimizer_class(model.parameters(), **kwargs))
+                else:
+                    states = ModelStates(registry, model, optimizer_class, plan=plan, optimizer_kwargs=kwargs)
+                    managed.append(states)
+                    built[name] = (model, states.optimizer)
+            steps = {name: _step(registry, counters, *built[model], x, policy) for name, model, policy in configs}
+            times: dict[str, list[float]] = {name: [] for name in steps}
+            for round_ in range(STEPS + 1):
+                for name, step in steps.items():
+                    start = time.perf_counter()
+                    step()
+                    if round_:
+                        times[name].append(time.perf_counter() - start)
+        except (MemoryError, PlanError) as exc:  # the tiers have no room for it (rule 4)
+            log.info("tiermem planner: no room to calibrate the managed step's overheads (%s); not charged", exc)
+            return Overheads()
+    median = {name: statistics.median(values) for name, values in times.items()}
+    params = 2 * LAYERS
+    bw = memcpy_bw or float("inf")
+    offload_bytes = 2 * saved * BATCH * WIDTH * 4  # to the host and back
+    # With two buffers, backward refetches all but the two chunks still cached.
+    refetch_bytes = (LAYERS - 2) * per_layer
+    return Overheads(
+        param_s=max(0.0, median["persistent"] - median["plain"]) / params,
+        saved_s=max(0.0, median["keep"] - median["persistent"]) / max(saved, 1),
+        offload_s=max(0.0, median["host"] - median["keep"] - offload_bytes / bw) / max(saved, 1),
+        recompute_s=max(0.0, median["recompute"] - median["persistent"] - median["forward"]) / max(saved, 1),
+        chunk_s=max(0.0, median["chunks"] - median["one_chunk"] - refetch_bytes / bw) / (LAYERS - 1),
+        measured=True,
+        steps_s=median,
+    )
+
+
+def _step(
+    registry: Registry,
+    counters: ActivationCounters,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    x: torch.Tensor,
+    policy: str | None,
+) -> Callable[[], None]:
+    """One training step as ``tiermem.train.train_step`` runs it (an offloader per step)."""
+
+    def step() -> None:
+        if policy == "forward only":  # the forward a recomputed block runs again
+            model(x)
+            return
+        context: Any = contextlib.nullcontext()
+        if policy is not None:
+            context = ActivationOffloader(registry, model, counters, policy=policy, default_policy=policy, min_bytes=1)
+        with context:
+            loss = model(x)
+            loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss.item()
+
+    return step
