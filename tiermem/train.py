@@ -35,9 +35,12 @@ measured (NOTE [ Predicted and measured ]).
 3. ``ratios``: predicted / measured (1.0 is exact; ``null`` where either is missing or 0).
    The planner predicts the plan's activation policy; with a per-block mapping given by hand
    the loop runs another one, and ``activations_as_planned`` is false. So it is when a fixed
-   policy (``policy="nvme"``) fits no plan under the budget: the planner then plans freely,
-   the loop runs the fixed policy, and the offloader's own fallbacks (recompute when the
-   device is full) keep it within the capacity.
+   policy (``policy="nvme"``) fits no plan under the budget: the planner then plans around
+   what the offloader's own fallbacks will run (the fixed policy for as many leading blocks
+   as fit, recompute from there on, as NOTE [ Activation fallbacks ] does when the device is
+   full), or freely when not even one block fits; the loop runs the fixed policy, and those
+   fallbacks keep it within the capacity. (A free plan may keep every chunk persistent for a
+   policy that needs no device room, leaving none for the policy the loop runs.)
 """
 
 from __future__ import annotations
@@ -244,10 +247,10 @@ def train(
                 if fixed is None:
                     raise
                 # Rule 3: the fixed policy fits no plan (its writes in flight need room the budget
-                # lacks); plan freely, run the policy asked for, and let the offloader's fallbacks
-                # keep it within the capacity.
-                log.warning("tiermem train: no plan fits activation policy %r (%s); planning freely", fixed, exc)
-                model, optimizer = rt.manage(model, optimizer, plan="auto", sample=sample, grad_accumulation_steps=1)
+                # lacks); plan around the fallbacks the offloader will take, run the policy asked
+                # for, and let those fallbacks keep it within the capacity.
+                log.warning("tiermem train: no plan fits policy %r (%s); planning around its fallbacks", fixed, exc)
+                model, optimizer = _manage_around_fallbacks(rt, model, optimizer, fixed, sample)
                 fixed_fits = False
         elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
@@ -295,6 +298,30 @@ def train(
         },
         plan=plan_block,
     )
+
+
+def _manage_around_fallbacks(
+    rt: Runtime, model: GPT, optimizer: torch.optim.Optimizer, fixed: str, sample: Any
+) -> tuple[GPT, torch.optim.Optimizer]:
+    """NOTE [ Predicted and measured ] rule 3: plan for ``fixed`` on the most leading blocks
+    that fit and recompute on the rest (a binary search: fewer fixed blocks need less room),
+    else freely."""
+    from tiermem.planner.auto import plan_model  # the profile is cached: each search is cheap
+
+    assert rt.resolved is not None
+    count = len(model.blocks)
+    low, high = 0, count - 1  # the plan for `count` blocks did not fit
+    chosen: int | None = None
+    while low <= high:  # the largest k whose plan fits
+        k = (low + high) // 2
+        policies = [fixed] * k + ["recompute"] * (count - k)
+        try:
+            plan_model(rt.registry, rt.resolved, model, optimizer, {}, sample, block_policy=policies)
+            chosen, low = k, k + 1
+        except NoPlanFitsError:
+            high = k - 1
+    plan: Any = "auto" if chosen is None else {"block_policy": [fixed] * chosen + ["recompute"] * (count - chosen)}
+    return rt.manage(model, optimizer, plan=plan, sample=sample, grad_accumulation_steps=1)
 
 
 def _fixed_policy(policy: PolicyLike, rt: Runtime) -> str | None:
