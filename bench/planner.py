@@ -120,6 +120,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "plan": result,
         "family": decision.policies_family if decision is not None else None,
         "device_demand": decision.estimate.device_demand if decision is not None else None,
+        "parts_s": dict(decision.estimate.parts_s) if decision is not None else None,
         "manage_s": manage_s,
         "step_seconds": seconds,
         "median_step_s": statistics.median(seconds[1:] if len(seconds) > 1 else seconds),
@@ -164,6 +165,19 @@ def _machine() -> dict[str, Any]:
         "torch_threads_default": torch.get_num_threads(),
         "load_average": os.getloadavg(),
     }
+
+
+OVERHEADS = ("param_s", "saved_s", "offload_s", "recompute_s", "chunk_s")
+"""Per-unit costs of a managed step the profile records (NOTE [ Overhead calibration ])."""
+
+
+def _cached_overheads(cache: str) -> dict[str, Any] | None:
+    """The overheads of the profile the first worker cached (there is one)."""
+    for path in sorted(os.scandir(os.path.join(cache, "tiermem", "profiles")), key=lambda e: e.name):
+        if path.name.endswith(".json"):
+            with open(path.path, encoding="utf-8") as f:
+                return json.load(f).get("overheads")
+    return None
 
 
 def _mib(n: float | None) -> str:
@@ -221,6 +235,12 @@ def main() -> int:
         print(f"profiling worker failed: {first['error']}")
         return 1
     chunk = first["plan"]["chunk_size"]
+    overheads = _cached_overheads(cache)
+    if overheads:
+        costs = ", ".join(f"{k} {overheads[k] * 1e3:.3f} ms" for k in OVERHEADS if k in overheads)
+        print(f"measured overheads (the profile's calibration): {costs}")
+        steps_ms = {k: round(v * 1e3, 2) for k, v in overheads["steps_s"].items()}
+        print(f"  calibration steps (median ms): {json.dumps(steps_ms)}")
     hands = hand_plans(args.layers, chunk)
     variants: list[tuple[str, str, int, dict[str, Any] | None]] = [
         (cap, "auto", capacities[cap], None) for cap in capacities
@@ -264,6 +284,11 @@ def main() -> int:
             f"| {measured_step:.3f} ({', '.join(f'{s:.3f}' for s in steps)}) | {predicted['step_s']:.3f} "
             f"| {predicted['step_s'] / measured_step:.3f} | {all(p <= capacity for p in peaks)} |"
         )
+    print("\nPredicted parts of the auto plans (ms, first run): ")
+    for cap in capacities:
+        good = [r for r in runs[(cap, "auto")] if "error" not in r and r.get("parts_s")]
+        if good:
+            print(f"  {cap}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in good[0]["parts_s"].items()))
     print("\n## Auto vs hand-written plans at the middle capacity (median of per-run medians)")
     print("| plan | step s (median) | per run | vs auto | device peak MiB (max) | fallbacks |")
     print("|---|---|---|---|---|---|")
@@ -290,7 +315,7 @@ def main() -> int:
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             measured = {f"{c}/{n}": v for (c, n), v in runs.items()}
-            json.dump({"machine": machine, "capacities": capacities, "runs": measured}, f)
+            json.dump({"machine": machine, "capacities": capacities, "overheads": overheads, "runs": measured}, f)
     return 0
 
 
