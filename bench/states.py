@@ -308,6 +308,8 @@ def _machine(path: str) -> dict[str, Any]:
     import psutil
     import torch
 
+    import tiermem  # noqa: F401  (sets THP_MEM_ALLOC_ENABLE's default, reported below)
+
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -323,6 +325,8 @@ def _machine(path: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
+        # Workers inherit it; import tiermem sets it to 1 unless the caller chose (both modes).
+        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
         "nvme_path": path,
         "filesystem": next((p.fstype for p in mounts if path.startswith(p.mountpoint)), "unknown"),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
