@@ -30,6 +30,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -131,15 +132,19 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _spawn(args: argparse.Namespace, capacity: int, plan: dict[str, Any] | None, env: dict[str, str]) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="tiermem-bench-planner-") as path:
-        command = [sys.executable, __file__, "--worker", "--capacity", str(capacity), "--path", path]
-        command += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads)]
-        command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
-        command += ["--steps", str(args.steps), "--min-bytes", args.min_bytes, "--threads", str(args.threads)]
-        if plan is not None:
-            command += ["--plan", json.dumps(plan)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+def _spawn(
+    args: argparse.Namespace, capacity: int, plan: dict[str, Any] | None, env: dict[str, str], nvme: str
+) -> dict[str, Any]:
+    """One worker. ``nvme``: the NVMe path every worker shares (each Runtime makes and removes
+    its own run directory there): the path is part of the profile's cache key, so a fresh
+    path per worker would make every auto worker profile again instead of using the cache."""
+    command = [sys.executable, __file__, "--worker", "--capacity", str(capacity), "--path", nvme]
+    command += ["--layers", str(args.layers), "--d-model", str(args.d_model), "--heads", str(args.heads)]
+    command += ["--vocab", str(args.vocab), "--seq", str(args.seq), "--batch", str(args.batch)]
+    command += ["--steps", str(args.steps), "--min-bytes", args.min_bytes, "--threads", str(args.threads)]
+    if plan is not None:
+        command += ["--plan", json.dumps(plan)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
     if done.returncode != 0:
         return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -171,13 +176,32 @@ OVERHEADS = ("param_s", "saved_s", "offload_s", "recompute_s", "chunk_s")
 """Per-unit costs of a managed step the profile records (NOTE [ Overhead calibration ])."""
 
 
-def _cached_overheads(cache: str) -> dict[str, Any] | None:
-    """The overheads of the profile the first worker cached (there is one)."""
-    for path in sorted(os.scandir(os.path.join(cache, "tiermem", "profiles")), key=lambda e: e.name):
-        if path.name.endswith(".json"):
-            with open(path.path, encoding="utf-8") as f:
-                return json.load(f).get("overheads")
+def _first_profile(cache: str) -> dict[str, Any] | None:
+    """The profile the first worker cached (the oldest, should a worker have profiled again)."""
+    entries = [e for e in os.scandir(os.path.join(cache, "tiermem", "profiles")) if e.name.endswith(".json")]
+    for entry in sorted(entries, key=lambda e: e.stat().st_mtime):
+        with open(entry.path, encoding="utf-8") as f:
+            return json.load(f)
     return None
+
+
+def _predict(profile: dict[str, Any], plan: dict[str, Any]) -> float | None:
+    """The cost model's step time for a plan the manager carried out (hand plans included)."""
+    from tiermem.planner import Profile
+    from tiermem.planner.costmodel import StatesChoice, predict
+    from tiermem.planner.search import packings
+
+    try:
+        known = Profile.from_dict(profile)
+        packing = packings(known, [plan["chunk_size"]])[0]
+        homes = plan["state_home"]
+        host_end = next((i for i, home in enumerate(homes) if home == "nvme"), len(homes))
+        if packing.chunks != len(homes):
+            return None  # the manager packed differently (another order): not comparable
+        choice = StatesChoice(packing, plan["persistent_chunks"], plan["buffers"], host_end)
+        return predict(known, choice, tuple(plan["block_policy"])).step_s
+    except (ValueError, KeyError, IndexError):
+        return None
 
 
 def _mib(n: float | None) -> str:
@@ -216,6 +240,15 @@ def main() -> int:
         return 0
 
     cache = tempfile.mkdtemp(prefix="tiermem-bench-planner-cache-")
+    nvme = tempfile.mkdtemp(prefix="tiermem-bench-planner-nvme-")
+    try:
+        return _bench(args, cache, nvme)
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+        shutil.rmtree(nvme, ignore_errors=True)
+
+
+def _bench(args: argparse.Namespace, cache: str, nvme: str) -> int:
     env = {**os.environ, "XDG_CACHE_HOME": cache, "MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
     need, states, activations = _need(args)
     capacities = {name: int(need * fraction) for name, fraction in CAPACITIES.items()}
@@ -230,12 +263,13 @@ def main() -> int:
     print("capacities: " + ", ".join(f"{k} {_mib(v)} MiB ({CAPACITIES[k]:.0%})" for k, v in capacities.items()))
     started = time.perf_counter()
     # The profile, measured once into the private cache (the later workers revalidate it).
-    first = _spawn(args, capacities["middle"], None, env)
+    first = _spawn(args, capacities["middle"], None, env, nvme)
     if "error" in first:
         print(f"profiling worker failed: {first['error']}")
         return 1
     chunk = first["plan"]["chunk_size"]
-    overheads = _cached_overheads(cache)
+    profile = _first_profile(cache)
+    overheads = profile.get("overheads") if profile else None
     if overheads:
         costs = ", ".join(f"{k} {overheads[k] * 1e3:.3f} ms" for k in OVERHEADS if k in overheads)
         print(f"measured overheads (the profile's calibration): {costs}")
@@ -249,7 +283,7 @@ def main() -> int:
     runs: dict[tuple[str, str], list[dict[str, Any]]] = {(c, n): [] for c, n, _, _ in variants}
     for round_ in range(args.rounds):
         for cap, name, capacity, plan in variants:
-            result = _spawn(args, capacity, plan, env)
+            result = _spawn(args, capacity, plan, env, nvme)
             runs[(cap, name)].append(result)
             shown = result.get("error") or f"{result['median_step_s']:.3f}s"
             print(f"  round {round_ + 1} {cap:<6} {name:<40} {shown}", flush=True)
@@ -290,8 +324,11 @@ def main() -> int:
         if good:
             print(f"  {cap}: " + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in good[0]["parts_s"].items()))
     print("\n## Auto vs hand-written plans at the middle capacity (median of per-run medians)")
-    print("| plan | step s (median) | per run | vs auto | device peak MiB (max) | fallbacks |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| plan | chunks (persistent) | step s (median) | per run | vs auto | predicted s (first profile) "
+        "| pred/meas | device peak MiB (max) | fallbacks |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     auto_step = statistics.median(r["median_step_s"] for r in runs[("middle", "auto")] if "error" not in r)
     rows = []
     for cap, name, _, _ in variants:
@@ -299,23 +336,32 @@ def main() -> int:
             continue
         good = [r for r in runs[(cap, name)] if "error" not in r]
         if not good:
-            rows.append((float("inf"), f"| {name} | failed: {runs[(cap, name)][0]['error'][:120]} | | | | |"))
+            rows.append((float("inf"), f"| {name} | failed: {runs[(cap, name)][0]['error'][:120]} | | | | | | | |"))
             continue
         median = statistics.median(r["median_step_s"] for r in good)
         per_run = ", ".join(f"{r['median_step_s']:.3f}" for r in good)
         peak = max(r["peak_bytes"]["device"] for r in good)
         fallbacks = sum(r.get("fallbacks") or 0 for r in good)
-        row = f"| {name} | {median:.3f} | {per_run} | {median / auto_step:.3f} | {_mib(peak)} | {fallbacks} |"
+        plan = good[0]["plan"]
+        chunks = f"{len(plan['state_home'])} ({plan['persistent_chunks']})"
+        predicted = _predict(profile, plan) if profile else None
+        shown = "- | -" if predicted is None else f"{predicted:.3f} | {predicted / median:.3f}"
+        row = (
+            f"| {name} | {chunks} | {median:.3f} | {per_run} | {median / auto_step:.3f} | {shown} | {_mib(peak)} "
+            f"| {fallbacks} |"
+        )
         rows.append((median, row))
     for _, row in sorted(rows, key=lambda r: r[0]):
         print(row)
     best_hand = min(m for (m, row) in rows if not row.startswith("| auto "))
     print(f"\nauto / best hand-written: {auto_step / best_hand:.3f}")
     print(f"wall time {total:.0f} s; load average before {machine['load_average']}, after {machine_after}")
+    profiles = len([e for e in os.scandir(os.path.join(cache, "tiermem", "profiles")) if e.name.endswith(".json")])
+    print(f"profiles measured: {profiles} (1: every auto worker used the first worker's cached profile)")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             measured = {f"{c}/{n}": v for (c, n), v in runs.items()}
-            json.dump({"machine": machine, "capacities": capacities, "overheads": overheads, "runs": measured}, f)
+            json.dump({"machine": machine, "capacities": capacities, "profile": profile, "runs": measured}, f)
     return 0
 
 
