@@ -107,8 +107,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     plan = json.loads(args.plan) if args.plan else "auto"
     started = time.perf_counter()
     with tiermem.Runtime(tiers) as rt:
+        written = _profile_writes()
         model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, sample=batches[0], lr=1e-4)
         manage_s = time.perf_counter() - started
+        # A profile written now: this worker measured one (the cached one did not revalidate).
+        profiled = _profile_writes() != written
         seconds = []
         for x, y in batches:
             # Policy auto: the plan's per-block policy (hand plans carry theirs too).
@@ -129,7 +132,18 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         "capacity": stats["tiers"]["device"]["capacity"],
         "fallbacks": stats["activations"].get("fallbacks"),
         "threads": torch.get_num_threads(),
+        "profiled": profiled,
     }
+
+
+def _profile_writes() -> dict[str, float]:
+    """The cached profiles' files and modification times (XDG_CACHE_HOME is the private cache)."""
+    from tiermem.planner import cache
+
+    directory = cache.cache_dir()
+    if not directory.is_dir():
+        return {}
+    return {e.name: e.stat().st_mtime for e in os.scandir(directory) if e.name.endswith(".json")}
 
 
 def _spawn(
@@ -296,12 +310,15 @@ def _bench(args: argparse.Namespace, cache: str, nvme: str) -> int:
         "| step s: measured (median) | predicted | pred/meas | max peak <= capacity |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
+    differing: list[str] = []
     for cap, capacity in capacities.items():
         good = [r for r in runs[(cap, "auto")] if "error" not in r]
         if not good:
             print(f"| {cap} | {_mib(capacity)} | failed: {runs[(cap, 'auto')][0]['error']} |")
             continue
         plan = good[0]["plan"]
+        if any(r["plan"] != plan for r in good):
+            differing.append(cap)
         peaks = [r["peak_bytes"]["device"] for r in good]
         steps = [r["median_step_s"] for r in good]
         predicted = plan["predicted"]
@@ -317,6 +334,22 @@ def _bench(args: argparse.Namespace, cache: str, nvme: str) -> int:
             f"| {_mib(predicted['peak_bytes']['device'])} | {predicted['peak_bytes']['device'] / measured_peak:.3f} "
             f"| {measured_step:.3f} ({', '.join(f'{s:.3f}' for s in steps)}) | {predicted['step_s']:.3f} "
             f"| {predicted['step_s'] / measured_step:.3f} | {all(p <= capacity for p in peaks)} |"
+        )
+    if differing:
+        print(
+            f"plans differ between runs at {', '.join(differing)} (a worker profiled again): per run, "
+            "step s predicted / measured: "
+            + "; ".join(
+                f"{cap} "
+                + ", ".join(
+                    f"chunk {_mib(r['plan']['chunk_size'])} MiB {r['plan']['persistent_chunks']}/"
+                    f"{len(r['plan']['state_home'])} {''.join(p[0] for p in r['plan']['block_policy'])} "
+                    f"{r['plan']['predicted']['step_s']:.3f}/{r['median_step_s']:.3f}"
+                    for r in runs[(cap, "auto")]
+                    if "error" not in r
+                )
+                for cap in differing
+            )
         )
     print("\nPredicted parts of the auto plans (ms, first run): ")
     for cap in capacities:
@@ -356,8 +389,17 @@ def _bench(args: argparse.Namespace, cache: str, nvme: str) -> int:
     best_hand = min(m for (m, row) in rows if not row.startswith("| auto "))
     print(f"\nauto / best hand-written: {auto_step / best_hand:.3f}")
     print(f"wall time {total:.0f} s; load average before {machine['load_average']}, after {machine_after}")
-    profiles = len([e for e in os.scandir(os.path.join(cache, "tiermem", "profiles")) if e.name.endswith(".json")])
-    print(f"profiles measured: {profiles} (1: every auto worker used the first worker's cached profile)")
+    again = [
+        f"{c} round {i + 1}"
+        for (c, n), rs in runs.items()
+        if n == "auto"
+        for i, r in enumerate(rs)
+        if r.get("profiled")
+    ]
+    print(
+        "auto workers that profiled again (the cached profile did not revalidate, NOTE [ Profile cache ] rule 2): "
+        + (", ".join(again) or "none")
+    )
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             measured = {f"{c}/{n}": v for (c, n), v in runs.items()}
