@@ -4,6 +4,9 @@ each window, and training stays bitwise plain PyTorch on the CPU."""
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -307,5 +310,65 @@ def test_streaming_gradients_fit_a_small_host(tmp_path, host_fraction):
         stats = rt.stats().as_dict()
         assert stats["model_states"]["early_chunk_steps"] > 0
         assert stats["tiers"]["host"]["peak_bytes"] <= int(total * host_fraction)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, monkeypatch):
+    """Early steps' home prefetch (NOTE [ Declared steps ] rule 3, placement rule 3): a home
+    is prefetched when its chunk's backward begins even while the previous chunk's home is
+    still being written back, but never while another home waits for its step, so the host
+    never stages more than STAGED_HOMES homes; training stays exact."""
+    from tiermem.states.placement import STAGED_HOMES
+    from tiermem.states.stepping import StepMixin
+    from tiermem.tiers.nvme import NvmeTier
+
+    seen: list[tuple[int, int]] = []  # (homes waiting for their step, homes off NVMe) at each prefetch
+    original = StepMixin._backward_entered
+
+    def recorded(self, chunk):
+        before = chunk.home.state if chunk.home is not None else None
+        original(self, chunk)
+        if chunk.home is not None and chunk.home.state is not before:
+            waiting, off = self._homes_off_nvme()
+            seen.append((waiting, off))
+
+    monkeypatch.setattr(StepMixin, "_backward_entered", recorded)
+    write = NvmeTier.write
+
+    def slow_write(self, allocation, offset, src):
+        # Every NVMe write lands 20 ms late, so a home's write-back is still in flight when
+        # the next chunk's backward begins (on a fast disk it may land first: nothing to test).
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def later() -> None:
+            time.sleep(0.02)
+            inner = write(self, allocation, offset, src)
+            inner.add_done_callback(
+                lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None)
+            )
+
+        threading.Thread(target=later, daemon=True).start()
+        return done
+
+    monkeypatch.setattr(NvmeTier, "write", slow_write)
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1, keep_gradients=False
+        )
+        nvme_chunks = sum(c["home"] == "nvme" for c in managed(rt).describe()["chunks"])
+        assert nvme_chunks >= 3
+        got = plain_loop(model, optimizer, steps, 1, None)
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
+        assert rt.stats().as_dict()["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+    assert seen, "no NVMe home was prefetched"
+    assert all(waiting == 1 and off <= STAGED_HOMES for waiting, off in seen)  # the one just prefetched
+    # Some prefetch went out while another home was still off NVMe (being written back).
+    assert any(off == 2 for _waiting, off in seen)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
