@@ -51,6 +51,11 @@ import threading
 import time
 from typing import Any
 
+# What the caller set, read before anything imports tiermem (which sets a default of 1):
+# plain PyTorch runs with torch's own default (off) unless the caller chose, as a user's
+# plain training script would; tiermem runs with whatever import tiermem leaves.
+CALLER_THP = os.environ.get("THP_MEM_ALLOC_ENABLE")
+
 #: name -> GPTConfig fields and batch size; the three scaling sizes differ only in depth, so
 #: compute and bytes per parameter are comparable (the 32 MiB tied embedding is a fixed part).
 SIZES: dict[str, dict[str, int]] = {
@@ -151,6 +156,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(total)
     ]
     result: dict[str, Any] = {"mode": args.mode, "size": args.size, "params": params, "state_bytes": state_bytes}
+    result["thp_mem_alloc_enable"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
 
     cpu_times: list[float] = []
 
@@ -308,7 +314,6 @@ def _machine(path: str) -> dict[str, Any]:
     import psutil
     import torch
 
-    import tiermem  # noqa: F401  (sets THP_MEM_ALLOC_ENABLE's default, reported below)
 
     cpu = "unknown"
     try:
@@ -325,8 +330,9 @@ def _machine(path: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
-        # Workers inherit it; import tiermem sets it to 1 unless the caller chose (both modes).
-        "thp_mem_alloc_enable": os.environ.get("THP_MEM_ALLOC_ENABLE", "unset"),
+        # Huge, page-aligned large tensors (TRAPS 22): the caller's choice for both modes;
+        # otherwise torch's default (off) for plain and tiermem's (on, set at import).
+        "thp_mem_alloc_enable": CALLER_THP or "plain: torch default (off), tiermem: on (import tiermem)",
         "nvme_path": path,
         "filesystem": next((p.fstype for p in mounts if path.startswith(p.mountpoint)), "unknown"),
         "load_avg_start": [round(x, 2) for x in os.getloadavg()],
@@ -346,6 +352,9 @@ def _params(size: str) -> int:
 def _run_worker(args: argparse.Namespace, mode: str, size: str, path: str) -> dict[str, Any]:
     # glibc: return freed blocks to the kernel, so RSS shows what is really held (TRAPS 8)
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+    env.pop("THP_MEM_ALLOC_ENABLE", None)  # the driver's own import of tiermem set it
+    if CALLER_THP is not None or mode == "plain":
+        env["THP_MEM_ALLOC_ENABLE"] = CALLER_THP if CALLER_THP is not None else "0"
     command = [
         sys.executable, os.path.abspath(__file__), "--worker", f"--mode={mode}", f"--size={size}",
         f"--steps={args.steps}", f"--warmup={args.warmup}", f"--nvme-path={path}",
