@@ -279,6 +279,21 @@ def test_cost_model_charges_per_parameter_and_per_registered_offloaded_and_recom
     assert overhead[("host", "host", "keep", "keep")] == pytest.approx(per_param + 0.01 * 14 + 0.1 * 6)
 
 
+def test_a_recomputed_blocks_input_counts_on_the_device_and_its_other_tensors_do_not():
+    """NOTE [ Cost model ] rule 2: the offloader registers a recomputed block's input (kept
+    until its backward; measured on the 4x256 GPT), never the tensors checkpoint recomputes."""
+    from tiermem.planner.costmodel import activation_cost
+
+    profile = synthetic(4, saved=16 * MiB)  # input_bytes 1 MiB a block, min_bytes 1 MiB
+    recompute = activation_cost(profile, ("recompute",) * 4)
+    keep = activation_cost(profile, ("keep",) * 4)
+    assert recompute.forward_peak == profile.outside.saved_bytes + 4 * MiB
+    assert keep.forward_peak == profile.outside.saved_bytes + 4 * 16 * MiB
+    assert recompute.ram_bytes == keep.ram_bytes  # the inputs are on the tier, not plain RAM
+    small = dataclasses.replace(profile, min_bytes=2 * MiB)  # below min_bytes: plain RAM instead
+    assert activation_cost(small, ("recompute",) * 4).ram_bytes == recompute.ram_bytes + 4 * MiB
+
+
 def test_search_prefers_fewer_larger_chunks_where_the_device_has_room():
     """The same model and budgets: without a per-chunk cost the search streams many 1 MiB
     chunks; with one it streams fewer, larger chunks (and the prediction charges them)."""
