@@ -1,7 +1,9 @@
-"""Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py)."""
+"""Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py), and the
+suite's own profile cache."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -9,6 +11,19 @@ import pytest
 from tests.gated_tier import BLOCK, GatedTier
 from tiermem.schedulers import AsyncioScheduler
 from tiermem.tiers.device import DeviceTier
+
+
+@pytest.fixture(autouse=True, scope="session")
+def private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """``rt.manage`` plans at the first step (NOTE [ Model-state rules ] rule 9) and caches
+    profiles under ``$XDG_CACHE_HOME``: the suite keeps its own, never the user's."""
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    yield
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
 
 
 @pytest.fixture

@@ -15,9 +15,10 @@ cleanup (TRAPS 12).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -220,9 +221,13 @@ class Runtime:
         RNG, buffers (BatchNorm statistics) and ``.grad`` as they were, and its profile is
         cached in the user's cache directory. The plan then carries a per-block activation
         policy that ``rt.offload_activations(model)`` applies under policy ``auto``, and its
-        predictions (``rt.plan.predicted``). Without a sample, ``"auto"`` follows the default
-        placement rule and predicts nothing. ``plan={"block_policy": "nvme"}`` (or a list, one
-        policy per block) with a sample plans everything else around that activation policy.
+        predictions (``rt.plan.predicted``). Without a sample, ``"auto"`` profiles the first
+        real step instead: the default placement rule carries it, and the first
+        ``optimizer.step()`` plans from the arguments of the model's first forward with grad
+        and re-packs the chunks under that plan before stepping (NOTE [ Model-state rules ] rule 9
+        in ``tiermem.states.manager``); training is exactly the same either way.
+        ``plan={"block_policy": "nvme"}`` (or a list, one policy per block) plans everything
+        else around that activation policy.
 
         ``grad_accumulation_steps`` / ``clip_grad_norm`` (max L2 norm) declare the loop: step
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
@@ -239,32 +244,15 @@ class Runtime:
         # plan={"block_policy": ...} with a sample: the planner searches the model states around
         # the activation policy the caller fixed (a name for every block, or one per block).
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
-        if sample is not None and (plan is None or plan == "auto" or fixed is not None):
-            from tiermem.planner.auto import plan_model  # the planner only when asked
-
-            assert self.resolved is not None  # set whenever registry is reachable
-            accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
-            decision, profile = plan_model(
-                self.registry,
-                self.resolved,
-                model,
-                optimizer,
-                optimizer_kwargs,
-                sample,
-                block_policy=fixed,
-                grads_stream=grads_stream(accumulation, max_norm, keep_gradients),
-            )
-            chosen = decision.plan
-            plan = PlanRequest(
-                chosen.chunk_size,
-                chosen.persistent_chunks,
-                chosen.buffers,
-                chosen.state_home,
-                chosen.block_policy,
-                chosen.predicted,
-                order=profile.order,  # pack in execution order now, no re-pack at the first step
-            )
-            self.__dict__["_decision"] = decision
+        planned = plan is None or plan == "auto" or fixed is not None
+        accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
+        streams = grads_stream(accumulation, max_norm, keep_gradients)
+        planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams)
+        first_step_planner = None
+        if planned and sample is not None:
+            plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
+        elif planned:  # the default rule (with a fixed block policy as given) carries the first step
+            first_step_planner = functools.partial(self._plan_first_step, planner)
         states = ModelStates(
             self.registry,
             model,
@@ -276,9 +264,57 @@ class Runtime:
             clip_grad_norm=clip_grad_norm,
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
+            first_step_planner=first_step_planner,
         )
         self._model_states.append(states)
         return model, states.optimizer
+
+    def _plan_request(
+        self,
+        optimizer: Any,
+        optimizer_kwargs: Mapping[str, Any],
+        block_policy: Any,
+        streams: bool,
+        model: torch.nn.Module,
+        sample: Any,
+    ) -> PlanRequest:
+        """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build."""
+        from tiermem.planner.auto import plan_model  # the planner only when asked
+
+        assert self.resolved is not None  # set whenever registry is reachable
+        decision, profile = plan_model(
+            self.registry,
+            self.resolved,
+            model,
+            optimizer,
+            optimizer_kwargs,
+            sample,
+            block_policy=block_policy,
+            grads_stream=streams,
+        )
+        chosen = decision.plan
+        self.__dict__["_decision"] = decision
+        return PlanRequest(
+            chosen.chunk_size,
+            chosen.persistent_chunks,
+            chosen.buffers,
+            chosen.state_home,
+            chosen.block_policy,
+            chosen.predicted,
+            order=profile.order,
+        )
+
+    @staticmethod
+    def _plan_first_step(
+        planner: Callable[[torch.nn.Module, Any], PlanRequest],
+        model: torch.nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> PlanRequest:
+        """NOTE [ Model-state rules ] rule 9: the first forward's arguments as the sample."""
+        from tiermem.planner.profiler import Batch
+
+        return planner(model, Batch(args, kwargs) if kwargs else args)
 
     # -- introspection ----------------------------------------------------------------------
     @property

@@ -33,6 +33,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tiermem.planner.profile import PROFILE_VERSION, Profile
+from tiermem.planner.profiler import Batch
 from tiermem.registry import Registry
 from tiermem.schedulers.base import Priority
 
@@ -56,6 +57,8 @@ def sample_signature(sample: Any) -> list[Any] | None:
     """Shapes and dtypes of the sample's tensors; None for a callable (rule 1)."""
     if callable(sample):
         return None
+    if isinstance(sample, Batch):  # keyword names count too: another call is another profile
+        sample = (sample.args, sorted(sample.kwargs.items()))
     return [
         [list(t.shape), str(t.dtype), str(t.device)] if isinstance(t, torch.Tensor) else repr(t)
         for t in tree_leaves(sample)

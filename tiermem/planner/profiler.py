@@ -1,10 +1,13 @@
 """The instrumented step: what the planner needs, measured on a sample batch.
 
 # NOTE [ Profiling step ]
-1. It runs before the parameters are chunked, in plain PyTorch, on a sample the user gives
-   (``rt.manage(..., sample=...)``): a tuple of the model's positional arguments, or a
-   callable ``sample(model) -> loss``. A tuple's backward is that of its scalar outputs (a
-   loss), or of every differentiable output with ones when there is none.
+1. It runs on the parameters in plain PyTorch (not chunked), on a sample: what the user gives
+   (``rt.manage(..., sample=...)``: a tuple of the model's positional arguments, or a
+   callable ``sample(model) -> loss``), or else the arguments of the managed model's first
+   forward with grad, as a :class:`Batch` (the manager plans at the first
+   ``optimizer.step()``, NOTE [ Model-state rules ] rule 9). A tuple's or a batch's backward
+   is that of its scalar outputs (a loss), or of every differentiable output with ones when
+   there is none.
 2. It changes nothing training depends on (TRAPS 10): the RNG states (CPU and CUDA) are
    forked, every buffer (BatchNorm running statistics, ``num_batches_tracked``) is copied
    back, the parameters' ``.grad`` are put back as they were, and the mode is left alone.
@@ -51,7 +54,18 @@ from tiermem.planner.profile import BlockStats, ParamStats
 from tiermem.registry import Registry
 from tiermem.schedulers.base import Priority
 
-Sample = tuple[Any, ...] | Callable[[nn.Module], torch.Tensor]
+
+@dataclass(frozen=True)
+class Batch:
+    """A forward call's positional and keyword arguments, as a profiling sample: what a managed
+    model's first real forward was given (NOTE [ Model-state rules ] rule 9 in
+    ``tiermem.states.manager``). Its backward follows rule 1, as a tuple's does."""
+
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+Sample = tuple[Any, ...] | Batch | Callable[[nn.Module], torch.Tensor]
 
 PROBE_BYTES = 32 << 20
 """Bytes moved per link probe (less where a tier has less free)."""
@@ -142,7 +156,8 @@ def _loss(model: nn.Module, sample: Sample) -> list[torch.Tensor]:
         loss = sample(model)
         outputs = [loss] if isinstance(loss, torch.Tensor) else []
     else:
-        outputs = [t for t in tree_leaves(model(*sample)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        result = model(*sample.args, **sample.kwargs) if isinstance(sample, Batch) else model(*sample)
+        outputs = [t for t in tree_leaves(result) if isinstance(t, torch.Tensor) and t.requires_grad]
     scalars = [t for t in outputs if t.dim() == 0]
     chosen = scalars or outputs
     if not chosen:

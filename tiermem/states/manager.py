@@ -61,6 +61,19 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
    are then brought back and added, exactly).
+9. Planning on the first real step (``rt.manage(plan="auto")`` without ``sample=``): the
+   default placement rule carries the first step; the root's forward pre-hook keeps the
+   arguments of the first forward with grad (detached), and the next ``optimizer.step()``
+   (where a re-pack would run, rule 2, once backward is done and gradients are known) hands
+   them to the planner on plain parameters: the chunks are snapshotted and freed, the
+   parameters become ordinary tensors again and the manager's hooks are off while the
+   profiling step runs (it leaves RNG, buffers and gradients as they were; NOTE [ Profiling
+   step ]), and the chunks are rebuilt from the snapshot under the planned plan, in its
+   execution order, before the step goes on; so the step and everything after it are
+   exactly what they would have been. Planning is skipped (with the reason logged, the
+   default placement kept) when the snapshot would not fit in free memory, when the step is
+   called inside ``rt.offload_activations`` (its saved-tensor hooks would capture the
+   profiling step: tried again at the next step), or when the planner fails.
 """
 
 from __future__ import annotations
@@ -71,15 +84,17 @@ import functools
 import logging
 import weakref
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
 from tiermem.registry import Registry
+from tiermem.states import core
 from tiermem.states.backward import BackwardMixin
 from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
 from tiermem.states.core import ParamState, Snapshot, Use
@@ -90,6 +105,9 @@ from tiermem.states.pool import ChunkPool
 from tiermem.states.stateio import StateIOMixin
 from tiermem.states.stepping import StepMixin
 from tiermem.units import format_size
+
+FirstStepPlanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
+"""Rule 9: given the model (plain parameters) and its first forward's arguments, the plan."""
 
 log = logging.getLogger("tiermem.states")
 
@@ -145,6 +163,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         clip_grad_norm: float | None = None,
         keep_gradients: bool = True,
         param_dtype: torch.dtype | None = None,
+        first_step_planner: FirstStepPlanner | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -208,6 +227,9 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self._loading: list[Chunk] = []
         self._sd_keep_vars = False
         self._hooks: list[RemovableHandle] = []
+        #: rule 9: who plans at the first step, and the first forward's arguments
+        self._planner = first_step_planner
+        self._plan_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
         self._closed = False
         self._restored = False
 
@@ -400,7 +422,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
 
     def _register_hooks(self) -> None:
         model = self.model
-        self._hooks.append(model.register_forward_pre_hook(self._root_started))
+        self._hooks.append(model.register_forward_pre_hook(self._root_started, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_ended, always_call=True))
         for module in self._module_names:
             self._hooks.append(module.register_forward_pre_hook(self._forward_started))
@@ -413,7 +435,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             if self._trainable[i]:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i)))
 
-    def _root_started(self, _module: nn.Module, _args: Any) -> None:
+    def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self._check_usable()
         _refuse_compile()
         self._settle_backward()
@@ -421,8 +443,14 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             self._recording, self._seen = [], set()
         if torch.is_grad_enabled():
             self._forward_with_grad()
+            if self._planner is not None and self._plan_batch is None:  # rule 9
+                detach = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.detach)
+                self._plan_batch = (detach(tuple(args)), detach(dict(kwargs)))
+        return None
 
     def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+        if self._plan_batch is not None:
+            self._repack_pending = True  # rule 9: plan at the next optimizer.step()
         if self._recording is None:
             return
         order = self._recording + [i for i in range(len(self.params)) if i not in self._seen]
@@ -460,8 +488,11 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
 
     def _repack(self) -> None:
         self._repack_pending = False
+        if self._plan_batch is not None and self._plan_first_step():
+            return
         order = self._recorded
-        assert order is not None
+        if order is None or order == self._order:
+            return
         self.pool.release_all()
         try:
             layouts, plan = self._plan_layout(order, held=self._held_bytes())
@@ -482,6 +513,81 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             self._has_grad = [False] * len(self.params)
             self._pstate.clear()
             self._build(old[0], old[1], snapshot)
+
+    def _plan_first_step(self) -> bool:
+        """Rule 9: plan from the first forward's arguments and rebuild the chunks under the plan.
+        False when planning is skipped (the caller re-packs as rule 2 says); True once rebuilt."""
+        planner, batch = self._planner, self._plan_batch
+        assert planner is not None and batch is not None
+        self._plan_batch = None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            log.info(
+                "tiermem model states: optimizer.step() inside rt.offload_activations(); planning waits for a "
+                "step outside it (the offloader's hooks would capture the profiling step)"
+            )
+            return False
+        self._planner = None  # once, whatever happens below
+        needed = sum(
+            info.nbytes * self._master_scale * (1 + info.trainable + len(self.state_names)) for info in self._info
+        )
+        if needed > 0.8 * core.memory_available(torch.device("cpu")):
+            log.warning(
+                "tiermem model states: not planning from the first step: a plain copy of the model states (%s) does "
+                "not fit in free memory; the default placement stays. Give rt.manage a plan= (or sample= on a "
+                "machine with the room)",
+                format_size(needed),
+            )
+            return False
+        self.pool.release_all()
+        snapshot = self._snapshot()
+        old = ([chunk.layout for chunk in self.chunks], self.plan, list(self._order))
+        layouts, plan, order = old
+        self._free_chunks()
+        self._has_grad = [False] * len(self.params)
+        self._pstate.clear()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
+        request = self._request
+        try:
+            working = self._param_dtype
+            for p, data in zip(self.params, snapshot.data, strict=True):
+                p.data = data if working is None else data.to(working)  # what training computes with
+                p.grad = None
+            try:
+                planned = planner(self.model, *batch)
+                self._request = planned
+                new_order = list(planned.order) if planned.order is not None else (self._recorded or order)
+                if sorted(new_order) != list(range(len(self.params))):
+                    new_order = self._recorded or order
+                layouts, plan = self._plan_layout(new_order)
+                order = new_order
+            except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
+                self._request = request
+                log.warning(
+                    "tiermem model states: planning from the first step failed, the default placement stays "
+                    "(give rt.manage a plan= or sample= to choose): %s: %s",
+                    type(exc).__name__,
+                    exc,
+                )
+                if self._recorded is not None and self._recorded != order:
+                    with contextlib.suppress(PlanError, StatesMemoryError):
+                        layouts, plan = self._plan_layout(self._recorded)
+                        order = list(self._recorded)
+        finally:
+            try:
+                self._build(layouts, plan, snapshot)
+                self._order = order
+            except (StatesMemoryError, TierCapacityError) as exc:
+                log.warning("tiermem model states: the planned layout could not be built (%s); keeping the old", exc)
+                self._free_chunks()
+                self._has_grad = [False] * len(self.params)
+                self._pstate.clear()
+                self._request = request
+                self._build(old[0], old[1], snapshot)
+                self._order = old[2]
+            self._register_hooks()
+        return True
 
     def close(self) -> None:
         """Restore ordinary parameters when they fit, else mark them unusable; free every chunk.
