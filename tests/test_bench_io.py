@@ -197,6 +197,30 @@ def test_raw_runs_move_every_byte_and_count_blocks(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("run_blocks", "calls_per_pass"), [(None, 16), (1, 32)])
+def test_latency_is_per_call_and_requests_are_blocks(
+    run_blocks: int | None, calls_per_pass: int, tmp_path: Path
+) -> None:
+    """What the docs say is measured (tiermem.benchio, bench/README.md): one latency per call
+    to the tier, requests counted in blocks. At QD 8 an auto run is 2 blocks, so a pass of 32
+    blocks is 16 calls; with run_blocks=1 a call is one request."""
+    from tiermem.benchio import BenchSpec, run_benchmark
+
+    spec = BenchSpec(
+        paths=(str(tmp_path),),
+        size=2 << 20,
+        block_sizes=(64 << 10,),
+        queue_depths=(8,),
+        repeats=2,
+        run_blocks=run_blocks,
+    )
+    report = run_benchmark(spec)
+    for result in report.results:
+        assert result.requests == [32, 32]
+        assert len(result.latencies) == 2 * calls_per_pass
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("inner", ["posix", "aio"])
 def test_an_io_error_inside_a_raw_run_fails_the_bench_cleanly(
     inner: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

@@ -27,11 +27,12 @@ measured (NOTE [ Predicted and measured ]).
 # NOTE [ Predicted and measured ]
 1. ``predicted``: the planner's step time and peak bytes per tier (``rt.plan.predicted``);
    ``null`` for a hand plan (nothing predicted it).
-2. ``measured``: the median step time, and each tier's peak bytes from ``rt.stats()``. A
-   tier's peak covers the whole Runtime's life, so it includes the profiling step's link
-   probes (32 MiB, or a quarter of the least free tier when less) where those were larger
-   than the run's own bytes: on a tier the plan barely uses (NVMe under a host-homed plan),
-   the measured peak is then the probe's.
+2. ``measured``: the median step time, and each tier's peak bytes over the training steps
+   alone, as the plan predicts them: the tiers' peaks are reset (``Tier.reset_peak``) once
+   ``rt.manage`` has placed the chunks. The ``tiers`` block keeps each tier's peak over the
+   Runtime's whole life, which includes the profiling step's link probes and the profile
+   cache's check (32 MiB, or a quarter of the least free tier when less): on a tier the plan
+   leaves empty that is the probes' bytes.
 3. ``ratios``: predicted / measured (1.0 is exact; ``null`` where either is missing or 0).
    The planner predicts the plan's activation policy; with a per-block mapping given by hand
    the loop runs another one, and ``activations_as_planned`` is false. So it is when a fixed
@@ -255,14 +256,19 @@ def train(
         elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
         # After rt.manage: the profiling step's link probes and the chunks' first placement are
-        # not this run's steps (NOTE [ Predicted and measured ] rule 2 for the peaks, which cannot
-        # be taken apart this way).
+        # not this run's steps; nor are they in the steps' peaks (NOTE [ Predicted and measured ]
+        # rule 2).
         before = rt.stats().as_dict()
+        for tier in rt.tiers.values():
+            tier.reset_peak()
         losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step)
         after = rt.stats().as_dict()
+        step_peaks = {name: int(tier["peak_bytes"]) for name, tier in after["tiers"].items()}
+        for name, tier in after["tiers"].items():  # the tiers block keeps the Runtime's whole life
+            tier["peak_bytes"] = max(tier["peak_bytes"], before["tiers"][name]["peak_bytes"])
         states = _states_summary(rt, parameters) if manage_states else None
         as_planned = fixed_fits and not isinstance(policy, Mapping)
-        plan_block = _plan_summary(rt, after, seconds, planned, as_planned) if manage_states else None
+        plan_block = _plan_summary(rt, after, step_peaks, seconds, planned, as_planned) if manage_states else None
     nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
     train_s = sum(seconds)
     drive = drive_capacity(rt.resolved.nvme.paths)
@@ -337,15 +343,21 @@ def _ratio(predicted: float | None, measured: float | None) -> float | None:
 
 
 def _plan_summary(
-    rt: Runtime, stats: Mapping[str, Any], seconds: list[float], planned: bool, as_planned: bool
+    rt: Runtime,
+    stats: Mapping[str, Any],
+    step_peaks: Mapping[str, int],
+    seconds: list[float],
+    planned: bool,
+    as_planned: bool,
 ) -> dict[str, Any]:
-    """NOTE [ Predicted and measured ]: the plan's decisions, predictions, measurements, ratios."""
+    """NOTE [ Predicted and measured ]: the plan's decisions, predictions, measurements, ratios.
+    ``step_peaks``: each tier's peak bytes over the training steps (rule 2)."""
     assert rt.plan is not None  # rt.manage ran
     plan = rt.plan.as_dict()
     predicted = plan.pop("predicted")
     decision = rt.__dict__.get("_decision") if planned else None  # what rt.manage's planner returned
     measured_step = statistics.median(seconds) if seconds else None
-    measured_peaks = {tier: int(stats["tiers"][tier]["peak_bytes"]) for tier in ("device", "host", "nvme")}
+    measured_peaks = {tier: int(step_peaks[tier]) for tier in ("device", "host", "nvme")}
     predicted_peaks = predicted.get("peak_bytes") or {}
     return {
         "source": "planner" if decision is not None else "hand",

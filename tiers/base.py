@@ -235,6 +235,12 @@ class Tier(abc.ABC):
             raise RuntimeClosedError(f"the {self.name} tier")
 
     # -- lifecycle and statistics ----------------------------------------------------------
+    def reset_peak(self) -> None:
+        """Start ``peak_bytes`` over from the bytes held now (as ``torch.cuda.reset_peak_memory_stats``),
+        so a later peak is that of what ran since: a training loop's, not a profiling probe's."""
+        with self._lock:
+            self._peak = self._current
+
     def statistics(self) -> TierStatistics:
         with self._lock:
             return TierStatistics(

@@ -8,11 +8,17 @@ whose :meth:`~BenchReport.as_dict` is the JSON scripts read::
                   "bytes_per_s": {"median", "min", "max"}, "requests_per_s",
                   "latency_s": {"p50", "p99"}}]}
 
-Sizes are int bytes. ``requests_per_s`` is the median over passes, like ``bytes_per_s``;
-latencies are per request (issue to completion at the tier), over every pass of a case.
-The invocation's settings (``through``, ``verify``) and page-cache handling are in
-``machine``, next to the facts they qualify. How the I/O itself is done is in
-:mod:`tiermem.benchio.passes`.
+Sizes are int bytes. ``requests_per_s`` counts blocks, the requests the device sees however
+many of them one call carries; it is the median over passes, like ``bytes_per_s``.
+Latencies are per *call* to the tier, from issuing it to its completion, over every pass
+of a case; they are per request only where a call is one block. On the NVMe tier a raw
+call carries a run of up to ``run_blocks`` contiguous blocks (``--run-blocks``; by default
+a quarter of the queue depth, as the scheduler's runs, its rule 7) and completes with its
+last block; ``run_blocks=1`` makes a call one request, as it always is on the memory
+tiers. Through the scheduler a call is what the scheduler issued: a run on the NVMe tier,
+one block (at least 8 MiB) on a memory tier. The invocation's settings (``through``,
+``verify``, ``run_blocks``) and page-cache handling are in ``machine``, next to the facts
+they qualify. How the I/O itself is done is in :mod:`tiermem.benchio.passes`.
 """
 
 from __future__ import annotations

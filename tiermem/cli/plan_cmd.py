@@ -9,7 +9,10 @@ says by how much each tier is short.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import sys
 import time
 from typing import Any
 
@@ -93,10 +96,20 @@ def run(args: argparse.Namespace) -> int:
         "planning_s": elapsed,
         "cache_cleared": removed,
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
-    _print(result)
+    try:
+        if args.json:
+            print(json.dumps(result))
+        else:
+            _print(result)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (``tiermem plan | head -1``): not an error of the plan, so no
+        # traceback. Point stdout at /dev/null so the interpreter's own flush at exit does not
+        # fail again (Python's documentation, "Note on SIGPIPE"); status 0, as bench io does.
+        with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no descriptor
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
     return 0
 
 

@@ -17,9 +17,11 @@ parses, chooses the budget and prints.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -157,7 +159,11 @@ def run(args: argparse.Namespace) -> int:
         config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
 
     if not args.json:
-        _print_intro(model_config, args, device, budget)
+        try:
+            _print_intro(model_config, args, device, budget)
+            sys.stdout.flush()
+        except BrokenPipeError:  # nobody reads the summary (`| head -1`): no run for it
+            return _stdout_closed()
     with Runtime(config) as rt:
         summary = train(
             rt,
@@ -174,11 +180,27 @@ def run(args: argparse.Namespace) -> int:
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
     budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
     result = {**summary.as_dict(), "device_budget": budget}
-    if args.json:
-        # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
-        print(json.dumps(_finite(result), allow_nan=False))
-    else:
-        _print_summary(result)
+    try:
+        if args.json:
+            # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
+            print(json.dumps(_finite(result), allow_nan=False))
+        else:
+            _print_summary(result)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _stdout_closed()
+    return 0
+
+
+def _stdout_closed() -> int:
+    """The reader of stdout went away (``tiermem train | head -1``): not an error of the run,
+    so no traceback. Point stdout at /dev/null so the interpreter's own flush at exit does
+    not fail again (Python's documentation, "Note on SIGPIPE"); exit status 0, as ``tiermem
+    bench io`` does."""
+    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no file descriptor
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return 0
 
 
@@ -311,7 +333,7 @@ def _plan_lines(plan: dict[str, Any]) -> list[tuple[str, str]]:
         lines.append(
             (
                 f"{tier} peak: predicted",
-                f"{shown}, measured {format_size(got)} of {format_size(plan['capacities'][tier])}: "
+                f"{shown}, measured over the steps {format_size(got)} of {format_size(plan['capacities'][tier])}: "
                 f"{ratio(ratios['peak_bytes'][tier])}",
             )
         )
@@ -326,7 +348,9 @@ def _print_summary(result: dict[str, Any]) -> None:
     from rich.text import Text
 
     console = Console()
-    tiers = Table(title="tiers (bytes tiermem managed)", title_justify="left")
+    # The tiers' own peaks cover the Runtime's life, the planner's link probes included; the
+    # plan lines below give the steps' (tiermem.train, NOTE [ Predicted and measured ] rule 2).
+    tiers = Table(title="tiers (bytes tiermem managed; peaks include the planner's probes)", title_justify="left")
     for column in ("tier", "capacity", "peak", "written", "read"):
         tiers.add_column(column, justify="left" if column == "tier" else "right")
     for name, tier in result["tiers"].items():
