@@ -7,11 +7,27 @@
    capacities (capacities change the plan, which is searched afresh every run in well under
    a second, not what the profile measured), the optimizer and its hyper-parameters, torch's
    version and thread count, and :data:`PROFILE_VERSION`.
-2. Revalidation is cheap: a cached profile is used when one device->host move through the
-   tiers, of the size the profile probed with, runs within a factor ``REVALIDATE_FACTOR`` of
-   the cached bandwidth (best of three, as the probe). The factor is wide because a shared
-   machine swings copy bandwidth a lot between moments (0.9 to 6 GB/s for 16 MiB here);
-   outside it the machine changed, and the model is profiled again.
+2. Revalidation is cheap (:func:`revalidate`, tens of milliseconds): a cached profile is used
+   when its links still hold, each probe within a factor ``REVALIDATE_FACTOR`` of what the
+   cached bandwidth predicts for it:
+   a. device->host moves through the tiers, as the profiler's probe, of the size the profile
+      probed with, or of less where the device or host has less room now (a quarter of the
+      free bytes, down to ``MIN_PROBE_BYTES``; below that a fresh profile could not measure
+      the link either, so it is not checked);
+   b. where the profile has NVMe bandwidths and the NVMe tier exists, a write of at most
+      ``NVME_REVALIDATE_BYTES`` straight through the NVMe tier and its read back, against
+      ``host->nvme`` and ``nvme->host``;
+   c. a probe smaller than the profile's pays the per-move latency on fewer bytes (64 KiB
+      moved 30x slower than 32 MiB here): the prediction adds that latency, measured now
+      with one-page moves, for the bytes the probe lacks. At the profile's size it is the
+      cached bandwidth itself.
+   Each probe runs up to three times (the best counts, as in the profiler) and stops at the
+   first that agrees. The factor is wide because a shared machine swings copy bandwidth a
+   lot between moments (0.9 to 6 GB/s for 16 MiB here); outside it the machine changed, and
+   the model is profiled again. So is a profile without the per-path NVMe bandwidths that a
+   profiling now would measure (one cached by an older tiermem; ``probe_links`` in
+   :mod:`~tiermem.planner.profiler`), and one without a device->host bandwidth. Every probe
+   frees what it moved: nothing is left in a tier or in an NVMe path.
 3. Writes are atomic (a temporary file renamed), so two processes never read half a profile.
    Profiles live in the user's cache, never in an NVMe run directory (DESIGN).
 """
@@ -24,7 +40,8 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +50,23 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tiermem.planner.profile import PROFILE_VERSION, Profile
-from tiermem.planner.profiler import Batch
+from tiermem.planner.profiler import (
+    MIN_PROBE_BYTES,
+    Batch,
+    nvme_io_seconds,
+    nvme_path_links,
+    nvme_paths,
+    path_probe_plan,
+    probe_size,
+)
 from tiermem.registry import Registry
 from tiermem.schedulers.base import Priority
+from tiermem.tiers.base import ALIGNMENT
 
 REVALIDATE_FACTOR = 4.0
 """Rule 2."""
+NVME_REVALIDATE_BYTES = 8 << 20
+"""Rule 2b: the NVMe write and read-back's bytes at most."""
 
 
 def cache_dir() -> Path:
@@ -128,27 +156,137 @@ def clear() -> int:
     return removed
 
 
+@dataclass(frozen=True)
+class Check:
+    """One revalidation probe (rule 2): ``nbytes`` moved over ``link`` at ``measured`` bytes/s;
+    the profile's ``cached`` bytes/s, and ``expected``: what it predicts for ``nbytes``."""
+
+    link: str
+    nbytes: int
+    measured: float
+    cached: float
+    expected: float
+
+    @property
+    def agrees(self) -> bool:
+        return self.expected / REVALIDATE_FACTOR <= self.measured <= self.expected * REVALIDATE_FACTOR
+
+
+@dataclass(frozen=True)
+class Revalidation:
+    """What :func:`revalidate` found: the probes it ran, the links a profiling now would
+    measure that the profile lacks, and the seconds it took."""
+
+    checks: tuple[Check, ...]
+    missing: tuple[str, ...]
+    seconds: float
+
+    @property
+    def valid(self) -> bool:
+        return not self.missing and all(check.agrees for check in self.checks)
+
+
 def still_valid(profile: Profile, registry: Registry) -> bool:
-    """Rule 2: a device->host move agrees with the cached bandwidth."""
-    cached = profile.links.get("device->host")
-    nbytes = int(profile.extra.get("probe_bytes", 0))
-    if not cached or nbytes <= 0:
-        return False
+    """Rule 2: the cached profile's links still hold on this machine now."""
+    return revalidate(profile, registry).valid
+
+
+def revalidate(profile: Profile, registry: Registry) -> Revalidation:
+    """Rule 2, with what each probe measured."""
+    start = time.perf_counter()
+    checks: list[Check] = []
+    missing: list[str] = []
+    links = profile.links
+    probed = int(profile.extra.get("probe_bytes", 0))
+    if not links.get("device->host") or probed <= 0:
+        missing.append("device->host")
+    else:
+        checks += _device_to_host(registry, probed, links["device->host"])
+    if links.get("host->nvme") and links.get("nvme->host") and "nvme" in registry.tiers:
+        checks += _nvme_round_trip(registry, probed, links["host->nvme"], links["nvme->host"])
+        missing += _missing_paths(profile, registry)
+    return Revalidation(tuple(checks), tuple(missing), time.perf_counter() - start)
+
+
+def _expected(cached: float, nbytes: int, probed: int, latency: float) -> float:
+    """Rule 2c: bytes/s the cached bandwidth (measured with ``probed`` bytes, one per-move
+    ``latency`` included) predicts for a move of ``nbytes``."""
+    seconds = nbytes / cached + latency * max(1.0 - nbytes / probed, 0.0)
+    return nbytes / max(seconds, 1e-12)
+
+
+def _device_to_host_seconds(registry: Registry, nbytes: int) -> float:
+    """One device->host move of ``nbytes`` through the tiers, as the profiler's probe."""
     device = registry.tiers["device"].device  # type: ignore[attr-defined]
-    best = 0.0
+    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    handle = registry.register(tensor, "device", dedup=False, kind="probe")
+    try:
+        start = time.perf_counter()
+        handle.move_to("host", Priority.DEMAND)
+        handle.wait()
+        return time.perf_counter() - start
+    finally:
+        handle.free()
+
+
+def _device_to_host(registry: Registry, probed: int, cached: float) -> list[Check]:
+    """Rule 2a: up to three device->host moves (the best counts; stopping at the first that
+    agrees), of the profile's size or of what the tiers have room for."""
+    nbytes = probe_size(registry, probed, ("device", "host"))
+    while nbytes >= MIN_PROBE_BYTES:
+        try:
+            latency = _best(3, lambda: _device_to_host_seconds(registry, ALIGNMENT)) if nbytes < probed else 0.0
+            expected = _expected(cached, nbytes, probed, latency)
+            best = float("inf")
+            for _ in range(3):
+                best = min(best, _device_to_host_seconds(registry, nbytes))
+                check = Check("device->host", nbytes, nbytes / max(best, 1e-12), cached, expected)
+                if check.agrees:
+                    break
+            return [check]
+        except MemoryError:  # fragmented since the room was counted: a smaller probe
+            nbytes //= 2
+            nbytes -= nbytes % ALIGNMENT
+    return []
+
+
+def _nvme_round_trip(registry: Registry, probed: int, write_bw: float, read_bw: float) -> list[Check]:
+    """Rule 2b: a write of at most ``NVME_REVALIDATE_BYTES`` to the NVMe tier and its read
+    back (again, up to three times, while they disagree)."""
+    nbytes = probe_size(registry, min(probed, NVME_REVALIDATE_BYTES), ("nvme",))
+    if nbytes < MIN_PROBE_BYTES:
+        return []
+    latency = (0.0, 0.0)
+    if nbytes < probed:
+        tiny = [nvme_io_seconds(registry, ALIGNMENT) for _ in range(3)]
+        if any(t is None for t in tiny):
+            return []
+        latency = (min(t[0] for t in tiny if t is not None), min(t[1] for t in tiny if t is not None))
+    expected = (_expected(write_bw, nbytes, probed, latency[0]), _expected(read_bw, nbytes, probed, latency[1]))
+    best = [float("inf"), float("inf")]
+    checks: list[Check] = []
     for _ in range(3):
-        tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
-        try:
-            handle = registry.register(tensor, "device", dedup=False, kind="probe")
-        except MemoryError:
-            return True  # no room to check now: trust the key
-        try:
-            start = time.perf_counter()
-            handle.move_to("host", Priority.DEMAND)
-            handle.wait()
-            best = max(best, nbytes / max(time.perf_counter() - start, 1e-9))
-        except MemoryError:
-            return True
-        finally:
-            handle.free()
-    return cached / REVALIDATE_FACTOR <= best <= cached * REVALIDATE_FACTOR
+        seconds = nvme_io_seconds(registry, nbytes)
+        if seconds is None:
+            return []
+        best = [min(b, s) for b, s in zip(best, seconds, strict=True)]
+        checks = [
+            Check("host->nvme", nbytes, nbytes / max(best[0], 1e-12), write_bw, expected[0]),
+            Check("nvme->host", nbytes, nbytes / max(best[1], 1e-12), read_bw, expected[1]),
+        ]
+        if all(check.agrees for check in checks):
+            break
+    return checks
+
+
+def _missing_paths(profile: Profile, registry: Registry) -> list[str]:
+    """Per-path NVMe links a profiling now would measure that ``profile`` lacks (rule 2)."""
+    paths = nvme_paths(registry)
+    absent = [key for path in paths for key in nvme_path_links(path) if not profile.links.get(key)]
+    if absent and (len(paths) == 1 or path_probe_plan(registry, probe_size(registry))[1] >= MIN_PROBE_BYTES):
+        return absent
+    return []
+
+
+def _best(rounds: int, timed: Callable[[], float]) -> float:
+    return min(timed() for _ in range(rounds))
