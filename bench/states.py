@@ -17,8 +17,10 @@ the whole process life (model construction included), and tiermem's own accounti
 tier's ``peak_bytes``). ``MALLOC_MMAP_THRESHOLD_`` is set so glibc returns freed blocks
 (TRAPS 8).
 
-tiermem mode: ``rt.manage(model, torch.optim.AdamW, lr=..., grad_accumulation_steps=1,
-keep_gradients=False)`` (declaring the loop lets offloaded chunks step during backward; the
+tiermem mode: ``rt.manage(model, torch.optim.AdamW, plan={"block_policy": --activations},
+lr=..., grad_accumulation_steps=1, keep_gradients=False)`` (the planner plans the model states
+at the first step around that activation policy, or the default rule carries on where no plan
+fits: the worker reports which, ``planned``) (declaring the loop lets offloaded chunks step during backward; the
 loop zeroes gradients after each step anyway, so they are dropped as soon as each chunk stepped
 and the host holds only those on their way, ``--no-free-gradients`` keeps them until step()),
 forward and backward inside
@@ -208,9 +210,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             }
             rt = tiermem.Runtime(tier_config).start()
             try:
+                # The planner plans at the first step (NOTE [ Model-state rules ] rule 9) around
+                # the activation policy the loop runs; with none managed, it plans freely.
+                fixed = args.activations in ("keep", "recompute", "host", "nvme")
                 model, optimizer = rt.manage(
                     model,
                     torch.optim.AdamW,
+                    plan={"block_policy": args.activations} if fixed else "auto",
                     lr=1e-4,
                     grad_accumulation_steps=1,
                     keep_gradients=not args.free_gradients,
@@ -277,6 +283,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                 "persistent_chunks": plan["persistent_chunks"],
                 "buffers": plan["buffers"],
                 "homes": {home: plan["state_home"].count(home) for home in ("device", "host", "nvme")},
+                "planned": (plan.get("predicted") or {}).get("step_s") is not None,
+                "predicted": plan.get("predicted"),
                 "streamed_bytes": sum(c["nbytes"] for c in chunks if not c["persistent"]),
             },
             tiers={n: {"capacity": t["capacity"], "peak_bytes": t["peak_bytes"]} for n, t in after["tiers"].items()},
@@ -444,7 +452,9 @@ def _print_size(size: str, summary: dict[str, Any], args: argparse.Namespace) ->
     print(
         f"plan: {p['chunks']} chunks of <= {_mib(p['chunk_size'])}, {p['persistent_chunks']} persistent, "
         f"{p['buffers']} buffers, homes {p['homes']}, streamed {_mib(p['streamed_bytes'])}; "
-        f"early chunk steps so far {managed['early_chunk_steps']}"
+        f"early chunk steps so far {managed['early_chunk_steps']}; "
+        + (f"planned at the first step, predicted step {p['predicted']['step_s']:.2f}s" if p.get("planned")
+           else "default placement rule (no plan fitted)")
     )
     tiers = ", ".join(f"{n} {_mib(t['peak_bytes'])} of {_mib(t['capacity'])}" for n, t in managed["tiers"].items())
     print(f"tiermem accounting, peak: {tiers}")

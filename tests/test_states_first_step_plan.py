@@ -111,3 +111,15 @@ def test_no_room_for_a_plain_copy_keeps_the_default_placement(tmp_path, monkeypa
         assert rt.plan.predicted.step_s is None
         monkeypatch.undo()  # so that closing can restore ordinary parameters
     assert "does not fit in free memory" in caplog.text
+
+
+def test_a_fixed_activation_policy_is_kept_by_the_first_step_plan(tmp_path):
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, 1 << 30)) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"block_policy": "recompute"})
+        losses = train(model, optimizer, range(3))
+        assert rt.plan.predicted.step_s is not None
+        assert rt.plan.block_policy == ("recompute",) * len(model.blocks)
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)

@@ -251,7 +251,8 @@ class Runtime:
         first_step_planner = None
         if planned and sample is not None:
             plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
-        elif planned:  # the default rule (with a fixed block policy as given) carries the first step
+        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
+            plan = None
             first_step_planner = functools.partial(self._plan_first_step, planner)
         states = ModelStates(
             self.registry,
