@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 from tiermem.states.errors import PlanError
 from tiermem.units import format_size
 
 
+def format_size_up(nbytes: int | float) -> str:
+    """Like ``format_size``, but rounded up in its last shown digit (``format_size`` rounds to
+    nearest), so that the size shown is never below ``nbytes``: for a capacity to raise to."""
+    whole = math.ceil(nbytes)
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if abs(whole) < 1024 ** (power + 1) or unit == "TiB":
+            break
+    hundredths = -(-whole * 100 // 1024**power)
+    text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
+    return f"{text}{unit}"
+
+
 class NoPlanFitsError(PlanError, MemoryError):
     """Raised when no plan the planner can build fits every tier's capacity.
 
     ``shortfall`` maps each tier to the bytes it lacks (0 where it fits) for the plan that
-    came closest; ``advice`` says what to change."""
+    came closest, and ``peaks`` that plan's predicted peaks: raising every tier by its shortfall
+    together fits that plan. ``raise_alone`` maps a tier to the least raise of that tier alone
+    (the other tiers as given, the fragmentation margin included) with which the search finds a
+    plan; a tier where no such raise was found is absent, and None means it was not computed.
+    ``advice`` says what to change. The message leads with the single-tier raises where there
+    are any, and gives the closest plan's shortfalls otherwise."""
 
     def __init__(
         self,
@@ -20,11 +38,28 @@ class NoPlanFitsError(PlanError, MemoryError):
         capacities: Mapping[str, int],
         peaks: Mapping[str, int],
         advice: Sequence[str],
+        raise_alone: Mapping[str, int] | None = None,
     ) -> None:
         self.shortfall = dict(shortfall)
         self.capacities = dict(capacities)
         self.peaks = dict(peaks)
         self.advice = list(advice)
+        self.raise_alone = None if raise_alone is None else dict(raise_alone)
+        if self.raise_alone:
+            tiers = "; ".join(
+                f"{tier} short by {format_size_up(self.raise_alone[tier])} alone "
+                f"(has {format_size(self.capacities.get(tier, 0))})"
+                if tier in self.raise_alone
+                else f"raising {tier} alone is not enough (has {format_size(self.capacities.get(tier, 0))})"
+                for tier in self.capacities
+            )
+            super().__init__(
+                f"tiermem planner: no plan fits the tiers: {tiers}; each figure is the least raise of that tier "
+                "alone, the others as given, the margin included. "
+                + ", or ".join(advice[:1] and [advice[0][0].upper() + advice[0][1:], *advice[1:]])
+                + "."
+            )
+            return
         tiers = "; ".join(
             f"{tier} short by {format_size(short)} (needs {format_size(self.peaks.get(tier, 0))} plus the margin, "
             f"has {format_size(self.capacities.get(tier, 0))})"
@@ -32,9 +67,10 @@ class NoPlanFitsError(PlanError, MemoryError):
             else f"{tier} fits"
             for tier, short in self.shortfall.items()
         )
-        super().__init__(
-            f"tiermem planner: no plan fits the tiers: {tiers}. " + " ".join(a[0].upper() + a[1:] + "." for a in advice)
-        )
+        lead = "no plan fits the tiers"
+        if self.raise_alone is not None:
+            lead += ", and raising one tier alone is not enough; for the plan that came closest"
+        super().__init__(f"tiermem planner: {lead}: {tiers}. " + " ".join(a[0].upper() + a[1:] + "." for a in advice))
 
 
 class ProfileError(PlanError, RuntimeError):
