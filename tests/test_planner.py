@@ -1,7 +1,8 @@
 """The planner (issue 6): the profiling step records what it says and changes nothing; the cache
 round-trips, invalidates and clears; the search picks the fastest fitting plan on hand-checkable
-profiles and names each tier's shortfall when nothing fits; ``plan="auto"`` training is bitwise
-plain PyTorch, its predicted device peak matches the accounting, and plans round-trip.
+profiles and, when nothing fits, names the least raise of each tier alone that fits (or the
+raises to make together); ``plan="auto"`` training is bitwise plain PyTorch, its predicted
+device peak matches the accounting, and plans round-trip.
 (NOTE [ Profiling step ], NOTE [ Profile cache ], NOTE [ Cost model ], NOTE [ Plan search ])"""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from tiermem.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
 from tiermem.planner.calibrate import calibrate
-from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, StatesChoice, predict
+from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, TIERS, StatesChoice, predict
+from tiermem.planner.errors import format_size_up
 from tiermem.planner.profile import PROFILE_VERSION
 from tiermem.planner.profiler import measure, optimizer_seconds_per_byte
 from tiermem.planner.search import packings
@@ -395,6 +397,62 @@ def test_streaming_gradients_let_a_small_host_hold_nvme_states():
     assert "nvme" in decision.plan.state_home
     assert decision.estimate.peak_bytes["host"] <= capacities["host"]
 
+
+
+def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
+    """NOTE [ Plan search ] rules 4-5: the plan that came closest lacks device and host bytes
+    both, more on each than raising that tier alone needs: the message names each tier's own
+    raise, the search returns a plan with it, and none with one byte less."""
+    profile = synthetic(8, saved=MiB, nvme=1e9)
+    caps = {"device": 32 * MiB, "host": 16 * MiB, "nvme": 1 << 30}
+    with pytest.raises(NoPlanFitsError) as info:
+        search(profile, caps)
+    error = info.value
+    message = str(error)
+    assert set(error.raise_alone) == {"device", "host"} and "raising nvme alone is not enough" in message
+    assert error.shortfall["device"] > 0 and error.shortfall["host"] > 0  # the closest plan: both tiers
+    for tier, more in error.raise_alone.items():
+        assert 0 < more < error.shortfall[tier]  # what the closest plan said overstated it
+        target = caps[tier] + more
+        assert f"{tier} short by {format_size_up(more)} alone" in message
+        assert f"[{tier}] capacity by at least {format_size_up(more)} (to {format_size_up(target)})" in message
+        raised = {**caps, tier: target}
+        assert search(profile, raised).estimate.fits(raised)
+        with pytest.raises(NoPlanFitsError):
+            search(profile, {**caps, tier: target - 1})
+
+
+def test_no_plan_fits_gives_raises_together_when_no_tier_alone_is_enough():
+    """Rule 4: every block's activations fixed on the host, a device too small for the states:
+    no raise of one tier alone fits (not even a huge one), so the message gives the closest
+    plan's shortfalls and raises that, together, let the search return a plan."""
+    profile = synthetic(4)
+    caps = {"device": 4 * MiB, "host": MiB, "nvme": 1 << 30}
+    with pytest.raises(NoPlanFitsError) as info:
+        search(profile, caps, block_policy="host")
+    error = info.value
+    assert error.raise_alone == {}
+    for tier in TIERS:
+        with pytest.raises(NoPlanFitsError):
+            search(profile, {**caps, tier: 1 << 40}, block_policy="host")
+    message = str(error)
+    assert "raising one tier alone is not enough" in message
+    assert "device short by" in message and "host short by" in message and "nvme fits" in message
+    together = error.raise_together
+    assert together is not None and set(together) == {"device", "host"}
+    assert all(together[t] >= error.shortfall[t] > 0 for t in together)
+    for tier, more in together.items():
+        assert f"[{tier}] capacity by at least {format_size_up(more)}" in message
+    assert "together" in message
+    raised = {t: caps[t] + together.get(t, 0) for t in TIERS}
+    assert search(profile, raised, block_policy="host").estimate.fits(raised)
+
+
+def test_a_size_to_raise_to_is_never_shown_below_itself():
+    GiB = 1 << 30
+    assert format_size_up(6 * GiB) == "6GiB" and format_size_up(6 * GiB + 1) == "6.01GiB"
+    assert format_size_up(int(6.6 * GiB)) == "6.6GiB" and format_size_up(int(6.6 * GiB) + 1) == "6.61GiB"
+    assert format_size_up(1023) == "1023B" and format_size_up(1025) == "1.01KiB"
 
 # -- plan="auto" on a real model --------------------------------------------------------------------
 

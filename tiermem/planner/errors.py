@@ -25,12 +25,13 @@ class NoPlanFitsError(PlanError, MemoryError):
     """Raised when no plan the planner can build fits every tier's capacity.
 
     ``shortfall`` maps each tier to the bytes it lacks (0 where it fits) for the plan that
-    came closest, and ``peaks`` that plan's predicted peaks: raising every tier by its shortfall
-    together fits that plan. ``raise_alone`` maps a tier to the least raise of that tier alone
-    (the other tiers as given, the fragmentation margin included) with which the search finds a
-    plan; a tier where no such raise was found is absent, and None means it was not computed.
-    ``advice`` says what to change. The message leads with the single-tier raises where there
-    are any, and gives the closest plan's shortfalls otherwise."""
+    came closest, and ``peaks`` to what that plan needs there (before the margin; the device
+    without opportunistic prefetches). ``raise_alone`` maps a tier to the least raise of that
+    tier alone (the other tiers as given, the margin included) with which the planner finds a
+    plan; tiers where none does are absent (None: not computed). When it is empty,
+    ``raise_together`` maps tiers to raises that together let the planner find a plan (None:
+    none found). ``advice`` says what to change: the single-tier raises, one of which is
+    enough, where there are any; else the raises to make together."""
 
     def __init__(
         self,
@@ -39,12 +40,14 @@ class NoPlanFitsError(PlanError, MemoryError):
         peaks: Mapping[str, int],
         advice: Sequence[str],
         raise_alone: Mapping[str, int] | None = None,
+        raise_together: Mapping[str, int] | None = None,
     ) -> None:
         self.shortfall = dict(shortfall)
         self.capacities = dict(capacities)
         self.peaks = dict(peaks)
         self.advice = list(advice)
         self.raise_alone = None if raise_alone is None else dict(raise_alone)
+        self.raise_together = None if raise_together is None else dict(raise_together)
         if self.raise_alone:
             tiers = "; ".join(
                 f"{tier} short by {format_size_up(self.raise_alone[tier])} alone "
@@ -53,10 +56,12 @@ class NoPlanFitsError(PlanError, MemoryError):
                 else f"raising {tier} alone is not enough (has {format_size(self.capacities.get(tier, 0))})"
                 for tier in self.capacities
             )
+            alternatives = ", or ".join(advice)
             super().__init__(
-                f"tiermem planner: no plan fits the tiers: {tiers}; each figure is the least raise of that tier "
-                "alone, the others as given, the margin included. "
-                + ", or ".join(advice[:1] and [advice[0][0].upper() + advice[0][1:], *advice[1:]])
+                f"tiermem planner: no plan fits the tiers: {tiers} (each figure the least raise of that tier "
+                "alone with which a plan fits, the other tiers as given, the margin included). "
+                + alternatives[:1].upper()
+                + alternatives[1:]
                 + "."
             )
             return
@@ -69,7 +74,7 @@ class NoPlanFitsError(PlanError, MemoryError):
         )
         lead = "no plan fits the tiers"
         if self.raise_alone is not None:
-            lead += ", and raising one tier alone is not enough; for the plan that came closest"
+            lead += ", and raising one tier alone is not enough; the plan that came closest has"
         super().__init__(f"tiermem planner: {lead}: {tiers}. " + " ".join(a[0].upper() + a[1:] + "." for a in advice))
 
 

@@ -21,8 +21,10 @@
 4. When nothing fits, :class:`NoPlanFitsError` gives, per tier, the least raise of that tier
    alone (the others as given, the margin included) with which the search finds a plan (rule
    5), cheapest first as a fraction of the tier. Only when no tier alone is enough does it
-   give each tier's shortfall for the plan that came closest instead (to raise together). Its
-   ``shortfall`` and ``peaks`` are always the closest plan's; ``raise_alone`` has rule 5's.
+   give each tier's shortfall for the plan that came closest, and raises to make together
+   (``raise_together``): those shortfalls where the search then finds a plan, else those with
+   one tier raised further by rule 5 from there (the least extra as a fraction of the tier).
+   Its ``shortfall`` and ``peaks`` are always the closest plan's.
 5. A tier's raise comes from the states choices the scan evaluated, and every figure given
    is checked: the scan and pick run again at the raised capacity (rules 1-3, reusing their
    states costs and predictions) and return a plan. Step 1: per states choice, a lower bound:
@@ -651,6 +653,27 @@ def _raise_alone(
     return high
 
 
+def _raise_together(space: _Space, caps: Mapping[str, int], short: Mapping[str, int]) -> dict[str, int] | None:
+    """Rule 4: raises of several tiers together with which ``search`` returns a plan: the
+    closest plan's shortfalls where they suffice, else those with one tier raised further by
+    the least that fits (rule 5 from there; the cheapest as a fraction of the tier)."""
+    raised = {t: caps[t] + short[t] for t in TIERS}
+    if not any(short.values()):
+        return None
+    ok, scan, failed = space.fits(raised)
+    if ok:
+        return {t: short[t] for t in TIERS if short[t]}
+    best: tuple[float, dict[str, int]] | None = None
+    for tier in TIERS:
+        target = _raise_alone(space, scan, failed, raised, tier)
+        if target is None:
+            continue
+        extra = (target - raised[tier]) / max(caps[tier], 1)
+        if best is None or extra < best[0]:
+            best = (extra, {t: r for t, r in {**short, tier: target - caps[tier]}.items() if r})
+    return None if best is None else best[1]
+
+
 def _no_fit(
     space: _Space,
     caps: Mapping[str, int],
@@ -663,23 +686,32 @@ def _no_fit(
         return NoPlanFitsError({t: 0 for t in TIERS}, dict(caps), {}, ["the model has no parameters to place"])
     _, choice, act = closest
     estimate = predict(space.profile, choice, act.policies)
-    short = estimate.shortfall(dict(caps), space.margin)
+    # Not Estimate.shortfall: it rounds need * (1 + margin) down, so a plan over by less than a
+    # byte lacks "0" everywhere and raising by its figures leaves it over.
+    need = estimate.needed()
+    short = {t: max(0, _capacity_for(need[t], space.margin) - caps[t]) for t in TIERS}
+    short["device"] = max(short["device"], estimate.reserve_device_bytes - caps["device"])
     targets = {t: _raise_alone(space, scan, failed, caps, t) for t in TIERS}
     alone = {t: target - caps[t] for t, target in targets.items() if target is not None}
+    smaller = "use a smaller batch (activations) or a smaller model"
+    together = None
     if alone:
         advice = [
             f"raise [{t}] capacity{' (or add paths)' if t == 'nvme' else ''} by at least {format_size_up(r)} "
             f"(to {format_size_up(caps[t] + r)})"
             for t, r in sorted(alone.items(), key=lambda item: (item[1] / max(caps[item[0]], 1), item[0]))
         ]
-        advice.append("use a smaller batch (activations) or a smaller model")
+        advice.append(smaller)
     else:
-        raises = [f"[{t}] capacity by at least {format_size_up(short[t])}" for t in TIERS if short[t]]
-        advice = [
-            f"raise {' and '.join(raises)}{' together' if len(raises) > 1 else ''}, or use a smaller batch "
-            "(activations) or a smaller model"
+        together = _raise_together(space, caps, short)
+        raises = together or {t: short[t] for t in TIERS if short[t]}
+        parts = [
+            f"[{t}] capacity by at least {format_size_up(r)} (to {format_size_up(caps[t] + r)})"
+            for t, r in raises.items()
         ]
-    return NoPlanFitsError(short, dict(caps), dict(estimate.peak_bytes), advice, raise_alone=alone)
+        together_word = " together" if len(parts) > 1 else ""
+        advice = [f"raise {' and '.join(parts)}{together_word}, or {smaller}" if parts else smaller]
+    return NoPlanFitsError(short, dict(caps), need, advice, raise_alone=alone, raise_together=together)
 
 
 def explain(
