@@ -195,8 +195,16 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
         losses, times, rss_peak = run(plain_step)
     else:
+        import logging
+
         import tiermem
         from tiermem.states import StatesMemoryError
+
+        class _Record(logging.Handler):  # the planner's and the manager's warnings, for the summary
+            def emit(self, record: logging.LogRecord) -> None:
+                result.setdefault("log", []).append(record.getMessage())
+
+        logging.getLogger("tiermem").addHandler(_Record(logging.INFO))
 
         capacities = {"device": int(state_bytes * args.device_fraction), "host": int(state_bytes * args.host_fraction)}
         refused: list[str] = []
@@ -402,6 +410,8 @@ def _summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         ):  # fmt: skip
             if key in last:
                 s[key] = last[key]
+        s["planned_runs"] = [bool(r.get("plan", {}).get("planned")) for r in ok]
+        s["log"] = sorted({line for r in ok for line in r.get("log", []) if "plan" in line})
         if "state_links_per_step" in s:
             moved = sum(s["state_links_per_step"].values())
             minimum = sum(s["minimum_links_per_step"].values())
@@ -456,6 +466,9 @@ def _print_size(size: str, summary: dict[str, Any], args: argparse.Namespace) ->
         + (f"planned at the first step, predicted step {p['predicted']['step_s']:.2f}s" if p.get("planned")
            else "default placement rule (no plan fitted)")
     )
+    print(f"planned at the first step, per run: {managed.get('planned_runs')}")
+    for line in managed.get("log", []):
+        print(f"  log: {line[:400]}")
     tiers = ", ".join(f"{n} {_mib(t['peak_bytes'])} of {_mib(t['capacity'])}" for n, t in managed["tiers"].items())
     print(f"tiermem accounting, peak: {tiers}")
     a = managed["activations"]
