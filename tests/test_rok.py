@@ -53,8 +53,13 @@ def test_rok_writes_csv_and_png(tmp_path, capsys, monkeypatch):
     by = {(r["policy"], int(r["batch_size"])): int(r["peak_activation_bytes"]) for r in rows}
     assert by[("keep", 2)] > by[("keep", 1)] > 0  # more batch, more activations kept
     assert by[("recompute", 2)] < by[("keep", 2)]  # recompute keeps only block inputs
-    # Writes that backward overtook are cancelled, not written: over four blocks some land.
-    assert int(next(r for r in rows if r["policy"] == "nvme")["nvme_written_per_step"]) > 0, rows
+    # nvme offloads what it captured; writes that backward overtook are cancelled, not written,
+    # so how many land in a step of this tiny model is timing (a fresh-clone run saw none land
+    # at batch 1): written bytes are bounded by the captured ones, never more.
+    nvme_rows = [r for r in rows if r["policy"] == "nvme"]
+    assert all(int(r["captured_bytes_per_step"]) > 0 for r in nvme_rows), rows
+    assert all(0 <= int(r["nvme_written_per_step"]) <= int(r["captured_bytes_per_step"]) for r in nvme_rows), rows
+    assert all(int(r["nvme_written_per_step"]) == 0 for r in rows if r["policy"] != "nvme"), rows
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list(disk.iterdir()) == []
 
