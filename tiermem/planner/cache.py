@@ -53,6 +53,7 @@ from tiermem.planner.profile import PROFILE_VERSION, Profile
 from tiermem.planner.profiler import (
     MIN_PROBE_BYTES,
     Batch,
+    move_seconds,
     nvme_io_seconds,
     nvme_path_links,
     nvme_paths,
@@ -60,7 +61,6 @@ from tiermem.planner.profiler import (
     probe_size,
 )
 from tiermem.registry import Registry
-from tiermem.schedulers.base import Priority
 from tiermem.tiers.base import ALIGNMENT
 
 REVALIDATE_FACTOR = 4.0
@@ -215,31 +215,17 @@ def _expected(cached: float, nbytes: int, probed: int, latency: float) -> float:
     return nbytes / max(seconds, 1e-12)
 
 
-def _device_to_host_seconds(registry: Registry, nbytes: int) -> float:
-    """One device->host move of ``nbytes`` through the tiers, as the profiler's probe."""
-    device = registry.tiers["device"].device  # type: ignore[attr-defined]
-    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    handle = registry.register(tensor, "device", dedup=False, kind="probe")
-    try:
-        start = time.perf_counter()
-        handle.move_to("host", Priority.DEMAND)
-        handle.wait()
-        return time.perf_counter() - start
-    finally:
-        handle.free()
-
-
 def _device_to_host(registry: Registry, probed: int, cached: float) -> list[Check]:
     """Rule 2a: up to three device->host moves (the best counts; stopping at the first that
     agrees), of the profile's size or of what the tiers have room for."""
     nbytes = probe_size(registry, probed, ("device", "host"))
     while nbytes >= MIN_PROBE_BYTES:
         try:
-            latency = _best(3, lambda: _device_to_host_seconds(registry, ALIGNMENT)) if nbytes < probed else 0.0
+            latency = _best(3, lambda: move_seconds(registry, "device", "host", ALIGNMENT)) if nbytes < probed else 0.0
             expected = _expected(cached, nbytes, probed, latency)
             best = float("inf")
             for _ in range(3):
-                best = min(best, _device_to_host_seconds(registry, nbytes))
+                best = min(best, move_seconds(registry, "device", "host", nbytes))
                 check = Check("device->host", nbytes, nbytes / max(best, 1e-12), cached, expected)
                 if check.agrees:
                     break

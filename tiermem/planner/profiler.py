@@ -454,6 +454,24 @@ def probe_size(registry: Registry, nbytes: int = PROBE_BYTES, tiers: Iterable[st
     return size - size % ALIGNMENT
 
 
+def move_seconds(registry: Registry, src: str, dst: str, nbytes: int) -> float:
+    """Seconds of one registry move of ``nbytes`` from tier ``src`` to ``dst`` (the bytes
+    start on the device and are staged at ``src`` first, untimed); freed after."""
+    device = registry.tiers["device"].device  # type: ignore[attr-defined]
+    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    handle = registry.register(tensor, "device", dedup=False, kind="probe")
+    try:
+        if src != "device":
+            handle.move_to(src, Priority.DEMAND)
+            handle.wait()
+        start = time.perf_counter()
+        handle.move_to(dst, Priority.DEMAND)
+        handle.wait()
+        return time.perf_counter() - start
+    finally:
+        handle.free()
+
+
 def probe_links(registry: Registry, size: int) -> dict[str, float]:
     """Rule 5: bytes/s of each link, moving ``size`` bytes through the real tiers (best of
     three: the first touches fault pages in). Where the NVMe tier stripes over several paths,
@@ -464,25 +482,11 @@ def probe_links(registry: Registry, size: int) -> dict[str, float]:
     result: dict[str, float] = {}
     if size < MIN_PROBE_BYTES:
         return result  # too little room to measure anything meaningful
-    device = tiers["device"].device  # type: ignore[attr-defined]
     for src, dst in LINKS:
         if src not in tiers or dst not in tiers:
             continue
-        best = 0.0
-        for _ in range(3):
-            tensor = torch.ones(size, dtype=torch.uint8, device=device if src == "device" else "cpu")
-            handle = registry.register(tensor, "device", dedup=False, kind="probe")
-            try:
-                if src != "device":
-                    handle.move_to(src, Priority.DEMAND)
-                    handle.wait()
-                start = time.perf_counter()
-                handle.move_to(dst, Priority.DEMAND)
-                handle.wait()
-                best = max(best, size / max(time.perf_counter() - start, 1e-9))
-            finally:
-                handle.free()
-        result[f"{src}->{dst}"] = best
+        fastest = min(move_seconds(registry, src, dst, size) for _ in range(3))
+        result[f"{src}->{dst}"] = size / max(fastest, 1e-9)
     paths = nvme_paths(registry)
     if len(paths) == 1 and result.get("host->nvme") and result.get("nvme->host"):
         write, read = nvme_path_links(paths[0])
