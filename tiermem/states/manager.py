@@ -500,19 +500,37 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
             return
         snapshot = self._snapshot()
-        old = ([chunk.layout for chunk in self.chunks], self.plan)
+        old = self._layout_in_force()
+        self._clear_chunks()
+        self._rebuild((layouts, plan, list(order)), old, snapshot)
+
+    def _layout_in_force(self) -> tuple[list[ChunkLayout], Plan, list[int]]:
+        return [chunk.layout for chunk in self.chunks], self.plan, list(self._order)
+
+    def _clear_chunks(self) -> None:
+        """Free every chunk and forget gradients and states: a snapshot holds them (rules 2, 9)."""
         self._free_chunks()
         self._has_grad = [False] * len(self.params)
         self._pstate.clear()
+
+    def _rebuild(
+        self,
+        new: tuple[Sequence[ChunkLayout], Plan, list[int]],
+        old: tuple[Sequence[ChunkLayout], Plan, list[int]],
+        snapshot: Snapshot,
+    ) -> bool:
+        """Build ``new`` (layouts, plan, order) from ``snapshot``, or ``old`` again when ``new``
+        does not fit after all (logged); whether ``new`` was built."""
         try:
-            self._build(layouts, plan, snapshot)
-            self._order = list(order)
+            self._build(new[0], new[1], snapshot)
+            self._order = new[2]
+            return True
         except (StatesMemoryError, TierCapacityError) as exc:
-            log.warning("tiermem model states: re-packing failed (%s); keeping registration order", exc)
-            self._free_chunks()
-            self._has_grad = [False] * len(self.params)
-            self._pstate.clear()
+            log.warning("tiermem model states: the new chunk layout could not be built (%s); keeping the old", exc)
+            self._clear_chunks()
             self._build(old[0], old[1], snapshot)
+            self._order = old[2]
+            return False
 
     def _plan_first_step(self) -> bool:
         """Rule 9: plan from the first forward's arguments and rebuild the chunks under the plan.
@@ -540,11 +558,9 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             return False
         self.pool.release_all()
         snapshot = self._snapshot()
-        old = ([chunk.layout for chunk in self.chunks], self.plan, list(self._order))
+        old = self._layout_in_force()
         layouts, plan, order = old
-        self._free_chunks()
-        self._has_grad = [False] * len(self.params)
-        self._pstate.clear()
+        self._clear_chunks()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
@@ -575,17 +591,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                         layouts, plan = self._plan_layout(self._recorded)
                         order = list(self._recorded)
         finally:
-            try:
-                self._build(layouts, plan, snapshot)
-                self._order = order
-            except (StatesMemoryError, TierCapacityError) as exc:
-                log.warning("tiermem model states: the planned layout could not be built (%s); keeping the old", exc)
-                self._free_chunks()
-                self._has_grad = [False] * len(self.params)
-                self._pstate.clear()
+            if not self._rebuild((layouts, plan, order), old, snapshot):
                 self._request = request
-                self._build(old[0], old[1], snapshot)
-                self._order = old[2]
             self._register_hooks()
         return True
 
