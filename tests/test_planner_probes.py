@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import tiermem
+from tests.test_planner import one_thread  # noqa: F401  (autouse: one thread, a private cache)
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner import BlockStats, Profile, cache
@@ -37,16 +38,6 @@ from tiermem.tiers.nvme import NvmeTier
 
 MiB = 1 << 20
 AGGREGATE = ("device->host", "host->device", "device->nvme", "nvme->device", "host->nvme", "nvme->host")
-
-
-@pytest.fixture(autouse=True)
-def one_thread(tmp_path, monkeypatch):
-    """One OpenMP thread (TRAPS 7) and a private profile cache."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def nvme_dirs(tmp_path, count: int = 2) -> list[str]:
