@@ -163,6 +163,8 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
 
     monkeypatch.setattr(ActivationOffloader, "_prefetch_before", earlier_blocks_only)
     monkeypatch.setattr(ActivationOffloader, "_demand", prefetch_first)
+    # Whole blocks ahead, as before the prefetch window (NOTE [ Prefetch window ]) bounded them.
+    monkeypatch.setattr(ActivationOffloader, "_prefetch_window", lambda self: 1 << 62)
     torch.manual_seed(0)
     model = Decoder(layers=6)
     want = _step(model, contextlib.nullcontext())

@@ -195,6 +195,9 @@ class ModelMemory:
     bytes_per_input: dict[int, float] = field(default_factory=dict)
     block_bytes: dict[int, int] = field(default_factory=dict)
     adapted: list[BlockPolicy] | None = None
+    #: Bytes backward prefetches ahead of need (NOTE [ Prefetch window ]); None until the
+    #: first backward starts from the measured block sizes.
+    prefetch_window: int | None = None
     outages: dict[str, Outage] = field(default_factory=dict)
     #: Bytes saved outside the blocks in the last complete forward, and so far in this one.
     outside_bytes: int = 0

@@ -22,8 +22,9 @@
    flight from memory and cancels that write (forwarding); otherwise starts its fetch on
    demand *before* any prefetch; then prefetches the rest of its block and the
    ``lookahead`` blocks before it, in the order backward needs them (reverse forward order,
-   each block's tensors in reverse pack order) and only into free device bytes, stopping
-   at the first that does not fit, and cancels their writes still in flight. So a
+   each block's tensors in reverse pack order), up to the prefetch window's bytes (NOTE
+   [ Prefetch window ]) and only into free device bytes, stopping at the first that does
+   not fit, and cancels their writes still in flight. So a
    prefetch never takes the room something needed sooner must be fetched into. Should a
    demand still find no room (a guess of the order that autograd did not follow), it waits
    for the write-backs in flight, then writes prefetched objects nobody unpacked yet back
@@ -56,11 +57,13 @@ from torch import nn
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.fallback import ModelMemory, WriteLedger, decide, failure_cause, first_tensor_numel
 from tiermem.activations.policy import (
+    PREFETCH_START,
     BlockPolicy,
     BlockProfile,
     PolicySpec,
     adaptive_keep,
     flexible_blocks,
+    next_prefetch_window,
     resolve_policies,
 )
 from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
@@ -210,6 +213,10 @@ class ActivationOffloader:
         #: its block, the tier it came from, its place in that block's order). A demand
         #: fetch that finds no room may give them back (rule 5).
         self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], _Group, str, int]] = {}
+        #: This context's backward: first and last unpack, and the runtime's wait total when
+        #: the context opened (NOTE [ Prefetch window ] rule 3 measures from them).
+        self._backward_span: list[float] = []
+        self._wait_at_enter = 0.0
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -222,6 +229,8 @@ class ActivationOffloader:
             if always or self.flexible[index]:
                 self._wrapped.append((block, block.__dict__.get("forward")))
                 self._wrap_recompute(block, index, always)
+        with self.counters.lock:
+            self._wait_at_enter = self.counters.backward_wait_s
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return self
@@ -242,6 +251,7 @@ class ActivationOffloader:
                     block.__dict__["forward"] = previous
             self._wrapped.clear()
             self._current = None
+            self._settle_window()
             self._drain()  # failures reported by now are warned about at the end of the step
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
@@ -604,6 +614,11 @@ class ActivationOffloader:
         handle: Handle = saved.handle
         obj = handle.obj
         group = saved.group
+        now = time.perf_counter()
+        if self._backward_span:
+            self._backward_span[1] = now
+        else:
+            self._backward_span = [now, now]
         # Backward needs this object now: it is no prefetch that a demand may take back.
         self._prefetched.pop(obj.id, None)
         if obj.state is ObjectState.MOVING and obj.home.tier.is_memory and obj.home.tier.name == "device":
@@ -714,14 +729,16 @@ class ActivationOffloader:
     def _prefetch_before(self, group: _Group) -> None:
         """Rule 5: bring back what backward needs next, in that order, and only into free
         device bytes: the rest of this block, then the ``lookahead`` blocks before it,
-        each block's tensors in reverse pack order. A prefetch never takes the room
+        each block's tensors in reverse pack order, until the prefetch window's bytes are
+        ahead of backward (NOTE [ Prefetch window ]). A prefetch never takes the room
         something needed sooner must be fetched into: it stops at the first that does not
         fit, and that block is tried again at the next unpack."""
+        window = self._prefetch_window()
+        ahead = self._prefetched_bytes()
         for index in range(group.index, max(group.index - 1 - self.lookahead, -1), -1):
             earlier = self._groups.get((group.forward_id, index))
             if earlier is None or earlier.prefetched:
                 continue
-            earlier.prefetched = True
             for order, handle in enumerate(self._live_handles(earlier.saved[::-1])):
                 source = handle.tier
                 if source == "device":
@@ -736,19 +753,55 @@ class ActivationOffloader:
                     continue
                 if handle.state is not ObjectState.RESIDENT:
                     continue
+                if ahead >= window:
+                    return  # the rest of this block comes at a later unpack
                 if self._device_tier.reserved_size(handle.obj.nbytes) > self._device_free():
-                    earlier.prefetched = False
                     return
                 try:
                     handle.move_to("device", Priority.PREFETCH)
                 except TierCapacityError:
-                    earlier.prefetched = False
                     return
                 except Exception:  # noqa: BLE001 - a failed prefetch surfaces at the demand fetch
                     continue
+                ahead += handle.obj.nbytes
                 self._prefetched[handle.obj.id] = (weakref.ref(handle.obj), earlier, source, -order)
                 with self.counters.lock:
                     self.counters.fetched_bytes[source] += handle.obj.nbytes
+            earlier.prefetched = True  # every tensor of the block is back or on its way
+
+    def _prefetched_bytes(self) -> int:
+        """Bytes prefetched and not unpacked since (rule 5); forgets objects freed meanwhile."""
+        total = 0
+        for key, (ref, _group, _tier, _order) in list(self._prefetched.items()):
+            obj = ref()
+            if obj is None or obj.state is ObjectState.FREED:
+                del self._prefetched[key]
+            else:
+                total += obj.nbytes
+        return total
+
+    def _window_cap(self) -> int:
+        return (self.lookahead + 1) * max(self.memory.block_bytes.values(), default=0)
+
+    def _prefetch_window(self) -> int:
+        """NOTE [ Prefetch window ] rule 2: the bytes backward prefetches ahead of need."""
+        if self.memory.prefetch_window is None:
+            largest = max(self.memory.block_bytes.values(), default=0)
+            if not largest:
+                return self._window_cap()  # nothing measured: the block-wise bound
+            self.memory.prefetch_window = max(1, int(PREFETCH_START * largest))
+        return self.memory.prefetch_window
+
+    def _settle_window(self) -> None:
+        """NOTE [ Prefetch window ] rule 3: grow the window when this backward waited."""
+        span, self._backward_span = self._backward_span, []
+        if len(span) < 2 or self.memory.prefetch_window is None:
+            return
+        with self.counters.lock:
+            waited = self.counters.backward_wait_s - self._wait_at_enter
+        self.memory.prefetch_window = next_prefetch_window(
+            self.memory.prefetch_window, waited, span[1] - span[0], self._window_cap()
+        )
 
     @staticmethod
     def _live_handles(refs: Sequence[weakref.ref[SavedActivation]]) -> Iterator[Handle]:

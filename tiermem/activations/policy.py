@@ -12,6 +12,25 @@ write and read bandwidths, and backward taken as twice forward:
    before that: the offload is hidden when ``W_i + b_i / read_bw <= R_i``.
 3. Keep every block from the first (counting back from the end) whose offload is not
    hidden; offload the rest. The last block is always kept: backward starts with it.
+
+# NOTE [ Prefetch window ]
+Backward brings offloaded tensors back ahead of need, but every byte fetched early is
+device memory held early: whole blocks fetched ahead put a block or two on top of the
+gradients that accumulate through backward, the very moment (the first block's backward)
+where recompute peaks too. So prefetch is bounded by bytes, not blocks:
+
+1. At each unpack the offloader prefetches, in the order backward needs them (the rest of
+   the block, then earlier blocks, at most ``lookahead`` blocks back), until the bytes
+   prefetched and not unpacked yet reach the window.
+2. The window starts at a quarter of the largest measured block (``PREFETCH_START``), which
+   keeps the tensors next in line a few operators ahead; a stream of reads that is fast
+   against backward (the CPU device, where backward consumes a few hundred MB/s) waits for
+   none.
+3. After each backward, the window doubles if backward waited for reads more than
+   ``WAIT_TOLERANCE`` of its duration (a GPU consuming faster than the drive reads), up to
+   the ``lookahead + 1`` blocks the block-wise prefetch held; it never shrinks, so it
+   settles instead of oscillating. What was learned outlives the context (the model's
+   ``ModelMemory``, like adaptive keep's choice).
 """
 
 from __future__ import annotations
@@ -78,6 +97,19 @@ def flexible_blocks(spec: PolicySpec, policies: Sequence[BlockPolicy], adaptive:
     return [
         adaptive or policy.offloads or (chosen_last and i == len(policies) - 1) for i, policy in enumerate(policies)
     ]
+
+
+PREFETCH_START = 0.25
+"""NOTE [ Prefetch window ] rule 2: the first window, as a fraction of the largest block."""
+WAIT_TOLERANCE = 0.02
+"""Rule 3: the share of backward spent waiting for reads above which the window grows."""
+
+
+def next_prefetch_window(window: int, waited_s: float, backward_s: float, cap: int) -> int:
+    """NOTE [ Prefetch window ] rule 3: the window for the next backward."""
+    if backward_s > 0 and waited_s > WAIT_TOLERANCE * backward_s:
+        return min(cap, max(2 * window, 1))
+    return window
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,10 @@
    over that backward timeline and the end of forward.
 2. Activations on the device: the part outside blocks, kept blocks, offloaded blocks whose
    write has not landed yet (the offloader keeps a tensor readable at its source until its
-   write lands) and, in backward, the block being fetched back (prefetches ``LOOKAHEAD`` ahead
-   only take room that is free: the offloader drops one that does not fit). A
+   write lands) and, in backward, the block being fetched back plus the prefetch window
+   ahead of it (NOTE [ Prefetch window ]: a quarter of the largest block, up to ``LOOKAHEAD``
+   blocks once reads stall; prefetches only take room that is free: the offloader drops
+   one that does not fit). A
    recomputed block's checkpoint keeps only its input until the block's backward; the
    offloader registers that input like a kept tensor (measured: 4 x 1 MiB on the device tier
    at the end of forward on the 4x256 GPT, all blocks recomputed), so it counts on the device
@@ -53,6 +55,7 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from tiermem.activations.policy import PREFETCH_START
 from tiermem.planner.profile import Profile
 from tiermem.states.placement import ChunkNeeds, reserve_bytes
 
@@ -315,6 +318,8 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
     head_live = kept_prefix + pending_bytes
     stage_live = [0] * count
     stage_demand = [0] * count
+    offloaded = [b.saved_bytes for b, policy in zip(blocks, policies, strict=True) if policy in ("nvme", "host")]
+    prefetch_start = int(PREFETCH_START * max(offloaded, default=0))
     for i in range(count - 1, -1, -1):
         issue_at = started[i + LOOKAHEAD] if i + LOOKAHEAD < count else clock
         if policies[i] == "nvme" and write_bw > 0:
@@ -328,11 +333,12 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
         # is fetched on demand later): a stage must hold its own block, and holds the ones
         # prefetched behind it where there is room.
         own = blocks[i].saved_bytes if policies[i] in ("nvme", "host") else 0
-        window = sum(
-            blocks[j].saved_bytes for j in range(max(0, i - LOOKAHEAD), i + 1) if policies[j] in ("nvme", "host")
-        )
+        ahead = sum(blocks[j].saved_bytes for j in range(max(0, i - LOOKAHEAD), i) if policies[j] in ("nvme", "host"))
+        # NOTE [ Prefetch window ]: a quarter of the largest block ahead, whole blocks
+        # (LOOKAHEAD) once backward has had to wait for reads.
+        window = ahead if stall > 0 else min(ahead, prefetch_start)
         stage_demand[i] = live_kept + own
-        stage_live[i] = live_kept + window
+        stage_live[i] = live_kept + own + window
         if policies[i] == "keep":
             live_kept -= blocks[i].saved_bytes
         elif policies[i] == "recompute" and blocks[i].input_bytes >= profile.min_bytes:
