@@ -17,7 +17,7 @@ write and read bandwidths, and backward taken as twice forward:
 Backward brings offloaded tensors back ahead of need, but every byte fetched early is
 device memory held early: whole blocks fetched ahead put a block or two on top of the
 gradients that accumulate through backward, the very moment (the first block's backward)
-where recompute peaks too. So prefetch is bounded by bytes, not blocks:
+where recompute peaks too (TRAPS 23). So prefetch is bounded by bytes, not blocks:
 
 1. At each unpack the offloader prefetches, in the order backward needs them (the rest of
    the block, then earlier blocks, at most ``lookahead`` blocks back), until the bytes
