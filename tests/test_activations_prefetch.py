@@ -72,9 +72,11 @@ def test_prefetch_keeps_within_the_window(tmp_path, monkeypatch, policy):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monkeypatch):
+@pytest.mark.parametrize("contexts", ["one per step", "one for all steps"])
+def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monkeypatch, contexts):
     """A drive slower than backward (each NVMe read here takes 20 ms): backward waits, so
-    the next backward prefetches twice as far ahead, up to the block-wise cap."""
+    the next backward prefetches twice as far ahead, up to the block-wise cap; also when
+    one context stays open over every step (the window is settled at each new forward)."""
     _synchronous_write_backs(monkeypatch)
 
     class SlowReads(PosixBackend):
@@ -88,12 +90,16 @@ def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monke
     want = _step(model, contextlib.nullcontext())
     with tiermem.Runtime(_config(tmp_path, "64MiB")) as rt:
         offloader = rt.offload_activations(model, policy="nvme")
-        _assert_identical(_step(model, offloader), want)
+        idle = contextlib.nullcontext()
+        outer, each = (idle, offloader) if contexts == "one per step" else (offloader, idle)
         windows = []
-        for _ in range(3):
-            windows.append(offloader.memory.prefetch_window)
-            _assert_identical(_step(model, offloader), want)
+        with outer:
+            _assert_identical(_step(model, each), want)
+            for _ in range(3):
+                _assert_identical(_step(model, each), want)
+                windows.append(offloader.memory.prefetch_window)
         windows.append(offloader.memory.prefetch_window)
-        assert windows[0] is not None and windows == sorted(windows) and windows[-1] > windows[0]
+        assert windows[0] is not None and windows == sorted(windows)
+        assert windows[2] > windows[0]  # grown between steps, before any context closed
         assert windows[-1] <= offloader._window_cap()
     assert list(tmp_path.iterdir()) == []

@@ -278,6 +278,7 @@ class ActivationOffloader:
                 return
             with self._lock:
                 if index <= self._last_index:  # a new forward pass begins
+                    self._settle_window()  # after a backward in this same context
                     self.memory.forward_started()
                     self._forward_id = self.memory.forwards
                     self._reported.clear()
@@ -793,12 +794,14 @@ class ActivationOffloader:
         return self.memory.prefetch_window
 
     def _settle_window(self) -> None:
-        """NOTE [ Prefetch window ] rule 3: grow the window when this backward waited."""
+        """NOTE [ Prefetch window ] rule 3: grow the window when the backward since the last
+        look waited (at the context's end, and at a new forward inside one context)."""
         span, self._backward_span = self._backward_span, []
+        with self.counters.lock:
+            total = self.counters.backward_wait_s
+        waited, self._wait_at_enter = total - self._wait_at_enter, total
         if len(span) < 2 or self.memory.prefetch_window is None:
             return
-        with self.counters.lock:
-            waited = self.counters.backward_wait_s - self._wait_at_enter
         self.memory.prefetch_window = next_prefetch_window(
             self.memory.prefetch_window, waited, span[1] - span[0], self._window_cap()
         )
