@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -213,10 +214,10 @@ class ActivationOffloader:
         #: its block, the tier it came from, its place in that block's order). A demand
         #: fetch that finds no room may give them back (rule 5).
         self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], _Group, str, int]] = {}
-        #: This context's backward: first and last unpack, and the runtime's wait total when
-        #: the context opened (NOTE [ Prefetch window ] rule 3 measures from them).
+        #: The backward since the window was last settled: its first and last unpack, and the
+        #: runtime's wait total at that settlement (NOTE [ Prefetch window ] rule 3).
         self._backward_span: list[float] = []
-        self._wait_at_enter = 0.0
+        self._wait_seen = 0.0
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -230,7 +231,7 @@ class ActivationOffloader:
                 self._wrapped.append((block, block.__dict__.get("forward")))
                 self._wrap_recompute(block, index, always)
         with self.counters.lock:
-            self._wait_at_enter = self.counters.backward_wait_s
+            self._wait_seen = self.counters.backward_wait_s
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return self
@@ -789,7 +790,7 @@ class ActivationOffloader:
         if self.memory.prefetch_window is None:
             largest = max(self.memory.block_bytes.values(), default=0)
             if not largest:
-                return self._window_cap()  # nothing measured: the block-wise bound
+                return sys.maxsize  # nothing measured: only ``lookahead`` bounds it, block-wise
             self.memory.prefetch_window = max(1, int(PREFETCH_START * largest))
         return self.memory.prefetch_window
 
@@ -799,7 +800,7 @@ class ActivationOffloader:
         span, self._backward_span = self._backward_span, []
         with self.counters.lock:
             total = self.counters.backward_wait_s
-        waited, self._wait_at_enter = total - self._wait_at_enter, total
+        waited, self._wait_seen = total - self._wait_seen, total
         if len(span) < 2 or self.memory.prefetch_window is None:
             return
         self.memory.prefetch_window = next_prefetch_window(

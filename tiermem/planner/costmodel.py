@@ -318,8 +318,8 @@ def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: floa
     head_live = kept_prefix + pending_bytes
     stage_live = [0] * count
     stage_demand = [0] * count
-    offloaded = [b.saved_bytes for b, policy in zip(blocks, policies, strict=True) if policy in ("nvme", "host")]
-    prefetch_start = int(PREFETCH_START * max(offloaded, default=0))
+    # The offloader starts its window from the largest block it measured (any policy but recompute).
+    prefetch_start = int(PREFETCH_START * max((b.saved_bytes for b in blocks), default=0))
     for i in range(count - 1, -1, -1):
         issue_at = started[i + LOOKAHEAD] if i + LOOKAHEAD < count else clock
         if policies[i] == "nvme" and write_bw > 0:
