@@ -368,7 +368,7 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and not list(tmp_path.glob("tiermem-nvme/tiermem-run-*/data")):
             time.sleep(0.05)
-        time.sleep(1.0)  # well into the steps
+        time.sleep(1.0)  # planning or the steps, depending on the machine: either must stop
         child.send_signal(sig)
         _out, err = child.communicate(timeout=60)
     finally:
@@ -380,4 +380,62 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
     assert child.returncode in (130, -signal.SIGINT), err
     assert "tiermem: interrupted" in err
     assert "Traceback" not in err
-    assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+    # The planner's profile cache (XDG_CACHE_HOME, under tmp_path here) is kept on purpose.
+    assert [p for p in tmp_path.rglob("*") if p.is_file() and "cache" not in p.relative_to(tmp_path).parts] == []
+
+
+@needs_offload
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_while_planning_stops_before_the_first_step(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals
+) -> None:
+    """A signal that lands while the planner profiles (saved activations released in __del__,
+    where a raised KeyboardInterrupt is only printed) still stops the run: before the first
+    step, with every run file removed and the caller's signal handlers back in place."""
+    manage = tiermem.Runtime.manage
+
+    class SignalledInDel:
+        def __del__(self) -> None:
+            os.kill(os.getpid(), sig)  # its handler runs here, inside __del__, in the main thread
+
+    def manage_then_signal(self: tiermem.Runtime, *args: Any, **kwargs: Any) -> Any:
+        result = manage(self, *args, **kwargs)
+        SignalledInDel()  # released at once, as autograd releases a saved activation
+        return result
+
+    monkeypatch.setattr(tiermem.Runtime, "manage", manage_then_signal)
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    steps: list[int] = []
+    config = tiermem.Config.coerce(_config_file(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        train(
+            tiermem.Runtime(config),
+            TINY,
+            steps=5,
+            batch_size=2,
+            lr=1e-3,
+            policy="nvme",
+            progress=False,
+            on_step=lambda step, _loss, _seconds: steps.append(step),
+        )
+    assert steps == []
+    assert {s: signal.getsignal(s) for s in handlers} == handlers
+    assert [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()] == []
+
+
+@needs_offload
+def test_a_signal_during_a_step_stops_after_that_step(tmp_path: Path) -> None:
+    """The first signal lets the step it lands in finish (its loss is reported), then stops."""
+    steps: list[int] = []
+
+    def on_step(step: int, _loss: float, _seconds: float) -> None:
+        steps.append(step)
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    config = tiermem.Config.coerce(_config_file(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        rt = tiermem.Runtime(config)
+        train(rt, TINY, steps=5, batch_size=2, lr=1e-3, policy="nvme", progress=False, on_step=on_step)
+    assert steps == [0, 1]
+    assert [p for p in (tmp_path / "nvme").rglob("*") if p.is_file()] == []

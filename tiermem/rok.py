@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from tiermem.config import Config
+from tiermem.interrupts import DeferredInterrupts
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.runtime import Runtime
 from tiermem.train import train_step
@@ -38,9 +39,16 @@ class RokPoint:
 
 
 def measure_point(
-    config: Config, model_config: GPTConfig, policy: str, batch_size: int, steps: int, seed: int = 0
+    config: Config,
+    model_config: GPTConfig,
+    policy: str,
+    batch_size: int,
+    steps: int,
+    seed: int = 0,
+    stop: DeferredInterrupts | None = None,
 ) -> RokPoint:
-    """Train ``steps`` steps (after one warm-up) under ``policy`` in a fresh Runtime."""
+    """Train ``steps`` steps (after one warm-up) under ``policy`` in a fresh Runtime; ``stop``
+    (open) is checked between steps, so a Ctrl-C that lands in a step is not lost."""
     torch.manual_seed(seed)
     model = GPT(model_config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -50,6 +58,8 @@ def measure_point(
     with Runtime(config) as rt:
 
         def step() -> float:
+            if stop is not None:
+                stop.check()
             return train_step(rt, model, optimizer, x, y, policy)[1]
 
         step()
@@ -87,15 +97,17 @@ def sweep(
     steps: int = 2,
     on_point: Callable[[RokPoint], None] | None = None,
 ) -> list[RokPoint]:
-    """Every (policy, batch size) point, policies rotating within each batch size."""
+    """Every (policy, batch size) point, policies rotating within each batch size. Ctrl-C or
+    SIGTERM stops the sweep between steps (TRAPS 18) with a KeyboardInterrupt."""
     points = []
-    for index, batch_size in enumerate(batch_sizes):
-        shift = index % len(policies)
-        for policy in [*policies[shift:], *policies[:shift]]:
-            point = measure_point(config, model_config, policy, batch_size, steps)
-            points.append(point)
-            if on_point is not None:
-                on_point(point)
+    with DeferredInterrupts() as stop:
+        for index, batch_size in enumerate(batch_sizes):
+            shift = index % len(policies)
+            for policy in [*policies[shift:], *policies[:shift]]:
+                point = measure_point(config, model_config, policy, batch_size, steps, stop=stop)
+                points.append(point)
+                if on_point is not None:
+                    on_point(point)
     return points
 
 

@@ -46,13 +46,12 @@ measured (NOTE [ Predicted and measured ]).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
 import shutil
-import signal
 import statistics
-import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -60,6 +59,7 @@ from typing import Any
 
 import torch
 
+from tiermem.interrupts import DeferredInterrupts
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner.errors import NoPlanFitsError
@@ -210,21 +210,32 @@ def train(
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
-    if not rt.running:
-        with rt:
-            return train(
-                rt,
-                model_config,
-                steps=steps,
-                batch_size=batch_size,
-                lr=lr,
-                policy=policy,
-                seed=seed,
-                progress=progress,
-                on_step=on_step,
-                manage_states=manage_states,
-                states_plan=states_plan,
-            )
+    # A signal stops the run at the next safe point (TRAPS 18): before planning, after it,
+    # between steps; leaving ``with rt`` then removes every file the run made. Installed
+    # before anything starts: planning's profiling step releases saved activations in
+    # __del__ too, where a raised KeyboardInterrupt would be lost.
+    with DeferredInterrupts() as stop, (contextlib.nullcontext() if rt.running else rt):
+        return _train(
+            rt, model_config, steps, batch_size, lr, policy, seed, progress, on_step, manage_states, states_plan, stop
+        )
+
+
+def _train(
+    rt: Runtime,
+    model_config: GPTConfig,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    policy: PolicyLike,
+    seed: int,
+    progress: bool,
+    on_step: Callable[[int, float, float], None] | None,
+    manage_states: bool,
+    states_plan: Any,
+    stop: DeferredInterrupts,
+) -> TrainSummary:
+    """``train`` on a started ``rt``, stopping where ``stop`` was asked to at the next safe point."""
+    stop.check()
     assert rt.resolved is not None  # set by start()
     device = torch.device(rt.resolved.device.device)
     fork_devices = [device] if device.type == "cuda" else []
@@ -258,10 +269,11 @@ def train(
         # After rt.manage: the profiling step's link probes and the chunks' first placement are
         # not this run's steps; nor are they in the steps' peaks (NOTE [ Predicted and measured ]
         # rule 2).
+        stop.check()
         before = rt.stats().as_dict()
         for tier in rt.tiers.values():
             tier.reset_peak()
-        losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step)
+        losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step, stop)
         after = rt.stats().as_dict()
         step_peaks = {name: int(tier["peak_bytes"]) for name, tier in after["tiers"].items()}
         for name, tier in after["tiers"].items():  # the tiers block keeps the Runtime's whole life
@@ -417,6 +429,7 @@ def _loop(
     policy: PolicyLike,
     progress: bool,
     on_step: Callable[[int, float, float], None] | None,
+    stop: DeferredInterrupts,
 ) -> tuple[list[float], list[float]]:
     """The steps themselves; returns the loss and the wall seconds of each."""
     losses: list[float] = []
@@ -425,13 +438,9 @@ def _loop(
     task = bar.add_task("train", total=steps, loss="-") if bar is not None else None
     if bar is not None:
         bar.start()
-    stop = _StopBetweenSteps()
     try:
         for step in range(steps):
-            if stop.requested:
-                # Raised here, between steps, where nothing is half-done: leaving ``with rt``
-                # then removes every file the run made.
-                raise KeyboardInterrupt
+            stop.check()
             # Data generation is outside the timed region: it is not what tiermem changes.
             x, y = data.batch(batch_size, device)
             value, elapsed = train_step(rt, model, optimizer, x, y, policy)
@@ -442,35 +451,6 @@ def _loop(
             if bar is not None and task is not None:
                 bar.update(task, advance=1, loss=f"{value:.4f}")
     finally:
-        stop.restore()
         if bar is not None:
             bar.stop()
     return losses, seconds
-
-
-class _StopBetweenSteps:
-    """Ctrl-C and SIGTERM ask the loop to stop after the current step.
-
-    A KeyboardInterrupt raised wherever the signal lands can be lost: inside a
-    ``__del__`` (a saved activation released by autograd) Python only prints it. So the
-    first signal sets a flag the loop checks between steps; a second one interrupts at
-    once. Main thread only (where Python runs signal handlers).
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            self._previous[sig] = signal.signal(sig, self._handle)
-
-    def _handle(self, _signum: int, _frame: Any) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-
-    def restore(self) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-        self._previous.clear()

@@ -30,11 +30,10 @@ import contextlib
 import functools
 import os
 import queue
-import signal
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +42,7 @@ import torch
 
 from tiermem.benchio.pattern import fill_pattern, first_mismatch
 from tiermem.errors import TiermemError, TiermemWarning
+from tiermem.interrupts import DeferredInterrupts
 from tiermem.schedulers.asyncio_scheduler import MEMORY_BLOCK_SIZE, RUN_SHARE, AsyncioScheduler
 from tiermem.schedulers.base import Priority, Transfer
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
@@ -52,8 +52,6 @@ from tiermem.tiers.memory import aligned_empty
 from tiermem.units import format_size, round_up
 
 __all__ = ["CaseEnv", "PassResult", "VerificationError"]
-
-_HELD_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class VerificationError(TiermemError):
@@ -107,25 +105,6 @@ def _wait(transfer: Transfer) -> None:
     transfer.add_done_callback(lambda _t: done.set())
     done.wait()
     transfer.wait()
-
-
-@contextlib.contextmanager
-def _interrupts_deferred() -> Iterator[None]:
-    """Hold SIGINT/SIGTERM while cleanup runs (an impatient second Ctrl-C would otherwise
-    leave files behind), then raise KeyboardInterrupt if one came. Main thread only: Python
-    runs signal handlers there and nowhere else."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    received: list[int] = []
-    previous = {sig: signal.signal(sig, lambda signum, _frame: received.append(signum)) for sig in _HELD_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, signal.SIG_DFL if handler is None else handler)
-    if received:
-        raise KeyboardInterrupt
 
 
 def _sync(tier: Tier) -> None:
@@ -372,7 +351,7 @@ class CaseEnv:
         """Stop the scheduler and close every tier (frees allocations, removes files).
         A second Ctrl-C while this runs is held until the files are gone."""
         errors: list[BaseException] = []
-        with _interrupts_deferred():
+        with DeferredInterrupts(second_interrupts=False):
             if self._scheduler is not None:
                 try:
                     self._scheduler.close()
