@@ -321,3 +321,37 @@ def test_reading_from_a_storage_tier_is_refused(make_store):
     handle.wait()
     assert torch.equal(handle.tensor("host"), torch.ones(1000)) and handle.tier == "host"
     assert torch.equal(handle.tensor("device"), torch.ones(1000)) and handle.tier == "device"
+
+
+@pytest.mark.parametrize("part", ["prefix", "suffix"])
+def test_known_bytes_are_copied_and_only_the_rest_is_read(make_store, part):
+    """Rule 6: a move from storage told that a prefix or suffix of the object sits in memory
+    copies those bytes from there (counted on the memory link) and reads only the rest. The
+    test's "known" bytes differ from the stored ones, so the result shows which were used."""
+    from tiermem.registry import KnownBytes
+
+    store = make_store()
+    data = torch.arange(3 * BLOCK // 4, dtype=torch.float32)  # three blocks of bytes
+    handle = store.registry.register(data.clone(), "device", dedup=False)
+    handle.move_to("nvme", Priority.WRITEBACK)
+    handle.wait()
+    third = BLOCK // 4
+    memory = store.registry.register(torch.full((third,), -1.0), "device", dedup=False)
+    offset = 0 if part == "prefix" else 2 * BLOCK
+    before = store.scheduler.statistics().links
+    handle.move_to("host", Priority.DEMAND, KnownBytes(memory.obj.home, offset, BLOCK))
+    handle.wait()
+    after = store.scheduler.statistics().links
+    expected = data.clone()
+    expected[offset // 4 : offset // 4 + third] = -1.0
+    assert torch.equal(handle.tensor("host"), expected)
+    moved = {name: after[name].bytes - (before[name].bytes if name in before else 0) for name in after}
+    assert moved.get("nvme->host") == 2 * BLOCK and moved.get("device->host") == BLOCK
+    for bad in (KnownBytes(memory.obj.home, BLOCK, BLOCK), KnownBytes(memory.obj.home, 0, 3 * BLOCK)):
+        handle.move_to("nvme", Priority.WRITEBACK)
+        handle.wait()
+        with pytest.raises(AssertionError, match=r"prefix or a suffix|non-empty span"):
+            handle.move_to("host", Priority.DEMAND, bad)
+        assert handle.tier == "nvme" and store.current()["host"] == 0  # nothing half-moved
+    handle.free()
+    memory.free()

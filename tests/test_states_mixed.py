@@ -4,6 +4,8 @@ the master-weights loop in plain PyTorch, on the CPU, with states on the device,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
@@ -46,7 +48,9 @@ def master_weights_loop(dtype: torch.dtype, name: str, steps: int) -> tuple[list
     return losses, [m.detach().clone() for m in masters]
 
 
-def managed_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+def managed_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, after_step: Callable[[int], None] | None = None
+) -> list[torch.Tensor]:
     losses = []
     for step in range(steps):
         tokens, targets = batch(step)
@@ -55,6 +59,8 @@ def managed_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.detach())
+        if after_step is not None:
+            after_step(step)
     return losses
 
 
@@ -120,3 +126,36 @@ def test_mixed_precision_refuses_what_it_cannot_keep_exact(tmp_path):
         half = make_model().to(torch.bfloat16)
         with pytest.raises(StatesUsageError, match="build the model in float32"):
             rt.manage(half, torch.optim.Adam, lr=1e-3, param_dtype=torch.bfloat16)
+
+
+def test_declared_mixed_precision_steps_early_from_the_working_copy(tmp_path):
+    """NOTE [ Declared steps ] rule 7 with bf16 working copies: an early step stages its NVMe
+    home with the working section (the home's suffix) copied from the device copy and the
+    fp32 masters and states read; training is still bitwise the master-weights loop."""
+    steps = 3
+    want_losses, want_masters = master_weights_loop(torch.bfloat16, "adamw", steps)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adamw"](param_groups(model)),
+            plan={"state_home": "nvme"},
+            param_dtype=torch.bfloat16,
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        read_after: list[int] = []
+        got = managed_loop(
+            model, optimizer, steps, lambda _: read_after.append(rt.stats().as_dict()["links"]["nvme->host"]["bytes"])
+        )
+        read = read_after[-1] - read_after[0]  # the steps after the first (which re-packs, then arms early steps)
+        states = rt._model_states[-1]
+        assert states.early_chunk_steps > 0
+        homes = [c for c in states.chunks if c.home_tier == "nvme" and c.trainable]
+        tied = sum(c.nbytes for c in homes if any(s.index in states._shared for s in c.layout.slots))
+        working = sum(c.nbytes for c in homes)  # each chunk's working section: bf16, half its master
+        assert read <= (steps - 1) * (sum(c.home_bytes for c in homes) - working + tied)
+    assert_bitwise(got, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_masters)
+    assert list(tmp_path.iterdir()) == []

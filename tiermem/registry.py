@@ -16,6 +16,12 @@
    handle on the existing object with the tensor's own view (dtype, shape, stride,
    offset). Keys hold the storage weakly and never use ``data_ptr``, which is reused
    after free. Handles are reference counted; the last ``free()`` frees the object.
+6. A move from storage may be told that some of the object's bytes already sit in
+   memory (:class:`KnownBytes`, a prefix or a suffix of the object): those are copied
+   from there, memory to memory through the scheduler (so the link counts them), and
+   only the rest is read from storage. The caller vouches that the bytes are equal; the
+   model-state manager uses it for a chunk's device copy, which is its home's master
+   (or working copy) as fetched, so staging the home reads only the optimizer states.
 """
 
 from __future__ import annotations
@@ -97,6 +103,16 @@ class ManagedObject:
         return f"ManagedObject#{self.id}({self.nbytes} bytes, {self.state.value} {self.tier}{moving})"
 
 
+@dataclass(frozen=True)
+class KnownBytes:
+    """Rule 6: bytes ``[offset, offset + nbytes)`` of an object equal the first ``nbytes`` of
+    ``source``, a memory allocation; a move from storage copies them from there."""
+
+    source: Allocation
+    offset: int
+    nbytes: int
+
+
 class Handle:
     """A registered tensor: a reference on a managed object plus the tensor's own view."""
 
@@ -119,10 +135,13 @@ class Handle:
     def state(self) -> ObjectState:
         return self.obj.state
 
-    def move_to(self, tier: str, priority: Priority = Priority.PREFETCH) -> Transfer | None:
-        """Start moving the object to ``tier``; None when it is already there."""
+    def move_to(
+        self, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
+    ) -> Transfer | None:
+        """Start moving the object to ``tier``; None when it is already there. ``known``:
+        rule 6 of NOTE [ Managed object rules ]."""
         self._check()
-        return self.obj.registry.move(self.obj, tier, priority)
+        return self.obj.registry.move(self.obj, tier, priority, known)
 
     def wait(self) -> None:
         """Wait for the object's move to end; raise its error if it failed."""
@@ -236,8 +255,14 @@ class Registry:
         return allocation
 
     # -- moves -------------------------------------------------------------------------------
-    def move(self, obj: ManagedObject, tier: str, priority: Priority = Priority.PREFETCH) -> Transfer | None:
+    def move(
+        self, obj: ManagedObject, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
+    ) -> Transfer | None:
         target_tier = self._tier(tier)
+        if known is not None:
+            started = self._move_known(obj, target_tier, priority, known)
+            if started is not None:
+                return started
         with self._lock:
             self._check_live(obj)
             if obj.state is ObjectState.MOVING:
@@ -259,14 +284,52 @@ class Registry:
                 return self._start_move(obj, target_tier, priority)
         # Otherwise let the current move land first, then move again.
         self.wait(obj)
-        return self.move(obj, tier, priority)
+        return self.move(obj, tier, priority, known)
 
-    def _start_move(self, obj: ManagedObject, tier: Tier, priority: Priority) -> Transfer:
-        if not obj.home.tier.is_memory and not tier.is_memory:
-            raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
+    def _move_known(self, obj: ManagedObject, tier: Tier, priority: Priority, known: KnownBytes) -> Transfer | None:
+        """Rule 6: start a move from storage whose ``known`` bytes are copied from memory; None
+        where it does not apply (already moving, or not from storage): ``move`` goes on."""
+        with self._lock:
+            self._check_live(obj)
+            if obj.state is not ObjectState.RESIDENT or obj.home.tier is tier or obj.home.tier.is_memory:
+                return None
+            span = self._rest_of(obj, known)
         target = tier.allocate(obj.nbytes)
         try:
-            transfer = self.scheduler.submit(obj.home, target, nbytes=obj.nbytes, priority=priority)
+            # Outside the lock: the copy ends on the scheduler's thread, where moves end too
+            # (under this lock). It lands before the read is even queued, so the move never
+            # ends with the known bytes missing.
+            self.scheduler.submit(
+                known.source, target, nbytes=known.nbytes, dst_offset=known.offset, priority=priority
+            ).wait()
+        except BaseException:
+            tier.free(target)
+            raise
+        with self._lock:
+            if obj.state is ObjectState.RESIDENT and obj.home.tier is not tier:
+                return self._start_move(obj, tier, priority, target, span)  # frees target if it fails
+        tier.free(target)  # freed or moved by another thread meanwhile: move() sorts it out
+        return None
+
+    def _start_move(
+        self,
+        obj: ManagedObject,
+        tier: Tier,
+        priority: Priority,
+        target: Allocation | None = None,
+        span: tuple[int, int] | None = None,
+    ) -> Transfer:
+        """Under the lock. ``target`` and ``span``: allocated and filled but for the bytes
+        ``span`` (offset, count), which are read here (rule 6, ``_move_known``)."""
+        if not obj.home.tier.is_memory and not tier.is_memory:
+            raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
+        offset, nbytes = span if span is not None else (0, obj.nbytes)
+        if target is None:
+            target = tier.allocate(obj.nbytes)
+        try:
+            transfer = self.scheduler.submit(
+                obj.home, target, nbytes=nbytes, src_offset=offset, dst_offset=offset, priority=priority
+            )
         except BaseException:
             tier.free(target)
             raise
@@ -277,6 +340,18 @@ class Registry:
         self._inflight[transfer] = obj
         transfer.add_done_callback(lambda t: self._move_ended(obj, t))
         return transfer
+
+    @staticmethod
+    def _rest_of(obj: ManagedObject, known: KnownBytes) -> tuple[int, int]:
+        """Rule 6: the span (offset, count) still to read when ``known`` is a prefix or a suffix."""
+        end = known.offset + known.nbytes
+        if not known.source.tier.is_memory or known.nbytes > known.source.nbytes or known.nbytes <= 0:
+            raise internal_error(f"{obj!r}: known bytes must be a non-empty span of a memory allocation, got {known}")
+        if known.offset == 0 and end < obj.nbytes:
+            return end, obj.nbytes - end
+        if end == obj.nbytes and known.offset > 0:
+            return 0, known.offset
+        raise internal_error(f"{obj!r}: known bytes must be a prefix or a suffix of its {obj.nbytes} bytes: {known}")
 
     def _move_ended(self, obj: ManagedObject, transfer: Transfer) -> None:
         """Rules 2 and 4, on the scheduler's thread."""

@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import Handle, ObjectState, Registry
+from tiermem.registry import Handle, KnownBytes, ObjectState, Registry
 from tiermem.states.chunks import Chunk, ParamInfo, Slot
 from tiermem.states.errors import StatesClosedError, StatesMemoryError
 from tiermem.states.optimizer import ManagedOptimizer
@@ -109,7 +109,9 @@ class StatesBase:
     def _reconcile_grads(self) -> None:
         raise NotImplementedError
 
-    def _home_on_host(self, chunk: Chunk) -> contextlib.AbstractContextManager[torch.Tensor]:
+    def _home_on_host(
+        self, chunk: Chunk, known: KnownBytes | None = None
+    ) -> contextlib.AbstractContextManager[torch.Tensor]:
         raise NotImplementedError
 
     # Implemented by StepMixin (NOTE [ Declared steps ]); called from the hooks.

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tiermem.errors import TierCapacityError
+from tiermem.registry import KnownBytes
 from tiermem.schedulers.base import Priority
 from tiermem.states import core
 from tiermem.states.chunks import Chunk
@@ -85,17 +86,18 @@ class StateIOMixin(StatesBase):
         self._generation += 1
 
     @contextlib.contextmanager
-    def _home_on_host(self, chunk: Chunk) -> Iterator[torch.Tensor]:
-        """An NVMe home staged on the host for writing, and written back after (WRITEBACK)."""
+    def _home_on_host(self, chunk: Chunk, known: KnownBytes | None = None) -> Iterator[torch.Tensor]:
+        """An NVMe home staged on the host for writing, and written back after (WRITEBACK);
+        ``known``: what memory holds of it already (NOTE [ Managed object rules ] rule 6)."""
         handle = chunk.home
         assert handle is not None
         try:
-            handle.move_to("host", Priority.DEMAND)
+            handle.move_to("host", Priority.DEMAND, known)
         except TierCapacityError:
             # Earlier homes' write-backs free host memory when they land (the plan stages two).
             self._wait_home_moves(skip=chunk)
             try:
-                handle.move_to("host", Priority.DEMAND)
+                handle.move_to("host", Priority.DEMAND, known)
             except TierCapacityError as exc:
                 raise StatesMemoryError(
                     f"tiermem model states: staging chunk {chunk.index}'s NVMe home ({format_size(exc.requested)}) "

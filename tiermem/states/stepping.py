@@ -38,6 +38,11 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
    after backward. With NVMe homes this keeps the host free of gradient bytes between
    steps (they otherwise wait there until ``zero_grad``, 4 bytes a parameter). The caller
    has promised not to touch gradients, so early steps start in the first window.
+7. Staging an NVMe home for a chunk's step reads only its optimizer states when the chunk's
+   device copy is the home's master (or working copy) as fetched: those bytes are copied
+   from it (NOTE [ Managed object rules ] rule 6). In backward the copy is there (the
+   chunk's backward just used it), so an early step reads 8 bytes a parameter from NVMe
+   for fp32 Adam, not 12: the master was read moments before for the backward itself.
 """
 
 from __future__ import annotations
@@ -51,7 +56,7 @@ from typing import Any
 import torch
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import ObjectState
+from tiermem.registry import KnownBytes, ObjectState
 from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk, Slot
 from tiermem.states.core import ParamState, StatesBase, same
@@ -167,7 +172,7 @@ class StepMixin(StatesBase):
         if any(slot.index in self._shared for slot in chunk.layout.slots):
             return
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
-            chunk.home.move_to("host", Priority.PREFETCH)
+            chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
 
     def _homes_off_nvme(self) -> tuple[int, int]:
         """NVMe homes that hold host bytes (staged on the host, or moving either way): those
@@ -310,8 +315,18 @@ class StepMixin(StatesBase):
         if chunk.home_tier != "nvme":
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
             return
-        with self._home_on_host(chunk):
+        with self._home_on_host(chunk, self._known_home_bytes(chunk)):
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+
+    def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
+        """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's
+        as fetched: landed, not written to since (``dirty``), and not stale (a chunk stepped in
+        this window keeps its old copy until backward ends). Staging the home then reads only
+        the optimizer states from NVMe (NOTE [ Managed object rules ] rule 6)."""
+        dev = chunk.dev
+        if dev is None or chunk.fetching is not None or chunk.dirty or chunk.index in self._stepped:
+            return None
+        return KnownBytes(dev.obj.home, chunk.working_base, chunk.nbytes)
 
     def _step_chunk(
         self,
