@@ -113,14 +113,17 @@ def _needed(message: str) -> dict[str, int]:
     return needs
 
 
-def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int) -> dict[str, int]:
+def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int, early: bool) -> dict[str, int]:
     """The bytes per step the plan cannot avoid moving, per link (formula in bench/README.md).
 
     Every streamed chunk's parameters are read home->device in forward and again in backward,
     except the last ``buffers`` streamed chunks of forward, which the pool can still hold when
     backward starts; each trainable streamed chunk's gradients go device->host once; each
     NVMe home (master + ``sections`` optimizer states) is read to the host and written back
-    once for the step. Persistent chunks and host homes move nothing else."""
+    once for the step, except that a chunk stepping early (``early``: the loop steps every
+    backward; not one with tied parameters) gets its master from its device copy
+    (device->host) instead of NVMe (NOTE [ Declared steps ] rule 7). Persistent chunks and
+    host homes move nothing else."""
     streamed = [c for c in chunks if not c["persistent"]]
     held = {c["index"] for c in streamed[len(streamed) - buffers :]} if buffers else set()
     links = {"host->device": 0, "nvme->device": 0, "device->host": 0, "nvme->host": 0, "host->nvme": 0}
@@ -131,7 +134,9 @@ def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int) ->
             links["device->host"] += c["nbytes"]
         if c["home"] == "nvme":
             home = c["nbytes"] * (1 + (sections if c["trainable"] else 0))
-            links["nvme->host"] += home
+            known = c["nbytes"] if early and c["trainable"] and not c.get("tied") else 0
+            links["nvme->host"] += home - known
+            links["device->host"] += known
             links["host->nvme"] += home
     return links
 
@@ -280,7 +285,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         }
         plan = described["plan"]
         chunks = described["chunks"]
-        minimum = _minimum_bytes(chunks, plan["buffers"], 2)
+        minimum = _minimum_bytes(chunks, plan["buffers"], 2, early=described["early_chunk_steps"] > 0)
         result.update(
             capacities=capacities,
             fractions={tier: capacities[tier] / state_bytes for tier in capacities},

@@ -18,8 +18,9 @@
    after free. Handles are reference counted; the last ``free()`` frees the object.
 6. A move from storage may be told that some of the object's bytes already sit in
    memory (:class:`KnownBytes`, a prefix or a suffix of the object): those are copied
-   from there, memory to memory through the scheduler (so the link counts them), and
-   only the rest is read from storage. The caller vouches that the bytes are equal; the
+   from there, memory to memory through the scheduler (so the link counts them), while
+   only the rest is read from storage; the move ends when both have landed and fails
+   if either does. The caller vouches that the bytes are equal and stay so; the
    model-state manager uses it for a chunk's device copy, which is its home's master
    (or working copy) as fetched, so staging the home reads only the optimizer states.
 """
@@ -83,6 +84,8 @@ class ManagedObject:
         self.home: Allocation = home
         self.target: Allocation | None = None
         self.transfer: Transfer | None = None
+        #: The copy of known bytes running beside ``transfer`` (rule 6), if any.
+        self.copy: Transfer | None = None
         self.state = ObjectState.RESIDENT
         self.refs = 0
         self.error: BaseException | None = None
@@ -259,10 +262,6 @@ class Registry:
         self, obj: ManagedObject, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
     ) -> Transfer | None:
         target_tier = self._tier(tier)
-        if known is not None:
-            started = self._move_known(obj, target_tier, priority, known)
-            if started is not None:
-                return started
         with self._lock:
             self._check_live(obj)
             if obj.state is ObjectState.MOVING:
@@ -270,6 +269,8 @@ class Registry:
                 if obj.target.tier is target_tier and not obj.cancelling:  # already on its way
                     if priority < obj.transfer.priority:
                         obj.transfer.promote(priority)
+                        if obj.copy is not None:
+                            obj.copy.promote(priority)
                     return obj.transfer
                 if obj.home.tier is target_tier and obj.home.tier.is_memory:
                     # Rule 3: wanted back where it still is; the write is no longer needed.
@@ -281,64 +282,59 @@ class Registry:
             elif obj.home.tier is target_tier:
                 return None
             else:
-                return self._start_move(obj, target_tier, priority)
+                return self._start_move(obj, target_tier, priority, known)
         # Otherwise let the current move land first, then move again.
         self.wait(obj)
         return self.move(obj, tier, priority, known)
 
-    def _move_known(self, obj: ManagedObject, tier: Tier, priority: Priority, known: KnownBytes) -> Transfer | None:
-        """Rule 6: start a move from storage whose ``known`` bytes are copied from memory; None
-        where it does not apply (already moving, or not from storage): ``move`` goes on."""
-        with self._lock:
-            self._check_live(obj)
-            if obj.state is not ObjectState.RESIDENT or obj.home.tier is tier or obj.home.tier.is_memory:
-                return None
-            span = self._rest_of(obj, known)
-        target = tier.allocate(obj.nbytes)
-        try:
-            # Outside the lock: the copy ends on the scheduler's thread, where moves end too
-            # (under this lock). It lands before the read is even queued, so the move never
-            # ends with the known bytes missing.
-            self.scheduler.submit(
-                known.source, target, nbytes=known.nbytes, dst_offset=known.offset, priority=priority
-            ).wait()
-        except BaseException:
-            tier.free(target)
-            raise
-        with self._lock:
-            if obj.state is ObjectState.RESIDENT and obj.home.tier is not tier:
-                return self._start_move(obj, tier, priority, target, span)  # frees target if it fails
-        tier.free(target)  # freed or moved by another thread meanwhile: move() sorts it out
-        return None
-
-    def _start_move(
-        self,
-        obj: ManagedObject,
-        tier: Tier,
-        priority: Priority,
-        target: Allocation | None = None,
-        span: tuple[int, int] | None = None,
-    ) -> Transfer:
-        """Under the lock. ``target`` and ``span``: allocated and filled but for the bytes
-        ``span`` (offset, count), which are read here (rule 6, ``_move_known``)."""
+    def _start_move(self, obj: ManagedObject, tier: Tier, priority: Priority, known: KnownBytes | None) -> Transfer:
+        """Under the lock. With ``known`` bytes (rule 6) two transfers run at once, the copy from
+        memory and the read of the rest; the move ends when both have."""
         if not obj.home.tier.is_memory and not tier.is_memory:
             raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
-        offset, nbytes = span if span is not None else (0, obj.nbytes)
-        if target is None:
-            target = tier.allocate(obj.nbytes)
+        if obj.home.tier.is_memory:
+            known = None  # nothing to save: the whole object is copied from memory anyway
+        offset, nbytes = (0, obj.nbytes) if known is None else self._rest_of(obj, known)
+        target = tier.allocate(obj.nbytes)
+        copy: Transfer | None = None
         try:
+            if known is not None:
+                copy = self.scheduler.submit(
+                    known.source, target, nbytes=known.nbytes, dst_offset=known.offset, priority=priority
+                )
             transfer = self.scheduler.submit(
                 obj.home, target, nbytes=nbytes, src_offset=offset, dst_offset=offset, priority=priority
             )
         except BaseException:
+            if copy is not None:  # rule 4: the target is freed only once nothing writes into it
+                copy.cancel()
+                with contextlib.suppress(Exception):
+                    copy.wait()
             tier.free(target)
             raise
-        obj.target, obj.transfer, obj.state = target, transfer, ObjectState.MOVING
+        obj.target, obj.transfer, obj.copy, obj.state = target, transfer, copy, ObjectState.MOVING
         obj.error = None
         obj.settled.clear()
         self._moves += 1
         self._inflight[transfer] = obj
-        transfer.add_done_callback(lambda t: self._move_ended(obj, t))
+        if copy is None:
+            transfer.add_done_callback(lambda t: self._move_ended(obj, t))
+        else:
+            remaining = [2]
+
+            def part_ended(_part: Transfer) -> None:
+                # No reference to either transfer here: the callback lives in their futures
+                # (TRAPS 14). The object holds both until the move ends.
+                with self._lock:
+                    remaining[0] -= 1
+                    if remaining[0]:
+                        return
+                    read = obj.transfer
+                assert read is not None
+                self._move_ended(obj, read)
+
+            copy.add_done_callback(part_ended)
+            transfer.add_done_callback(part_ended)
         return transfer
 
     @staticmethod
@@ -363,9 +359,10 @@ class Registry:
                 assert target is not None
                 # Rule 3: a cancel asked for may arrive after every block landed; the object
                 # still stays home, as move() promised (the landed copy is dropped).
-                cancelled = transfer.cancelled() or obj.cancelling
+                copy, obj.copy = obj.copy, None
+                cancelled = transfer.cancelled() or obj.cancelling or (copy is not None and copy.cancelled())
                 obj.target, obj.transfer, obj.cancelling = None, None, False
-                error = transfer.exception()
+                error = transfer.exception() or (copy.exception() if copy is not None else None)
                 if obj.state is ObjectState.FREED:
                     target.tier.free(target)
                     source.tier.free(source)
@@ -431,13 +428,15 @@ class Registry:
                 entry = self._dedup.get(obj.dedup_key)
                 if entry is not None and entry[2] is obj:
                     del self._dedup[obj.dedup_key]
-            transfer = obj.transfer
+            transfer, copy = obj.transfer, obj.copy
             if transfer is None:
                 obj.home.tier.free(obj.home)
                 self._count_resident(obj, obj.home.tier, -1)
                 return
         self._cancelled += 1
         transfer.cancel()  # allocations are freed by _move_ended
+        if copy is not None:
+            copy.cancel()
 
     # -- helpers ---------------------------------------------------------------------------
     def _tier(self, name: str) -> Tier:

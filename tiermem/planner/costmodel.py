@@ -167,6 +167,8 @@ class StatesCost:
     nvme_read_forward: int
     nvme_read_backward: int
     nvme_step_bytes: int
+    #: of ``nvme_step_bytes``, those read (the rest are written back)
+    nvme_step_read: int
     optimizer_s: float
     #: persistent parameters + states + buffer pool: on the device the whole step
     static_device: int = 0
@@ -206,7 +208,14 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     )
     nvme_fwd = s(pk._nbytes, h, n)
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
-    nvme_step = 2 * s(pk._home, h, n)  # stage each NVMe home in and write it back
+    # Stage each NVMe home in and write it back. A loop that steps every backward steps its
+    # chunks early, staging each home with the working bytes copied from the device copy
+    # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read. (A chunk
+    # with tied parameters steps after backward and reads its whole home: a small error.)
+    known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
+    memcpy += known
+    nvme_step_read = s(pk._home, h, n) - known
+    nvme_step = nvme_step_read + s(pk._home, h, n)
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
@@ -218,6 +227,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         nvme_read_forward=nvme_fwd,
         nvme_read_backward=nvme_bwd,
         nvme_step_bytes=nvme_step,
+        nvme_step_read=nvme_step_read,
         optimizer_s=profile.optimizer_s_per_byte * s(pk._optim, 0, n),
         static_device=persistent_bytes + pool,
         grad_in_flight=grads,
@@ -467,7 +477,7 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
     chunk_stall = max(0.0, states.nvme_read_forward / read_bw - forward) + max(
         0.0, states.nvme_read_backward / read_bw - backward
     )
-    step_io = states.nvme_step_bytes / 2 / read_bw + states.nvme_step_bytes / 2 / write_bw
+    step_io = states.nvme_step_read / read_bw + (states.nvme_step_bytes - states.nvme_step_read) / write_bw
     step_stall = max(0.0, step_io - states.optimizer_s)
     parts = {
         "compute": compute,

@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -185,6 +186,16 @@ class Chunk:
         self.entered = False
         #: trainable parameters used since the last backward whose gradient has not arrived
         self.pending: set[int] = set()
+
+    def empty_storage(self) -> None:
+        """``resize_(0)`` the device storage (TRAPS 2) once nothing reads it any more: its home
+        may be being staged with its bytes copied from here (registry rule 6; NOTE [ Declared
+        steps ] rule 7), and freed memory must never be read."""
+        copy = self.home.obj.copy if self.home is not None else None
+        if copy is not None:
+            with contextlib.suppress(Exception):  # its error is the home move's, raised at the home's wait()
+                copy.wait()
+        self.data.untyped_storage().resize_(0)
 
     @property
     def trainable(self) -> bool:

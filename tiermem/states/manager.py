@@ -411,7 +411,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                 transfer.cancel()
                 with contextlib.suppress(Exception):
                     transfer.wait()
-            chunk.data.untyped_storage().resize_(0)
+            chunk.empty_storage()
             for handle in (chunk.dev, chunk.home, chunk.grad):
                 if handle is not None:
                     handle.free()
@@ -651,6 +651,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                     "persistent": c.persistent,
                     "resident": c.resident,
                     "home": c.home_tier,
+                    # tied parameters: such a chunk steps once the whole backward is over
+                    "tied": any(slot.index in self._shared for slot in c.layout.slots),
                 }
                 for c in self.chunks
             ],

@@ -179,7 +179,7 @@ class ChunkPool:
         chunk.dirty = False
         dev, chunk.dev = chunk.dev, None
         self.resident.pop(chunk.index, None)
-        chunk.data.untyped_storage().resize_(0)  # real memory goes first, then the accounting
+        chunk.empty_storage()  # real memory goes first, then the accounting
         dev.free()
 
     def release_all(self) -> None:

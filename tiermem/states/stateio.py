@@ -261,7 +261,7 @@ class StateIOMixin(StatesBase):
                 if grads is not None and self._has_grad[slot.index]:
                     p.grad = torch.empty(slot.shape, dtype=value.dtype, device=self.device).copy_(slot.view(grads))
             # Give this chunk's memory back before the next one is copied.
-            chunk.data.untyped_storage().resize_(0)
+            chunk.empty_storage()
             for handle in (chunk.dev, chunk.home, chunk.grad):
                 if handle is not None:
                     handle.free()
