@@ -428,3 +428,22 @@ def test_early_steps_read_only_optimizer_states_from_nvme(tmp_path):
         assert moved("device->host") >= master  # copied from the device copies instead
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_a_chunks_storage_is_emptied_only_after_a_staging_copy_from_it_ended():
+    """Rule 7: a home being staged may be copying the chunk's device bytes; emptying the
+    storage first would let that copy read freed memory."""
+    from types import SimpleNamespace
+
+    from tiermem.states.chunks import Chunk, ChunkLayout
+
+    chunk = Chunk(ChunkLayout(0, True, (), 4096), persistent=False, home="nvme", sections=2, device=torch.device("cpu"))
+    seen: list[int] = []
+
+    class Copy:
+        def wait(self) -> None:
+            seen.append(chunk.data.untyped_storage().nbytes())  # still there while the copy ends
+
+    chunk.home = SimpleNamespace(obj=SimpleNamespace(copy=Copy()))  # type: ignore[assignment]
+    chunk.empty_storage()
+    assert seen == [4096] and chunk.data.untyped_storage().nbytes() == 0
