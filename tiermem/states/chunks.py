@@ -190,7 +190,7 @@ class Chunk:
     def empty_storage(self) -> None:
         """``resize_(0)`` the device storage (TRAPS 2) once nothing reads it any more: its home
         may be being staged with its bytes copied from here (registry rule 6; NOTE [ Declared
-        steps ] rule 7), and freed memory must never be read."""
+        steps ] rule 7), and freed memory must never be read (TRAPS 24)."""
         copy = self.home.obj.copy if self.home is not None else None
         if copy is not None:
             with contextlib.suppress(Exception):  # its error is the home move's, raised at the home's wait()
