@@ -121,7 +121,7 @@ def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int, ea
     backward starts; each trainable streamed chunk's gradients go device->host once; each
     NVMe home (master + ``sections`` optimizer states) is read to the host and written back
     once for the step, except that a chunk stepping early (``early``: the loop steps every
-    backward; not one with tied parameters) gets its master from its device copy
+    backward) gets its master from its device copy
     (device->host) instead of NVMe (NOTE [ Declared steps ] rule 7). Persistent chunks and
     host homes move nothing else."""
     streamed = [c for c in chunks if not c["persistent"]]
@@ -134,7 +134,7 @@ def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int, ea
             links["device->host"] += c["nbytes"]
         if c["home"] == "nvme":
             home = c["nbytes"] * (1 + (sections if c["trainable"] else 0))
-            known = c["nbytes"] if early and c["trainable"] and not c.get("tied") else 0
+            known = c["nbytes"] if early and c["trainable"] else 0
             links["nvme->host"] += home - known
             links["device->host"] += known
             links["host->nvme"] += home

@@ -153,9 +153,8 @@ def test_declared_mixed_precision_steps_early_from_the_working_copy(tmp_path):
         states = rt._model_states[-1]
         assert states.early_chunk_steps > 0
         homes = [c for c in states.chunks if c.home_tier == "nvme" and c.trainable]
-        tied = sum(c.nbytes for c in homes if any(s.index in states._shared for s in c.layout.slots))
         working = sum(c.nbytes for c in homes)  # each chunk's working section: bf16, half its master
-        assert read <= (steps - 1) * (sum(c.home_bytes for c in homes) - working + tied)
+        assert read == (steps - 1) * (sum(c.home_bytes for c in homes) - working)
     assert_bitwise(got, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], want_masters)
     assert list(tmp_path.iterdir()) == []

@@ -210,8 +210,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
-    # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read. (A chunk
-    # with tied parameters steps after backward and reads its whole home: a small error.)
+    # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
     known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
     memcpy += known
     nvme_step_read = s(pk._home, h, n) - known

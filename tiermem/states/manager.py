@@ -651,8 +651,6 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                     "persistent": c.persistent,
                     "resident": c.resident,
                     "home": c.home_tier,
-                    # tied parameters: such a chunk steps once the whole backward is over
-                    "tied": any(slot.index in self._shared for slot in c.layout.slots),
                 }
                 for c in self.chunks
             ],

@@ -193,8 +193,9 @@ class StepMixin(StatesBase):
         slots = self._steppable(chunk, group_of)
         if not slots:
             return
+        known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
-        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {})
+        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)
         self.early_chunk_steps += 1
         if not self._keep_gradients and chunk.grad is not None:
             # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
@@ -311,11 +312,12 @@ class StepMixin(StatesBase):
         optimizer: ManagedOptimizer,
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
+        known: KnownBytes | None = None,
     ) -> None:
         if chunk.home_tier != "nvme":
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
             return
-        with self._home_on_host(chunk, self._known_home_bytes(chunk)):
+        with self._home_on_host(chunk, known):
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
