@@ -36,6 +36,7 @@ import psutil
 import torch
 
 from tiermem.benchio.passes import CaseEnv, VerificationError
+from tiermem.interrupts import DeferredInterrupts
 from tiermem.units import format_size
 
 __all__ = [
@@ -249,22 +250,26 @@ def run_benchmark(
     removed, before this returns or raises (KeyboardInterrupt included)."""
     results: list[CaseResult] = []
     machine: dict[str, Any] | None = None
-    for block_size, queue_depth in spec.cases():
-        with CaseEnv(
-            spec.tier,
-            size=spec.size,
-            block_size=block_size,
-            queue_depth=queue_depth,
-            through=spec.through,
-            paths=list(spec.paths),
-            backend=spec.backend,
-            run_blocks=spec.run_blocks,
-        ) as env:
-            if machine is None:
-                machine = machine_facts(spec, env.describe(), env.notes)
-                if on_machine is not None:
-                    on_machine(machine)
-            results += _run_case(spec, env, on_pass)
+    # Ctrl-C and SIGTERM are held and acted on between two calls to a tier (TRAPS 25); a
+    # second one interrupts at once, wherever it lands.
+    with DeferredInterrupts() as interrupts:
+        for block_size, queue_depth in spec.cases():
+            with CaseEnv(
+                spec.tier,
+                size=spec.size,
+                block_size=block_size,
+                queue_depth=queue_depth,
+                through=spec.through,
+                paths=list(spec.paths),
+                backend=spec.backend,
+                run_blocks=spec.run_blocks,
+                interrupts=interrupts,
+            ) as env:
+                if machine is None:
+                    machine = machine_facts(spec, env.describe(), env.notes)
+                    if on_machine is not None:
+                        on_machine(machine)
+                results += _run_case(spec, env, on_pass)
     assert machine is not None  # spec.cases() is never empty
     return BenchReport(machine, results)
 

@@ -53,6 +53,9 @@ from tiermem.units import format_size, round_up
 
 __all__ = ["CaseEnv", "PassResult", "VerificationError"]
 
+#: How often a wait on a whole scheduler move looks for a held Ctrl-C.
+_INTERRUPT_POLL_SECONDS = 0.1
+
 
 class VerificationError(TiermemError):
     """Raised when ``--verify`` finds bytes read back that differ from what was written."""
@@ -96,14 +99,13 @@ class _LatencyProbe:
         return timed
 
 
-def _wait(transfer: Transfer) -> None:
-    """``transfer.wait()``, but interruptible. ``Transfer.wait`` swallows a KeyboardInterrupt
-    raised while it blocks and then fails with a bare TimeoutError, so Ctrl-C would not
-    unwind as an interrupt; an Event wait lets it through, and ``wait()`` after completion
-    only raises the move's own error."""
+def _wait(transfer: Transfer, interrupts: DeferredInterrupts) -> None:
+    """``transfer.wait()``, but stopping at a Ctrl-C held by ``interrupts`` (checked a few
+    times a second). ``wait()`` after completion only raises the move's own error."""
     done = threading.Event()
     transfer.add_done_callback(lambda _t: done.set())
-    done.wait()
+    while not done.wait(_INTERRUPT_POLL_SECONDS):
+        interrupts.check()
     transfer.wait()
 
 
@@ -116,7 +118,15 @@ def _sync(tier: Tier) -> None:
 
 class CaseEnv:
     """The tiers, allocations, buffer and (optionally) scheduler of one case. Use as a
-    context manager: leaving it closes every tier, which removes the NVMe run directory."""
+    context manager: leaving it closes every tier, which removes the NVMe run directory.
+
+    Passes stop at a Ctrl-C or SIGTERM held by ``interrupts`` (an open
+    :class:`DeferredInterrupts`), between two calls to the tier, never inside one: a
+    KeyboardInterrupt raised wherever the signal lands can leave a tier's lock taken or
+    a request counted in flight that never went to the kernel, and closing the tier then
+    waits for it forever (TRAPS 25). Without one, a signal interrupts wherever it lands,
+    as Python's default handler does.
+    """
 
     def __init__(
         self,
@@ -129,8 +139,11 @@ class CaseEnv:
         paths: list[str],
         backend: Any,
         run_blocks: int | None = None,
+        interrupts: DeferredInterrupts | None = None,
     ) -> None:
         self.tier_name = tier_name
+        # Never entered when not given: ``check()`` then never raises.
+        self._interrupts = interrupts if interrupts is not None else DeferredInterrupts()
         self.size = size
         self.block_size = block_size
         self.queue_depth = queue_depth
@@ -250,6 +263,8 @@ class CaseEnv:
             )
 
     def _timed(self, op: str) -> PassResult:
+        # Between passes too: a pass that ends within one poll of ``_wait`` never looks.
+        self._interrupts.check()
         if self._scheduler is not None:
             return self._scheduler_pass(op)
         return self._raw_pass(op)
@@ -277,6 +292,7 @@ class CaseEnv:
         error: BaseException | None = None
         inflight = 0  # blocks in flight, at most ``depth``: the queue depth counts blocks, not calls
         offset = 0
+        interrupts = self._interrupts
         start_all = perf()
         try:
             while offset < size:
@@ -286,6 +302,7 @@ class CaseEnv:
                     error = error or future.exception()  # done: exception() does not wait
                 if error is not None:
                     break
+                interrupts.check()  # between two calls: nothing half-issued (TRAPS 25)
                 # As the scheduler does (its rule 7): as many blocks as there are free slots,
                 # at most a run's worth, in one call on one view.
                 blocks = min(max_run, depth - inflight)
@@ -326,10 +343,12 @@ class CaseEnv:
         self._probe.requests = 0
         start = time.perf_counter()
         if op == "write":  # a store: write-back priority, as Runtime.store uses
-            _wait(scheduler.submit(peer_alloc, self.alloc, nbytes=self.size, priority=Priority.WRITEBACK))
+            move = scheduler.submit(peer_alloc, self.alloc, nbytes=self.size, priority=Priority.WRITEBACK)
+            _wait(move, self._interrupts)
             _sync(self.tier)
         else:  # a fetch the caller waits on: demand priority
-            _wait(scheduler.submit(self.alloc, peer_alloc, nbytes=self.size, priority=Priority.DEMAND))
+            move = scheduler.submit(self.alloc, peer_alloc, nbytes=self.size, priority=Priority.DEMAND)
+            _wait(move, self._interrupts)
         seconds = time.perf_counter() - start
         latencies = list(self._probe.latencies)
         return PassResult(seconds, self._probe.requests, latencies)
