@@ -5,13 +5,19 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import time
+from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tiermem.config import Config
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.models.gpt import GPTConfig
+from tiermem.registry import Registry
 from tiermem.rok import sweep
+from tiermem.runtime import Runtime
 
 
 class SignalledInDel:
@@ -107,3 +113,98 @@ def test_rok_sweep_stops_between_steps(tmp_path) -> None:
         sweep(config, model, [1, 2], policies=("keep", "nvme"), steps=1, on_point=on_point)
     assert len(points) == 1
     assert list(disk.iterdir()) == []
+
+
+# -- RuntimeInterruptGuard: Ctrl-C in a user's own loop (TRAPS 18, 25) ------------------------------
+def _runtime(tmp_path: Path) -> Runtime:
+    return Runtime({"nvme": {"paths": [str(tmp_path)]}})
+
+
+def _interrupted_soon() -> None:
+    """Sleep in short steps (user code, where a held signal is delivered) for up to 5 s."""
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        time.sleep(0.001)
+
+
+def _raised_inside(caught: pytest.ExceptionInfo[KeyboardInterrupt], *files: str) -> bool:
+    return any(Path(entry.path).name in files for entry in caught.traceback)
+
+
+def test_ctrl_c_in_a_runtime_wait_is_held_until_the_wait_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C that lands while the main thread is inside the runtime (here a wait on an
+    NVMe write) is raised once the call returned to user code, not inside it."""
+    returned: list[bool] = []
+    original = Registry.wait
+
+    def signalled_wait(self: Registry, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)  # the handler runs here: Handle.wait is below us
+        result = original(self, *args, **kwargs)
+        returned.append(True)
+        return result
+
+    with _runtime(tmp_path) as rt:
+        handle = rt.store(torch.arange(1 << 16, dtype=torch.float32), "nvme")
+        monkeypatch.setattr(Registry, "wait", signalled_wait)
+        with pytest.raises(KeyboardInterrupt) as caught:
+            handle.wait()
+            _interrupted_soon()
+        monkeypatch.undo()
+        assert returned == [True]
+        assert not _raised_inside(caught, "registry.py")
+        assert torch.equal(handle.tensor(), torch.arange(1 << 16, dtype=torch.float32))
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_in_a_finalizer_is_not_lost(tmp_path: Path) -> None:
+    """Python drops a KeyboardInterrupt raised in ``__del__`` (autograd releases saved
+    activations there): inside a runtime it is delivered once the finalizer is over."""
+    with _runtime(tmp_path), pytest.raises(KeyboardInterrupt):
+        SignalledInDel(signal.SIGINT)
+        _interrupted_soon()
+
+
+def test_a_second_ctrl_c_while_one_is_held_interrupts_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The way out of a wait that never ends: the second signal is not held."""
+    original = Registry.wait
+
+    def signalled_twice(self: Registry, *args: Any, **kwargs: Any) -> Any:
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        pytest.fail("the second Ctrl-C was held too")
+        return original(self, *args, **kwargs)
+
+    with _runtime(tmp_path) as rt:
+        handle = rt.store(torch.zeros(1 << 16), "nvme")
+        monkeypatch.setattr(Registry, "wait", signalled_twice)
+        with pytest.raises(KeyboardInterrupt) as caught:
+            handle.wait()
+        monkeypatch.undo()
+        assert _raised_inside(caught, "test_interrupts.py")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_ctrl_c_while_closing_comes_after_the_files_are_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A Ctrl-C during ``with rt``'s exit does not cut the cleanup short: every tier is
+    closed (the NVMe files removed) and then the KeyboardInterrupt is raised."""
+    from tiermem.tiers.host import HostTier
+
+    original = HostTier.close
+
+    def signalled_close(self: HostTier) -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+        original(self)
+
+    monkeypatch.setattr(HostTier, "close", signalled_close)
+    with pytest.raises(KeyboardInterrupt), _runtime(tmp_path) as rt:
+        rt.store(torch.zeros(1 << 16), "nvme").wait()
+        assert list(tmp_path.iterdir())  # the run directory exists while the runtime is open
+    assert list(tmp_path.iterdir()) == []
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

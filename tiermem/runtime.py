@@ -28,6 +28,7 @@ from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.policy import PolicySpec
 from tiermem.config import Config
 from tiermem.errors import RuntimeClosedError
+from tiermem.interrupts import RuntimeInterruptGuard
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
@@ -57,6 +58,7 @@ class Runtime:
         self._owner_pid: int | None = None
         self._activation_counters = ActivationCounters()
         self._model_states: list[ModelStates] = []
+        self._interrupt_guard: RuntimeInterruptGuard | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -99,6 +101,10 @@ class Runtime:
         self._registry = Registry(tiers, self._scheduler)
         self.resolved = resolved
         self._owner_pid = os.getpid()
+        # Ctrl-C inside the runtime's hooks, waits and finalizers is held until they are
+        # done (TRAPS 18, 25); elsewhere it interrupts at once, as without tiermem.
+        self._interrupt_guard = RuntimeInterruptGuard()
+        self._interrupt_guard.install()
         log.info("tiermem runtime started: %s", {name: t.describe() for name, t in tiers.items()})
         return self
 
@@ -118,9 +124,14 @@ class Runtime:
                 self._registry.free_all()
             self._scheduler.close()
         finally:
-            for tier in self._tiers.values():
-                tier.close()
-            self._scheduler = None
+            try:
+                for tier in self._tiers.values():
+                    tier.close()
+            finally:
+                self._scheduler = None
+                guard, self._interrupt_guard = self._interrupt_guard, None
+                if guard is not None:
+                    guard.uninstall()  # a Ctrl-C held until now is raised here, the files gone
 
     def __enter__(self) -> Runtime:
         return self.start()
