@@ -99,6 +99,7 @@ class RuntimeInterruptGuard:
         self._closed = False
         self._thread: threading.Thread | None = None
         self._internal: tuple[str, ...] = ()
+        self._owner_pid = os.getpid()
 
     # -- lifecycle ----------------------------------------------------------------------------
     def install(self) -> None:
@@ -134,7 +135,9 @@ class RuntimeInterruptGuard:
             second = self._held is not None and not resent
             # A DeferredInterrupts open below us (``tiermem.train``) only sets its flag: safe anywhere.
             flag_only = isinstance(getattr(previous, "__self__", None), DeferredInterrupts)
-            if second or flag_only or self._closed or not self._inside_runtime(frame):
+            # A forked child (a DataLoader worker) inherits the handler but not the resending thread.
+            forked = os.getpid() != self._owner_pid
+            if second or flag_only or forked or self._closed or not self._inside_runtime(frame):
                 self._held = None
                 previous(signum, frame)
                 return
@@ -178,7 +181,10 @@ class RuntimeInterruptGuard:
             # call of the handler, and a user's second Ctrl-C could pass for our resend.
             self._answered.clear()
             self._resent = True
-            signal.pthread_kill(main, held)
+            try:
+                signal.pthread_kill(main, held)
+            except OSError:  # the main thread is gone: the process is ending
+                return
             self._answered.wait()
 
 
