@@ -208,3 +208,17 @@ def test_ctrl_c_while_closing_comes_after_the_files_are_gone(
         assert list(tmp_path.iterdir())  # the run directory exists while the runtime is open
     assert list(tmp_path.iterdir()) == []
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_ctrl_c_in_a_users_own_wait_interrupts_it_at_once(tmp_path: Path) -> None:
+    """Outside the runtime nothing changes: a Ctrl-C during the user's own lock wait (a
+    thread join, a DataLoader queue) interrupts it there, as without tiermem."""
+    never_set = threading.Event()
+    with _runtime(tmp_path):
+        timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        timer.start()
+        start = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            never_set.wait(10)
+        timer.join()
+        assert time.monotonic() - start < 5

@@ -74,9 +74,9 @@ class RuntimeInterruptGuard:
     random moments of an embedded loop with NVMe states and activations.
 
     So, for SIGINT and SIGTERM where Python handles them, this handler looks at where the
-    signal landed. Outside the runtime's internals, ``threading``, ``concurrent.futures``,
-    ``queue``, ``weakref`` finalizers and ``__del__`` methods, it calls the handler it
-    replaced at once (the user's code sees exactly what it would without tiermem), as it
+    signal landed. Outside the runtime's internals (the locks and futures they wait on are
+    called from them, so they count too), ``weakref`` finalizers and ``__del__`` methods,
+    it calls the handler it replaced at once (the user's code sees exactly what it would without tiermem), as it
     does when that handler is a :class:`DeferredInterrupts`'s, which only sets a flag.
     Inside them it holds the signal and sends it to the main thread again every few
     milliseconds until it lands outside: in practice at the end of the hook, step or wait
@@ -119,11 +119,12 @@ class RuntimeInterruptGuard:
         self._closed = True
         self._answered.set()
         self._wake.set()
+        # ``_previous`` is kept: a handler installed over ours and later restoring it still
+        # reaches the replaced one through us (closed, we pass every signal on).
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) is self._handler:
                 signal.signal(sig, previous)
         previous = self._previous.get(held) if held is not None else None
-        self._previous.clear()
         if previous is not None:
             previous(held, None)
 
@@ -190,10 +191,10 @@ class RuntimeInterruptGuard:
 
 def _internal_paths() -> tuple[str, ...]:
     """Where a KeyboardInterrupt must not be raised: the runtime's internals (not the
-    drivers: ``tiermem.train``, the CLI, the built-in models) and the standard library's
-    locks, futures, queues and finalizers."""
-    import concurrent.futures
-    import queue
+    drivers: ``tiermem.train``, the CLI, the built-in models) and ``weakref``'s finalizers.
+    Not ``threading`` or ``queue`` as such: a user's own ``thread.join()`` or DataLoader
+    wait stays interruptible, as without tiermem; the runtime's own waits have its frames
+    below them."""
     import weakref
 
     import tiermem
@@ -203,5 +204,5 @@ def _internal_paths() -> tuple[str, ...]:
     base = os.path.dirname(tiermem.__file__)
     paths = [os.path.join(base, name) for name in ("activations", "planner", "states", "registry.py", "runtime.py")]
     paths += [os.path.dirname(tiermem.tiers.__file__), os.path.dirname(tiermem.schedulers.__file__)]
-    paths += [threading.__file__, os.path.dirname(concurrent.futures.__file__), queue.__file__, weakref.__file__]
+    paths.append(weakref.__file__)
     return tuple(p for p in paths if p)
