@@ -239,6 +239,80 @@ def test_backward_refetches_chunks_released_after_forward(tmp_path):
             assert_bitwise([got], [p.grad])
 
 
+def _pins_at(model: nn.Module, where: nn.Module, chunk_of: Callable[[], Any]) -> list[int]:
+    """The pins of ``chunk_of()`` each time backward reaches ``where``'s output."""
+    seen: list[int] = []
+
+    def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+        output.register_hook(lambda grad: seen.append(chunk_of().pins))
+
+    where.register_forward_hook(hook)
+    return seen
+
+
+def test_the_tied_chunk_is_unpinned_once_the_heads_backward_ran(tmp_path):
+    """Rule 3: the tied weight accumulates only after the embedding's backward, at the end; the
+    LM head's call must not pin its chunk until then (it took a streaming buffer from every
+    block's backward), and training stays bitwise."""
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(2))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.5))) as rt:
+        plan = {"chunk_size": "64KiB", "persistent_chunks": 0, "buffers": 3}
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        states = rt._model_states[-1]
+        tied = lambda: states._slots[states._index[id(model.wte.weight)]][0]  # noqa: E731
+        pins = _pins_at(model, model.blocks[4], tied)
+        got = train(model, optimizer, range(2))
+        assert not tied().persistent and tied() is not states._slots[states._index[id(model.blocks[4].fc.weight)]][0]
+    assert pins == [0, 0]  # pinned through every block's backward before: [1, 1]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+class Twice(nn.Module):
+    """One linear called twice in a forward (ALBERT-style sharing across calls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared, self.mid = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.shared(torch.tanh(self.mid(torch.tanh(self.shared(x)))))
+
+
+def test_a_module_called_twice_is_unpinned_after_each_calls_backward(tmp_path):
+    """Rule 3: the second call's backward runs first, but ``shared.weight`` accumulates only
+    after the first call's; between them (``mid``'s backward) nothing pins its chunk."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        losses = []
+        for step in range(2):
+            x = torch.randn(4, D, generator=torch.Generator().manual_seed(step))
+            loss = model(x).square().mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    torch.manual_seed(0)
+    plain = Twice()
+    model = copy.deepcopy(plain)
+    want = run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    with tiermem.Runtime(config(tmp_path, 4 * 4096)) as rt:
+        model, optimizer = rt.manage(
+            model, torch.optim.AdamW, lr=1e-2, plan={"chunk_size": "4KiB", "persistent_chunks": 0, "buffers": 2}
+        )
+        states = rt._model_states[-1]
+        chunk = lambda: states._slots[states._index[id(model.shared.weight)]][0]  # noqa: E731
+        pins = _pins_at(model, model.mid, chunk)
+        got = run(model, optimizer)
+    assert pins == [0, 0]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 def test_state_dicts_round_trip(tmp_path):
     """Save after 2 steps, load into a fresh model and optimizer in a new Runtime, train on:
     the same as 4 uninterrupted plain-PyTorch steps."""

@@ -25,8 +25,9 @@ from tiermem.units import format_size
 class BackwardMixin(StatesBase):
     """The backward half of :class:`~tiermem.states.manager.ModelStates`."""
 
-    def _track_use(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        """Rule 3: hooks that pin the module's chunks through its backward."""
+    def _track_use(self, module: nn.Module, args: Any, kwargs: Any, output: Any, first_node: int) -> None:
+        """Rule 3: hooks that pin the module's chunks through its backward; ``first_node`` is
+        the autograd sequence number the module's forward started at."""
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
             return
@@ -57,7 +58,41 @@ class BackwardMixin(StatesBase):
             elif id(node) not in nodes:
                 nodes.add(id(node))
                 node.register_prehook(functools.partial(self._backward_started, use))
+        if trainable and (self._calls[module] > 1 or any(i in self._shared for _, i in self._module_names[module])):
+            self._track_nodes(use, outputs, first_node)
         self._uses.add(use)
+
+    def _track_nodes(self, use: Use, outputs: list[torch.Tensor], first_node: int) -> None:
+        """Rule 3: also done once every autograd node this call's forward made has run.
+
+        A tied parameter (or one of a module called again) accumulates only after its last
+        use's backward, the other module's (the embedding's, for an LM head), so waiting for
+        it would pin this call's chunks through the whole backward and take a streaming
+        buffer from every module in between. The nodes this forward made (sequence numbers
+        from ``first_node`` on, reached from the outputs) hold every tensor it saved, the
+        parameter views included; once they all ran, its backward read its last value."""
+        end = torch._C._autograd._get_sequence_nr()
+        seen: set[int] = set()
+        stack = [t.grad_fn for t in outputs]
+        nodes = []
+        while stack:
+            node = stack.pop()
+            # AccumulateGrad nodes carry the largest sequence number: outside [first_node, end)
+            if node is None or id(node) in seen or not first_node <= node._sequence_nr() < end:
+                continue
+            seen.add(id(node))
+            nodes.append(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        if not nodes:
+            return
+        use.nodes = len(nodes)
+        for node in nodes:
+            node.register_hook(functools.partial(self._node_ran, use))
+
+    def _node_ran(self, use: Use, _grad_inputs: Any, _grad_outputs: Any) -> None:
+        use.nodes -= 1
+        if use.nodes == 0:
+            self._use_done(use)
 
     def _output_ready(self, use: Use, grad: torch.Tensor) -> None:
         self._backward_started(use, (grad,))

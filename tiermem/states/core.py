@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +44,8 @@ class Use:
 
     chunks: tuple[Chunk, ...]
     waiting: int = 0
+    #: autograd nodes of this call not run yet, when tracked (rule 3: a later-accumulating parameter)
+    nodes: int = 0
     pinned: bool = False
     done: bool = False
 
@@ -81,6 +84,8 @@ class StatesBase:
     _info: list[ParamInfo]
     _trainable: list[bool]
     _module_names: dict[nn.Module, list[tuple[str, int]]]
+    #: calls of each module since the root's forward started
+    _calls: Counter[nn.Module]
     _slots: list[tuple[Chunk, Slot]]
     _has_grad: list[bool]
     _pstate: dict[int, ParamState]

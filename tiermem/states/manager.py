@@ -29,7 +29,10 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    unpinned. A chunk is pinned while a module using it runs forward, and from that module's
    backward start until the use is done: every own trainable parameter has accumulated, or,
    for a module without trainable parameters of its own, every input that requires grad has
-   its gradient (the end of backward unpins the rest).
+   its gradient (the end of backward unpins the rest). A call whose parameter accumulates
+   later than its own backward (a tied weight, whose other owner's backward comes last; a
+   module called again) is also done once every autograd node its forward made has run
+   (they hold what it saved): an LM head does not pin the tied chunk through all backward.
    Unpinned chunks stay cached until a fetch needs their slot (least recently used first; a
    prefetch evicts only chunks behind it); at most ``plan.buffers`` streamed chunks are
    resident at once.
@@ -223,7 +226,10 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
         self._waiters: dict[int, weakref.WeakSet[Use]] = {}
         self._leaf_hooks: list[RemovableHandle] = []
-        self._active: list[nn.Module] = []
+        #: modules whose forward runs, with the autograd sequence number their forward started at
+        self._active: list[tuple[nn.Module, int]] = []
+        #: calls of each module since the root's forward started (rule 3: a repeated call)
+        self._calls: Counter[nn.Module] = Counter()
         self._loading: list[Chunk] = []
         self._sd_keep_vars = False
         self._hooks: list[RemovableHandle] = []
@@ -441,6 +447,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self._settle_backward()
         if self._recorded is None and self._recording is None:
             self._recording, self._seen = [], set()
+        self._calls.clear()
         if torch.is_grad_enabled():
             self._forward_with_grad()
             if self._planner is not None and self._plan_batch is None:  # rule 9
@@ -475,16 +482,17 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self.pool.acquire(chunks, +1)
         for chunk in chunks:
             chunk.pins += 1
-        self._active.append(module)
+        self._active.append((module, torch._C._autograd._get_sequence_nr()))
 
     def _forward_ended(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if not self._active or self._active[-1] is not module:
+        if not self._active or self._active[-1][0] is not module:
             return  # its pre-hook failed: nothing was pinned
-        self._active.pop()
+        _, first_node = self._active.pop()
         for chunk in self._module_chunks[module]:
             chunk.pins -= 1
         if output is not None and not self._closed and torch.is_grad_enabled():
-            self._track_use(module, args, kwargs, output)
+            self._calls[module] += 1
+            self._track_use(module, args, kwargs, output, first_node)
 
     def _repack(self) -> None:
         self._repack_pending = False
