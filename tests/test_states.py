@@ -270,6 +270,39 @@ def test_the_tied_chunk_is_unpinned_once_the_heads_backward_ran(tmp_path):
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+
+def test_the_embeddings_backward_does_not_fetch_its_chunk(tmp_path):
+    """Rule 3: ``embedding_backward`` reads the indices, not the weight, so the tied chunk,
+    evicted while the blocks' backward streamed, is not read back for the embeddings."""
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(2))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.5))) as rt:
+        plan = {"chunk_size": "64KiB", "persistent_chunks": 0, "buffers": 3}
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        states = rt._model_states[-1]
+        tied = states._slots[states._index[id(model.wte.weight)]][0]
+        fetch, fetched, in_embedding_backward = states.pool.fetch, [], [False]
+
+        def record(chunk: Any, *args: Any, **kwargs: Any) -> bool:
+            if in_embedding_backward[0]:
+                fetched.append(chunk)
+            return fetch(chunk, *args, **kwargs)
+
+        def hook(_module: nn.Module, _args: Any, output: torch.Tensor) -> None:
+            in_embedding_backward[0] = False
+            output.register_hook(lambda grad: in_embedding_backward.__setitem__(0, True))
+
+        states.pool.fetch = record
+        model.wte.register_forward_hook(hook)
+        got = []
+        for step in range(2):
+            got += train(model, optimizer, range(step, step + 1))
+            assert in_embedding_backward[0]  # the hook saw the embedding's backward
+    assert tied not in fetched
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
 class Twice(nn.Module):
     """One linear called twice in a forward (ALBERT-style sharing across calls)."""
 

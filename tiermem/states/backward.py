@@ -22,6 +22,12 @@ from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.units import format_size
 
 
+def _backward_reads_no_values(module: nn.Module) -> bool:
+    """An ``nn.Embedding``'s backward needs only the indices (``embedding_backward``), not the
+    weight: fetching its chunk there (the tied one, last in backward) would read it for nothing."""
+    return type(module).forward is nn.Embedding.forward
+
+
 class BackwardMixin(StatesBase):
     """The backward half of :class:`~tiermem.states.manager.ModelStates`."""
 
@@ -31,7 +37,7 @@ class BackwardMixin(StatesBase):
         outputs = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outputs:
             return
-        use = Use(self._module_chunks[module])
+        use = Use(self._module_chunks[module], reads_values=not _backward_reads_no_values(module))
         seen: set[int] = set()
         # A trainable parameter accumulates after the last node that produced its gradient, the
         # node that also used its value for the input's gradient; the input's own gradient may
@@ -101,11 +107,12 @@ class BackwardMixin(StatesBase):
         if self._closed:
             return
         self._begin_backward()
-        if not use.done and not use.pinned:
-            use.pinned = True
-            for chunk in use.chunks:
-                chunk.pins += 1
-        self.pool.acquire(use.chunks, -1)
+        if use.reads_values:
+            if not use.done and not use.pinned:
+                use.pinned = True
+                for chunk in use.chunks:
+                    chunk.pins += 1
+            self.pool.acquire(use.chunks, -1)
         for chunk in use.chunks:
             self._enter_backward(chunk)
 

@@ -43,6 +43,8 @@ class Use:
     """One call of a module in a forward with grad: what its backward pins (rule 3)."""
 
     chunks: tuple[Chunk, ...]
+    #: whether its backward reads the parameters' values (so their chunks must be resident)
+    reads_values: bool = True
     waiting: int = 0
     #: autograd nodes of this call not run yet, when tracked (rule 3: a later-accumulating parameter)
     nodes: int = 0

@@ -24,7 +24,8 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    the old layout (with a warning).
 3. Residency: a module's forward pre-hook fetches the chunks of its own parameters (DEMAND)
    and prefetches the next chunk in order. Each output's ``grad_fn`` gets a pre-hook that
-   fetches them again before the module's backward and prefetches the previous chunk; it
+   fetches them again before the module's backward (not an ``nn.Embedding``'s: its backward
+   reads only the indices) and prefetches the previous chunk; it
    runs after the tensor hooks on that output, so the module that consumed it has already
    unpinned. A chunk is pinned while a module using it runs forward, and from that module's
    backward start until the use is done: every own trainable parameter has accumulated, or,
