@@ -113,7 +113,9 @@ def _needed(message: str) -> dict[str, int]:
     return needs
 
 
-def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int, early: bool) -> dict[str, int]:
+def _minimum_bytes(
+    chunks: list[dict[str, Any]], buffers: int, sections: int, early: bool, grads_in_place: bool
+) -> dict[str, int]:
     """The bytes per step the plan cannot avoid moving, per link (formula in bench/README.md).
 
     Every streamed chunk's parameters are read home->device in forward and again in backward,
@@ -122,15 +124,16 @@ def _minimum_bytes(chunks: list[dict[str, Any]], buffers: int, sections: int, ea
     NVMe home (master + ``sections`` optimizer states) is read to the host and written back
     once for the step, except that a chunk stepping early (``early``: the loop steps every
     backward) gets its master from its device copy
-    (device->host) instead of NVMe (NOTE [ Declared steps ] rule 7). Persistent chunks and
-    host homes move nothing else."""
+    (device->host) instead of NVMe (NOTE [ Declared steps ] rule 7), and with
+    ``grads_in_place`` (early steps of freed gradients on the CPU device, rule 8) reads its
+    gradients where they are. Persistent chunks and host homes move nothing else."""
     streamed = [c for c in chunks if not c["persistent"]]
     held = {c["index"] for c in streamed[len(streamed) - buffers :]} if buffers else set()
     links = {"host->device": 0, "nvme->device": 0, "device->host": 0, "nvme->host": 0, "host->nvme": 0}
     for c in streamed:
         source = "nvme->device" if c["home"] == "nvme" else "host->device"
         links[source] += c["nbytes"] * (1 if c["index"] in held else 2)
-        if c["trainable"]:
+        if c["trainable"] and not (early and grads_in_place):
             links["device->host"] += c["nbytes"]
         if c["home"] == "nvme":
             home = c["nbytes"] * (1 + (sections if c["trainable"] else 0))
@@ -166,6 +169,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     result["thp_mem_alloc_enable"] = os.environ.get("THP_MEM_ALLOC_ENABLE")
 
     cpu_times: list[float] = []
+    #: kernel seconds and minor page faults a step (fresh pages the kernel zeroes and maps)
+    kernel: list[tuple[float, int]] = []
 
     def run(step: Any) -> tuple[list[float], list[float], int]:
         losses, times = [], []
@@ -175,8 +180,11 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
                 sampler = _RssSampler()
                 on_entry()
             start, cpu = time.perf_counter(), _cpu_s()
+            before = resource.getrusage(resource.RUSAGE_SELF)
             losses.append(step(tokens[:, :-1], tokens[:, 1:]))
             times.append(time.perf_counter() - start)
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            kernel.append((after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt))
             # CPU seconds of every thread of the process: the work a step costs, which other
             # processes on a shared machine inflate far less than they inflate wall time
             cpu_times.append(_cpu_s() - cpu)
@@ -285,7 +293,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         }
         plan = described["plan"]
         chunks = described["chunks"]
-        minimum = _minimum_bytes(chunks, plan["buffers"], 2, early=described["early_chunk_steps"] > 0)
+        minimum = _minimum_bytes(
+            chunks, plan["buffers"], 2, early=described["early_chunk_steps"] > 0, grads_in_place=args.free_gradients
+        )
         result.update(
             capacities=capacities,
             fractions={tier: capacities[tier] / state_bytes for tier in capacities},
@@ -321,6 +331,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         losses=losses,
         step_s=times,
         cpu_s=cpu_times[args.warmup :],
+        sys_s=[s for s, _ in kernel[args.warmup :]],
+        minor_faults=[f for _, f in kernel[args.warmup :]],
         rss_start=rss_start,
         rss_after_model=rss_model,
         rss_peak_steps=rss_peak,

@@ -432,3 +432,31 @@ def test_a_chunks_storage_is_emptied_only_after_a_staging_copy_from_it_ended():
     chunk.home = SimpleNamespace(obj=SimpleNamespace(copy=Copy()))  # type: ignore[assignment]
     chunk.empty_storage()
     assert seen == [4096] and chunk.data.untyped_storage().nbytes() == 0
+
+
+def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
+    """NOTE [ Declared steps ] rule 8: with keep_gradients=False on the CPU device an early
+    step reads the chunk's device gradient buffer: no gradient byte crosses device->host (the
+    only device->host bytes are the masters rule 7 copies into staged homes); training is exact."""
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adamw"](param_groups(model)),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        before = rt.stats().as_dict()
+        got = plain_loop(model, optimizer, steps, 1, None)
+        after = rt.stats().as_dict()
+        stepped = after["model_states"]["early_chunk_steps"] - before["model_states"]["early_chunk_steps"]
+        streamed = [c for c in managed(rt).chunks if c.offloaded and c.trainable]
+    moved = after["links"]["device->host"]["bytes"] - before["links"].get("device->host", {}).get("bytes", 0)
+    assert stepped == steps * len(streamed)  # every offloaded chunk stepped early
+    assert 0 < moved <= steps * sum(c.nbytes for c in streamed)  # masters only: gradients would double it
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

@@ -204,8 +204,11 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     memcpy = (
         s(pk._nbytes, p, h)  # forward fetch from host homes
         + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
-        + s(pk._grad, p, n)  # gradient write-back of every streamed chunk
     )
+    if not (pk.grads_stream and profile.device == "cpu"):
+        # gradient write-back of every streamed chunk; streamed gradients on the CPU device
+        # are stepped where they are (NOTE [ Declared steps ] rule 8)
+        memcpy += s(pk._grad, p, n)
     nvme_fwd = s(pk._nbytes, h, n)
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its

@@ -200,7 +200,6 @@ class BackwardMixin(StatesBase):
                 self._use_done(use)
         chunk.pending.discard(i)
         if chunk.offloaded and chunk.entered and not chunk.pending:
-            self._flush(chunk)
             self._gradients_complete(chunk)
 
     def _flush(self, chunk: Chunk) -> None:

@@ -113,6 +113,9 @@ class StatesBase:
     def _repack(self) -> None:
         raise NotImplementedError
 
+    def _flush(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
     def _reconcile_grads(self) -> None:
         raise NotImplementedError
 

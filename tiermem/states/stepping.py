@@ -43,6 +43,11 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
    from it (NOTE [ Managed object rules ] rule 6). In backward the copy is there (the
    chunk's backward just used it), so an early step reads 8 bytes a parameter from NVMe
    for fp32 Adam, not 12: the master was read moments before for the backward itself.
+8. On the CPU device with ``keep_gradients=False``, an early step reads the gradients in
+   the chunk's device gradient buffer, which the CPU addresses, and frees it: copying them
+   to the host first (what rule 4 of the manager's NOTE does for gradients that are kept,
+   and what a CUDA device needs for a CPU step) would cost a memory copy of 4 bytes a
+   parameter on the cores that compute, and the training thread would wait for it.
 """
 
 from __future__ import annotations
@@ -186,13 +191,18 @@ class StepMixin(StatesBase):
         return waiting, off_nvme
 
     def _gradients_complete(self, chunk: Chunk) -> None:
-        """Every used parameter of an offloaded chunk has its gradient, sent home (rule 3)."""
+        """Every used parameter of an offloaded chunk has its gradient: send them home, and step
+        early (rule 3), from where they are when nothing keeps them (rule 8)."""
         if not self._early or chunk.index in self._stepped or chunk.persistent:
+            self._flush(chunk)
             return
         group_of = self._group_of(self.optimizer)
         slots = self._steppable(chunk, group_of)
         if not slots:
+            self._flush(chunk)
             return
+        if self._keep_gradients or self.device.type != "cpu":
+            self._flush(chunk)
         known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)
