@@ -76,7 +76,7 @@ class BackwardMixin(StatesBase):
         it would pin this call's chunks through the whole backward and take a streaming
         buffer from every module in between. The nodes this forward made (sequence numbers
         from ``first_node`` on, reached from the outputs) hold every tensor it saved, the
-        parameter views included; once they all ran, its backward read its last value."""
+        parameter views included; once they all ran, its backward read its last value (TRAPS 26)."""
         end = torch._C._autograd._get_sequence_nr()
         seen: set[int] = set()
         stack = [t.grad_fn for t in outputs]
