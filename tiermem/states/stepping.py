@@ -193,16 +193,13 @@ class StepMixin(StatesBase):
     def _gradients_complete(self, chunk: Chunk) -> None:
         """Every used parameter of an offloaded chunk has its gradient: send them home, and step
         early (rule 3), from where they are when nothing keeps them (rule 8)."""
-        if not self._early or chunk.index in self._stepped or chunk.persistent:
+        early = self._early and chunk.index not in self._stepped and not chunk.persistent
+        group_of = self._group_of(self.optimizer) if early else {}
+        slots = self._steppable(chunk, group_of) if early else []
+        if not slots or self._keep_gradients or self.device.type != "cpu":
             self._flush(chunk)
-            return
-        group_of = self._group_of(self.optimizer)
-        slots = self._steppable(chunk, group_of)
         if not slots:
-            self._flush(chunk)
             return
-        if self._keep_gradients or self.device.type != "cpu":
-            self._flush(chunk)
         known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)
