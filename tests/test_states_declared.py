@@ -57,6 +57,13 @@ def plain_loop(
     return out
 
 
+def manage_streaming(rt: tiermem.Runtime, model: nn.Module, **kwargs: Any) -> tuple[nn.Module, Any]:
+    """AdamW with param groups, a step every backward, gradients freed as chunks step."""
+    return rt.manage(
+        model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1, keep_gradients=False, **kwargs
+    )
+
+
 def managed(rt: tiermem.Runtime) -> Any:
     return rt._model_states[-1]
 
@@ -264,13 +271,7 @@ def test_gradients_freed_as_chunks_step_when_asked(tmp_path):
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
     model = make_model()
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
-        model, optimizer = rt.manage(
-            model,
-            OPTIMIZERS["adamw"](param_groups(model)),
-            plan={"state_home": "nvme"},
-            grad_accumulation_steps=1,
-            keep_gradients=False,
-        )
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
         got = plain_loop(model, optimizer, steps - 1, 1, None)
         tokens, targets = batch(steps - 1)  # the last step by hand (its LR already set by the loop's StepLR)
         loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
@@ -302,9 +303,7 @@ def test_streaming_gradients_fit_a_small_host(tmp_path, host_fraction):
         other = make_model()
         rt.manage(other, OPTIMIZERS["adamw"](param_groups(other)), grad_accumulation_steps=1)
     with tiermem.Runtime(cfg) as rt:
-        model, optimizer = rt.manage(
-            model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1, keep_gradients=False
-        )
+        model, optimizer = manage_streaming(rt, model)
         assert any(c["home"] == "nvme" for c in managed(rt).describe()["chunks"])
         got = plain_loop(model, optimizer, steps, 1, None)
         stats = rt.stats().as_dict()
@@ -358,9 +357,7 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     model = make_model()
     total = state_bytes("adamw", model)
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
-        model, optimizer = rt.manage(
-            model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1, keep_gradients=False
-        )
+        model, optimizer = manage_streaming(rt, model)
         nvme_chunks = sum(c["home"] == "nvme" for c in managed(rt).describe()["chunks"])
         assert nvme_chunks >= 3
         got = plain_loop(model, optimizer, steps, 1, None)
@@ -387,13 +384,7 @@ def test_early_steps_read_only_optimizer_states_from_nvme(tmp_path):
     model = make_model()
     total = state_bytes("adamw", model)
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
-        model, optimizer = rt.manage(
-            model,
-            OPTIMIZERS["adamw"](param_groups(model)),
-            plan={"state_home": "nvme"},
-            grad_accumulation_steps=1,
-            keep_gradients=False,
-        )
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
         snapshots: list[tuple[dict[str, Any], int]] = []
 
         def snapshot(_step: int) -> None:
@@ -443,13 +434,7 @@ def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
     model = make_model()
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
-        model, optimizer = rt.manage(
-            model,
-            OPTIMIZERS["adamw"](param_groups(model)),
-            plan={"state_home": "nvme"},
-            grad_accumulation_steps=1,
-            keep_gradients=False,
-        )
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
         before = rt.stats().as_dict()
         got = plain_loop(model, optimizer, steps, 1, None)
         after = rt.stats().as_dict()

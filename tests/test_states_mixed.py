@@ -21,6 +21,7 @@ from tests.test_states import (
     param_groups,
     state_bytes,
 )
+from tests.test_states_declared import manage_streaming
 from tiermem.states import StatesUsageError
 
 
@@ -137,14 +138,7 @@ def test_declared_mixed_precision_steps_early_from_the_working_copy(tmp_path):
     model = make_model()
     total = state_bytes("adamw", model)
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
-        model, optimizer = rt.manage(
-            model,
-            OPTIMIZERS["adamw"](param_groups(model)),
-            plan={"state_home": "nvme"},
-            param_dtype=torch.bfloat16,
-            grad_accumulation_steps=1,
-            keep_gradients=False,
-        )
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"}, param_dtype=torch.bfloat16)
         read_after: list[int] = []
         got = managed_loop(
             model, optimizer, steps, lambda _: read_after.append(rt.stats().as_dict()["links"]["nvme->host"]["bytes"])
