@@ -572,8 +572,11 @@ def main() -> int:
                         continue
                     times = ", ".join(f"{t:.2f}" for t in r["step_s"])
                     cpu = ", ".join(f"{t:.2f}" for t in r["cpu_s"])
+                    kernel = ", ".join(f"{t:.2f}" for t in r["sys_s"])
+                    faults = statistics.median(r["minor_faults"]) / 1000
                     print(
-                        f"round {round_ + 1} {size} {mode:<8} steps {times}s (CPU {cpu}s)  "
+                        f"round {round_ + 1} {size} {mode:<8} steps {times}s (CPU {cpu}s, of it kernel {kernel}s; "
+                        f"{faults:,.0f}k minor faults a step)  "
                         f"load {os.getloadavg()[0]:.1f}  RSS peak {_mib(r['rss_peak_steps'])}  "
                         f"ru_maxrss {_mib(r['ru_maxrss'])}  ({time.perf_counter() - started:.0f}s)",
                         file=log,
