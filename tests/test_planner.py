@@ -296,6 +296,33 @@ def test_a_recomputed_blocks_input_counts_on_the_device_and_its_other_tensors_do
     assert activation_cost(small, ("recompute",) * 4).ram_bytes == recompute.ram_bytes + 4 * MiB
 
 
+def test_chunk_reads_share_the_nvme_link_over_the_pass_instead_of_queuing_ahead_of_activation_writes():
+    """NOTE [ Cost model ] rule 6: chunk reads that keep the link busy for half of forward
+    leave activation writes half the bandwidth through the pass, so a write that takes 8 ms
+    at that share lands within its 10 ms block and none is pending at forward's end. Queued
+    as one lump at forward's start (the old model), they held the first blocks' writes
+    pending on the device. Once chunk reads saturate the link, writes keep the share the
+    scheduler's prefetch cap leaves them, and fall behind."""
+    from tiermem.planner.costmodel import activation_cost, link_share
+    from tiermem.schedulers.asyncio_scheduler import PREFETCH_SHARE
+
+    profile = synthetic(8, saved=16 * MiB, forward_s=0.01, nvme=16 * MiB / 0.004)
+    forward_s = profile.outside.forward_s + 8 * 0.01
+    policies = ("nvme",) * 8
+    alone = activation_cost(profile, policies)
+    shared = activation_cost(profile, policies, (forward_s / 2, 0.0))
+    assert link_share(forward_s / 2, forward_s) == 0.5
+    # a block's own writes are on the device while it runs; nothing is pending at the end
+    assert shared.forward_peak == alone.forward_peak == 16 * MiB + profile.outside.saved_bytes
+    saturated = activation_cost(profile, policies, (3 * forward_s, 0.0))
+    assert link_share(3 * forward_s, forward_s) == 1 - PREFETCH_SHARE
+    # 16 ms a write at a quarter of the link: each block adds 6 ms of backlog
+    assert saturated.forward_peak > shared.forward_peak + 2 * 16 * MiB
+    # backward's reads share the link with backward's chunk reads the same way
+    slow_reads = activation_cost(profile, policies, (0.0, 10.0))
+    assert slow_reads.stall_s > alone.stall_s
+
+
 def test_search_prefers_fewer_larger_chunks_where_the_device_has_room():
     """The same model and budgets: without a per-chunk cost the search streams many 1 MiB
     chunks; with one it streams fewer, larger chunks (and the prediction charges them)."""

@@ -36,7 +36,14 @@
    compute they can hide behind is added (a stall). On CUDA, copies overlap compute too.
 6. NVMe activation I/O follows NOTE [ Adaptive keep ]: writes queue in forward order;
    backward prefetches ``LOOKAHEAD`` blocks ahead, reads queue; backward waits when a read
-   lands after it needs the block. Chunk I/O from NVMe homes shares that link.
+   lands after it needs the block. Chunk reads from NVMe homes share that link, spread over
+   the pass that needs them (the pool fetches a few chunks ahead of compute, not all at the
+   pass's start): activation I/O gets the link's time the chunk reads leave over the pass,
+   and at least ``1 - PREFETCH_SHARE`` of it once chunk reads saturate the link (the
+   scheduler's rule 4 caps prefetch so write-backs always find room). Queuing the whole
+   pass's chunk reads ahead of the first activation write instead kept several blocks'
+   writes pending at forward's end in the model, ~190 MiB at the 200M GPT of issue 5, that
+   the measured device peak never showed, and refused plans that fit.
 7. A managed step's own work (NOTE [ Profile fields ] rule 6, measured by NOTE [ Overhead
    calibration ]) runs on the training thread and adds up with the rest: per parameter
    (hooks, per-parameter optimizer calls), per saved tensor the offloader registers (blocks
@@ -57,6 +64,7 @@ from dataclasses import dataclass, field
 
 from tiermem.activations.policy import PREFETCH_START
 from tiermem.planner.profile import Profile
+from tiermem.schedulers.asyncio_scheduler import PREFETCH_SHARE
 from tiermem.states.placement import ChunkNeeds, reserve_bytes
 
 FRAGMENTATION_MARGIN = 0.05
@@ -269,17 +277,36 @@ class ActivationCost:
     recomputed: int = 0
 
 
-def activation_cost(profile: Profile, policies: Sequence[str], nvme_busy_s: float = 0.0) -> ActivationCost:
-    """Rules 2 and 6 for one per-block policy. ``nvme_busy_s``: NVMe time other traffic
-    (chunk reads) takes on the same link during forward and backward."""
+def link_share(busy_s: float, pass_s: float) -> float:
+    """Rule 6: the share of the NVMe link that activation I/O gets during a pass of
+    ``pass_s`` compute seconds whose chunk reads keep the link busy ``busy_s`` seconds."""
+    if busy_s <= 0:
+        return 1.0
+    if pass_s <= 0:
+        return 1 - PREFETCH_SHARE
+    return max(1 - busy_s / pass_s, 1 - PREFETCH_SHARE)
+
+
+def activation_cost(
+    profile: Profile, policies: Sequence[str], chunk_reads_s: tuple[float, float] = (0.0, 0.0)
+) -> ActivationCost:
+    """Rules 2 and 6 for one per-block policy. ``chunk_reads_s``: the seconds the NVMe link
+    spends on chunk reads during forward and during backward."""
     blocks = profile.blocks
     outside = profile.outside
-    write_bw = profile.links.get("device->nvme") or 0.0
-    read_bw = profile.links.get("nvme->device") or write_bw
     count = len(blocks)
+    forward_s = outside.forward_s + sum(block.forward_s for block in blocks)
+    backward_s = outside.backward_s + sum(
+        block.backward_s + (block.forward_s if policy == "recompute" else 0.0)
+        for block, policy in zip(blocks, policies, strict=True)
+    )
+    write_bw = (profile.links.get("device->nvme") or 0.0) * link_share(chunk_reads_s[0], forward_s)
+    read_bw = (profile.links.get("nvme->device") or profile.links.get("device->nvme") or 0.0) * link_share(
+        chunk_reads_s[1], backward_s
+    )
     # Forward: block ends on the compute clock; NVMe writes queue behind each other.
     clock = outside.forward_s / 2  # embeddings run before the first block
-    write_free = nvme_busy_s / 2
+    write_free = 0.0
     ends, write_end = [0.0] * count, [0.0] * count
     kept_prefix, peak, recompute, host, nvme, ram, memcpy = 0, 0, 0.0, 0, 0, 0, 0
     # Writes land in issue order (one queue), so the ones still in flight are a window.
@@ -512,7 +539,7 @@ def predict(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> 
     """The full prediction for one plan (rules 1-6)."""
     states = states_cost(profile, choice)
     read_bw = profile.links.get("nvme->device") or 0.0
-    busy = (states.nvme_read_forward + states.nvme_read_backward) / read_bw if read_bw else 0.0
+    busy = (states.nvme_read_forward / read_bw, states.nvme_read_backward / read_bw) if read_bw else (0.0, 0.0)
     return combine(profile, states, activation_cost(profile, policies, busy))
 
 
