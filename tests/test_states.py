@@ -239,6 +239,60 @@ def test_backward_refetches_chunks_released_after_forward(tmp_path):
             assert_bitwise([got], [p.grad])
 
 
+def test_released_chunk_bytes_are_refilled_without_new_memory_and_stay_accounted(tmp_path, monkeypatch):
+    """NOTE [ Spare chunk storage ]: after the first step every streamed chunk's fetch takes
+    the bytes a released chunk left (no storage grows, so no fresh page is zeroed under the
+    NVMe read); spares are accounted on the device tier, never more than the pool's buffers,
+    and training stays bitwise plain PyTorch."""
+    model = make_model()
+    grows: list[int] = []
+    storages: set[int] = set()
+    resize = torch.UntypedStorage.resize_
+
+    def counting_resize(storage: torch.UntypedStorage, size: int) -> Any:
+        if size and storage._cdata in storages:
+            grows.append(size)
+        return resize(storage, size)
+
+    monkeypatch.setattr(torch.UntypedStorage, "resize_", counting_resize)
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.3))) as rt:
+        model, optimizer, states, _ = _manage_streamed(rt, model)
+        losses = train(model, optimizer, range(2))  # the first step re-packs: new chunks
+        pool = states.pool
+        streamed = [c for c in states.chunks if not c.persistent]
+        storages.update(c.data.untyped_storage()._cdata for c in streamed)
+        assert len(streamed) > pool.buffers and len({c.nbytes for c in streamed}) > 1  # sizes differ
+        device = rt.registry.tiers["device"]
+        spares = len(pool._spares)
+        assert 0 < spares <= pool.buffers
+        held = sum(c.dev.obj.home.reserved for c in states.chunks if c.dev is not None)
+        assert device.statistics().current_bytes == held + spares * pool.slot_bytes
+        losses += train(model, optimizer, range(2, 3))
+        assert grows == []  # every refill took a spare's bytes
+        assert all(c.data.untyped_storage().nbytes() in (0, pool.slot_bytes) for c in streamed)
+        assert device.statistics().peak_bytes <= device.capacity
+        states.close()
+        assert device.statistics().current_bytes == 0  # the spares went with the chunks
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
+def test_a_device_allocation_that_does_not_fit_takes_the_spares_room_first(tmp_path):
+    """NOTE [ Spare chunk storage ] rule 4: the retry ladder drops the spares before it waits
+    or evicts; a prefetch (no demand) gets their room too."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.3))) as rt:
+        model, optimizer, states, _ = _manage_streamed(rt, model)
+        train(model, optimizer, range(2))  # the first step re-packs
+        pool, device = states.pool, rt.registry.tiers["device"]
+        assert pool._spares
+        need = device.capacity - device.statistics().current_bytes + pool.slot_bytes // 2
+        allocation = pool.device_room(lambda: device.allocate(need), (), demand=False, what="a test")
+        assert allocation is not None and pool._spares == []
+        device.free(allocation)
+
+
 def _pins_at(model: nn.Module, where: nn.Module, chunk_of: Callable[[], Any]) -> list[int]:
     """The pins of ``chunk_of()`` each time backward reaches ``where``'s output."""
     seen: list[int] = []

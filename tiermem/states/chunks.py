@@ -187,15 +187,28 @@ class Chunk:
         #: trainable parameters used since the last backward whose gradient has not arrived
         self.pending: set[int] = set()
 
-    def empty_storage(self) -> None:
+    def storage_tensor(self) -> torch.Tensor:
+        """Every byte of the device storage as one uint8 tensor (what the device tier accounts:
+        a streamed chunk's storage may hold more than ``nbytes``, NOTE [ Spare chunk storage ])."""
+        return torch.empty(0, dtype=torch.uint8, device=self.data.device).set_(self.data.untyped_storage())
+
+    def empty_storage(self, *, keep: bool = False) -> torch.UntypedStorage | None:
         """``resize_(0)`` the device storage (TRAPS 2) once nothing reads it any more: its home
         may be being staged with its bytes copied from here (registry rule 6; NOTE [ Declared
-        steps ] rule 7), and freed memory must never be read (TRAPS 24)."""
+        steps ] rule 7), and freed memory must never be read (TRAPS 24), nor reused. With
+        ``keep``, the bytes move to a new storage object, returned (NOTE [ Spare chunk
+        storage ] in ``pool.py``), and this storage is left empty the same way."""
         copy = self.home.obj.copy if self.home is not None else None
         if copy is not None:
             with contextlib.suppress(Exception):  # its error is the home move's, raised at the home's wait()
                 copy.wait()
-        self.data.untyped_storage().resize_(0)
+        storage = self.data.untyped_storage()
+        if keep and storage.nbytes():
+            spare = torch.UntypedStorage(0, device=storage.device)
+            spare._swap_data_ptr_(storage)
+            return spare
+        storage.resize_(0)
+        return None
 
     @property
     def trainable(self) -> bool:

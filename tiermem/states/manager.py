@@ -425,6 +425,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             chunk.dev = chunk.home = chunk.grad = None
         self.chunks = []
         self.pool.resident.clear()
+        self.pool.drop_spares()
         self._read_cache = None
 
     def _register_hooks(self) -> None:
@@ -502,7 +503,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         order = self._recorded
         if order is None or order == self._order:
             return
-        self.pool.release_all()
+        self.pool.clear()
         try:
             layouts, plan = self._plan_layout(order, held=self._held_bytes())
         except (PlanError, StatesMemoryError) as exc:
@@ -565,7 +566,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                 format_size(needed),
             )
             return False
-        self.pool.release_all()
+        self.pool.clear()
         snapshot = self._snapshot()
         old = self._layout_in_force()
         layouts, plan, order = old
@@ -613,7 +614,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             return
         try:
             self._settle_backward()
-            self.pool.release_all()
+            self.pool.clear()
             self._restored = self._restore()
         except Exception:
             log.exception("tiermem model states: restoring parameters failed; the model is unusable now")

@@ -3,6 +3,26 @@
 Carries out rules 1, 3 and 6 of NOTE [ Model-state rules ] (in ``manager.py``) for the
 chunks' parameter storage: fetch (DEMAND), prefetch, evict, release, and the retry ladder when
 the device tier is full. It decides nothing about order; the hooks tell it what is needed.
+
+# NOTE [ Spare chunk storage ]
+1. On the CPU device a released streamed chunk's bytes are kept as a *spare* and the next
+   fetch takes them (``UntypedStorage._swap_data_ptr_`` moves the bytes between storage
+   objects, so each chunk keeps its own storage and its parameters' views, TRAPS 2). A
+   fresh buffer costs the kernel a zeroed page for every page the NVMe read touches first,
+   on the cores that compute, inside ``io_submit`` on the I/O thread (TRAPS 27; measured
+   on the 200M GPT of issue 5: 84% of that thread's samples). So that any spare fits any
+   chunk, every streamed chunk's storage holds ``slot_bytes``, the largest streamed chunk's
+   bytes (a chunk's own bytes are a prefix; the device tier accounts the whole storage):
+   the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1). On CUDA the
+   caching allocator already reuses blocks: no spares.
+2. A spare is real memory, so it is accounted on the device tier (adopted) while it waits;
+   resident streamed chunks and spares together stay within ``buffers``, the pool the plan
+   budgets, so spares never take room the plan gave to anything else.
+3. A spare takes over a chunk's storage only where its bytes no longer matter: after
+   ``empty_storage`` waited for every copy that read them (TRAPS 24); the fetch overwrites
+   all of them before anything reads the chunk.
+4. Spares go first when the device is short (the retry ladder of rule 6 in the manager),
+   and all go when the chunks are rebuilt (re-pack, first-step plan) and at close.
 """
 
 from __future__ import annotations
@@ -11,11 +31,14 @@ import contextlib
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+import torch
+
 from tiermem.errors import TierCapacityError
 from tiermem.registry import ObjectState, Registry
 from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
+from tiermem.tiers.base import Allocation
 from tiermem.units import format_size
 
 T = TypeVar("T")
@@ -34,6 +57,21 @@ class ChunkPool:
         self._clock = 0
         #: bumped whenever a device copy is written home (readers of homes re-read)
         self.writes = 0
+        device = registry.tiers.get("device")
+        self._keeps_spares = device is not None and getattr(device, "device", None) == torch.device("cpu")
+        self._slot_bytes: int | None = None
+        #: NOTE [ Spare chunk storage ]: released chunks' storage, accounted on the device tier
+        self._spares: list[Allocation] = []
+
+    @property
+    def slot_bytes(self) -> int:
+        """NOTE [ Spare chunk storage ] rule 1: the bytes every streamed chunk's storage holds
+        on the CPU device (the largest streamed chunk; the chunks exist by the first fetch);
+        0 where spares are not kept."""
+        if self._slot_bytes is None:
+            streamed = [c.nbytes for c in self.chunks if not c.persistent]
+            self._slot_bytes = max(streamed, default=0) if self._keeps_spares else 0
+        return self._slot_bytes
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
@@ -63,10 +101,10 @@ class ChunkPool:
         if not self._make_slot(priority, keep, direction):
             return False
         home.wait()  # the master must have landed where it lives
-        chunk.data.untyped_storage().resize_(chunk.nbytes)
+        self._fill_storage(chunk)
         try:
             dev = self.device_room(
-                lambda: self.registry.register(chunk.data, "device", dedup=False, kind="chunk"),
+                lambda: self.registry.register(chunk.storage_tensor(), "device", dedup=False, kind="chunk"),
                 keep,
                 demand=priority == Priority.DEMAND,
                 what=f"chunk {chunk.index}",
@@ -136,12 +174,15 @@ class ChunkPool:
         return min(candidates, key=lambda c: c.last_use, default=None)
 
     def device_room(self, allocate: Callable[[], T], keep: tuple[Chunk, ...], *, demand: bool, what: str) -> T | None:
-        """Rule 6: ``allocate()``; on a full device wait for gradient write-backs, then evict
-        unpinned chunks, then raise. Without ``demand``, give up (None) at once."""
+        """Rule 6: ``allocate()``; on a full device drop the spares, wait for gradient
+        write-backs, then evict unpinned chunks, then raise. Without ``demand``, give up (None)
+        once the spares are gone."""
         while True:
             try:
                 return allocate()
             except TierCapacityError as exc:
+                if self.drop_spares():
+                    continue
                 if not demand:
                     return None
                 if self._wait_writebacks():
@@ -179,12 +220,45 @@ class ChunkPool:
         chunk.dirty = False
         dev, chunk.dev = chunk.dev, None
         self.resident.pop(chunk.index, None)
-        chunk.empty_storage()  # real memory goes first, then the accounting
-        dev.free()
+        spare = chunk.empty_storage(keep=self.slot_bytes > 0 and len(self.resident) + len(self._spares) < self.buffers)
+        dev.free()  # real memory goes first, then the accounting
+        if spare is not None:
+            self._keep_spare(spare)
 
     def release_all(self) -> None:
         for chunk in list(self.resident.values()):
             self.release(chunk)
+
+    def clear(self) -> None:
+        """Release every streamed chunk and drop the spares (rule 4): the chunks are rebuilt."""
+        self.release_all()
+        self.drop_spares()
+
+    # -- NOTE [ Spare chunk storage ] ------------------------------------------------------
+    def _fill_storage(self, chunk: Chunk) -> None:
+        """Give ``chunk``'s empty storage its bytes: a spare (rule 1), else new ones."""
+        storage = chunk.data.untyped_storage()
+        if not self._spares:
+            storage.resize_(self.slot_bytes or chunk.nbytes)
+            return
+        spare = self._spares.pop()
+        assert spare.tensor is not None
+        storage._swap_data_ptr_(spare.tensor.untyped_storage())
+        spare.tier.free(spare)  # its bytes are the chunk's now; the chunk's own accounting follows
+
+    def _keep_spare(self, storage: torch.UntypedStorage) -> None:
+        """Account a released chunk's bytes on the device tier as a spare (rule 2); without
+        room, drop them."""
+        buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
+        with contextlib.suppress(TierCapacityError):  # no room: dropping the only reference frees it
+            self._spares.append(self.registry.tiers["device"].adopt(buffer))
+
+    def drop_spares(self) -> bool:
+        """Free every spare; True when there was one."""
+        spares, self._spares = self._spares, []
+        for spare in spares:
+            spare.tier.free(spare)
+        return bool(spares)
 
     def _write_home(self, chunk: Chunk) -> None:
         assert chunk.home is not None and chunk.dev is not None
