@@ -9,8 +9,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
 1. Every parameter (a tied one once) lives in one chunk's own storage and ``p.data`` is a view
    into it for the manager's whole life, so tied weights, optimizers and autograd's saved
    ``weight.t()`` stay attached (TRAPS 2). A non-persistent chunk is released with
-   ``untyped_storage().resize_(0)`` and refilled in place before use. While it is released
-   its parameters' values cannot be read (their storage is empty; reading them outside the
+   ``untyped_storage().resize_(0)`` (on the CPU device its bytes move to a spare the next
+   fetch takes: NOTE [ Spare chunk storage ]) and refilled in place before use. While it is
+   released its parameters' values cannot be read (their storage is empty; reading them outside the
    model's forward, backward and state-dict calls is not supported): ``model.state_dict()``
    serves them from the chunk's home, and leaving the Runtime restores ordinary tensors.
    Parameters are stored contiguous. A module may use its own and its submodules'
