@@ -40,7 +40,8 @@
    the pass that needs them (the pool fetches a few chunks ahead of compute, not all at the
    pass's start): activation I/O gets the link's time the chunk reads leave over the pass,
    and at least ``1 - PREFETCH_SHARE`` of it once chunk reads saturate the link (the
-   scheduler's rule 4 caps prefetch so write-backs always find room). Queuing the whole
+   scheduler's rule 4 caps prefetch so write-backs always find room; an approximation: the
+   cap is on bytes in flight, not link time, and demand fetches are not capped). Queuing the whole
    pass's chunk reads ahead of the first activation write instead kept several blocks'
    writes pending at forward's end in the model, ~190 MiB at the 200M GPT of issue 5, that
    the measured device peak never showed, and refused plans that fit.

@@ -58,7 +58,12 @@ class ChunkPool:
         #: bumped whenever a device copy is written home (readers of homes re-read)
         self.writes = 0
         device = registry.tiers.get("device")
-        self._keeps_spares = device is not None and getattr(device, "device", None) == torch.device("cpu")
+        # ``_swap_data_ptr_`` is new in torch (2026); without it chunks are refilled by ``resize_``.
+        self._keeps_spares = (
+            device is not None
+            and getattr(device, "device", None) == torch.device("cpu")
+            and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
+        )
         self._slot_bytes: int | None = None
         #: NOTE [ Spare chunk storage ]: released chunks' storage, accounted on the device tier
         self._spares: list[Allocation] = []
