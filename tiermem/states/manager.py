@@ -350,7 +350,6 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
     def _build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
         """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values."""
         self.plan = plan
-        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
         slots: list[tuple[Chunk, Slot] | None] = [None] * len(self.params)
         for layout in layouts:
             persistent = layout.index < plan.persistent_chunks
@@ -391,6 +390,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                         slot.view(buffer).copy_(grad)
                         self._has_grad[slot.index] = True
                 chunk.grad = self._register(buffer, tier)
+        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
         self._slots = [s for s in slots if s is not None]
         if len(self._slots) != len(self.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")

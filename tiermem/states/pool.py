@@ -49,6 +49,7 @@ class ChunkPool:
     device tier has room); persistent ones always are."""
 
     def __init__(self, registry: Registry, chunks: Sequence[Chunk], buffers: int) -> None:
+        """``chunks``: all of the model's chunks, built."""
         self.registry = registry
         self.chunks = chunks
         self.buffers = buffers
@@ -59,24 +60,16 @@ class ChunkPool:
         self.writes = 0
         device = registry.tiers.get("device")
         # ``_swap_data_ptr_`` is new in torch (2026); without it chunks are refilled by ``resize_``.
-        self._keeps_spares = (
+        keeps_spares = (
             device is not None
             and getattr(device, "device", None) == torch.device("cpu")
             and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         )
-        self._slot_bytes: int | None = None
-        #: NOTE [ Spare chunk storage ]: released chunks' storage, accounted on the device tier
+        #: NOTE [ Spare chunk storage ] rule 1: the bytes every streamed chunk's storage holds
+        #: on the CPU device (the largest streamed chunk's); 0 where spares are not kept
+        self.slot_bytes = max((c.nbytes for c in chunks if not c.persistent), default=0) if keeps_spares else 0
+        #: released chunks' storage, accounted on the device tier
         self._spares: list[Allocation] = []
-
-    @property
-    def slot_bytes(self) -> int:
-        """NOTE [ Spare chunk storage ] rule 1: the bytes every streamed chunk's storage holds
-        on the CPU device (the largest streamed chunk; the chunks exist by the first fetch);
-        0 where spares are not kept."""
-        if self._slot_bytes is None:
-            streamed = [c.nbytes for c in self.chunks if not c.persistent]
-            self._slot_bytes = max(streamed, default=0) if self._keeps_spares else 0
-        return self._slot_bytes
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
