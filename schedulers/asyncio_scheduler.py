@@ -179,6 +179,8 @@ class AsyncioScheduler:
                 f"move of {nbytes} bytes from {src!r}+{src_offset} to {dst!r}+{dst_offset} out of bounds"
             )
         executor = self._executor(src.tier, dst.tier)
+        for tier in {src.tier, dst.tier}:
+            tier.fence()  # on this thread: its current stream is the one that produced the bytes
         memory_only = src.tier.is_memory and dst.tier.is_memory
         transfer = Transfer(src, dst, nbytes, Priority(priority), self._cancel, self._promote, self._waits)
         move = _Move(

@@ -337,6 +337,25 @@ def test_search_prefers_fewer_larger_chunks_where_the_device_has_room():
     assert costly.estimate.fits(caps)
 
 
+def test_a_cuda_profile_streams_states_and_charges_only_offloaded_chunks_cpu_steps():
+    """NOTE [ Model-state rules ] rule 8 and NOTE [ Cost model ] rule 5: on CUDA a small device
+    streams chunks as on the CPU, and the optimizer time counts only the offloaded chunks (they
+    step on the CPU; persistent ones step on the GPU)."""
+    profile = dataclasses.replace(synthetic(8, saved=MiB), cpu=False)
+    decision = search(profile, {"device": 40 * MiB, "host": 1 << 30, "nvme": 1 << 30})
+    plan = decision.plan
+    assert plan.persistent_chunks < plan.chunks and set(plan.state_home[plan.persistent_chunks :]) <= {"host", "nvme"}
+    (packing,) = packings(profile, [plan.chunk_size])
+    policies = ("keep",) * 8
+    n = packing.chunks
+    for persistent in (0, n // 2, n):
+        choice = StatesChoice(packing, persistent, n, n)
+        stepped = [need.nbytes if need.sections and need.trainable else 0 for need in packing.needs]
+        cuda, cpu = predict(profile, choice, policies), predict(synthetic(8, saved=MiB), choice, policies)
+        assert cuda.parts_s["optimizer"] == pytest.approx(1e-10 * sum(stepped[persistent:]))
+        assert cpu.parts_s["optimizer"] == pytest.approx(1e-10 * sum(stepped)) and sum(stepped) > 0
+
+
 def test_search_keeps_everything_when_the_device_is_roomy():
     decision = search(synthetic(4), {"device": 1 << 30, "host": 1 << 30, "nvme": 1 << 30})
     plan = decision.plan

@@ -247,7 +247,11 @@ class Registry:
     @staticmethod
     def _adopt_or_copy(tier: Tier, tensor: torch.Tensor) -> Allocation:
         data = storage_bytes(tensor)
-        if isinstance(tier, MemoryTier) and data.device == tier.device:
+        # A pinned host tier copies pageable bytes into its pool: adopting them would break its
+        # promise that its bytes are page-locked (CUDA copies from pageable memory run
+        # synchronously, through a staging buffer).
+        unpinned = getattr(tier, "pinned", False) and not data.is_pinned()
+        if isinstance(tier, MemoryTier) and data.device == tier.device and not unpinned:
             return tier.adopt(data)
         allocation = tier.allocate(data.numel())
         try:

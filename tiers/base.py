@@ -191,6 +191,11 @@ class Tier(abc.ABC):
         self._free(allocation)
 
     # -- data movement -----------------------------------------------------------------
+    def fence(self) -> None:  # noqa: B027 - optional hook
+        """Order moves submitted after this call after the device work the calling thread has
+        queued (TRAPS 28). The scheduler calls it on the submitting thread; only a CUDA device
+        tier has anything to do."""
+
     def write(self, allocation: Allocation, offset: int, src: torch.Tensor) -> Future[None]:
         """Copy the bytes of ``src`` (contiguous, uint8, 1-D) into ``allocation`` at ``offset``."""
         self._check_io(allocation, offset, src)

@@ -28,6 +28,10 @@ class Copier(Protocol):
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[None]: ...
 
+    def fence(self) -> None:
+        """Order copies issued after this call after the device work the calling thread
+        has queued (its current CUDA stream); copies are issued on another thread."""
+
     def close(self) -> None: ...
 
 
@@ -53,6 +57,9 @@ class WorkerCopier:
         self._pool.submit(_run_copy, future, dst, src)
         return future
 
+    def fence(self) -> None:
+        """CPU work the caller queued is done when its call returned: nothing to order."""
+
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
@@ -68,6 +75,13 @@ class CudaStreamCopier:
         )
         self._waiter = threading.Thread(target=self._wait_events, name="tiermem-cuda-events", daemon=True)
         self._waiter.start()
+
+    def fence(self) -> None:
+        """The copy stream waits for the calling thread's current stream (TRAPS 28): copies run
+        on the scheduler's thread, whose current stream is the default one, while the bytes
+        may come from a kernel on the caller's stream (autograd runs backward on the stream
+        of the forward op, a user may run on a side stream)."""
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> Future[None]:
         future: Future[None] = Future()
@@ -157,6 +171,9 @@ class MemoryTier(Tier):
         # Dropping the only reference returns the memory (RSS falls without a GC pass:
         # nothing here sits in a reference cycle, TRAPS 14).
         allocation.tensor = None
+
+    def fence(self) -> None:
+        self._copier.fence()
 
     def _write(self, allocation: Allocation, offset: int, src: torch.Tensor) -> Future[None]:
         return self._copier.copy(allocation.view(offset, src.numel()), src)

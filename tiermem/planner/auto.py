@@ -148,8 +148,6 @@ def plan_model(
         registry, resolved, model, optimizer, optimizer_kwargs, sample, blocks=blocks, use_cache=use_cache
     )
     caps = dict(capacities) if capacities is not None else free_bytes(registry)
-    decision = search(
-        profile, caps, states_offload=profile.cpu, block_policy=block_policy, grads_stream=grads_stream
-    )
+    decision = search(profile, caps, block_policy=block_policy, grads_stream=grads_stream)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return decision, profile

@@ -33,7 +33,8 @@
 5. Time on the CPU device (TRAPS 7): compute, recompute, every device<->host copy, the
    staging copy of every NVMe byte and the optimizer step run on the same cores, so they
    add up; NVMe transfers themselves (DMA) overlap compute and only their excess over the
-   compute they can hide behind is added (a stall). On CUDA, copies overlap compute too.
+   compute they can hide behind is added (a stall). On CUDA, copies overlap compute too, and
+   only offloaded chunks' optimizer step counts (on the CPU; persistent ones step on the GPU).
 6. NVMe activation I/O follows NOTE [ Adaptive keep ]: writes queue in forward order;
    backward prefetches ``LOOKAHEAD`` blocks ahead, reads queue; backward waits when a read
    lands after it needs the block. Chunk reads from NVMe homes share that link, spread over
@@ -239,7 +240,8 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         nvme_read_backward=nvme_bwd,
         nvme_step_bytes=nvme_step,
         nvme_step_read=nvme_step_read,
-        optimizer_s=profile.optimizer_s_per_byte * s(pk._optim, 0, n),
+        # On CUDA persistent chunks step on the GPU (next to nothing here); offloaded ones on the CPU.
+        optimizer_s=profile.optimizer_s_per_byte * s(pk._optim, 0 if profile.cpu else p, n),
         static_device=persistent_bytes + pool,
         grad_in_flight=grads,
         grad_total=grad_total,

@@ -405,14 +405,15 @@ def measure(
 def optimizer_seconds_per_byte(
     optimizer_class: type[torch.optim.Optimizer], defaults: Mapping[str, Any], params: Sequence[nn.Parameter]
 ) -> float:
-    """Rule 5: one warm step of ``optimizer_class`` over copies of (a sample of) the trainable
-    parameters, per byte. Copies: the model's own parameters and states stay untouched."""
+    """Rule 5: one warm step of ``optimizer_class`` over CPU copies of (a sample of) the
+    trainable parameters, per byte: offloaded chunks step on the CPU, also beside a GPU.
+    Copies: the model's own parameters and states stay untouched."""
     sample: list[torch.Tensor] = []
     total = 0
     for p in params:
         if not p.requires_grad:
             continue
-        sample.append(p.detach().clone().requires_grad_(True))
+        sample.append(p.detach().to("cpu", copy=True).requires_grad_(True))
         total += p.numel() * p.element_size()
         if total >= OPTIMIZER_SAMPLE_BYTES:
             break

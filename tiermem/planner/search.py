@@ -452,7 +452,7 @@ def search(
     grads_stream: bool = False,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``states_offload``:
-    whether streamed chunks are possible (not yet on CUDA, NOTE [ Model-state rules ] rule 8).
+    whether streamed chunks may be planned (False keeps every chunk persistent).
     ``block_policy``: the activation policy the caller fixed (a name for every block, or one
     per block); the model states are searched around it. ``grads_stream``: the loop frees NVMe
     chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""

@@ -18,6 +18,7 @@ from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import StatesBase, Use, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
+from tiermem.states.hostgrad import HostGradient
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.units import format_size
 
@@ -267,7 +268,21 @@ class BackwardMixin(StatesBase):
             data = self._grad_bytes(chunk) if chunk.grad is not None else None
             for slot in chunk.layout.slots:
                 has = self._has_grad[slot.index] and data is not None
-                self.params[slot.index].grad = slot.view(data) if has else None  # type: ignore[arg-type]
+                self.params[slot.index].grad = self._exposed(chunk, slot.view(data)) if has else None  # type: ignore[arg-type]
+
+    def _exposed(self, chunk: Chunk, view: torch.Tensor) -> torch.Tensor:
+        """What ``p.grad`` is for ``view``, a gradient in ``chunk``'s buffer: the view itself, or a
+        :class:`HostGradient` standing for it on the device (NOTE [ Host gradients ] rule 1)."""
+        assert chunk.grad is not None
+        on_host = chunk.grad.tier == "host" and (self.device.type != "cpu" or self.proxy_host_gradients)
+        return HostGradient(view, self.device) if on_host else view
+
+    @staticmethod
+    def _is_exposed(grad: torch.Tensor, view: torch.Tensor) -> bool:
+        """``grad`` is what :meth:`_exposed` made of ``view`` (or the view itself)."""
+        if isinstance(grad, HostGradient):
+            return same(grad.host, view)
+        return same(grad, view)
 
     def _reconcile_grads(self) -> None:
         """Rule 4: take in what user code did to ``p.grad`` since we exposed it."""
@@ -287,9 +302,9 @@ class BackwardMixin(StatesBase):
                 if data is None:
                     data = self._grad_bytes(chunk) if chunk.grad is not None else self._new_grads(chunk)
                 view = slot.view(data)
-                if not same(grad, view):
-                    view.copy_(grad)
-                    p.grad = view
+                if not self._is_exposed(grad, view):
+                    view.copy_(grad)  # a HostGradient of another view copies through its own bytes
+                    p.grad = self._exposed(chunk, view)
                 self._has_grad[i] = True
             if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
                 chunk.grad.free()
@@ -315,6 +330,8 @@ class BackwardMixin(StatesBase):
                 if set_to_none:
                     p.grad = None
                     self._has_grad[i] = False
+                elif isinstance(p.grad, HostGradient):
+                    p.grad.host.zero_()  # in place on the host: no round trip through the device
                 else:  # what torch.optim.Optimizer.zero_grad does
                     if p.grad.grad_fn is not None:
                         p.grad.detach_()

@@ -100,6 +100,9 @@ class StatesBase:
     _loading: list[Chunk]
     _sd_keep_vars: bool
     _closed: bool
+    #: NOTE [ Host gradients ] rule 6: expose host gradients through HostGradients on the CPU
+    #: device too (tests); on CUDA they always are
+    proxy_host_gradients: bool = False
     _restored: bool
 
     # Implemented by BackwardMixin; declared here for the parts that call across.

@@ -44,7 +44,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    becomes a view of the buffer. When every used trainable parameter of an offloaded chunk
    has its gradient, the buffer moves to the host (WRITEBACK, also for NVMe-homed chunks);
    after backward ``p.grad`` views it there, so ``clip_grad_norm_`` and user code read and
-   write the real gradients (TRAPS 4). The next backward brings them back to accumulate.
+   write the real gradients (TRAPS 4); on CUDA, where ``.grad`` must be on the parameter's
+   device, it is a :class:`HostGradient` standing for that view (NOTE [ Host gradients ],
+   TRAPS 29). The next backward brings them back to accumulate.
    Before each backward and step, ``p.grad`` is reconciled: ``None`` (``model.zero_grad()``)
    drops a gradient, another tensor is copied in.
 5. Step (``stepping.py``; a declared loop steps offloaded chunks earlier, during the last
@@ -60,8 +62,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    chunks, then raises :class:`StatesMemoryError`.
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's); the manager is not meant to be driven from two threads.
-8. Not yet: CUDA with offloaded states (this step keeps every chunk's states on a CUDA
-   device, or refuses), ``create_graph=True`` backward,
+8. CUDA: everything above holds; the device tier copies on its own stream, fenced after the
+   stream that produced the bytes (TRAPS 28), host homes live in the pinned pool, and
+   offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward,
    ``model.to()`` after managing. ``torch.compile`` of a managed model raises
    :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
@@ -84,7 +87,6 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import logging
 import weakref
@@ -300,17 +302,13 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         first_error: Exception | None = None
         for size in sizes:
             layouts = pack(self._info, order, size)
-            asked = request
-            if self.device.type != "cpu" and request.persistent_chunks is None:
-                # Rule 8: states stay on a CUDA device in this step, so every chunk persists.
-                asked = dataclasses.replace(request, persistent_chunks=len(layouts))
             try:
                 plan = decide(
                     self._needs(layouts),
                     chunk_size=size,
                     min_buffers=self._min_buffers(layouts),
                     budgets=budgets,
-                    request=asked,
+                    request=request,
                     grads_stream=self._grads_stream,
                 )
             except (StatesMemoryError, PlanError) as exc:
@@ -323,13 +321,6 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             assert first_error is not None
             raise first_error
         _, _, layouts, plan = best
-        if self.device.type != "cpu" and any(home != "device" for home in plan.state_home):
-            raise StatesMemoryError(
-                f"tiermem manage: on {self.device} this step keeps every chunk's states on the device, but the plan "
-                f"needs {plan.chunks - plan.persistent_chunks} chunk(s) offloaded (the device has "
-                f"{format_size(budgets.device)} free). Offloading states from a CUDA device comes with the "
-                "overlapped CPU step; until then use the CPU device or a larger [device] capacity."
-            )
         return layouts, plan
 
     def _needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
@@ -364,6 +355,15 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
             self.chunks.append(chunk)
             for slot in layout.slots:
                 slots[slot.index] = (chunk, slot)
+            if not persistent:
+                # Rule 1: parameters view the chunk's storage, emptied right away (on CUDA all
+                # chunks at full size at once would be the whole model in device memory).
+                for slot in layout.slots:
+                    p = self.params[slot.index]
+                    if p.dtype != slot.dtype:
+                        p.grad = None  # a working dtype: the gradient comes back as a view below
+                    p.data = slot.view(chunk.data)
+                chunk.data.untyped_storage().resize_(0)
             if persistent:
                 chunk.dev = self._register(chunk.data, "device")
                 for slot in layout.slots:
@@ -395,12 +395,10 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         if len(self._slots) != len(self.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
         for p, (chunk, slot) in zip(self.params, self._slots, strict=True):
-            if p.dtype != slot.dtype:
-                p.grad = None  # a working dtype: the gradient comes back as a view below
-            p.data = slot.view(chunk.data)
-        for chunk in self.chunks:
-            if not chunk.persistent:
-                chunk.data.untyped_storage().resize_(0)  # rule 1: refilled before use
+            if chunk.persistent:
+                if p.dtype != slot.dtype:
+                    p.grad = None  # a working dtype: the gradient comes back as a view below
+                p.data = slot.view(chunk.data)
         self._expose_grads()
         self._module_chunks = {
             module: tuple(sorted({self._slots[i][0] for _, i in names}, key=lambda c: c.index))

@@ -53,6 +53,7 @@ accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in `
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 from collections.abc import Mapping
@@ -66,10 +67,18 @@ from tiermem.schedulers.base import Priority
 from tiermem.states.chunks import Chunk, Slot
 from tiermem.states.core import ParamState, StatesBase, same
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer, run_step
 from tiermem.states.placement import STAGED_HOMES
 
 log = logging.getLogger("tiermem.states")
+
+
+@dataclasses.dataclass
+class _GradientHolder:
+    """What ``clip_grad_norm_`` reads of a parameter: its ``.grad``."""
+
+    grad: torch.Tensor
 
 
 def check_declarations(grad_accumulation_steps: Any, clip_grad_norm: Any) -> tuple[int | None, float | None]:
@@ -245,7 +254,7 @@ class StepMixin(StatesBase):
             self._windows += 1
         self._reconcile_grads()
         if self._max_norm is not None:
-            optimizer.grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self._max_norm)
+            optimizer.grad_norm = self._clip(self._max_norm)
         if self._repack_pending:
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
             # parameters hold no gradient now, so the new chunks step exactly the others.
@@ -275,6 +284,16 @@ class StepMixin(StatesBase):
             home = self.chunks[index].home
             if home is not None:
                 home.wait()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        """Rule 5: ``clip_grad_norm_`` over the real gradients. HostGradients are read in place on
+        the host (NOTE [ Host gradients ] rule 5): torch's function reads only ``.grad`` of what
+        it is given, so it gets holders of the host bytes (a test checks it stays bitwise)."""
+        grads = [p.grad for p in self.params if p.grad is not None]
+        if not any(isinstance(g, HostGradient) for g in grads):
+            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        holders = [_GradientHolder(host_bytes(g)) for g in grads]
+        return torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""

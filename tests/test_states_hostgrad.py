@@ -1,0 +1,135 @@
+"""NOTE [ Host gradients ]: ``p.grad`` of a CUDA parameter whose gradient waits on the host.
+
+The class is device-generic, so it is tested here on the CPU: alone against plain tensors,
+and inside the manager (``ModelStates.proxy_host_gradients``, rule 6), where the tests of
+user-visible gradients (clipping by hand, edits, GradScaler, declared clipping) must stay
+bitwise plain PyTorch with every host gradient behind a HostGradient, as on CUDA.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from tests import test_states, test_states_declared
+from tests.test_states import one_thread  # noqa: F401 - autouse: plain runs are cached under one torch thread
+from tiermem.states.backward import BackwardMixin
+from tiermem.states.hostgrad import HostGradient
+from tiermem.states.manager import ModelStates
+
+
+def pair(seed: int, *shape: int) -> tuple[torch.nn.Parameter, torch.Tensor, torch.nn.Parameter]:
+    """A parameter whose .grad is a HostGradient over ``host``, and a plain twin."""
+    generator = torch.Generator().manual_seed(seed)
+    value = torch.randn(*shape, generator=generator)
+    host = torch.randn(*shape, generator=generator)
+    proxied = torch.nn.Parameter(value.clone())
+    proxied.grad = HostGradient(host, "cpu")
+    plain = torch.nn.Parameter(value.clone())
+    plain.grad = host.clone()
+    return proxied, host, plain
+
+
+def test_a_host_gradient_is_accepted_as_grad_and_owns_no_bytes():
+    p, host, _ = pair(0, 3, 4)
+    assert isinstance(p.grad, HostGradient) and p.grad.host is host
+    assert p.grad.shape == p.shape and p.grad.dtype == p.dtype and p.grad.device == p.device
+    with pytest.raises(RuntimeError):
+        p.grad.untyped_storage().data_ptr()  # a wrapper: its bytes are the host view's
+    assert "HostGradient" in repr(p.grad)
+
+
+def test_clip_grad_norm_gives_pytorchs_norm_and_scales_the_host_bytes():
+    """Rule 2 and 3: clip_grad_norm_'s norms and scaling over HostGradients (split per tensor)."""
+    pairs = [pair(seed, 5, 7) for seed in range(4)]
+    got = torch.nn.utils.clip_grad_norm_([p for p, _, _ in pairs], 0.5)
+    want = torch.nn.utils.clip_grad_norm_([q for _, _, q in pairs], 0.5)
+    assert float(want) > 0.5  # it clips for real
+    assert torch.equal(got, want)
+    for p, host, q in pairs:
+        assert torch.equal(host, q.grad)
+        assert isinstance(p.grad, HostGradient)
+
+
+def test_in_place_ops_write_back_through_views_and_out_of_place_ops_do_not():
+    p, host, q = pair(1, 4, 6)
+    p.grad.detach().mul_(2)  # rule 4: a view over the same host bytes
+    q.grad.detach().mul_(2)
+    p.grad.data.t().add_(1)
+    q.grad.data.t().add_(1)
+    assert torch.equal(host, q.grad)
+    before = host.clone()
+    total = (p.grad * 3).sum()
+    assert type(total) is torch.Tensor and torch.equal(total, (q.grad * 3).sum())
+    assert torch.equal(host, before)  # out of place: the gradient is unchanged
+    version = p.grad._version
+    p.grad.zero_()
+    assert not host.any() and p.grad._version > version  # declared-step guard sees the write
+
+
+def test_foreach_ops_run_one_tensor_at_a_time(monkeypatch):
+    """Rule 3: the device never holds more than one gradient's copy; mixed lists work."""
+    pairs = [pair(seed, 3, 3) for seed in range(3)]
+    plain = torch.ones(3, 3)
+    copies: list[int] = []
+    original = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if kwargs.get("copy"):
+            copies.append(self.numel())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    found = torch.zeros(1)
+    grads = [p.grad for p, _, _ in pairs]
+    grads[1].host[0, 0] = float("inf")
+    torch._amp_foreach_non_finite_check_and_unscale_([*grads, plain], found, torch.full((1,), 0.5))
+    assert copies == [9, 9, 9]  # one transient copy per HostGradient, each in its own call
+    assert float(found) == 1.0
+    assert torch.equal(pairs[0][1], pairs[0][2].grad * 0.5) and torch.equal(plain, torch.full((3, 3), 0.5))
+
+
+@pytest.fixture
+def host_gradients(monkeypatch):
+    """Rule 6: the manager exposes host gradients through HostGradients on the CPU device;
+    yields the number of HostGradients it handed out (the tests check it did)."""
+    monkeypatch.setattr(ModelStates, "proxy_host_gradients", True)
+    made = [0]
+    exposed = BackwardMixin._exposed
+
+    def counting(self: BackwardMixin, chunk: Any, view: torch.Tensor) -> torch.Tensor:
+        out = exposed(self, chunk, view)
+        made[0] += isinstance(out, HostGradient)
+        return out
+
+    monkeypatch.setattr(BackwardMixin, "_exposed", counting)
+    return made
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_clipping_by_hand_across_micro_batches_is_bitwise(tmp_path, host_gradients, set_to_none):
+    test_states.test_clipping_and_gradient_accumulation_match(tmp_path, set_to_none)
+    assert host_gradients[0] > 0
+
+
+def test_gradient_edits_by_hand_are_bitwise(tmp_path, host_gradients):
+    test_states.test_user_code_edits_gradients(tmp_path)
+    assert host_gradients[0] > 0
+
+
+def test_grad_scaler_is_bitwise(tmp_path, host_gradients):
+    test_states_declared.test_fp16_autocast_with_grad_scaler_is_bitwise(tmp_path)
+    assert host_gradients[0] > 0
+
+
+@pytest.mark.parametrize("micro_batches", [1, 2])
+def test_declared_clipping_reads_host_gradients_in_place_bitwise(tmp_path, host_gradients, micro_batches):
+    test_states_declared.test_declared_clipping_is_pytorchs_norm(tmp_path, micro_batches)
+    assert host_gradients[0] > 0
+
+
+def test_overlapped_steps_are_bitwise(tmp_path, host_gradients):
+    test_states_declared.test_overlapped_step_is_bitwise(tmp_path, "nvme", 3)
+    assert host_gradients[0] > 0
