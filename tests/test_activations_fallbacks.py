@@ -207,6 +207,42 @@ def test_a_tensor_the_device_cannot_hold_is_spilled_synchronously(tmp_path, capl
     assert list(tmp_path.iterdir()) == []
 
 
+class _Cache:
+    """Device bytes held only as a cache, as the chunk pool's spares are."""
+
+    def __init__(self, handle: tiermem.registry.Handle) -> None:
+        self.handle: tiermem.registry.Handle | None = handle
+
+    def drop(self) -> bool:
+        if self.handle is None:
+            return False
+        self.handle.free()
+        self.handle = None
+        return True
+
+
+def test_a_device_cache_gives_its_room_to_saved_tensors_before_they_spill(tmp_path):
+    """NOTE [ Managed object rules ] rule 7: the same budget as the spill test above, but the
+    bytes that leave no room are a cache with a reclaimer: the offloader reclaims them instead
+    of writing a saved tensor to NVMe synchronously."""
+    torch.manual_seed(0)
+    model = Decoder(layers=2)
+    want = _step(model, contextlib.nullcontext())
+    model.zero_grad(set_to_none=True)
+    tokens, targets = _batch()
+    with tiermem.Runtime(_config(tmp_path, "1MiB")) as rt:
+        cache = _Cache(rt.register(torch.zeros((1 << 20) - 96 * 1024, dtype=torch.uint8)))
+        rt.registry.add_reclaimer("device", cache.drop)
+        offloader = rt.offload_activations(model, policy="nvme")
+        with offloader:
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+        _assert_identical((loss.detach(), [p.grad for p in model.parameters()]), want)
+        assert cache.handle is None  # reclaimed
+        assert not any(reason.startswith("device_full") for reason in _reasons(offloader))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_nothing_fits_is_a_clear_error_naming_block_bytes_and_tiers(tmp_path, monkeypatch):
     backend = _faulty_disk(monkeypatch)
     model = Decoder(layers=3)

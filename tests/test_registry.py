@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -355,3 +356,35 @@ def test_known_bytes_are_copied_and_only_the_rest_is_read(make_store, part):
         assert handle.tier == "nvme" and store.current()["host"] == 0  # nothing half-moved
     handle.free()
     memory.free()
+
+
+class _DeviceCache:
+    """Bytes a tier holds only as a cache (NOTE [ Managed object rules ] rule 7)."""
+
+    def __init__(self, store: Store, nbytes: int) -> None:
+        self.handle: Any = store.registry.register(torch.zeros(nbytes, dtype=torch.uint8), "device", dedup=False)
+
+    def drop(self) -> bool:
+        if self.handle is None:
+            return False
+        self.handle.free()
+        self.handle = None
+        return True
+
+
+def test_reclaimers_free_caches_on_request_and_are_held_weakly(make_store):
+    store = make_store(device_capacity=1 << 20)
+    cache = _DeviceCache(store, 768 << 10)
+    store.registry.add_reclaimer("device", cache.drop)
+    with pytest.raises(TierCapacityError):
+        store.registry.register(torch.zeros(512 << 10, dtype=torch.uint8), "device", dedup=False)
+    assert store.registry.reclaim("host") is False  # nothing registered there
+    assert store.registry.reclaim("device") is True and store.current()["device"] == 0
+    assert store.registry.reclaim("device") is False  # nothing left to give
+    store.registry.register(torch.zeros(512 << 10, dtype=torch.uint8), "device", dedup=False)
+    gone = _DeviceCache(store, 4096)
+    store.registry.add_reclaimer("device", gone.drop)
+    del gone  # held weakly: a dead cache is forgotten, its bytes are its owner's business
+    assert store.registry.reclaim("device") is False
+    with pytest.raises(ValueError, match="no tier named"):
+        store.registry.add_reclaimer("gpu", cache.drop)

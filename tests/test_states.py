@@ -279,7 +279,8 @@ def test_released_chunk_bytes_are_refilled_without_new_memory_and_stay_accounted
 
 def test_a_device_allocation_that_does_not_fit_takes_the_spares_room_first(tmp_path):
     """NOTE [ Spare chunk storage ] rule 4: the retry ladder drops the spares before it waits
-    or evicts; a prefetch (no demand) gets their room too."""
+    or evicts; a prefetch (no demand) gets their room too, and so does any user of the device
+    tier through ``Registry.reclaim`` (the activation offloader)."""
     model = make_model()
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.3))) as rt:
         model, optimizer, states, _ = _manage_streamed(rt, model)
@@ -299,6 +300,10 @@ def test_a_device_allocation_that_does_not_fit_takes_the_spares_room_first(tmp_p
         allocation = pool.device_room(lambda: device.allocate(need), (), demand=True, what="a test")
         assert pool._spares == [] and pool.resident == resident  # no chunk was evicted for it
         device.free(allocation)
+        pool.release(next(iter(pool.resident.values())))
+        before = device.statistics().current_bytes
+        assert pool._spares and rt.registry.reclaim("device")  # other device users reclaim them too
+        assert pool._spares == [] and device.statistics().current_bytes == before - pool.slot_bytes
 
 
 def _pins_at(model: nn.Module, where: nn.Module, chunk_of: Callable[[], Any]) -> list[int]:

@@ -23,6 +23,10 @@
    if either does. The caller vouches that the bytes are equal and stay so; the
    model-state manager uses it for a chunk's device copy, which is its home's master
    (or working copy) as fetched, so staging the home reads only the optimizer states.
+7. Bytes kept on a tier only as a cache, outside any object (the chunk pool's spares,
+   NOTE [ Spare chunk storage ]), come with a reclaimer: a caller short of room on that
+   tier calls :meth:`Registry.reclaim` before it spills, waits or fails, so a cache never
+   pushes real data off a tier. Reclaimers are held weakly.
 """
 
 from __future__ import annotations
@@ -197,6 +201,8 @@ class Registry:
         self._peak_resident: dict[tuple[str, str], int] = {}
         # Moves that may still touch allocations, freed objects' included (rule 4).
         self._inflight: dict[Transfer, ManagedObject] = {}
+        #: rule 7: per tier, bound methods that free cached bytes (True when they freed some)
+        self._reclaimers: dict[str, list[weakref.WeakMethod[Callable[[], bool]]]] = {}
 
     # -- registration ----------------------------------------------------------------------
     def register(
@@ -441,6 +447,24 @@ class Registry:
         transfer.cancel()  # allocations are freed by _move_ended
         if copy is not None:
             copy.cancel()
+
+    # -- rule 7: caches outside objects ---------------------------------------------------------
+    def add_reclaimer(self, tier: str, reclaim: Callable[[], bool]) -> None:
+        """``reclaim`` (a bound method, held weakly) frees bytes ``tier`` holds only as a cache."""
+        self._tier(tier)
+        with self._lock:
+            self._reclaimers.setdefault(tier, []).append(weakref.WeakMethod(reclaim))  # type: ignore[arg-type]
+
+    def reclaim(self, tier: str) -> bool:
+        """Ask every live reclaimer of ``tier`` to free its cache; True when one freed bytes."""
+        with self._lock:
+            refs = self._reclaimers.get(tier, [])
+            live = [(ref, method) for ref in refs if (method := ref()) is not None]
+            self._reclaimers[tier] = [ref for ref, _ in live]
+        freed = False
+        for _, method in live:  # outside the lock: a reclaimer frees allocations
+            freed = method() or freed
+        return freed
 
     # -- helpers ---------------------------------------------------------------------------
     def _tier(self, name: str) -> Tier:

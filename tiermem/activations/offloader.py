@@ -486,7 +486,11 @@ class ActivationOffloader:
             return self.registry.register(tensor, "device", kind="activation")
         except TierCapacityError:
             pass
-        # Write-backs in flight free device memory when they land: wait for them, then retry.
+        # Caches give their bytes first (NOTE [ Managed object rules ] rule 7: the chunk pool's
+        # spares); write-backs in flight free device memory when they land: wait, then retry.
+        if self.registry.reclaim("device"):
+            with contextlib.suppress(TierCapacityError):
+                return self.registry.register(tensor, "device", kind="activation")
         self.memory.ledger.wait_idle()
         self._drain()
         try:
@@ -667,6 +671,8 @@ class ActivationOffloader:
                 handle.move_to("device", Priority.DEMAND)
                 return
             except TierCapacityError as exc:
+                if self.registry.reclaim("device"):  # caches first (registry rule 7)
+                    continue
                 if not waited and self.memory.ledger.inflight_bytes():
                     waited = True
                     self.memory.ledger.wait_idle()

@@ -21,8 +21,10 @@ the device tier is full. It decides nothing about order; the hooks tell it what 
 3. A spare takes over a chunk's storage only where its bytes no longer matter: after
    ``empty_storage`` waited for every copy that read them (TRAPS 24); the fetch overwrites
    all of them before anything reads the chunk.
-4. Spares go first when the device is short (the retry ladder of rule 6 in the manager),
-   and all go when the chunks are rebuilt (re-pack, first-step plan) and at close.
+4. Spares go first when the device is short (the retry ladder of rule 6 in the manager, and
+   any other user of the device tier through ``Registry.reclaim``: the activation offloader
+   before it waits or spills; NOTE [ Managed object rules ] rule 7), and all go when the
+   chunks are rebuilt (re-pack, first-step plan) and at close.
 """
 
 from __future__ import annotations
@@ -70,6 +72,8 @@ class ChunkPool:
         self.slot_bytes = max((c.nbytes for c in chunks if not c.persistent), default=0) if keeps_spares else 0
         #: released chunks' storage, accounted on the device tier
         self._spares: list[Allocation] = []
+        if self.slot_bytes:
+            registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
