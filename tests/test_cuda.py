@@ -83,6 +83,7 @@ def test_a_copy_is_ordered_after_the_submitting_threads_stream():
         buffer = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
         handle = registry.register(buffer, "device")
         side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())  # the zeros above are written first
         with torch.cuda.stream(side):
             torch.cuda._sleep(200_000_000)  # the write lands long after the move is submitted
             buffer.fill_(7)

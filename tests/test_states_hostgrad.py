@@ -12,9 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
+import tiermem
 from tests import test_states, test_states_declared
 from tests.test_states import one_thread  # noqa: F401 - autouse: plain runs are cached under one torch thread
+from tiermem.states import StatesUsageError
 from tiermem.states.backward import BackwardMixin
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.manager import ModelStates
@@ -73,22 +76,41 @@ def test_foreach_ops_run_one_tensor_at_a_time(monkeypatch):
     """Rule 3: the device never holds more than one gradient's copy; mixed lists work."""
     pairs = [pair(seed, 3, 3) for seed in range(3)]
     plain = torch.ones(3, 3)
-    copies: list[int] = []
-    original = torch.Tensor.to
+    lists: list[int] = []
+    dispatch = HostGradient.__torch_dispatch__.__func__  # type: ignore[attr-defined]
 
-    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if kwargs.get("copy"):
-            copies.append(self.numel())
-        return original(self, *args, **kwargs)
+    def spy(cls: type, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        lists.append(len(args[0]))
+        return dispatch(cls, func, types, args, kwargs)
 
-    monkeypatch.setattr(torch.Tensor, "to", spy)
+    monkeypatch.setattr(HostGradient, "__torch_dispatch__", classmethod(spy))
     found = torch.zeros(1)
     grads = [p.grad for p, _, _ in pairs]
     grads[1].host[0, 0] = float("inf")
     torch._amp_foreach_non_finite_check_and_unscale_([*grads, plain], found, torch.full((1,), 0.5))
-    assert copies == [9, 9, 9]  # one transient copy per HostGradient, each in its own call
+    assert lists == [4, 1, 1, 1]  # the whole list once, then one call per HostGradient (the plain one alone)
     assert float(found) == 1.0
     assert torch.equal(pairs[0][1], pairs[0][2].grad * 0.5) and torch.equal(plain, torch.full((3, 3), 0.5))
+
+
+def test_shape_ops_concatenation_and_indexing_act_on_the_gradient_as_plain_tensors_do():
+    """Only foreach-style ops are split (rule 3): size, dim and index lists are arguments too."""
+    p, host, q = pair(2, 3, 4)
+    for f in (
+        lambda g: g.view(4, 3),
+        lambda g: g.reshape(2, 6),
+        lambda g: g.permute(1, 0),
+        lambda g: g.sum(dim=(0, 1)),
+        lambda g: torch.cat([g, g]),
+        lambda g: torch.stack([g, g * 2]),
+    ):
+        assert torch.equal(f(p.grad), f(q.grad))
+    rows, cols = torch.tensor([0, 1]), torch.tensor([1, 2])
+    p.grad[rows, cols] = 100.0
+    q.grad[rows, cols] = 100.0
+    p.grad.view(12)[0] = -1.0  # through a view
+    q.grad.view(12)[0] = -1.0
+    assert torch.equal(host, q.grad)
 
 
 @pytest.fixture
@@ -133,3 +155,27 @@ def test_declared_clipping_reads_host_gradients_in_place_bitwise(tmp_path, host_
 def test_overlapped_steps_are_bitwise(tmp_path, host_gradients):
     test_states_declared.test_overlapped_step_is_bitwise(tmp_path, "nvme", 3)
     assert host_gradients[0] > 0
+
+
+def test_a_grad_kept_across_a_backward_refuses_ops_with_a_clear_error(tmp_path, host_gradients):
+    """Rule 5: the next backward moves the host bytes (the pinned pool reuses them); a kept
+    HostGradient and its views refuse, the fresh ``p.grad`` after backward works."""
+    model = test_states.make_model()
+    with tiermem.Runtime(test_states.config(tmp_path, int(test_states.state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, test_states.OPTIMIZERS["adamw"](test_states.param_groups(model)))
+
+        def backward() -> None:
+            tokens, targets = test_states.batch(0)
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+
+        backward()
+        kept = next(p.grad for p in model.parameters() if isinstance(p.grad, HostGradient))
+        view = kept.detach()
+        before = kept.sum()
+        backward()  # accumulates: the host bytes went to the device and back
+        for stale in (kept, view):
+            with pytest.raises(StatesUsageError, match=r"Read p\.grad again"):
+                stale.sum()
+        fresh = next(p.grad for p in model.parameters() if isinstance(p.grad, HostGradient))
+        assert torch.isfinite(fresh.sum()) and not torch.equal(fresh.sum(), before)
+        optimizer.zero_grad()

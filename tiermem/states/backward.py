@@ -142,6 +142,7 @@ class BackwardMixin(StatesBase):
                 # Gradients wait on the host; autograd must not add into those views (rule 4).
                 for slot in chunk.layout.slots:
                     self.params[slot.index].grad = None
+                self._retire_host_grads(chunk)  # they come back to the device to accumulate
         self._arm_early_steps()
 
     def _enter_backward(self, chunk: Chunk) -> None:
@@ -194,6 +195,9 @@ class BackwardMixin(StatesBase):
             else:
                 view.copy_(grad)
             p.grad = view
+        # TRAPS 28: this node's stream (autograd's, on CUDA) wrote the buffer; the write-back of
+        # the whole chunk, submitted later from another node's hook, must wait for it too.
+        self.registry.tiers["device"].fence()
         self._has_grad[i] = True
         for use in list(self._waiters.pop(i, ())):
             use.waiting -= 1
@@ -275,7 +279,18 @@ class BackwardMixin(StatesBase):
         :class:`HostGradient` standing for it on the device (NOTE [ Host gradients ] rule 1)."""
         assert chunk.grad is not None
         on_host = chunk.grad.tier == "host" and (self.device.type != "cpu" or self.proxy_host_gradients)
-        return HostGradient(view, self.device) if on_host else view
+        if not on_host:
+            return view
+        lease = self._grad_leases.setdefault(chunk.index, [True])
+        return HostGradient(view, self.device, lease)
+
+    def _retire_host_grads(self, chunk: Chunk | None = None) -> None:
+        """NOTE [ Host gradients ] rule 5: ``chunk``'s (every chunk's) host gradient bytes move or
+        are freed; HostGradients of them refuse ops from now on."""
+        for index in [chunk.index] if chunk is not None else list(self._grad_leases):
+            lease = self._grad_leases.pop(index, None)
+            if lease is not None:
+                lease[0] = False
 
     @staticmethod
     def _is_exposed(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -307,6 +322,7 @@ class BackwardMixin(StatesBase):
                     p.grad = self._exposed(chunk, view)
                 self._has_grad[i] = True
             if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
+                self._retire_host_grads(chunk)
                 chunk.grad.free()
                 chunk.grad = None
 
@@ -340,5 +356,6 @@ class BackwardMixin(StatesBase):
                     p.grad.zero_()
         for chunk in self.chunks:
             if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
+                self._retire_host_grads(chunk)
                 chunk.grad.free()
                 chunk.grad = None

@@ -122,6 +122,11 @@ class StatesBase:
     def _reconcile_grads(self) -> None:
         raise NotImplementedError
 
+    _grad_leases: dict[int, list[bool]]
+
+    def _retire_host_grads(self, chunk: Chunk | None = None) -> None:
+        raise NotImplementedError
+
     def _home_on_host(
         self, chunk: Chunk, known: KnownBytes | None = None
     ) -> contextlib.AbstractContextManager[torch.Tensor]:

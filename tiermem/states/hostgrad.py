@@ -21,12 +21,18 @@
    do not share the version counter of the tensor they view (autograd's views do): a write
    through a view is invisible to NOTE [ Declared steps ] rule 4's guard, which only
    declared loops use, where nobody edits gradients.
-5. Cost: an op moves the gradient's bytes to the device, and back when it writes them.
+5. A HostGradient is valid until its host bytes move or are freed: the next backward brings
+   them back to the device, ``zero_grad`` frees them, a re-pack rebuilds them. Every
+   HostGradient of those bytes, views included, shares a lease that the manager retires
+   then; an op on a retired one raises :class:`StatesUsageError` (the pinned pool hands
+   freed bytes to other objects, so a kept ``g = p.grad`` must not read or write them).
+   Read ``p.grad`` again after backward.
+6. Cost: an op moves the gradient's bytes to the device, and back when it writes them.
    Declared clipping (``rt.manage(clip_grad_norm=)``) therefore reads the host gradients in
    place instead, with torch's own norm functions (``stepping.py``).
-6. The class works on any device: on the CPU device the tests run the manager with host
+7. The class works on any device: on the CPU device the tests run the manager with host
    gradients behind HostGradients (``ModelStates.proxy_host_gradients``) to check rules
-   2-4 bitwise against plain PyTorch.
+   2-5 bitwise against plain PyTorch.
 """
 
 from __future__ import annotations
@@ -36,6 +42,8 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
+
+from tiermem.states.errors import StatesUsageError
 
 
 def _written(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[HostGradient]:
@@ -61,17 +69,30 @@ def _is_view(func: torch._ops.OpOverload) -> bool:
     return all(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
 
 
+#: Ops that run per tensor over lists (rule 3): torch's foreach, fused and AMP list kernels.
+_LIST_OP_PREFIXES = ("aten::_foreach_", "aten::_fused_", "aten::_amp_foreach_")
+
+
 def _split(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[bool, Any]:
-    """Rule 3: a list op over several tensors, run one tensor at a time; (False, None) when
-    ``func`` takes no list of more than one element."""
-    lengths = {len(v) for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple))}
+    """Rule 3: a foreach-style op over several tensors, run one tensor at a time; (False, None)
+    for any other op (sizes, dims, index lists and ``cat``'s inputs are lists too) and for
+    lists of one. Only the schema's ``Tensor[]`` and ``Scalar[]`` arguments are split."""
+    schema = func._schema
+    if not schema.name.startswith(_LIST_OP_PREFIXES):
+        return False, None
+    split_names = {a.name for a in schema.arguments if str(a.type) in ("List[Tensor]", "List[number]")}
+    positions = {i for i, a in enumerate(schema.arguments) if a.name in split_names}
+    lengths = {len(v) for i, v in enumerate(args) if i in positions} | {
+        len(v) for k, v in kwargs.items() if k in split_names
+    }
     if len(lengths) != 1 or (n := lengths.pop()) <= 1:
         return False, None
 
-    def pick(value: Any, k: int) -> Any:
-        return [value[k]] if isinstance(value, (list, tuple)) and len(value) == n else value
+    def call(k: int) -> Any:
+        picked = [[v[k]] if i in positions else v for i, v in enumerate(args)]
+        return func(*picked, **{name: [v[k]] if name in split_names else v for name, v in kwargs.items()})
 
-    results = [func(*(pick(a, k) for a in args), **{name: pick(v, k) for name, v in kwargs.items()}) for k in range(n)]
+    results = [call(k) for k in range(n)]
     if all(r is None for r in results):
         return True, None
     if all(isinstance(r, (list, tuple)) and len(r) == 1 for r in results):
@@ -83,13 +104,16 @@ class HostGradient(torch.Tensor):
     """A device tensor whose bytes are ``host``, a view of a gradient on the host (NOTE [ Host gradients ])."""
 
     host: torch.Tensor
+    #: rule 5: shared by every HostGradient of the same bytes; ``[False]`` once they moved
+    lease: list[bool]
 
     @staticmethod
-    def __new__(cls, host: torch.Tensor, device: torch.device | str) -> HostGradient:
+    def __new__(cls, host: torch.Tensor, device: torch.device | str, lease: list[bool] | None = None) -> HostGradient:
         out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, host.shape, strides=host.stride(), dtype=host.dtype, device=device, requires_grad=False
         )
         out.host = host
+        out.lease = lease if lease is not None else [True]
         return out
 
     # Every torch function reaches __torch_dispatch__ as aten ops (the usual wrapper subclass setup).
@@ -110,11 +134,19 @@ class HostGradient(torch.Tensor):
         split, result = _split(func, args, kwargs)
         if split:
             return result
-        device = next(t.device for t in tree_leaves((args, kwargs)) if isinstance(t, HostGradient))
+        mine = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostGradient)]
+        if not all(t.lease[0] for t in mine):
+            raise StatesUsageError(
+                f"tiermem: {func} on a .grad kept from before its gradient moved (a backward, zero_grad() or a "
+                "re-pack since): its host bytes may hold other data now. Read p.grad again "
+                "(NOTE [ Host gradients ] rule 5)."
+            )
+        device = mine[0].device
         if _is_view(func):  # rule 4
+            lease = mine[0].lease
             unwrapped = tree_map_only(HostGradient, lambda t: t.host, (args, kwargs))
             views = func(*unwrapped[0], **unwrapped[1])
-            return tree_map_only(torch.Tensor, lambda v: HostGradient(v, device), views)
+            return tree_map_only(torch.Tensor, lambda v: HostGradient(v, device, lease), views)
         copies: dict[int, torch.Tensor] = {}
 
         def to_device(t: HostGradient) -> torch.Tensor:

@@ -61,7 +61,9 @@ snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the
    allocation that does not fit waits for gradient write-backs, then evicts unpinned
    chunks, then raises :class:`StatesMemoryError`.
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
-   runs them on the caller's); the manager is not meant to be driven from two threads.
+   runs them on the caller's; on CUDA backward hooks run on autograd's device thread while
+   the caller waits in ``backward()``, so they never overlap forward's); the manager is not
+   meant to be driven from two threads.
 8. CUDA: everything above holds; the device tier copies on its own stream, fenced after the
    stream that produced the bytes (TRAPS 28), host homes live in the pinned pool, and
    offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward,
@@ -218,6 +220,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         self._module_chunks: dict[nn.Module, tuple[Chunk, ...]] = {}
         self.pool = ChunkPool(registry, [], 0)
         self._has_grad = [False] * len(self.params)
+        #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
+        self._grad_leases: dict[int, list[bool]] = {}
         self._pstate: dict[int, ParamState] = {}
         self._order = self._initial_order()
         self._recording: list[int] | None = None
@@ -422,6 +426,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
                 if handle is not None:
                     handle.free()
             chunk.dev = chunk.home = chunk.grad = None
+        self._retire_host_grads()
         self.chunks = []
         self.pool.resident.clear()
         self.pool.drop_spares()
@@ -557,6 +562,16 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         needed = sum(
             info.nbytes * self._master_scale * (1 + info.trainable + len(self.state_names)) for info in self._info
         )
+        on_device = sum(info.nbytes * (1 + info.trainable) for info in self._info)  # parameters, gradients
+        if self.device.type != "cpu" and on_device > 0.8 * core.memory_available(self.device):
+            log.warning(
+                "tiermem model states: not planning from the first step: the plain parameters and gradients (%s) "
+                "do not fit in %s's free memory for the profiling step; the default placement stays. Give "
+                "rt.manage a plan= (or sample= on a machine with the room)",
+                format_size(on_device),
+                self.device,
+            )
+            return False
         if needed > 0.8 * core.memory_available(torch.device("cpu")):
             log.warning(
                 "tiermem model states: not planning from the first step: a plain copy of the model states (%s) does "
@@ -577,7 +592,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         try:
             working = self._param_dtype
             for p, data in zip(self.params, snapshot.data, strict=True):
-                p.data = data if working is None else data.to(working)  # what training computes with
+                # What training computes with, where it computes (snapshots are CPU copies).
+                p.data = data.to(self.device, working or data.dtype)
                 p.grad = None
             try:
                 planned = planner(self.model, *batch)

@@ -218,6 +218,7 @@ class StepMixin(StatesBase):
             for slot in chunk.layout.slots:
                 self._has_grad[slot.index] = False
                 self.params[slot.index].grad = None
+            self._retire_host_grads(chunk)
             chunk.grad.free()
             chunk.grad = None
 
@@ -293,7 +294,8 @@ class StepMixin(StatesBase):
         if not any(isinstance(g, HostGradient) for g in grads):
             return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         holders = [_GradientHolder(host_bytes(g)) for g in grads]
-        return torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
+        total = torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
+        return total.to(self.device)  # where plain PyTorch's norm is (the first gradient's device)
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
