@@ -14,6 +14,7 @@ from torch import nn
 
 import tiermem
 from tests.test_activations import Decoder, _assert_identical, _batch, _settled_activations, _step, offloaded
+from tests.test_registry import DeviceCache
 from tiermem.activations import ActivationMemoryError, ActivationOffloader, BlockPolicy
 from tiermem.activations.fallback import MAX_OUTAGE_FORWARDS, ModelMemory, WriteLedger, decide
 from tiermem.tiers.backends.faulty import FaultyBackend
@@ -207,20 +208,6 @@ def test_a_tensor_the_device_cannot_hold_is_spilled_synchronously(tmp_path, capl
     assert list(tmp_path.iterdir()) == []
 
 
-class _Cache:
-    """Device bytes held only as a cache, as the chunk pool's spares are."""
-
-    def __init__(self, handle: tiermem.registry.Handle) -> None:
-        self.handle: tiermem.registry.Handle | None = handle
-
-    def drop(self) -> bool:
-        if self.handle is None:
-            return False
-        self.handle.free()
-        self.handle = None
-        return True
-
-
 def test_a_device_cache_gives_its_room_to_saved_tensors_before_they_spill(tmp_path):
     """NOTE [ Managed object rules ] rule 7: the same budget as the spill test above, but the
     bytes that leave no room are a cache with a reclaimer: the offloader reclaims them instead
@@ -231,7 +218,7 @@ def test_a_device_cache_gives_its_room_to_saved_tensors_before_they_spill(tmp_pa
     model.zero_grad(set_to_none=True)
     tokens, targets = _batch()
     with tiermem.Runtime(_config(tmp_path, "1MiB")) as rt:
-        cache = _Cache(rt.register(torch.zeros((1 << 20) - 96 * 1024, dtype=torch.uint8)))
+        cache = DeviceCache(rt.register(torch.zeros((1 << 20) - 96 * 1024, dtype=torch.uint8)))
         rt.registry.add_reclaimer("device", cache.drop)
         offloader = rt.offload_activations(model, policy="nvme")
         with offloader:

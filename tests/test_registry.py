@@ -358,11 +358,12 @@ def test_known_bytes_are_copied_and_only_the_rest_is_read(make_store, part):
     memory.free()
 
 
-class _DeviceCache:
-    """Bytes a tier holds only as a cache (NOTE [ Managed object rules ] rule 7)."""
+class DeviceCache:
+    """Bytes a tier holds only as a cache (NOTE [ Managed object rules ] rule 7), as the chunk
+    pool's spares are: ``drop`` is the reclaimer."""
 
-    def __init__(self, store: Store, nbytes: int) -> None:
-        self.handle: Any = store.registry.register(torch.zeros(nbytes, dtype=torch.uint8), "device", dedup=False)
+    def __init__(self, handle: Any) -> None:
+        self.handle: Any = handle
 
     def drop(self) -> bool:
         if self.handle is None:
@@ -372,9 +373,13 @@ class _DeviceCache:
         return True
 
 
+def _cache(store: Store, nbytes: int) -> DeviceCache:
+    return DeviceCache(store.registry.register(torch.zeros(nbytes, dtype=torch.uint8), "device", dedup=False))
+
+
 def test_reclaimers_free_caches_on_request_and_are_held_weakly(make_store):
     store = make_store(device_capacity=1 << 20)
-    cache = _DeviceCache(store, 768 << 10)
+    cache = _cache(store, 768 << 10)
     store.registry.add_reclaimer("device", cache.drop)
     with pytest.raises(TierCapacityError):
         store.registry.register(torch.zeros(512 << 10, dtype=torch.uint8), "device", dedup=False)
@@ -382,7 +387,7 @@ def test_reclaimers_free_caches_on_request_and_are_held_weakly(make_store):
     assert store.registry.reclaim("device") is True and store.current()["device"] == 0
     assert store.registry.reclaim("device") is False  # nothing left to give
     store.registry.register(torch.zeros(512 << 10, dtype=torch.uint8), "device", dedup=False)
-    gone = _DeviceCache(store, 4096)
+    gone = _cache(store, 4096)
     store.registry.add_reclaimer("device", gone.drop)
     del gone  # held weakly: a dead cache is forgotten, its bytes are its owner's business
     assert store.registry.reclaim("device") is False

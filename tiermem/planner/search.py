@@ -255,14 +255,12 @@ class _Space:
         self,
         profile: Profile,
         *,
-        states_offload: bool,
         chunk_sizes: Sequence[int] | None,
         margin: float,
         block_policy: str | Sequence[str] | None,
         grads_stream: bool,
     ) -> None:
         self.profile = profile
-        self.states_offload = states_offload
         self.margin = margin
         self.front = pareto(activation_candidates(profile, block_policy))
         self.front_keys = [(a.device, a.time, i) for i, a in enumerate(self.front)]
@@ -319,7 +317,7 @@ class _Space:
             hit = []
             for k, packing in enumerate(self.packings):
                 n = packing.chunks
-                for persistent in range(0 if self.states_offload else n, n + 1):
+                for persistent in range(n + 1):
                     streamed = n - persistent
                     low = min(packing.min_buffers, streamed)
                     options = {low, min(packing.min_buffers + 1, streamed), streamed} if streamed else {0}
@@ -445,21 +443,18 @@ def search(
     profile: Profile,
     capacities: Mapping[str, int],
     *,
-    states_offload: bool = True,
     chunk_sizes: Sequence[int] | None = None,
     margin: float = FRAGMENTATION_MARGIN,
     block_policy: str | Sequence[str] | None = None,
     grads_stream: bool = False,
 ) -> Decision:
-    """The fastest plan that fits ``capacities`` (free bytes per tier). ``states_offload``:
-    whether streamed chunks may be planned (False keeps every chunk persistent).
-    ``block_policy``: the activation policy the caller fixed (a name for every block, or one
-    per block); the model states are searched around it. ``grads_stream``: the loop frees NVMe
+    """The fastest plan that fits ``capacities`` (free bytes per tier). ``block_policy``: the
+    activation policy the caller fixed (a name for every block, or one per block); the model
+    states are searched around it. ``grads_stream``: the loop frees NVMe
     chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
     caps = {t: int(capacities[t]) for t in TIERS}
     space = _Space(
         profile,
-        states_offload=states_offload,
         chunk_sizes=chunk_sizes,
         margin=margin,
         block_policy=block_policy,

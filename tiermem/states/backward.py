@@ -195,9 +195,10 @@ class BackwardMixin(StatesBase):
             else:
                 view.copy_(grad)
             p.grad = view
-        # TRAPS 28: this node's stream (autograd's, on CUDA) wrote the buffer; the write-back of
-        # the whole chunk, submitted later from another node's hook, must wait for it too.
-        self.registry.tiers["device"].fence()
+        if chunk.offloaded:
+            # TRAPS 28: this node's stream (autograd's, on CUDA) wrote the buffer; the write-back
+            # of the whole chunk, submitted later from another node's hook, must wait for it too.
+            self.registry.tiers["device"].fence()
         self._has_grad[i] = True
         for use in list(self._waiters.pop(i, ())):
             use.waiting -= 1
@@ -292,6 +293,13 @@ class BackwardMixin(StatesBase):
             if lease is not None:
                 lease[0] = False
 
+    def _drop_grads(self, chunk: Chunk) -> None:
+        """Free ``chunk``'s gradient buffer (no parameter of it has a gradient any more)."""
+        assert chunk.grad is not None
+        self._retire_host_grads(chunk)
+        chunk.grad.free()
+        chunk.grad = None
+
     @staticmethod
     def _is_exposed(grad: torch.Tensor, view: torch.Tensor) -> bool:
         """``grad`` is what :meth:`_exposed` made of ``view`` (or the view itself)."""
@@ -322,9 +330,7 @@ class BackwardMixin(StatesBase):
                     p.grad = self._exposed(chunk, view)
                 self._has_grad[i] = True
             if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
-                self._retire_host_grads(chunk)
-                chunk.grad.free()
-                chunk.grad = None
+                self._drop_grads(chunk)
 
     def _new_grads(self, chunk: Chunk) -> torch.Tensor:
         tier = "host" if chunk.offloaded else "device"
@@ -356,6 +362,4 @@ class BackwardMixin(StatesBase):
                     p.grad.zero_()
         for chunk in self.chunks:
             if chunk.grad is not None and not any(self._has_grad[s.index] for s in chunk.layout.slots):
-                self._retire_host_grads(chunk)
-                chunk.grad.free()
-                chunk.grad = None
+                self._drop_grads(chunk)

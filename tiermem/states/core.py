@@ -127,6 +127,9 @@ class StatesBase:
     def _retire_host_grads(self, chunk: Chunk | None = None) -> None:
         raise NotImplementedError
 
+    def _drop_grads(self, chunk: Chunk) -> None:
+        raise NotImplementedError
+
     def _home_on_host(
         self, chunk: Chunk, known: KnownBytes | None = None
     ) -> contextlib.AbstractContextManager[torch.Tensor]:

@@ -218,9 +218,7 @@ class StepMixin(StatesBase):
             for slot in chunk.layout.slots:
                 self._has_grad[slot.index] = False
                 self.params[slot.index].grad = None
-            self._retire_host_grads(chunk)
-            chunk.grad.free()
-            chunk.grad = None
+            self._drop_grads(chunk)
 
     def _backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
@@ -288,7 +286,7 @@ class StepMixin(StatesBase):
 
     def _clip(self, max_norm: float) -> torch.Tensor:
         """Rule 5: ``clip_grad_norm_`` over the real gradients. HostGradients are read in place on
-        the host (NOTE [ Host gradients ] rule 5): torch's function reads only ``.grad`` of what
+        the host (NOTE [ Host gradients ] rule 6): torch's function reads only ``.grad`` of what
         it is given, so it gets holders of the host bytes (a test checks it stays bitwise)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         if not any(isinstance(g, HostGradient) for g in grads):
