@@ -43,9 +43,13 @@ import torch
 
 from tiermem.errors import ObjectFreedError, internal_error
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
-from tiermem.schedulers.base import Priority, Transfer
-from tiermem.tiers.base import Allocation, Tier
+from tiermem.schedulers.base import LinkStatistics, Priority, Transfer
+from tiermem.tiers.base import Allocation, Tier, TierStatistics
 from tiermem.tiers.memory import MemoryTier
+
+#: Move priorities and in-flight moves, re-exported: managed-object code imports them from here,
+#: never from the scheduler (the registry is the one door through which managed bytes move).
+__all__ = ["Handle", "KnownBytes", "ManagedObject", "ObjectState", "Priority", "Registry", "Transfer"]
 
 
 class ObjectState(enum.Enum):
@@ -465,6 +469,37 @@ class Registry:
         for _, method in live:  # outside the lock: a reclaimer frees allocations
             freed = method() or freed
         return freed
+
+    # -- what callers may ask of the tiers (read-only; bytes move only through the methods above) --
+    @property
+    def tier_names(self) -> tuple[str, ...]:
+        """The names of this runtime's tiers, fastest first."""
+        return tuple(self.tiers)
+
+    def has_tier(self, name: str) -> bool:
+        return name in self.tiers
+
+    @property
+    def device(self) -> torch.device:
+        """The torch device of the device tier (the CPU without CUDA)."""
+        return self._tier("device").device  # type: ignore[attr-defined,no-any-return]
+
+    def tier_statistics(self, tier: str) -> TierStatistics:
+        """``tier``'s own accounting (capacity, current and peak bytes, ...)."""
+        return self._tier(tier).statistics()
+
+    def free_bytes(self, tier: str) -> int:
+        """Bytes ``tier`` can still allocate: its capacity minus what it holds now."""
+        stats = self._tier(tier).statistics()
+        return stats.capacity - stats.current_bytes
+
+    def reserved_size(self, tier: str, nbytes: int) -> int:
+        """What an allocation of ``nbytes`` takes from ``tier``'s capacity (alignment included)."""
+        return self._tier(tier).reserved_size(nbytes)  # type: ignore[attr-defined,no-any-return]
+
+    def link_statistics(self) -> Mapping[str, LinkStatistics]:
+        """Bytes and busy seconds per link (``"device->nvme"``, ...) since the runtime started."""
+        return self.scheduler.statistics().links
 
     # -- helpers ---------------------------------------------------------------------------
     def _tier(self, name: str) -> Tier:
