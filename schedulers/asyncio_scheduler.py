@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from tiermem.errors import RuntimeClosedError, internal_error
+from tiermem.layout.shares import PREFETCH_SHARE
 from tiermem.schedulers.base import (
     LinkStatistics,
     Priority,
@@ -59,8 +60,6 @@ from tiermem.units import round_up
 
 log = logging.getLogger("tiermem.scheduler")
 
-#: Share of a tier's in-flight bound that prefetches may use (rule 4).
-PREFETCH_SHARE = 0.75
 #: Memory-to-memory copies have no queue to overtake in; bigger blocks cost less overhead.
 MEMORY_BLOCK_SIZE = 8 << 20
 #: The most of a vectored tier's queue depth one run may take (rule 7).

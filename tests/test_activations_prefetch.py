@@ -14,7 +14,7 @@ import tiermem
 from tests.test_activations import Decoder, _assert_identical, _step
 from tests.test_activations_fallbacks import _config, _synchronous_write_backs
 from tiermem.activations import ActivationOffloader
-from tiermem.activations.policy import PREFETCH_START, WAIT_TOLERANCE, next_prefetch_window
+from tiermem.layout.activation_policy import PREFETCH_START, WAIT_TOLERANCE, next_prefetch_window
 from tiermem.tiers.backends.posix import PosixBackend
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.layout.placement import Plan
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
@@ -28,7 +29,6 @@ from tiermem.planner.profile import PROFILE_VERSION
 from tiermem.planner.profiler import measure, optimizer_seconds_per_byte
 from tiermem.planner.search import packings
 from tiermem.states.errors import PlanError
-from tiermem.states.placement import Plan
 
 CONFIG = GPTConfig(n_layer=2, d_model=64, n_head=2, vocab_size=128, seq_len=64)
 BATCH = 4
@@ -303,8 +303,8 @@ def test_chunk_reads_share_the_nvme_link_over_the_pass_instead_of_queuing_ahead_
     as one lump at forward's start (the old model), they held the first blocks' writes
     pending on the device. Once chunk reads saturate the link, writes keep the share the
     scheduler's prefetch cap leaves them, and fall behind."""
+    from tiermem.layout.shares import PREFETCH_SHARE
     from tiermem.planner.costmodel import activation_cost, link_share
-    from tiermem.schedulers.asyncio_scheduler import PREFETCH_SHARE
 
     profile = synthetic(8, saved=16 * MiB, forward_s=0.01, nvme=16 * MiB / 0.004)
     forward_s = profile.outside.forward_s + 8 * 0.01

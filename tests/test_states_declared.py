@@ -321,7 +321,7 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     is prefetched when its chunk's backward begins even while the previous chunk's home is
     still being written back, but never while another home waits for its step, so the host
     never stages more than STAGED_HOMES homes; training stays exact."""
-    from tiermem.states.placement import STAGED_HOMES
+    from tiermem.layout.placement import STAGED_HOMES
     from tiermem.states.stepping import StepMixin
     from tiermem.tiers.nvme import NvmeTier
 
@@ -414,7 +414,8 @@ def test_a_chunks_storage_is_emptied_only_after_a_staging_copy_from_it_ended():
     storage first would let that copy read freed memory."""
     from types import SimpleNamespace
 
-    from tiermem.states.chunks import Chunk, ChunkLayout
+    from tiermem.layout.chunks import ChunkLayout
+    from tiermem.states.chunks import Chunk
 
     chunk = Chunk(ChunkLayout(0, True, (), 4096), persistent=False, home="nvme", sections=2, device=torch.device("cpu"))
     seen: list[int] = []

@@ -165,3 +165,12 @@ class TiermemWarning(UserWarning):
 
     For example an NVMe path on tmpfs: its bytes stay in RAM, so offloading there saves none.
     """
+
+
+class PlanError(TiermemError, ValueError):
+    """Raised when a hand-written placement plan is malformed or contradicts the model."""
+
+
+class StatesMemoryError(TiermemError, MemoryError):
+    """Raised when model states do not fit the budgets: at ``rt.manage`` when the plan cannot
+    fit, or during a step when every device buffer is pinned."""

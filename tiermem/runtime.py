@@ -25,16 +25,16 @@ import torch
 
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
-from tiermem.activations.policy import PolicySpec
 from tiermem.config import Config
 from tiermem.errors import RuntimeClosedError
 from tiermem.interrupts import RuntimeInterruptGuard
+from tiermem.layout.activation_policy import PolicySpec
+from tiermem.layout.placement import Plan, PlanRequest
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority
 from tiermem.states import ModelStates
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
-from tiermem.states.placement import Plan, PlanRequest
 from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -223,7 +223,7 @@ class Runtime:
         parameters (param groups and hyper-parameters kept), or one of those classes plus
         keyword arguments. ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
         placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, see
-        ``tiermem.states.placement``). Returns the same model and the optimizer to use from
+        ``tiermem.layout.placement``). Returns the same model and the optimizer to use from
         now on; ``rt.plan`` is the plan in force.
 
         ``sample``: what the planner profiles (NOTE [ Profiling step ] in

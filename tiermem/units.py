@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import re
 
+#: The I/O page: every tier allocation is reserved (and, in memory tiers, aligned) in multiples
+#: of it, which is what O_DIRECT needs (the tiers, the chunk layout and the planner share it).
+ALIGNMENT = 4096
+
 _UNITS = {
     "": 1,
     "b": 1,

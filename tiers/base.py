@@ -29,10 +29,7 @@ from typing import Any
 import torch
 
 from tiermem.errors import ObjectFreedError, RuntimeClosedError, TierCapacityError, internal_error
-from tiermem.units import round_up
-
-#: Every allocation is reserved (and, in memory tiers, aligned) in multiples of this.
-ALIGNMENT = 4096
+from tiermem.units import ALIGNMENT, round_up
 
 TIER_NAMES = ("device", "host", "nvme")
 

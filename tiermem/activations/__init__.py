@@ -2,7 +2,7 @@
 
 from tiermem.activations.blocks import find_blocks
 from tiermem.activations.offloader import ActivationCounters, ActivationMemoryError, ActivationOffloader
-from tiermem.activations.policy import BlockPolicy, BlockProfile, adaptive_keep, resolve_policies
+from tiermem.layout.activation_policy import BlockPolicy, BlockProfile, adaptive_keep, resolve_policies
 
 __all__ = [
     "ActivationCounters",

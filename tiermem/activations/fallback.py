@@ -60,8 +60,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tiermem.activations.policy import BlockPolicy
 from tiermem.errors import DiskFullError, TierCapacityError
+from tiermem.layout.activation_policy import BlockPolicy
 from tiermem.registry import ManagedObject
 from tiermem.schedulers.base import Transfer
 

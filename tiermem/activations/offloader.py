@@ -57,7 +57,8 @@ from torch import nn
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.fallback import ModelMemory, WriteLedger, decide, failure_cause, first_tensor_numel
-from tiermem.activations.policy import (
+from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
+from tiermem.layout.activation_policy import (
     PREFETCH_START,
     BlockPolicy,
     BlockProfile,
@@ -67,7 +68,6 @@ from tiermem.activations.policy import (
     next_prefetch_window,
     resolve_policies,
 )
-from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
 from tiermem.registry import Handle, ManagedObject, ObjectState, Registry
 from tiermem.schedulers.base import Priority
 

@@ -1,6 +1,6 @@
 """The planner (ProTrain's memory-aware profiler, cost model and search). Pure where it decides:
 a :class:`~tiermem.planner.profile.Profile` and free bytes per tier in, a frozen
-:class:`~tiermem.states.placement.Plan` out (DESIGN "Policy vs mechanism").
+:class:`~tiermem.layout.placement.Plan` out (DESIGN "Policy vs mechanism").
 
 - :mod:`~tiermem.planner.profile`: what one instrumented step measured (JSON round trip).
 - :mod:`~tiermem.planner.profiler`: the instrumented step itself (NOTE [ Profiling step ]).

@@ -64,10 +64,10 @@ import itertools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.activations.policy import PREFETCH_START
+from tiermem.layout.activation_policy import PREFETCH_START
+from tiermem.layout.placement import ChunkNeeds, reserve_bytes
+from tiermem.layout.shares import PREFETCH_SHARE
 from tiermem.planner.profile import Profile
-from tiermem.schedulers.asyncio_scheduler import PREFETCH_SHARE
-from tiermem.states.placement import ChunkNeeds, reserve_bytes
 
 FRAGMENTATION_MARGIN = 0.05
 """Rule 4: headroom on every tier's predicted peak."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from tiermem.states.errors import PlanError
+from tiermem.errors import PlanError
 from tiermem.units import format_size
 
 

@@ -54,7 +54,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from tiermem.activations.policy import BlockProfile, adaptive_keep
+from tiermem.layout.activation_policy import BlockProfile, adaptive_keep
+from tiermem.layout.chunks import ParamInfo, pack, size_candidates
+from tiermem.layout.placement import BLOCK_POLICIES, ChunkNeeds, Plan, Prediction, normalize_chunk_size
 from tiermem.planner.costmodel import (
     FRAGMENTATION_MARGIN,
     TIERS,
@@ -72,9 +74,7 @@ from tiermem.planner.costmodel import (
 )
 from tiermem.planner.errors import NoPlanFitsError, format_size_up
 from tiermem.planner.profile import Profile
-from tiermem.states.chunks import ParamInfo, pack, size_candidates
-from tiermem.states.errors import PlanError
-from tiermem.states.placement import BLOCK_POLICIES, ChunkNeeds, Plan, Prediction, normalize_chunk_size
+from tiermem.errors import PlanError
 from tiermem.units import format_size
 
 MAX_SIZES = 12

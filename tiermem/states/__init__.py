@@ -1,10 +1,12 @@
 """Model-state management (ProTrain): parameters, gradients and optimizer states in chunks.
 
 ``model, optimizer = rt.manage(model, torch.optim.AdamW, lr=3e-4)``; see
-:mod:`tiermem.states.manager` for the mechanism and :mod:`tiermem.states.placement` for plans.
+:mod:`tiermem.states.manager` for the mechanism and :mod:`tiermem.layout.placement` for plans.
 """
 
-from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.layout.chunks import ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, parse_plan
+from tiermem.states.chunks import Chunk
 from tiermem.states.errors import (
     PlanError,
     StatesClosedError,
@@ -14,7 +16,6 @@ from tiermem.states.errors import (
 )
 from tiermem.states.manager import ModelStates
 from tiermem.states.optimizer import SUPPORTED, ManagedOptimizer
-from tiermem.states.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, parse_plan
 
 __all__ = [
     "SUPPORTED",

@@ -17,11 +17,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import ParamInfo, Slot
+from tiermem.layout.placement import Plan
 from tiermem.registry import Handle, KnownBytes, ObjectState, Registry
-from tiermem.states.chunks import Chunk, ParamInfo, Slot
+from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesClosedError, StatesMemoryError
 from tiermem.states.optimizer import ManagedOptimizer
-from tiermem.states.placement import Plan
 from tiermem.states.pool import ChunkPool
 from tiermem.units import format_size
 

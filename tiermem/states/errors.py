@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from tiermem.errors import TiermemError
+from tiermem.errors import PlanError, StatesMemoryError, TiermemError
+
+# PlanError and StatesMemoryError live in tiermem.errors: the pure layout vocabulary raises them.
+__all__ = [
+    "PlanError",
+    "StatesClosedError",
+    "StatesMemoryError",
+    "StatesUsageError",
+    "UnsupportedOptimizerError",
+]
 
 
 class UnsupportedOptimizerError(TiermemError, TypeError):
     """Raised when ``rt.manage`` gets an optimizer it cannot reproduce exactly."""
-
-
-class PlanError(TiermemError, ValueError):
-    """Raised when a hand-written placement plan is malformed or contradicts the model."""
-
-
-class StatesMemoryError(TiermemError, MemoryError):
-    """Raised when model states do not fit the budgets: at ``rt.manage`` when the plan cannot
-    fit, or during a step when every device buffer is pinned."""
 
 
 class StatesClosedError(TiermemError, RuntimeError):

@@ -102,14 +102,15 @@ from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, normalize_chunk_size, parse_plan
 from tiermem.registry import Registry
 from tiermem.states import core
 from tiermem.states.backward import BackwardMixin
-from tiermem.states.chunks import Chunk, ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
+from tiermem.states.chunks import Chunk
 from tiermem.states.core import ParamState, Snapshot, Use
 from tiermem.states.errors import PlanError, StatesMemoryError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
-from tiermem.states.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, normalize_chunk_size, parse_plan
 from tiermem.states.pool import ChunkPool
 from tiermem.states.stateio import StateIOMixin
 from tiermem.states.stepping import StepMixin

@@ -62,14 +62,15 @@ from typing import Any
 import torch
 
 from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import Slot
+from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState
 from tiermem.schedulers.base import Priority
-from tiermem.states.chunks import Chunk, Slot
+from tiermem.states.chunks import Chunk
 from tiermem.states.core import ParamState, StatesBase, same
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer, run_step
-from tiermem.states.placement import STAGED_HOMES
 
 log = logging.getLogger("tiermem.states")
 

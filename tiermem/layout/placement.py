@@ -40,9 +40,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tiermem.states.errors import PlanError, StatesMemoryError
-from tiermem.tiers.base import ALIGNMENT
-from tiermem.units import format_size, parse_size, round_up
+from tiermem.errors import PlanError, StatesMemoryError
+from tiermem.units import ALIGNMENT, format_size, parse_size, round_up
 
 STATE_HOMES = ("device", "host", "nvme")
 STAGED_HOMES = 2
@@ -368,9 +367,7 @@ def _check_fits(
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
     staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
-    host = (
-        sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_stream) + staging
-    )
+    host = sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_stream) + staging
     nvme = sum(n.home_bytes for n in nvme_homes)
     problems = []
     if device > budgets.device:

@@ -1,0 +1,136 @@
+"""Parameters packed into chunks: the layout (pure: no I/O, no tiers).
+
+# NOTE [ Chunk layout rules ]
+1. Parameters are packed in one given order (see NOTE [ Model-state rules ] rule 2 for which)
+   into chunks of at most ``chunk_size`` bytes. A chunk holds only trainable or only frozen
+   parameters, so a frozen chunk carries no gradient or optimizer-state bytes: each kind
+   fills its own open chunk, and chunks are numbered by the position of their first
+   parameter, i.e. in the order they are first needed.
+2. Every parameter starts at a multiple of ``PARAM_ALIGNMENT`` (64) bytes inside its chunk,
+   and a chunk's storage starts 64-byte aligned, as a standalone tensor would (TRAPS 3).
+3. A chunk occupies its used bytes rounded up to ``ALIGNMENT`` (4096); every section of a
+   chunk's home object (master parameters, each optimizer state) is that long, so each one
+   starts page-aligned for O_DIRECT (TRAPS 5).
+4. The chunk size is at least the largest parameter: a parameter never spans two chunks.
+   A parameter is stored contiguous (a non-contiguous one becomes contiguous).
+6. Mixed precision (``rt.manage(param_dtype=)``): chunks hold bf16/fp16 working parameters;
+   the fp32 masters and optimizer states live in home sections ``master_scale`` (2) times as
+   long, each parameter at ``master_scale`` times its working offset (128-byte aligned), and
+   an offloaded home ends with a working copy the device fetches and the step refreshes.
+5. Chunk size rule: the candidates run from the largest parameter (rounded up to 4096) to
+   ``min(MAX_CHUNK_SIZE, all parameter bytes)``, ``CANDIDATES_PER_OCTAVE`` a doubling on a
+   geometric scale, each rounded up to 4096. A candidate wastes ``chunks * size - parameter
+   bytes`` (alignment padding plus unused tails). The planner keeps the candidates whose
+   streaming buffers fit the device and takes the least waste, the larger size on a tie
+   (fewer, larger transfers).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tiermem.units import ALIGNMENT, round_up
+
+#: Offset alignment of a parameter inside its chunk (rule 2).
+PARAM_ALIGNMENT = 64
+#: The largest chunk the default rule considers (rule 5).
+MAX_CHUNK_SIZE = 256 << 20
+#: Chunk-size candidates per doubling (rule 5).
+CANDIDATES_PER_OCTAVE = 8
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What packing needs to know about one parameter."""
+
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One parameter's place in a chunk: ``index`` into the manager's parameter list."""
+
+    index: int
+    offset: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def view(self, data: torch.Tensor, base: int = 0) -> torch.Tensor:
+        """This parameter's bytes inside ``data`` (a 1-D uint8 tensor), typed and shaped.
+
+        ``base`` is where the chunk's section starts inside ``data`` (rule 3)."""
+        start = base + self.offset
+        return data[start : start + self.nbytes].view(self.dtype).view(self.shape)
+
+    def master_view(self, data: torch.Tensor, base: int, scale: int) -> torch.Tensor:
+        """This parameter's fp32 master inside a home section laid out ``scale`` times wider
+        than the working chunk (rule 6); ``scale`` 1 is :meth:`view`."""
+        if scale == 1:
+            return self.view(data, base)
+        start = base + self.offset * scale
+        return data[start : start + self.nbytes * scale].view(torch.float32).view(self.shape)
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    index: int
+    trainable: bool
+    slots: tuple[Slot, ...]
+    #: bytes up to the end of the last parameter
+    used: int
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the chunk occupies, and the length of each section of its home (rule 3)."""
+        return round_up(max(self.used, 1), ALIGNMENT)
+
+
+def pack(params: Sequence[ParamInfo], order: Sequence[int], chunk_size: int) -> list[ChunkLayout]:
+    """Rules 1, 2 and 4: the chunks of ``params`` taken in ``order``."""
+    largest = max((params[i].nbytes for i in order), default=0)
+    if chunk_size < largest:
+        raise ValueError(f"chunk size {chunk_size} is below the largest parameter ({largest} bytes)")
+    # Per kind (trainable, frozen): the open chunk's slots and its used bytes.
+    open_chunks: dict[bool, tuple[list[Slot], int]] = {}
+    closed: list[tuple[int, bool, list[Slot], int]] = []  # (first position, trainable, slots, used)
+    first_position: dict[bool, int] = {}
+    for position, index in enumerate(order):
+        info = params[index]
+        kind = info.trainable
+        slots, used = open_chunks.get(kind, ([], 0))
+        offset = round_up(used, PARAM_ALIGNMENT)
+        if slots and offset + info.nbytes > chunk_size:
+            closed.append((first_position[kind], kind, slots, used))
+            slots, offset = [], 0
+        if not slots:
+            first_position[kind] = position
+        slots.append(Slot(index, offset, info.nbytes, info.shape, info.dtype))
+        open_chunks[kind] = (slots, offset + info.nbytes)
+    for kind, (slots, used) in open_chunks.items():
+        if slots:
+            closed.append((first_position[kind], kind, slots, used))
+    closed.sort(key=lambda item: item[0])
+    return [ChunkLayout(n, kind, tuple(slots), used) for n, (_, kind, slots, used) in enumerate(closed)]
+
+
+def waste(layouts: Sequence[ChunkLayout], chunk_size: int) -> int:
+    """Rule 5: bytes of chunk capacity that hold no parameter bytes."""
+    return len(layouts) * chunk_size - sum(slot.nbytes for layout in layouts for slot in layout.slots)
+
+
+def size_candidates(params: Sequence[ParamInfo]) -> list[int]:
+    """Rule 5: chunk sizes to try, smallest first."""
+    largest = round_up(max((p.nbytes for p in params), default=1), ALIGNMENT)
+    total = round_up(sum(round_up(p.nbytes, PARAM_ALIGNMENT) for p in params), ALIGNMENT)
+    high = max(largest, min(MAX_CHUNK_SIZE, total))
+    steps = math.ceil(math.log2(high / largest) * CANDIDATES_PER_OCTAVE) if high > largest else 0
+    sizes = {round_up(int(largest * 2 ** (k / CANDIDATES_PER_OCTAVE)), ALIGNMENT) for k in range(steps)}
+    return sorted({largest, high, *(s for s in sizes if s <= high)})
