@@ -51,6 +51,7 @@ from tiermem.layout.shares import PREFETCH_SHARE
 from tiermem.schedulers.base import (
     LinkStatistics,
     Priority,
+    Scheduler,
     SchedulerStatistics,
     Transfer,
     WaitRecorder,
@@ -121,8 +122,9 @@ def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
     return asyncio.new_event_loop()
 
 
-class AsyncioScheduler:
-    """Moves bytes between tiers by priority, within per-tier in-flight bounds."""
+class AsyncioScheduler(Scheduler):
+    """Moves bytes between tiers by priority, within per-tier in-flight bounds (the
+    :class:`~tiermem.schedulers.base.Scheduler` protocol, by NOTE [ Scheduling rules ])."""
 
     def __init__(
         self,

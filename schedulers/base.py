@@ -1,4 +1,5 @@
-"""What a scheduler hands back: priorities, transfer handles and statistics.
+"""What a scheduler is and hands back: the :class:`Scheduler` protocol, priorities,
+transfer handles and statistics.
 
 A scheduler knows requests, priorities and byte counts, not what the bytes mean.
 """
@@ -13,7 +14,7 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from tiermem.errors import TransferCancelledError
 
@@ -187,3 +188,55 @@ class Transfer:
     def __repr__(self) -> str:
         state = "done" if self.done() else "pending"
         return f"Transfer({self.link}, {self.nbytes} bytes, {self.priority.name}, {state})"
+
+
+@runtime_checkable
+class Scheduler(Protocol):
+    """What the rest of tiermem calls on a scheduler (the registry, the runtime, benchmarks).
+
+    A scheduler carries out moves between two tiers' allocations, deciding when each part of
+    a move is issued; it never allocates or frees. :class:`~tiermem.schedulers.AsyncioScheduler`
+    implements it. Every method may be called from any thread. A scheduler starts working when
+    it is constructed; :meth:`close` stops it.
+    """
+
+    def submit(
+        self,
+        src: Allocation,
+        dst: Allocation,
+        *,
+        nbytes: int | None = None,
+        src_offset: int = 0,
+        dst_offset: int = 0,
+        priority: Priority = Priority.PREFETCH,
+    ) -> Transfer:
+        """Queue a move of ``nbytes`` (default: ``src.nbytes - src_offset``) from ``src`` at
+        ``src_offset`` to ``dst`` at ``dst_offset`` and return its handle without blocking.
+
+        Promises: out-of-bounds ranges and a move between two storage tiers raise at once
+        (internal errors); a closed scheduler raises :class:`~tiermem.errors.RuntimeClosedError`.
+        Moves run by ``priority`` (DEMAND, then PREFETCH, then WRITEBACK), and the move is
+        ordered after device work the calling thread has already queued (TRAPS 28), so the
+        caller may submit bytes its kernels are still writing. Both allocations must stay
+        allocated until the transfer is done (``wait()`` returned or raised): the scheduler
+        holds them, it does not own them. A move of 0 bytes completes at once.
+        """
+        ...
+
+    def statistics(self) -> SchedulerStatistics:
+        """A consistent, immutable snapshot of the counters: bytes and busy seconds per link,
+        moves queued per priority, bytes in flight per tier, moves submitted / completed /
+        cancelled / failed, and blocking waits. Works after :meth:`close` (the final counts)."""
+        ...
+
+    def close(self, *, cancel_pending: bool = True) -> None:
+        """Stop the scheduler and return when nothing is in flight. Moves not yet issued are
+        cancelled (their transfers end as cancelled), or with ``cancel_pending=False`` carried
+        out first; requests already issued to a tier always finish, so every buffer is free to
+        release when this returns. Later :meth:`submit` calls raise. Idempotent."""
+        ...
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has begun."""
+        ...

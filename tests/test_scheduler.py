@@ -11,7 +11,7 @@ import torch
 
 from tests.gated_tier import BLOCK, GatedTier, filled
 from tiermem.errors import RuntimeClosedError, TransferCancelledError
-from tiermem.schedulers import AsyncioScheduler, Priority
+from tiermem.schedulers import AsyncioScheduler, Priority, Scheduler
 
 
 def test_demand_fetch_overtakes_a_long_writeback(device, make_scheduler, gated):
@@ -289,3 +289,15 @@ def test_a_burst_of_completions_is_dispatched_by_priority(device, make_scheduler
     stats = scheduler.statistics()
     assert stats.completed == 2 and dict(stats.inflight_bytes) == {"device": 0, "nvme": 0}
     assert stats.links["device->nvme"].requests == 16 and stats.links["nvme->device"].requests == 4
+
+
+def test_asyncio_scheduler_implements_the_scheduler_protocol(make_scheduler):
+    scheduler = make_scheduler()
+    assert isinstance(scheduler, Scheduler)
+    # Every method the protocol names is the scheduler's own, not the protocol's stub.
+    for name in ("submit", "statistics", "close"):
+        assert getattr(AsyncioScheduler, name) is not getattr(Scheduler, name)
+    assert AsyncioScheduler.closed is not Scheduler.closed
+    assert not scheduler.closed
+    scheduler.close()
+    assert scheduler.closed
