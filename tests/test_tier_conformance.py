@@ -170,6 +170,69 @@ def test_close_frees_everything_and_is_idempotent(tier):
     assert tier.statistics().current_bytes == 0
 
 
+@pytest.mark.parametrize("nbytes", [1, ALIGNMENT + 5, BLOCK + 1])
+def test_take_holds_the_bytes(tier, nbytes):
+    # Every memory tier here is on the CPU and unpinned: it adopts CPU bytes in place, exactly
+    # as many as it is given; a storage tier allocates (rounded up) and copies them in.
+    data = _random(nbytes, 11 + nbytes)
+    expected = data.clone()
+    allocation = tier.take(data)
+    if tier.is_memory:
+        assert allocation.tensor is not None and allocation.tensor.data_ptr() == data.data_ptr()
+        assert allocation.reserved == nbytes
+    else:
+        assert allocation.reserved == tier.reserved_size(nbytes)
+        assert tier.statistics().bytes_written == nbytes
+    assert allocation.nbytes == nbytes and tier.statistics().current_bytes == allocation.reserved
+    back = torch.zeros(nbytes, dtype=torch.uint8)
+    tier.read(allocation, 0, back).result(timeout=30)
+    assert torch.equal(back, expected)
+    tier.free(allocation)
+    assert tier.statistics().current_bytes == 0
+
+
+def test_take_frees_what_it_allocated_when_the_copy_fails(tier):
+    # Meta bytes are on no device this tier adopts from and cannot be copied: the copy fails
+    # after the allocation was made, and take() must give it back.
+    with pytest.raises(NotImplementedError, match="meta"):
+        tier.take(torch.empty(BLOCK, dtype=torch.uint8, device="meta"))
+    stats = tier.statistics()
+    assert stats.current_bytes == 0 and stats.allocations == 0 and stats.bytes_written == 0
+    with pytest.raises(TierCapacityError, match=f"{tier.name} tier"):
+        tier.take(torch.zeros(CAPACITY + 1, dtype=torch.uint8))
+    assert tier.statistics().current_bytes == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_take_adopts_only_what_the_tier_may_hold_in_place(tmp_path):
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    device, host = DeviceTier(CAPACITY, cuda), HostTier(CAPACITY, pinned=True)
+    nvme = NvmeTier([tmp_path], CAPACITY, backend="posix", block_size=BLOCK)
+    try:
+        on_device = _random(BLOCK, 1).to(cuda)
+        pageable, pinned = _random(BLOCK, 2), _random(BLOCK, 3).pin_memory()
+        cases = [
+            (device, on_device, True),
+            (device, pageable, False),  # another device: copied onto this one
+            (host, pinned, True),
+            (host, pageable, False),  # a pinned tier keeps its bytes page-locked: copied into its pool
+            (host, on_device, False),
+            (nvme, on_device, False),  # a storage tier is handed data.cpu()
+        ]
+        for tier, data, adopted in cases:
+            allocation = tier.take(data)
+            if tier.is_memory:
+                assert (allocation.view().data_ptr() == data.data_ptr()) is adopted, (tier.name, data.device)
+            back = torch.zeros(BLOCK, dtype=torch.uint8)
+            tier.read(allocation, 0, back).result(timeout=30)
+            torch.cuda.synchronize()
+            assert torch.equal(back, data.cpu()), (tier.name, data.device)
+            tier.free(allocation)
+    finally:
+        for tier in (device, host, nvme):
+            tier.close()
+
+
 def test_peak_counts_only_allocations_that_exist(tmp_path):
     host = HostTier(CAPACITY)
     host._allocate = lambda nbytes, reserved: (_ for _ in ()).throw(MemoryError("injected"))  # type: ignore[method-assign]

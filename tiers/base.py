@@ -176,6 +176,22 @@ class Tier(abc.ABC):
             self._peak = max(self._peak, self._current)
         return allocation
 
+    def take(self, data: torch.Tensor) -> Allocation:
+        """Hold the bytes of ``data`` (a contiguous 1-D uint8 tensor) in an allocation of this tier.
+
+        A tier adopts them in place where it can (a memory tier on ``data``'s device: see
+        :meth:`MemoryTier.take <tiermem.tiers.memory.MemoryTier.take>`); otherwise, as here, it
+        allocates ``data.numel()`` bytes and copies ``data`` in, waiting for the copy (a storage
+        tier is handed ``data.cpu()``). On failure what was allocated is freed and the error raised.
+        """
+        allocation = self.allocate(data.numel())
+        try:
+            self.write(allocation, 0, data.cpu() if not self.is_memory else data).result()
+        except BaseException:
+            self.free(allocation)
+            raise
+        return allocation
+
     def free(self, allocation: Allocation) -> None:
         """Release an allocation. Freeing twice is an internal error, not a silent no-op."""
         if allocation.tier is not self:

@@ -53,6 +53,12 @@ class HostTier(MemoryTier):
             raise TierCapacityError("host", reserved, self.capacity - self._extents.largest_free(), self.capacity)
         return Allocation(self, nbytes, reserved, tensor=self._pool[start : start + reserved], location=start)
 
+    def _can_adopt(self, data: torch.Tensor) -> bool:
+        # A pinned tier copies pageable bytes into its pool: adopting them would break its
+        # promise that its bytes are page-locked (CUDA copies from pageable memory run
+        # synchronously, through a staging buffer).
+        return not (self.pinned and not data.is_pinned())
+
     def _free(self, allocation: Allocation) -> None:
         if self._extents is not None:
             with self._lock:

@@ -167,6 +167,17 @@ class MemoryTier(Tier):
             buffer.numel(), buffer.numel(), lambda: Allocation(self, buffer.numel(), buffer.numel(), tensor=buffer)
         )
 
+    def take(self, data: torch.Tensor) -> Allocation:
+        """Adopt ``data`` in place (:meth:`adopt`) when it is on this tier's device and
+        :meth:`_can_adopt` agrees; otherwise allocate and copy it in (:meth:`Tier.take`)."""
+        if data.device == self.device and self._can_adopt(data):
+            return self.adopt(data)
+        return super().take(data)
+
+    def _can_adopt(self, data: torch.Tensor) -> bool:
+        """Whether :meth:`take` may adopt ``data`` (already on this tier's device) without a copy."""
+        return True
+
     def _free(self, allocation: Allocation) -> None:
         # Dropping the only reference returns the memory (RSS falls without a GC pass:
         # nothing here sits in a reference cycle, TRAPS 14).
