@@ -3,7 +3,7 @@
 
 Every measurement runs in a fresh process, alternating A B A B (tiermem, fio, tiermem,
 fio, ...), so throttling of a shared VM or a noisy neighbour hits both sides alike
-(DESIGN.md, "Measuring"). Per round, for each tiermem backend asked for (``--backends``,
+(see bench/README.md). Per round, for each tiermem backend asked for (``--backends``,
 default ``auto,posix``: auto picks ``aio`` where Linux AIO works, so the batched kernel
 queue and the thread pool are measured side by side):
 

@@ -1,8 +1,8 @@
 """``rt.stats()``: one immutable snapshot of every tier, link and counter.
 
-The dict shape of :meth:`Stats.as_dict` is a contract that scripts rely on (see
-DESIGN.md): sizes are plain int bytes, counts cumulative since the Runtime started.
-Keys may be added; the documented ones stay.
+The dict shape of :meth:`Stats.as_dict` is a contract that scripts rely on (README.md
+documents it under ``rt.stats().as_dict()``): sizes are plain int bytes, counts cumulative
+since the Runtime started. Keys may be added; the documented ones stay.
 """
 
 from __future__ import annotations
