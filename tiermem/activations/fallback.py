@@ -62,8 +62,7 @@ import torch
 
 from tiermem.errors import DiskFullError, TierCapacityError
 from tiermem.layout.activation_policy import BlockPolicy
-from tiermem.registry import ManagedObject
-from tiermem.schedulers.base import Transfer
+from tiermem.registry import ManagedObject, Transfer
 
 #: Forwards a failing tier stays out at most (rule 3).
 MAX_OUTAGE_FORWARDS = 64

@@ -50,7 +50,7 @@ import time
 import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -68,11 +68,7 @@ from tiermem.layout.activation_policy import (
     next_prefetch_window,
     resolve_policies,
 )
-from tiermem.registry import Handle, ManagedObject, ObjectState, Registry
-from tiermem.schedulers.base import Priority
-
-if TYPE_CHECKING:
-    from tiermem.tiers.memory import MemoryTier
+from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
 
 log = logging.getLogger("tiermem.activations")
 
@@ -158,6 +154,19 @@ class _Group:
     expected: int | None = None
 
 
+#: The offloader's tiers (BlockPolicy's names) that are storage, not memory: ``device`` and
+#: ``host`` hold bytes in memory, ``nvme`` on a drive.
+STORAGE_TIERS = frozenset({"nvme"})
+
+
+def moving_to(obj: ManagedObject) -> str | None:
+    """The tier ``obj`` is on its way to, None when it is not moving. Read from the name of
+    its transfer's link: the registry is the only door, so its allocations and tiers are
+    not ours to look at."""
+    transfer = obj.transfer
+    return None if transfer is None else transfer.link.rpartition("->")[2]
+
+
 def _version_error(tensor: torch.Tensor, expected: int) -> RuntimeError:
     # The wording of autograd's own check (torch/csrc/autograd/saved_variable.cpp).
     name = f"{tensor.type()} {list(tensor.shape)}"
@@ -198,7 +207,8 @@ class ActivationOffloader:
         self.memory = counters.memory_for(model, tuple(self.names))
         if self.adaptive and self.memory.adapted is not None:
             self.policies = list(self.memory.adapted)  # rule 8: what the last step chose
-        self._device_tier: MemoryTier = registry.tiers["device"]  # type: ignore[assignment]
+        #: Saved tensors on another device stay where they are (rule 3).
+        self._device = registry.device
         self._protected: set[int] = set()
         self._groups: dict[tuple[int, int], _Group] = {}
         self._current: _Group | None = None
@@ -337,8 +347,7 @@ class ActivationOffloader:
 
     # -- fallbacks (NOTE [ Activation fallbacks ]) ------------------------------------------------
     def _device_free(self) -> int:
-        stats = self._device_tier.statistics()
-        return stats.capacity - stats.current_bytes
+        return self.registry.free_bytes("device")
 
     def _device_room(self) -> int:
         """Rule 4: the device budget minus what stays resident (write-backs in flight to
@@ -421,7 +430,7 @@ class ActivationOffloader:
     # -- adaptive keep -----------------------------------------------------------------------
     def _adapt(self, forward_id: int) -> None:
         """NOTE [ Adaptive keep ]: choose the next forward's policies from this one."""
-        links = self.registry.scheduler.statistics().links
+        links = self.registry.link_statistics()
         write, read = links.get("device->nvme"), links.get("nvme->device")
         if write is None or write.busy_s <= 0 or write.bytes == 0:
             return  # nothing measured yet: keep offloading all but the last block
@@ -456,7 +465,7 @@ class ActivationOffloader:
         if (
             storage.nbytes() < self.min_bytes
             or id(storage) in self._protected
-            or tensor.device != self._device_tier.device
+            or tensor.device != self._device
         ):
             return tensor  # rule 3
         if self.memory.ledger.pending_failures:
@@ -508,7 +517,7 @@ class ActivationOffloader:
         forward_id = group.forward_id if group is not None else self._forward_id
         tried: list[str] = []
         spill = group.flexible if group is not None else any(self.flexible)
-        if spill and self._evict(self._device_tier.reserved_size(nbytes)):
+        if spill and self._evict(self.registry.reserved_size("device", nbytes)):
             with contextlib.suppress(TierCapacityError):
                 return self.registry.register(tensor, "device", kind="activation")
         for tier in self._spill_tiers(group) if spill else []:
@@ -586,7 +595,7 @@ class ActivationOffloader:
         if group is not None:
             order += [p.value for p in (group.policy, self.policies[group.index]) if p.offloads]
         order += ["nvme", "host"]
-        return [t for i, t in enumerate(order) if t in self.registry.tiers and t not in order[:i]]
+        return [t for i, t in enumerate(order) if self.registry.has_tier(t) and t not in order[:i]]
 
     def _write_back(self, handle: Handle, group: _Group) -> None:
         tier = group.policy.value
@@ -627,7 +636,7 @@ class ActivationOffloader:
             self._backward_span = [now, now]
         # Backward needs this object now: it is no prefetch that a demand may take back.
         self._prefetched.pop(obj.id, None)
-        if obj.state is ObjectState.MOVING and obj.home.tier.is_memory and obj.home.tier.name == "device":
+        if obj.state is ObjectState.MOVING and obj.tier == "device":  # the device tier is memory
             # Forwarding: still in memory; the write is no longer needed.
             with self.counters.lock:
                 self.counters.forwarded += 1
@@ -637,8 +646,7 @@ class ActivationOffloader:
                 self._prefetch_before(group)
             return handle.tensor()
         source = obj.tier
-        target = obj.target
-        prefetching = obj.state is ObjectState.MOVING and target is not None and target.tier.name == "device"
+        prefetching = obj.state is ObjectState.MOVING and moving_to(obj) == "device"
         start = time.perf_counter()
         # The demand first, prefetches after: the room it needs is never taken by blocks
         # backward needs later (rule 5). The fetch runs while the prefetches are issued.
@@ -662,9 +670,9 @@ class ActivationOffloader:
         give back prefetched objects backward needs later; the clear error only when it
         still does not fit."""
         obj = handle.obj
-        if obj.tier == "device" or (obj.state is ObjectState.MOVING and obj.target is not None):
+        if obj.tier == "device" or (obj.state is ObjectState.MOVING and moving_to(obj) is not None):
             return  # on the device, or on its way (a prefetch, promoted by the read)
-        needed = self._device_tier.reserved_size(obj.nbytes)
+        needed = self.registry.reserved_size("device", obj.nbytes)
         waited = False
         while True:
             try:
@@ -751,7 +759,7 @@ class ActivationOffloader:
                 source = handle.tier
                 if source == "device":
                     obj = handle.obj
-                    if obj.state is ObjectState.MOVING and obj.target is not None and not obj.target.tier.is_memory:
+                    if obj.state is ObjectState.MOVING and moving_to(obj) in STORAGE_TIERS:
                         # Its write is still in flight and backward needs it soon: cancel the
                         # write (rule 5's forwarding, early), or it would land and need a fetch
                         # into room that earlier blocks' prefetches had meanwhile taken.
@@ -763,7 +771,7 @@ class ActivationOffloader:
                     continue
                 if ahead >= window:
                     return  # the rest of this block comes at a later unpack
-                if self._device_tier.reserved_size(handle.obj.nbytes) > self._device_free():
+                if self.registry.reserved_size("device", handle.obj.nbytes) > self._device_free():
                     return
                 try:
                     handle.move_to("device", Priority.PREFETCH)
