@@ -1,6 +1,6 @@
 """How the scheduler shares a tier's in-flight bound between priorities.
 
-The scheduler enforces it (NOTE [ Scheduler rules ] rule 4 in
+The scheduler enforces it (NOTE [ Scheduling rules ] rule 4 in
 :mod:`tiermem.schedulers.asyncio_scheduler`) and the cost model predicts with it
 (NOTE [ Cost model ] rule 6), so it lives here, in the vocabulary both import.
 """
