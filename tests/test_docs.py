@@ -31,9 +31,13 @@ WRAP = re.compile(r"""(?:["'][ \t]*\n[ \t]*f?["']|[ \t]*\n[ \t]*(?:#+[ \t]*)?)""
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
+#: This file: its patterns and examples ("NOTE [ Name ]") are no citations.
+SELF = pathlib.Path(__file__).resolve().relative_to(ROOT).as_posix()
+
+
 @functools.cache
 def tracked_texts() -> dict[str, str]:
-    """Every file git tracks that exists in the working tree, as text."""
+    """Every file git tracks that exists in the working tree, as text (this one left out)."""
     try:
         out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True).stdout
     except (OSError, subprocess.CalledProcessError):
@@ -41,7 +45,7 @@ def tracked_texts() -> dict[str, str]:
     texts = {}
     for name in out.decode().split("\0"):
         path = ROOT / name
-        if name and path.is_file():
+        if name and name != SELF and path.is_file():
             texts[name] = path.read_bytes().decode("utf-8", errors="replace")
     assert texts, "git ls-files listed nothing"
     return texts
