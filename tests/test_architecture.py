@@ -13,7 +13,14 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 #: The leaf vocabulary every layer may import; it imports nothing else of tiermem.
 LEAVES = {"tiermem", "tiermem.errors", "tiermem.units"}
-PLANNER_PURE = {"tiermem.planner", "tiermem.planner.costmodel", "tiermem.planner.errors", "tiermem.planner.profile"}
+PLANNER_PURE = {
+    "tiermem.planner",
+    "tiermem.planner.activation_costs",
+    "tiermem.planner.costmodel",
+    "tiermem.planner.errors",
+    "tiermem.planner.profile",
+    "tiermem.planner.state_costs",
+}
 
 
 def _loaded_after_import(module: str) -> set[str]:

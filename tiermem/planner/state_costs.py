@@ -1,0 +1,198 @@
+"""The cost model's model-state part: where a chunk packing's chunks live (a persistent prefix,
+streamed buffers, host then NVMe homes) and what that costs in bytes per tier and in time.
+Pure. Rules 1, 5 and 7 of NOTE [ Cost model ] (in :mod:`tiermem.planner.costmodel`, which
+adds the activations' part and re-exports every name here)."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tiermem.layout.placement import ChunkNeeds, reserve_bytes
+from tiermem.planner.profile import Profile
+
+
+class Packing:
+    """One chunk size's chunks in execution order, with prefix sums so a (persistent,
+    buffers, homes) choice costs O(log chunks) to evaluate."""
+
+    def __init__(
+        self,
+        chunk_size: int,
+        needs: Sequence[ChunkNeeds],
+        min_buffers: int,
+        shared_chunks: int,
+        stages: Sequence[int] | None = None,
+        grads_stream: bool = False,
+    ) -> None:
+        self.chunk_size = chunk_size
+        #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
+        self.grads_stream = grads_stream
+        self.needs = tuple(needs)
+        #: per chunk, the backward stage its gradient chunk appears at (rule 1); unknown: the first
+        self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
+        self.min_buffers = min_buffers
+        #: chunks holding tied parameters (their gradients stay on the device all backward)
+        self.shared_chunks = shared_chunks
+        acc = itertools.accumulate
+        self._nbytes = [0, *acc(n.nbytes for n in needs)]
+        self._device = [0, *acc(n.device_bytes for n in needs)]
+        self._home = [0, *acc(n.home_bytes for n in needs)]
+        self._grad = [0, *acc(n.grad_bytes for n in needs)]
+        self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
+        self._optim = [0, *acc(n.nbytes if n.sections and n.trainable else 0 for n in needs)]
+        suffix = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
+        self._max_home_from = suffix
+        self._max_grad_from = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
+        self._max_nbytes_from = [0] * (len(needs) + 1)
+        for i in range(len(needs) - 1, -1, -1):
+            self._max_nbytes_from[i] = max(self._max_nbytes_from[i + 1], needs[i].nbytes)
+
+    @property
+    def chunks(self) -> int:
+        return len(self.needs)
+
+    @staticmethod
+    def _sum(prefix: list[int], start: int, stop: int) -> int:
+        return prefix[stop] - prefix[start] if stop > start else 0
+
+    def host_bytes(self, persistent: int, host_end: int) -> int:
+        """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
+        rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
+        chunks' gradients (two at once when they stream), and room to stage two NVMe homes)."""
+        n = self.chunks
+        nvme_grads = 2 * self._max_grad_from[host_end] if self.grads_stream else self._sum(self._grad, host_end, n)
+        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + 2 * self._max_home_from[host_end]
+
+    def host_end(self, persistent: int, host_budget: int) -> int:
+        """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""
+        lo, hi = persistent, self.chunks
+        if self.host_bytes(persistent, hi) <= host_budget:
+            return hi
+        # host_bytes grows with host_end (a home costs more than staging it): binary search.
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.host_bytes(persistent, mid) <= host_budget:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+
+@dataclass(frozen=True)
+class StatesChoice:
+    """Where model states go: a prefix persists, ``buffers`` slots stream the rest, and the
+    streamed chunks ``persistent..host_end-1`` live on the host, the others on NVMe."""
+
+    packing: Packing
+    persistent: int
+    buffers: int
+    host_end: int
+
+    @property
+    def homes(self) -> tuple[str, ...]:
+        n = self.packing.chunks
+        return (
+            ("device",) * self.persistent
+            + ("host",) * (self.host_end - self.persistent)
+            + ("nvme",) * (n - self.host_end)
+        )
+
+
+@dataclass(frozen=True)
+class StatesCost:
+    """What one states choice costs (rules 1 and 5): bytes per tier, the device's timeline of
+    gradient chunks, bytes moved and the optimizer's time."""
+
+    device_bytes: int
+    #: device bytes ``placement`` reserves (rule 1 of its NOTE: 2 buffers per slot)
+    reserve_device_bytes: int
+    host_bytes: int
+    nvme_bytes: int
+    memcpy_bytes: int
+    nvme_read_forward: int
+    nvme_read_backward: int
+    nvme_step_bytes: int
+    #: of ``nvme_step_bytes``, those read (the rest are written back)
+    nvme_step_read: int
+    optimizer_s: float
+    #: persistent parameters + states + buffer pool: on the device the whole step
+    static_device: int = 0
+    #: streamed chunks' gradient chunks on the device at once
+    grad_in_flight: int = 0
+    #: persistent chunks' gradient chunks, all of them
+    grad_total: int = 0
+    #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
+    grad_stages: tuple[tuple[int, int], ...] = ()
+    device_parts: dict[str, int] = field(default_factory=dict)
+    #: chunks that stream (rule 7)
+    streamed_chunks: int = 0
+
+
+def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
+    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear)."""
+    pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
+    n = pk.chunks
+    s = Packing._sum
+    chunk = pk._max_nbytes_from[p]
+    streamed_trainable = sum(1 for need in pk.needs[p:] if need.trainable)
+    in_flight = min(streamed_trainable, 1 + pk.shared_chunks) if streamed_trainable else 0
+    grad_total = s(pk._grad, 0, p)
+    persistent_bytes = s(pk._device, 0, p) - grad_total
+    pool = b * chunk
+    grads = in_flight * chunk
+    stages: tuple[tuple[int, int], ...] = ()
+    if timeline:
+        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in range(p) if pk.needs[c].grad_bytes)
+    # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
+    # fetched again (least recently used go first).
+    refetch_end = max(p, n - b)
+    memcpy = (
+        s(pk._nbytes, p, h)  # forward fetch from host homes
+        + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
+    )
+    if not (pk.grads_stream and profile.device == "cpu"):
+        # gradient write-back of every streamed chunk; streamed gradients on the CPU device
+        # are stepped where they are (NOTE [ Declared steps ] rule 8)
+        memcpy += s(pk._grad, p, n)
+    nvme_fwd = s(pk._nbytes, h, n)
+    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
+    # Stage each NVMe home in and write it back. A loop that steps every backward steps its
+    # chunks early, staging each home with the working bytes copied from the device copy
+    # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
+    known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
+    memcpy += known
+    nvme_step_read = s(pk._home, h, n) - known
+    nvme_step = nvme_step_read + s(pk._home, h, n)
+    return StatesCost(
+        device_bytes=persistent_bytes + pool + grads + grad_total,
+        # what placement checks before building (its rule 1): persistent chunks with their
+        # gradients, and the pool's reserve
+        reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size),
+        host_bytes=pk.host_bytes(p, h) if p < n else 0,
+        nvme_bytes=s(pk._home, h, n),
+        memcpy_bytes=memcpy,
+        nvme_read_forward=nvme_fwd,
+        nvme_read_backward=nvme_bwd,
+        nvme_step_bytes=nvme_step,
+        nvme_step_read=nvme_step_read,
+        # On CUDA persistent chunks step on the GPU (next to nothing here); offloaded ones on the CPU.
+        optimizer_s=profile.optimizer_s_per_byte * s(pk._optim, 0 if profile.cpu else p, n),
+        static_device=persistent_bytes + pool,
+        grad_in_flight=grads,
+        grad_total=grad_total,
+        grad_stages=stages,
+        device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
+        streamed_chunks=n - p,
+    )
+
+
+def states_overhead_s(profile: Profile, streamed_chunks: int) -> float:
+    """Rule 7, the model states' part: per parameter and per streamed chunk."""
+    costs = profile.overheads
+    return costs.param_s * len(profile.params) + costs.chunk_s * streamed_chunks
