@@ -296,6 +296,38 @@ def test_loop_runs_forward_and_backward_inside_offload_activations(
     assert summary.nvme["bytes_written"] == 0 and summary.nvme["drive_writes_per_day"] == 0
 
 
+def test_a_fixed_policy_that_fits_no_plan_is_planned_around_its_fallbacks(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """NOTE [ Predicted and measured ] rule 3: rt.manage's NoPlanFitsError for a fixed policy
+    leads to a plan around the offloader's fallbacks (and ``activations_as_planned`` false);
+    under ``auto`` it is the run's error."""
+    import tiermem.train as train_module
+    from tiermem.planner.errors import NoPlanFitsError
+
+    no_fit = NoPlanFitsError({"device": 1}, {"device": 1}, {"device": 2}, ["raise device"])
+    plans: list[Any] = []
+
+    def manage(model: Any, optimizer: Any, *, plan: Any, sample: Any, grad_accumulation_steps: int) -> Any:
+        plans.append(plan)
+        raise no_fit
+
+    rt: Any = type("FakeRuntime", (), {})()
+    rt.manage = manage
+    rt.config = tiermem.Config()  # [activations] policy "auto"
+    around = []
+    monkeypatch.setattr(
+        train_module, "_manage_around_fallbacks", lambda *args: around.append(args) or ("model", "optimizer")
+    )
+    with caplog.at_level("WARNING", logger="tiermem.train"):
+        assert train_module._manage_planned(rt, "m", "o", "nvme", "sample") == ("model", "optimizer", False)
+    assert plans == [{"block_policy": "nvme"}] and around == [(rt, "m", "o", "nvme", "sample")]
+    assert "no plan fits policy 'nvme'" in caplog.text
+    with pytest.raises(NoPlanFitsError):
+        train_module._manage_planned(rt, "m", "o", None, "sample")  # auto: nothing to plan around
+    assert plans[-1] == "auto" and len(around) == 1
+
+
 def test_human_output_has_the_summary_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

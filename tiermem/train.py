@@ -248,22 +248,8 @@ def _train(
         planned = manage_states and (states_plan is None or states_plan == "auto")
         fixed_fits = True
         if planned:
-            # The loop's first batch, from a twin of its data stream (same seed, own generator):
-            # the loop still draws that batch itself, so its data and losses are unchanged.
-            sample = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed).batch(batch_size, device)
-            fixed = _fixed_policy(policy, rt)
-            plan: Any = "auto" if fixed is None else {"block_policy": fixed}
-            try:
-                model, optimizer = rt.manage(model, optimizer, plan=plan, sample=sample, grad_accumulation_steps=1)
-            except NoPlanFitsError as exc:
-                if fixed is None:
-                    raise
-                # Rule 3: the fixed policy fits no plan (its writes in flight need room the budget
-                # lacks); plan around the fallbacks the offloader will take, run the policy asked
-                # for, and let those fallbacks keep it within the capacity.
-                log.warning("tiermem train: no plan fits policy %r (%s); planning around its fallbacks", fixed, exc)
-                model, optimizer = _manage_around_fallbacks(rt, model, optimizer, fixed, sample)
-                fixed_fits = False
+            sample = _first_batch(model_config, seed, batch_size, device)
+            model, optimizer, fixed_fits = _manage_planned(rt, model, optimizer, policy, sample)
         elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
         # After rt.manage: the profiling step's link probes and the chunks' first placement are
@@ -275,16 +261,10 @@ def _train(
             tier.reset_peak()
         losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step, stop)
         after = rt.stats().as_dict()
-        step_peaks = {name: int(tier["peak_bytes"]) for name, tier in after["tiers"].items()}
-        for name, tier in after["tiers"].items():  # the tiers block keeps the Runtime's whole life
-            tier["peak_bytes"] = max(tier["peak_bytes"], before["tiers"][name]["peak_bytes"])
+        step_peaks = _split_peaks(before, after)
         states = _states_summary(rt, parameters) if manage_states else None
         as_planned = fixed_fits and not isinstance(policy, Mapping)
         plan_block = _plan_summary(rt, after, step_peaks, seconds, planned, as_planned) if manage_states else None
-    nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
-    train_s = sum(seconds)
-    drive = drive_capacity(rt.resolved.nvme.paths)
-    per_s = nvme_written / train_s if train_s > 0 else 0.0
     return TrainSummary(
         model={**dataclasses.asdict(model_config), "parameters": parameters},
         device=str(device),
@@ -304,18 +284,68 @@ def _train(
             name: int(link["bytes"] - before["links"].get(name, {}).get("bytes", 0))
             for name, link in after["links"].items()
         },
-        nvme={
-            "paths": list(rt.resolved.nvme.paths),
-            # Deltas over this run's steps, so a runtime used before does not inflate them.
-            "bytes_written": nvme_written,
-            "bytes_written_per_step": nvme_written / steps,
-            "bytes_written_per_s": per_s,
-            "drive_bytes": drive,
-            "drive_writes_per_day": per_s * 86400 / drive if drive else None,
-            "assumption": ENDURANCE_ASSUMPTION,
-        },
+        nvme=_nvme_summary(rt, before, after, seconds, steps),
         plan=plan_block,
     )
+
+
+def _first_batch(model_config: GPTConfig, seed: int, batch_size: int, device: torch.device) -> Any:
+    """The planner's sample: the loop's first batch, from a twin of its data stream (same seed,
+    own generator); the loop still draws that batch itself, so its data and losses are unchanged."""
+    return MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed).batch(batch_size, device)
+
+
+def _manage_planned(
+    rt: Runtime, model: GPT, optimizer: torch.optim.Optimizer, policy: PolicyLike, sample: Any
+) -> tuple[GPT, torch.optim.Optimizer, bool]:
+    """``rt.manage`` with the planner choosing (``states_plan="auto"``), around a fixed activation
+    policy where one is given; the bool is whether that policy fit a plan (NOTE [ Predicted and
+    measured ] rule 3)."""
+    fixed = _fixed_policy(policy, rt)
+    plan: Any = "auto" if fixed is None else {"block_policy": fixed}
+    try:
+        model, optimizer = rt.manage(model, optimizer, plan=plan, sample=sample, grad_accumulation_steps=1)
+    except NoPlanFitsError as exc:
+        if fixed is None:
+            raise
+        # Rule 3: the fixed policy fits no plan (its writes in flight need room the budget
+        # lacks); plan around the fallbacks the offloader will take, run the policy asked
+        # for, and let those fallbacks keep it within the capacity.
+        log.warning("tiermem train: no plan fits policy %r (%s); planning around its fallbacks", fixed, exc)
+        model, optimizer = _manage_around_fallbacks(rt, model, optimizer, fixed, sample)
+        return model, optimizer, False
+    return model, optimizer, True
+
+
+def _split_peaks(before: Mapping[str, Any], after: dict[str, Any]) -> dict[str, int]:
+    """Each tier's peak bytes over the training steps alone (the tiers were reset before them),
+    returned; ``after``'s tiers block gets back the Runtime's whole-life peak (NOTE [ Predicted
+    and measured ] rule 2)."""
+    step_peaks = {name: int(tier["peak_bytes"]) for name, tier in after["tiers"].items()}
+    for name, tier in after["tiers"].items():  # the tiers block keeps the Runtime's whole life
+        tier["peak_bytes"] = max(tier["peak_bytes"], before["tiers"][name]["peak_bytes"])
+    return step_peaks
+
+
+def _nvme_summary(
+    rt: Runtime, before: Mapping[str, Any], after: Mapping[str, Any], seconds: list[float], steps: int
+) -> dict[str, Any]:
+    """The NVMe tier's writes over this run's steps and what they mean for the drive's endurance."""
+    assert rt.resolved is not None
+    nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
+    train_s = sum(seconds)
+    drive = drive_capacity(rt.resolved.nvme.paths)
+    per_s = nvme_written / train_s if train_s > 0 else 0.0
+    return {
+        "paths": list(rt.resolved.nvme.paths),
+        # Deltas over this run's steps, so a runtime used before does not inflate them.
+        "bytes_written": nvme_written,
+        "bytes_written_per_step": nvme_written / steps,
+        "bytes_written_per_s": per_s,
+        "drive_bytes": drive,
+        "drive_writes_per_day": per_s * 86400 / drive if drive else None,
+        "assumption": ENDURANCE_ASSUMPTION,
+    }
 
 
 def _manage_around_fallbacks(
