@@ -1,4 +1,5 @@
-"""Where bytes live: the Tier protocol (``base``) and one module per tier.
+"""Where bytes live: the Tier protocol (``base``: what a new tier implements), the machinery
+every tier shares (``accounting``) and one module per tier.
 
 Importing this package does not import the tiermem core.
 """
