@@ -393,3 +393,82 @@ def test_reclaimers_free_caches_on_request_and_are_held_weakly(make_store):
     assert store.registry.reclaim("device") is False
     with pytest.raises(ValueError, match="no tier named"):
         store.registry.add_reclaimer("gpu", cache.drop)
+
+
+def test_fill_copies_between_objects_through_the_scheduler_and_moves_neither(make_store):
+    """Rule 8: a span of one object's bytes copied into another's, counted on the link; a
+    target on its way elsewhere is refused (the move would drop what the copy wrote)."""
+    store = make_store()
+    source = store.registry.register(torch.arange(4096, dtype=torch.uint8).repeat(4), "host", dedup=False)
+    target = store.registry.register(torch.zeros(3 * 4096, dtype=torch.uint8), "device", dedup=False)
+    before = store.scheduler.statistics().links
+    target.fill_from(source, nbytes=4096, source_offset=8192, offset=4096, priority=Priority.DEMAND).wait()
+    after = store.scheduler.statistics().links
+    got = target.tensor("device")
+    assert torch.equal(got[4096:8192], source.tensor("host")[8192:12288])
+    assert not got[:4096].any() and not got[8192:].any()
+    moved = after["host->device"].bytes - (before["host->device"].bytes if "host->device" in before else 0)
+    assert moved == 4096 and (source.tier, target.tier) == ("host", "device")
+    target.move_to("nvme", Priority.WRITEBACK)
+    with pytest.raises(AssertionError, match="filled while it moves"):
+        target.fill_from(source, nbytes=4096)
+    target.wait()
+    source.free()
+    with pytest.raises(ObjectFreedError):
+        target.fill_from(source, nbytes=4096)
+    target.free()
+
+
+def test_read_out_copies_a_stored_object_without_moving_it(make_store):
+    """Rule 9: an NVMe object's bytes read into a fresh CPU tensor of its reserved size; it stays put."""
+    store = make_store()
+    data = torch.randn(3000)
+    handle = store.registry.register(data.clone(), "device", dedup=False)
+    handle.move_to("nvme", Priority.WRITEBACK)
+    out = handle.read_out()  # waits for the move first
+    assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
+    assert out.device.type == "cpu" and out.numel() == handle.reserved >= data.numel() * 4
+    assert torch.equal(out[: data.numel() * 4].view(torch.float32), data)
+    out.zero_()  # a copy: the object keeps its bytes
+    assert torch.equal(handle.tensor("host"), data)
+    handle.free()
+
+
+def test_known_bytes_of_a_handle_feed_a_move_and_their_copy_can_be_awaited(make_store):
+    """Rule 6 through handles: ``known_bytes`` names a memory object's bytes for a move from
+    storage; ``wait_known_copy`` returns once the copy out of them ended (at once without one)."""
+    store = make_store()
+    data = torch.arange(2 * BLOCK // 4, dtype=torch.float32)
+    handle = store.registry.register(data.clone(), "device", dedup=False)
+    handle.move_to("nvme", Priority.WRITEBACK)
+    handle.wait()
+    memory = store.registry.register(data[: BLOCK // 4].clone(), "device", dedup=False)
+    memory.wait_known_copy()  # no move: nothing to wait for
+    handle.move_to("host", Priority.DEMAND, memory.known_bytes(0, BLOCK))
+    handle.wait_known_copy()
+    assert handle.obj.copy is None or handle.obj.copy.done()
+    handle.wait()
+    assert torch.equal(handle.tensor("host"), data)
+    handle.move_to("nvme", Priority.WRITEBACK)
+    handle.wait()
+    with pytest.raises(AssertionError, match="memory tier"):
+        handle.known_bytes(0, BLOCK)  # stored bytes are no known bytes
+    handle.free()
+    memory.free()
+
+
+def test_cached_bytes_are_accounted_until_freed_and_refused_past_capacity(make_store):
+    """Rule 7: ``adopt_cache`` accounts a buffer on the tier without copying it."""
+    store = make_store(device_capacity=1 << 20)
+    buffer = torch.ones(768 << 10, dtype=torch.uint8)
+    cached = store.registry.adopt_cache("device", buffer)
+    assert cached.tensor.data_ptr() == buffer.data_ptr() and store.current()["device"] == 768 << 10
+    with pytest.raises(TierCapacityError):
+        store.registry.adopt_cache("device", torch.ones(512 << 10, dtype=torch.uint8))
+    cached.free()
+    cached.free()  # idempotent
+    assert store.current()["device"] == 0
+    with pytest.raises(ObjectFreedError):
+        cached.tensor  # noqa: B018
+    with pytest.raises(ValueError, match="not a memory tier"):
+        store.registry.adopt_cache("nvme", buffer)

@@ -420,11 +420,10 @@ def test_a_chunks_storage_is_emptied_only_after_a_staging_copy_from_it_ended():
     chunk = Chunk(ChunkLayout(0, True, (), 4096), persistent=False, home="nvme", sections=2, device=torch.device("cpu"))
     seen: list[int] = []
 
-    class Copy:
-        def wait(self) -> None:
-            seen.append(chunk.data.untyped_storage().nbytes())  # still there while the copy ends
+    def wait_known_copy() -> None:  # the copy of known bytes out of the chunk ends here
+        seen.append(chunk.data.untyped_storage().nbytes())  # still there while the copy ends
 
-    chunk.home = SimpleNamespace(obj=SimpleNamespace(copy=Copy()))  # type: ignore[assignment]
+    chunk.home = SimpleNamespace(wait_known_copy=wait_known_copy)  # type: ignore[assignment]
     chunk.empty_storage()
     assert seen == [4096] and chunk.data.untyped_storage().nbytes() == 0
 

@@ -1,5 +1,10 @@
 """Managed objects: bytes that live in one tier or move between two.
 
+The registry is the one door through which managed bytes move: code that manages bytes
+(the activation offloader, the model-state manager) holds :class:`Handle` s and calls the
+operations below, never a tier or the scheduler. The objects themselves are in
+:mod:`tiermem.objects` (importable from here).
+
 # NOTE [ Managed object rules ]
 1. An object is RESIDENT in exactly one allocation, or MOVING from a source
    allocation to a target. While moving, the source stays allocated and readable:
@@ -23,170 +28,69 @@
    if either does. The caller vouches that the bytes are equal and stay so; the
    model-state manager uses it for a chunk's device copy, which is its home's master
    (or working copy) as fetched, so staging the home reads only the optimizer states.
+   ``Handle.known_bytes`` names such bytes (an object resident in memory), and
+   ``Handle.wait_known_copy`` waits until no copy reads them any more, before their
+   owner frees or reuses them.
 7. Bytes kept on a tier only as a cache, outside any object (the chunk pool's spares,
-   NOTE [ Spare chunk storage ]), come with a reclaimer: a caller short of room on that
-   tier calls :meth:`Registry.reclaim` before it spills, waits or fails, so a cache never
-   pushes real data off a tier. Reclaimers are held weakly.
+   NOTE [ Spare chunk storage ]), are accounted on the tier with :meth:`Registry.adopt_cache`
+   (a :class:`CachedBytes`, freed by its owner) and come with a reclaimer: a caller short of
+   room on that tier calls :meth:`Registry.reclaim` before it spills, waits or fails, so a
+   cache never pushes real data off a tier. Reclaimers are held weakly.
+8. A copy between two live objects (``Handle.fill_from``: a chunk's device copy filled from
+   its home, or a changed device copy written back into it) goes through the scheduler, so
+   the link counts it, and changes where neither lives. The target must be resident (not
+   moving: the move would drop what the copy wrote); the caller keeps both objects alive and
+   unmoved until the copy ended (``wait()`` on the transfer returned).
+9. Reading an object where it lives without moving it (``Handle.read_out``: exporting a
+   chunk's NVMe home) reads its allocation straight from the tier into a fresh CPU tensor of
+   its reserved size, outside the scheduler, once its move (if any) ended. ``fence(tier)``
+   orders every copy the tier starts from now on after the device work the calling thread
+   has queued (TRAPS 28): for bytes a kernel wrote that a later submit, perhaps from another
+   thread, reads.
 """
 
 from __future__ import annotations
 
 import contextlib
-import enum
-import itertools
 import threading
 import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 
 import torch
 
 from tiermem.errors import ObjectFreedError, internal_error
-from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
-from tiermem.schedulers.base import LinkStatistics, Priority, Transfer
-from tiermem.tiers.base import Allocation, Tier, TierStatistics
-from tiermem.tiers.memory import MemoryTier
+from tiermem.objects import (
+    CachedBytes,
+    Handle,
+    KnownBytes,
+    ManagedObject,
+    ObjectState,
+    RegistryStatistics,
+    storage_bytes,
+)
+from tiermem.schedulers.base import LinkStatistics, Priority, Scheduler, Transfer
+from tiermem.tiers.base import Tier, TierStatistics
 
 #: Move priorities and in-flight moves, re-exported: managed-object code imports them from here,
 #: never from the scheduler (the registry is the one door through which managed bytes move).
-__all__ = ["Handle", "KnownBytes", "ManagedObject", "ObjectState", "Priority", "Registry", "Transfer"]
-
-
-class ObjectState(enum.Enum):
-    RESIDENT = "resident"
-    MOVING = "moving"
-    FREED = "freed"
-
-
-@dataclass(frozen=True)
-class RegistryStatistics:
-    """Cumulative counts since the registry started."""
-
-    objects: int
-    registered: int
-    dedup_hits: int
-    forwarded: int
-    cancelled: int
-    moves: int
-    failed_moves: int
-
-
-def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """The whole storage under ``tensor`` as a contiguous 1-D uint8 tensor (no copy)."""
-    storage = tensor.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
-
-
-_object_ids = itertools.count(1)
-
-
-class ManagedObject:
-    """One stored copy of some bytes (e.g. one tensor storage at one version)."""
-
-    def __init__(self, registry: Registry, home: Allocation, nbytes: int, kind: str = "tensor") -> None:
-        self.id = next(_object_ids)
-        self.registry = registry
-        self.nbytes = nbytes
-        #: What the bytes are ("tensor", "activation", "chunk"): resident bytes are counted per kind.
-        self.kind = kind
-        self.home: Allocation = home
-        self.target: Allocation | None = None
-        self.transfer: Transfer | None = None
-        #: The copy of known bytes running beside ``transfer`` (rule 6), if any.
-        self.copy: Transfer | None = None
-        self.state = ObjectState.RESIDENT
-        self.refs = 0
-        self.error: BaseException | None = None
-        self.dedup_key: int | None = None
-        #: The current move was cancelled (rule 3); it no longer counts as on its way.
-        self.cancelling = False
-        #: Set once the current move has ended and the object's state reflects it.
-        self.settled = threading.Event()
-        self.settled.set()
-
-    @property
-    def tier(self) -> str:
-        """Where the object is resident (its source, while it moves)."""
-        return self.home.tier.name
-
-    def __repr__(self) -> str:
-        moving = f"->{self.target.tier.name}" if self.target is not None else ""
-        return f"ManagedObject#{self.id}({self.nbytes} bytes, {self.state.value} {self.tier}{moving})"
-
-
-@dataclass(frozen=True)
-class KnownBytes:
-    """Rule 6: bytes ``[offset, offset + nbytes)`` of an object equal the first ``nbytes`` of
-    ``source``, a memory allocation; a move from storage copies them from there."""
-
-    source: Allocation
-    offset: int
-    nbytes: int
-
-
-class Handle:
-    """A registered tensor: a reference on a managed object plus the tensor's own view."""
-
-    __slots__ = ("_freed", "dtype", "obj", "shape", "storage_offset", "stride")
-
-    def __init__(self, obj: ManagedObject, tensor: torch.Tensor) -> None:
-        self.obj = obj
-        self.dtype = tensor.dtype
-        self.shape = tuple(tensor.shape)
-        self.stride = tuple(tensor.stride())
-        self.storage_offset = tensor.storage_offset()
-        self._freed = False
-        obj.refs += 1
-
-    @property
-    def tier(self) -> str:
-        return self.obj.tier
-
-    @property
-    def state(self) -> ObjectState:
-        return self.obj.state
-
-    def move_to(
-        self, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
-    ) -> Transfer | None:
-        """Start moving the object to ``tier``; None when it is already there. ``known``:
-        rule 6 of NOTE [ Managed object rules ]."""
-        self._check()
-        return self.obj.registry.move(self.obj, tier, priority, known)
-
-    def wait(self) -> None:
-        """Wait for the object's move to end; raise its error if it failed."""
-        self._check()
-        self.obj.registry.wait(self.obj)
-
-    def tensor(self, tier: str = "device") -> torch.Tensor:
-        """The tensor, readable now. Served from memory while a write-back is in flight
-        (forwarding); fetched on demand into ``tier`` when it is only on storage."""
-        self._check()
-        data = self.obj.registry.read(self.obj, tier)
-        typed = data[: self.obj.nbytes].view(self.dtype)
-        # as_strided offsets count from the start of the underlying storage, which may
-        # begin before our bytes (aligned allocations are slices of a larger buffer).
-        return typed.as_strided(self.shape, self.stride, typed.storage_offset() + self.storage_offset)
-
-    def free(self) -> None:
-        """Drop this handle; the object is freed with its last handle. Idempotent."""
-        if not self._freed:
-            self._freed = True
-            self.obj.registry.release(self.obj)
-
-    def _check(self) -> None:
-        if self._freed or self.obj.state is ObjectState.FREED:
-            raise ObjectFreedError(f"tiermem registry: {self.obj!r} was freed; this handle is no longer valid")
-
-    def __repr__(self) -> str:
-        return f"Handle({self.dtype}, {list(self.shape)}, {self.obj!r})"
+__all__ = [
+    "CachedBytes",
+    "Handle",
+    "KnownBytes",
+    "ManagedObject",
+    "ObjectState",
+    "Priority",
+    "Registry",
+    "RegistryStatistics",
+    "Transfer",
+    "storage_bytes",
+]
 
 
 class Registry:
     """Owns every managed object and their moves through the scheduler."""
 
-    def __init__(self, tiers: Mapping[str, Tier], scheduler: AsyncioScheduler) -> None:
+    def __init__(self, tiers: Mapping[str, Tier], scheduler: Scheduler) -> None:
         self.tiers = dict(tiers)
         self.scheduler = scheduler
         self._lock = threading.RLock()
@@ -230,7 +134,7 @@ class Registry:
                 if ref() is storage and entry_version == version and obj.state is not ObjectState.FREED:
                     self._dedup_hits += 1
                     return Handle(obj, tensor)
-            home = self._adopt_or_copy(target, tensor)
+            home = target.take(storage_bytes(tensor))  # adopted in place where the tier can
             obj = ManagedObject(self, home, storage.nbytes(), kind)
             self._objects[obj.id] = obj
             self._count_resident(obj, home.tier, +1)
@@ -253,23 +157,6 @@ class Registry:
                     del registry._dedup[key]
 
         return drop
-
-    @staticmethod
-    def _adopt_or_copy(tier: Tier, tensor: torch.Tensor) -> Allocation:
-        data = storage_bytes(tensor)
-        # A pinned host tier copies pageable bytes into its pool: adopting them would break its
-        # promise that its bytes are page-locked (CUDA copies from pageable memory run
-        # synchronously, through a staging buffer).
-        unpinned = getattr(tier, "pinned", False) and not data.is_pinned()
-        if isinstance(tier, MemoryTier) and data.device == tier.device and not unpinned:
-            return tier.adopt(data)
-        allocation = tier.allocate(data.numel())
-        try:
-            tier.write(allocation, 0, data.cpu() if not tier.is_memory else data).result()
-        except BaseException:
-            tier.free(allocation)
-            raise
-        return allocation
 
     # -- moves -------------------------------------------------------------------------------
     def move(
@@ -308,7 +195,7 @@ class Registry:
             raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
         if obj.home.tier.is_memory:
             known = None  # nothing to save: the whole object is copied from memory anyway
-        offset, nbytes = (0, obj.nbytes) if known is None else self._rest_of(obj, known)
+        offset, nbytes = (0, obj.nbytes) if known is None else known.rest(obj)
         target = tier.allocate(obj.nbytes)
         copy: Transfer | None = None
         try:
@@ -350,18 +237,6 @@ class Registry:
             copy.add_done_callback(part_ended)
             transfer.add_done_callback(part_ended)
         return transfer
-
-    @staticmethod
-    def _rest_of(obj: ManagedObject, known: KnownBytes) -> tuple[int, int]:
-        """Rule 6: the span (offset, count) still to read when ``known`` is a prefix or a suffix."""
-        end = known.offset + known.nbytes
-        if not known.source.tier.is_memory or known.nbytes > known.source.nbytes or known.nbytes <= 0:
-            raise internal_error(f"{obj!r}: known bytes must be a non-empty span of a memory allocation, got {known}")
-        if known.offset == 0 and end < obj.nbytes:
-            return end, obj.nbytes - end
-        if end == obj.nbytes and known.offset > 0:
-            return 0, known.offset
-        raise internal_error(f"{obj!r}: known bytes must be a prefix or a suffix of its {obj.nbytes} bytes: {known}")
 
     def _move_ended(self, obj: ManagedObject, transfer: Transfer) -> None:
         """Rules 2 and 4, on the scheduler's thread."""
@@ -452,7 +327,68 @@ class Registry:
         if copy is not None:
             copy.cancel()
 
+    # -- copies and reads that move no object (rules 6, 8, 9) ------------------------------------
+    def fill(
+        self,
+        target: ManagedObject,
+        source: ManagedObject,
+        nbytes: int,
+        source_offset: int = 0,
+        target_offset: int = 0,
+        priority: Priority = Priority.DEMAND,
+    ) -> Transfer:
+        """Rule 8: copy ``nbytes`` from ``source`` (at ``source_offset``) into ``target`` (at
+        ``target_offset``) through the scheduler; the caller waits on the transfer."""
+        with self._lock:
+            self._check_live(source)
+            self._check_live(target)
+            if target.state is ObjectState.MOVING:
+                raise internal_error(f"{target!r}: filled while it moves (the move would drop the copy)")
+            src, dst = source.home, target.home
+        return self.scheduler.submit(
+            src, dst, nbytes=nbytes, src_offset=source_offset, dst_offset=target_offset, priority=priority
+        )
+
+    def known_bytes(self, obj: ManagedObject, offset: int, nbytes: int) -> KnownBytes:
+        """Rule 6: ``obj``'s first ``nbytes`` (resident in memory) as known bytes at ``offset``."""
+        with self._lock:
+            self._check_live(obj)
+            if not obj.home.tier.is_memory:
+                raise internal_error(f"{obj!r}: known bytes must sit in a memory tier")
+            return KnownBytes(obj.home, offset, nbytes)
+
+    def wait_known_copy(self, obj: ManagedObject) -> None:
+        """Rule 6: wait for the copy of known bytes running beside ``obj``'s move, if any."""
+        with self._lock:
+            copy = obj.copy
+        if copy is not None:
+            with contextlib.suppress(Exception):  # its error is the move's, raised at the object's wait()
+                copy.wait()
+
+    def read_out(self, obj: ManagedObject) -> torch.Tensor:
+        """Rule 9: a fresh CPU tensor of ``obj``'s reserved size holding its bytes where it lives."""
+        self.wait(obj)
+        with self._lock:
+            self._check_live(obj)
+            home = obj.home
+        data = torch.empty(home.reserved, dtype=torch.uint8)
+        home.tier.read(home, 0, data).result()
+        return data
+
+    def fence(self, tier: str) -> None:
+        """Rule 9: ``tier``'s copies started from now on wait for device work queued so far (TRAPS 28)."""
+        self._tier(tier).fence()
+
     # -- rule 7: caches outside objects ---------------------------------------------------------
+    def adopt_cache(self, tier: str, buffer: torch.Tensor) -> CachedBytes:
+        """Account ``buffer`` (a 1-D uint8 tensor on ``tier``'s device) on ``tier`` as a cache;
+        raises :class:`~tiermem.errors.TierCapacityError` when it has no room."""
+        target = self._tier(tier)
+        adopt = getattr(target, "adopt", None)
+        if adopt is None:
+            raise ValueError(f"tiermem registry: the {tier} tier keeps no cached bytes (not a memory tier)")
+        return CachedBytes(adopt(buffer))
+
     def add_reclaimer(self, tier: str, reclaim: Callable[[], bool]) -> None:
         """``reclaim`` (a bound method, held weakly) frees bytes ``tier`` holds only as a cache."""
         self._tier(tier)

@@ -32,14 +32,16 @@ from tiermem.layout.activation_policy import PolicySpec
 from tiermem.layout.placement import Plan, PlanRequest
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
-from tiermem.schedulers.base import Priority
+from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
+from tiermem.tiers.fsinfo import filesystem_of
 from tiermem.tiers.host import HostTier
+from tiermem.tiers.rundir import RunDirectory
 
 log = logging.getLogger("tiermem")
 
@@ -53,7 +55,7 @@ class Runtime:
         self.config: Config = Config.coerce(config)
         self.resolved: Config | None = None
         self._tiers: dict[str, Tier] = {}
-        self._scheduler: AsyncioScheduler | None = None
+        self._scheduler: Scheduler | None = None
         self._registry: Registry | None = None
         self._owner_pid: int | None = None
         self._activation_counters = ActivationCounters()
@@ -202,7 +204,12 @@ class Runtime:
         self.registry  # noqa: B018  (raises a clear error outside `with rt`)
         assert self.resolved is not None
         paths = self.resolved.nvme.paths
-        return file_backed_init(paths[0], DEFAULT_MIN_BYTES if min_bytes is None else min_bytes)
+        return file_backed_init(
+            paths[0],
+            DEFAULT_MIN_BYTES if min_bytes is None else min_bytes,
+            run_directory=RunDirectory.create,
+            is_tmpfs=lambda path: filesystem_of(path).fstype == "tmpfs",
+        )
 
     def manage(
         self,
@@ -346,7 +353,7 @@ class Runtime:
         return self._registry
 
     @property
-    def scheduler(self) -> AsyncioScheduler:
+    def scheduler(self) -> Scheduler:
         if self._scheduler is None:
             raise RuntimeClosedError("this tiermem Runtime")
         return self._scheduler

@@ -13,8 +13,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import ObjectState
-from tiermem.schedulers.base import Priority
+from tiermem.registry import ObjectState, Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import StatesBase, Use, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
@@ -198,7 +197,7 @@ class BackwardMixin(StatesBase):
         if chunk.offloaded:
             # TRAPS 28: this node's stream (autograd's, on CUDA) wrote the buffer; the write-back
             # of the whole chunk, submitted later from another node's hook, must wait for it too.
-            self.registry.tiers["device"].fence()
+            self.registry.fence("device")
         self._has_grad[i] = True
         for use in list(self._waiters.pop(i, ())):
             use.waiting -= 1

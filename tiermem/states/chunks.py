@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 from tiermem.layout.chunks import ChunkLayout
@@ -70,10 +68,8 @@ class Chunk:
         steps ] rule 7), and freed memory must never be read (TRAPS 24), nor reused. With
         ``keep``, the bytes move to a new storage object, returned (NOTE [ Spare chunk
         storage ] in ``pool.py``), and this storage is left empty the same way."""
-        copy = self.home.obj.copy if self.home is not None else None
-        if copy is not None:
-            with contextlib.suppress(Exception):  # its error is the home move's, raised at the home's wait()
-                copy.wait()
+        if self.home is not None:
+            self.home.wait_known_copy()
         storage = self.data.untyped_storage()
         if keep and storage.nbytes():
             spare = torch.UntypedStorage(0, device=storage.device)

@@ -172,7 +172,7 @@ class StatesBase:
         for chunk in self.chunks:
             for handle in (chunk.dev, chunk.home, chunk.grad):
                 if handle is not None:
-                    held[handle.tier] = held.get(handle.tier, 0) + handle.obj.home.reserved
+                    held[handle.tier] = held.get(handle.tier, 0) + handle.reserved
         return held
 
     def _register(self, tensor: torch.Tensor, tier: str) -> Handle:

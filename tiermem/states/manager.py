@@ -180,7 +180,7 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         if model in _MANAGED:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
-        self.device: torch.device = registry.tiers["device"].device  # type: ignore[attr-defined]
+        self.device: torch.device = registry.device
         self.model = model
         self.params: list[nn.Parameter] = list(model.parameters())
         if not self.params:
@@ -286,12 +286,8 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
     ) -> tuple[list[ChunkLayout], Plan]:
         """Pack ``order`` and decide the plan (NOTE [ Chunk layout rules ] rule 5)."""
         held = held or {}
-        tiers = self.registry.tiers
         budgets = Budgets(
-            **{
-                name: tiers[name].capacity - tiers[name].statistics().current_bytes + held.get(name, 0)
-                for name in ("device", "host", "nvme")
-            }
+            **{name: self.registry.free_bytes(name) + held.get(name, 0) for name in ("device", "host", "nvme")}
         )
         request = self._request
         if request.chunk_size is not None:

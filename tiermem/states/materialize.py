@@ -17,6 +17,9 @@
    NOTE [ Model-state rules ] rule 2); the mappings go when nothing refers to them any more.
    A model built here and never managed keeps working on its file-backed tensors.
 4. On tmpfs the "file" is RAM: the run says so once with a warning.
+
+The run directory and the filesystem check come from the runtime (``run_directory``,
+``is_tmpfs``): this module touches no tier.
 """
 
 from __future__ import annotations
@@ -26,13 +29,11 @@ import itertools
 import logging
 import os
 from collections.abc import Callable, Iterator
-from typing import Any
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import torch
 from torch.overrides import TorchFunctionMode
-
-from tiermem.tiers.fsinfo import filesystem_of
-from tiermem.tiers.rundir import RunDirectory
 
 log = logging.getLogger("tiermem.states")
 
@@ -92,14 +93,28 @@ class _FileBacked(TorchFunctionMode):
         return layout in (None, torch.strided) and kwargs.get("memory_format") in (None, torch.contiguous_format)
 
 
+class Directory(Protocol):
+    """A private directory for the files (a run directory, NOTE [ Run directory rules ])."""
+
+    @property
+    def path(self) -> str: ...
+
+
 @contextlib.contextmanager
-def file_backed_init(parent: str, min_bytes: int = DEFAULT_MIN_BYTES) -> Iterator[_FileBacked]:
-    """Rule 1: the context ``rt.init()`` opens; ``parent`` is the first NVMe path."""
+def file_backed_init(
+    parent: str,
+    min_bytes: int = DEFAULT_MIN_BYTES,
+    *,
+    run_directory: Callable[[str], AbstractContextManager[Directory]],
+    is_tmpfs: Callable[[str], bool],
+) -> Iterator[_FileBacked]:
+    """Rule 1: the context ``rt.init()`` opens; ``parent`` is the first NVMe path, under which
+    ``run_directory(parent)`` makes the private directory; ``is_tmpfs(parent)``: rule 4."""
     if min_bytes < 1:
         raise ValueError(f"tiermem init: min_bytes must be at least 1, got {min_bytes}")
-    if filesystem_of(parent).fstype == "tmpfs":
+    if is_tmpfs(parent):
         log.warning("tiermem init: %s is on tmpfs, so the parameters built here stay in RAM (rule 4)", parent)
-    with RunDirectory.create(parent) as rundir:
+    with run_directory(parent) as rundir:
         mode = _FileBacked(rundir.path, min_bytes)
         with mode:
             yield mode

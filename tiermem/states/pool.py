@@ -36,11 +36,9 @@ from typing import TypeVar
 import torch
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import ObjectState, Registry
-from tiermem.schedulers.base import Priority
+from tiermem.registry import CachedBytes, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
-from tiermem.tiers.base import Allocation
 from tiermem.units import format_size
 
 T = TypeVar("T")
@@ -60,18 +58,17 @@ class ChunkPool:
         self._clock = 0
         #: bumped whenever a device copy is written home (readers of homes re-read)
         self.writes = 0
-        device = registry.tiers.get("device")
         # ``_swap_data_ptr_`` is new in torch (2026); without it chunks are refilled by ``resize_``.
         keeps_spares = (
-            device is not None
-            and getattr(device, "device", None) == torch.device("cpu")
+            registry.has_tier("device")
+            and registry.device == torch.device("cpu")
             and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         )
         #: NOTE [ Spare chunk storage ] rule 1: the bytes every streamed chunk's storage holds
         #: on the CPU device (the largest streamed chunk's); 0 where spares are not kept
         self.slot_bytes = max((c.nbytes for c in chunks if not c.persistent), default=0) if keeps_spares else 0
         #: released chunks' storage, accounted on the device tier
-        self._spares: list[Allocation] = []
+        self._spares: list[CachedBytes] = []
         if self.slot_bytes:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
 
@@ -120,8 +117,8 @@ class ChunkPool:
         chunk.dev = dev
         self.resident[chunk.index] = chunk
         try:
-            chunk.fetching = self.registry.scheduler.submit(
-                home.obj.home, dev.obj.home, nbytes=chunk.nbytes, src_offset=chunk.working_base, priority=priority
+            chunk.fetching = dev.fill_from(
+                home, nbytes=chunk.nbytes, source_offset=chunk.working_base, priority=priority
             )
         except BaseException:
             self.release(chunk)
@@ -244,33 +241,26 @@ class ChunkPool:
             storage.resize_(self.slot_bytes or chunk.nbytes)
             return
         spare = self._spares.pop()
-        assert spare.tensor is not None
         storage._swap_data_ptr_(spare.tensor.untyped_storage())
-        spare.tier.free(spare)  # its bytes are the chunk's now; the chunk's own accounting follows
+        spare.free()  # its bytes are the chunk's now; the chunk's own accounting follows
 
     def _keep_spare(self, storage: torch.UntypedStorage) -> None:
         """Account a released chunk's bytes on the device tier as a spare (rule 2); without
         room, drop them."""
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         with contextlib.suppress(TierCapacityError):  # no room: dropping the only reference frees it
-            self._spares.append(self.registry.tiers["device"].adopt(buffer))
+            self._spares.append(self.registry.adopt_cache("device", buffer))
 
     def drop_spares(self) -> bool:
         """Free every spare; True when there was one."""
         spares, self._spares = self._spares, []
         for spare in spares:
-            spare.tier.free(spare)
+            spare.free()
         return bool(spares)
 
     def _write_home(self, chunk: Chunk) -> None:
         assert chunk.home is not None and chunk.dev is not None
         chunk.home.wait()
-        transfer = self.registry.scheduler.submit(
-            chunk.dev.obj.home,
-            chunk.home.obj.home,
-            nbytes=chunk.nbytes,
-            dst_offset=chunk.working_base,
-            priority=Priority.DEMAND,
-        )
+        transfer = chunk.home.fill_from(chunk.dev, nbytes=chunk.nbytes, offset=chunk.working_base)
         transfer.wait()
         self.writes += 1

@@ -13,8 +13,7 @@ import torch
 from torch import nn
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import KnownBytes
-from tiermem.schedulers.base import Priority
+from tiermem.registry import KnownBytes, Priority
 from tiermem.states import core
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ParamState, Snapshot, StatesBase
@@ -131,8 +130,7 @@ class StateIOMixin(StatesBase):
         cache = self._read_cache
         if cache is not None and cache[0] == chunk.index and cache[1] == self._version():
             return cache[2]
-        data = torch.empty(handle.obj.home.reserved, dtype=torch.uint8)
-        self.registry.tiers["nvme"].read(handle.obj.home, 0, data).result()
+        data = handle.read_out()
         self._read_cache = (chunk.index, self._version(), data)
         return data
 

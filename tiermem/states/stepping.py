@@ -64,8 +64,7 @@ import torch
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
-from tiermem.registry import KnownBytes, ObjectState
-from tiermem.schedulers.base import Priority
+from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ParamState, StatesBase, same
 from tiermem.states.errors import StatesUsageError
@@ -235,9 +234,7 @@ class StepMixin(StatesBase):
             return
         self._counted += 1
         self._grad_forwards = 0
-        self._grad_versions = {
-            i: (p.grad, p.grad._version) for i, p in enumerate(self.params) if p.grad is not None
-        }
+        self._grad_versions = {i: (p.grad, p.grad._version) for i, p in enumerate(self.params) if p.grad is not None}
 
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
@@ -355,7 +352,7 @@ class StepMixin(StatesBase):
         dev = chunk.dev
         if dev is None or chunk.fetching is not None or chunk.dirty or chunk.index in self._stepped:
             return None
-        return KnownBytes(dev.obj.home, chunk.working_base, chunk.nbytes)
+        return dev.known_bytes(chunk.working_base, chunk.nbytes)
 
     def _step_chunk(
         self,
