@@ -153,7 +153,7 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
     demand, prefetch = ActivationOffloader._demand, ActivationOffloader._prefetch_before
 
     def earlier_blocks_only(self, group):  # never the rest of the block being unpacked
-        earlier = self._groups.get((group.forward_id, group.index - 1))
+        earlier = self.forwards.group(group.forward_id, group.index - 1)
         if earlier is not None:
             prefetch(self, earlier)
 

@@ -48,15 +48,24 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
-from tiermem.activations.fallback import ModelMemory, WriteLedger, decide, failure_cause, first_tensor_numel
+from tiermem.activations.counters import ActivationCounters
+from tiermem.activations.fallback import decide, failure_cause, first_tensor_numel
+from tiermem.activations.saved import (
+    STORAGE_TIERS,
+    BlockGroup,
+    Forwards,
+    SavedActivation,
+    in_backward,
+    live_handles,
+    moving_to,
+    version_error,
+)
 from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
 from tiermem.layout.activation_policy import (
     PREFETCH_START,
@@ -77,107 +86,6 @@ class ActivationMemoryError(TiermemError, MemoryError):
     """Raised when a saved activation fits nowhere: not in the device budget after the
     write-backs in flight landed, and no other tier would take it (NOTE [ Activation
     fallbacks ] rule 5); or when backward cannot bring one back into the device budget."""
-
-
-@dataclass
-class ActivationCounters:
-    """Cumulative activation counts of one Runtime (all offload contexts), thread-safe."""
-
-    captured_bytes: int = 0
-    dedup_hits: int = 0
-    forwarded: int = 0
-    cancelled: int = 0
-    backward_wait_s: float = 0.0
-    offloaded_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
-    fetched_bytes: dict[str, int] = field(default_factory=lambda: {"host": 0, "nvme": 0})
-    fallbacks: int = 0
-    #: Prefetched objects written back again to make room for a demand fetch (rule 5).
-    prefetch_released: int = 0
-    #: Fallbacks by ``"<cause>-><action>"`` (NOTE [ Activation fallbacks ] rule 6).
-    fallback_reasons: dict[str, int] = field(default_factory=dict)
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    #: What offloading each model learned (rule 8), by model (weakly) and block names.
-    models: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], ModelMemory]] = field(
-        default_factory=weakref.WeakKeyDictionary, repr=False
-    )
-
-    def memory_for(self, model: nn.Module, block_names: tuple[str, ...]) -> ModelMemory:
-        with self.lock:
-            per_model = self.models.setdefault(model, {})
-            memory = per_model.get(block_names)
-            if memory is None:
-                # The ledger adds landed bytes to offloaded_bytes under this same lock.
-                memory = per_model[block_names] = ModelMemory(WriteLedger(self.offloaded_bytes, self.lock))
-            return memory
-
-
-class SavedActivation:
-    """What autograd holds for one saved tensor: a handle plus its version at pack."""
-
-    __slots__ = ("__weakref__", "group", "handle", "modified", "tensor_ref", "version")
-
-    def __init__(self, handle: Handle, tensor: torch.Tensor, group: _Group | None) -> None:
-        self.handle = handle
-        self.version = tensor._version
-        # Weak: holding the tensor would keep its storage in memory after the write-back.
-        self.tensor_ref = weakref.ref(tensor)
-        self.group = group
-        #: The error to raise at unpack, when the block's end found the tensor modified.
-        self.modified: RuntimeError | None = None
-
-    def __del__(self) -> None:
-        # Rule 6: the graph released this saved tensor.
-        with contextlib.suppress(Exception):
-            self.handle.free()
-
-
-@dataclass(eq=False)
-class _Group:
-    """One block's saved tensors in one forward pass."""
-
-    forward_id: int
-    index: int
-    policy: BlockPolicy
-    saved: list[weakref.ref[SavedActivation]] = field(default_factory=list)
-    #: Saved tensors held until the block's forward ends, so an in-place change made
-    #: inside the block is seen even when the tensor dies before backward (TRAPS 1).
-    pending: list[tuple[SavedActivation, torch.Tensor]] = field(default_factory=list)
-    saved_bytes: int = 0
-    started: float = 0.0
-    forward_s: float = 0.0
-    prefetched: bool = False
-    #: Elements of the block's first tensor input, to scale size estimates by.
-    input_numel: int = 0
-    #: A fallback may change this block's policy (NOTE [ Activation fallbacks ] rule 2).
-    flexible: bool = False
-    #: The block's estimated saved bytes when it started (None: nothing measured yet).
-    expected: int | None = None
-
-
-#: The offloader's tiers (BlockPolicy's names) that are storage, not memory: ``device`` and
-#: ``host`` hold bytes in memory, ``nvme`` on a drive.
-STORAGE_TIERS = frozenset({"nvme"})
-
-
-def moving_to(obj: ManagedObject) -> str | None:
-    """The tier ``obj`` is on its way to, None when it is not moving. Read from the name of
-    its transfer's link: the registry is the only door, so its allocations and tiers are
-    not ours to look at."""
-    transfer = obj.transfer
-    return None if transfer is None else transfer.link.rpartition("->")[2]
-
-
-def _version_error(tensor: torch.Tensor, expected: int) -> RuntimeError:
-    # The wording of autograd's own check (torch/csrc/autograd/saved_variable.cpp).
-    name = f"{tensor.type()} {list(tensor.shape)}"
-    grad_fn = tensor.grad_fn
-    origin = f", which is output 0 of {grad_fn.name()}" if grad_fn is not None else ""
-    return RuntimeError(
-        "one of the variables needed for gradient computation has been modified by an inplace operation: "
-        f"[{name}]{origin}, is at version {tensor._version}; expected version {expected} instead. "
-        "Hint: the backtrace further above shows the operation that failed to compute its gradient. "
-        "(tiermem checked this: saved-tensor hooks turn autograd's own check off, TRAPS 1.)"
-    )
 
 
 class ActivationOffloader:
@@ -210,10 +118,7 @@ class ActivationOffloader:
         #: Saved tensors on another device stay where they are (rule 3).
         self._device = registry.device
         self._protected: set[int] = set()
-        self._groups: dict[tuple[int, int], _Group] = {}
-        self._current: _Group | None = None
-        self._forward_id = self.memory.forwards
-        self._last_index = len(self.blocks)
+        self.forwards = Forwards(self.memory.forwards, len(self.blocks))
         self._hooks: list[Any] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
@@ -223,7 +128,7 @@ class ActivationOffloader:
         #: Objects prefetched for backward and not unpacked since, by object id: (object,
         #: its block, the tier it came from, its place in that block's order). A demand
         #: fetch that finds no room may give them back (rule 5).
-        self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], _Group, str, int]] = {}
+        self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], BlockGroup, str, int]] = {}
         #: The backward since the window was last settled: its first and last unpack, and the
         #: runtime's wait total at that settlement (NOTE [ Prefetch window ] rule 3).
         self._backward_span: list[float] = []
@@ -261,7 +166,7 @@ class ActivationOffloader:
                 else:
                     block.__dict__["forward"] = previous
             self._wrapped.clear()
-            self._current = None
+            self.forwards.current = None
             self._settle_window()
             self._drain()  # failures reported by now are warned about at the end of the step
 
@@ -279,49 +184,49 @@ class ActivationOffloader:
         block.forward = forward  # type: ignore[method-assign]
 
     def _recomputing(self, index: int) -> bool:
-        group = self._current
+        group = self.forwards.current
         return group is not None and group.index == index and group.policy is BlockPolicy.RECOMPUTE
 
     # -- block tracking ----------------------------------------------------------------------
     def _block_started(self, index: int) -> Any:
         def hook(_module: nn.Module, args: Any) -> None:
-            if self._in_backward() or not torch.is_grad_enabled():
+            if in_backward() or not torch.is_grad_enabled():
                 return
             with self._lock:
-                if index <= self._last_index:  # a new forward pass begins
+                if index <= self.forwards.last_index:  # a new forward pass begins
                     self._settle_window()  # after a backward in this same context
                     self.memory.forward_started()
-                    self._forward_id = self.memory.forwards
+                    self.forwards.forward_id = self.memory.forwards
                     self._reported.clear()
                     self._prefetched.clear()
-                    self._prune()
-                self._last_index = index
-                group = _Group(
-                    self._forward_id,
+                    self.forwards.prune()
+                self.forwards.last_index = index
+                group = BlockGroup(
+                    self.forwards.forward_id,
                     index,
                     self.policies[index],
                     input_numel=first_tensor_numel(args),
                     flexible=self.flexible[index],
                 )
-                self._groups[(self._forward_id, index)] = group
+                self.forwards.groups[(self.forwards.forward_id, index)] = group
                 self._drain()
                 if group.flexible:
                     group.policy = self._decide(group)
                 group.started = time.perf_counter()
-                self._current = group
+                self.forwards.current = group
 
         return hook
 
     def _block_ended(self, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
-            group = self._current
+            group = self.forwards.current
             if group is None or group.index != index:
                 return
             group.forward_s = time.perf_counter() - group.started
-            self._current = None
+            self.forwards.current = None
             for saved, tensor in group.pending:
                 if tensor._version != saved.version:
-                    saved.modified = _version_error(tensor, saved.version)
+                    saved.modified = version_error(tensor, saved.version)
             group.pending.clear()
             if group.policy is not BlockPolicy.RECOMPUTE:  # a recomputed block saves ~nothing here
                 self.memory.measured(index, group.saved_bytes, group.input_numel)
@@ -329,21 +234,6 @@ class ActivationOffloader:
                 self._adapt(group.forward_id)
 
         return hook
-
-    def _prune(self) -> None:
-        """Forget groups of earlier forwards whose saved tensors autograd has released
-        (or that saved none, e.g. recomputed blocks)."""
-        dead = [
-            key
-            for key, g in self._groups.items()
-            if g.forward_id < self._forward_id and all(ref() is None for ref in g.saved)
-        ]
-        for key in dead:
-            del self._groups[key]
-
-    @staticmethod
-    def _in_backward() -> bool:
-        return torch._C._current_graph_task_id() != -1
 
     # -- fallbacks (NOTE [ Activation fallbacks ]) ------------------------------------------------
     def _device_free(self) -> int:
@@ -357,7 +247,7 @@ class ActivationOffloader:
         room = self._device_free() + self.memory.ledger.inflight_bytes(working)
         return room - self.memory.outside_bytes
 
-    def _decide(self, group: _Group) -> BlockPolicy:
+    def _decide(self, group: BlockGroup) -> BlockPolicy:
         """Rules 3 and 4: this forward's policy for a flexible block, as it starts."""
         planned = group.policy
         if planned is BlockPolicy.RECOMPUTE:
@@ -393,7 +283,7 @@ class ActivationOffloader:
             self.memory.tier_worked(tier)
         for failure in failures:
             self.memory.tier_failed(failure.tier, failure.cause, failure.message)
-            group = self._groups.get((failure.forward_id, failure.index))
+            group = self.forwards.group(failure.forward_id, failure.index)
             if group is not None and group.policy.value == failure.tier:
                 group.policy = BlockPolicy.KEEP
             self._fallback(
@@ -403,7 +293,7 @@ class ActivationOffloader:
                 f"a write-back of {failure.nbytes} bytes to {failure.tier} failed ({failure.message}); "
                 "what did not land stays on the device",
             )
-        current = self._current
+        current = self.forwards.current
         if current is not None and current.policy.offloads:
             outage = self.memory.outage(current.policy.value)
             if outage is not None:
@@ -440,7 +330,7 @@ class ActivationOffloader:
             # A block recomputed by a fallback saved nothing this time: use its last size.
             BlockProfile(g.forward_s, self.memory.estimate(i, g.input_numel) or g.saved_bytes)
             for i in range(len(self.blocks))
-            if (g := self._groups.get((forward_id, i))) is not None
+            if (g := self.forwards.group(forward_id, i)) is not None
         ]
         if len(profile) != len(self.blocks):
             return
@@ -459,7 +349,7 @@ class ActivationOffloader:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pack(self, tensor: torch.Tensor) -> Any:
-        if self._in_backward():
+        if in_backward():
             return tensor  # rule 2
         storage = tensor.untyped_storage()
         if (
@@ -470,7 +360,7 @@ class ActivationOffloader:
             return tensor  # rule 3
         if self.memory.ledger.pending_failures:
             self._drain()
-        group = self._current
+        group = self.forwards.current
         handle = self._register(tensor, group)
         saved = SavedActivation(handle, tensor, group)
         hit = handle.obj.refs > 1
@@ -490,7 +380,7 @@ class ActivationOffloader:
                 self._write_back(handle, group)
         return saved
 
-    def _register(self, tensor: torch.Tensor, group: _Group | None) -> Handle:
+    def _register(self, tensor: torch.Tensor, group: BlockGroup | None) -> Handle:
         try:
             return self.registry.register(tensor, "device", kind="activation")
         except TierCapacityError:
@@ -509,12 +399,12 @@ class ActivationOffloader:
             # cycle through the traceback and keep the block's tensors alive (TRAPS 14).
             return self._spill(tensor, group, exc)
 
-    def _spill(self, tensor: torch.Tensor, group: _Group | None, device_error: TierCapacityError) -> Handle:
+    def _spill(self, tensor: torch.Tensor, group: BlockGroup | None, device_error: TierCapacityError) -> Handle:
         """NOTE [ Activation fallbacks ] rule 5: write a tensor the device cannot hold
         synchronously to another tier, where a fallback may; else the clear error."""
         nbytes = tensor.untyped_storage().nbytes()
         index = group.index if group is not None else -1
-        forward_id = group.forward_id if group is not None else self._forward_id
+        forward_id = group.forward_id if group is not None else self.forwards.forward_id
         tried: list[str] = []
         spill = group.flexible if group is not None else any(self.flexible)
         if spill and self._evict(self.registry.reserved_size("device", nbytes)):
@@ -560,10 +450,11 @@ class ActivationOffloader:
     def _evict(self, needed: int) -> bool:
         """Rule 5: make ``needed`` device bytes free by writing kept blocks of this forward
         out, synchronously, the block backward needs last first. True when it worked."""
-        ours = (g for (f, _), g in self._groups.items() if f == self._forward_id and g is not self._current)
+        forwards = self.forwards
+        ours = (g for (f, _), g in forwards.groups.items() if f == forwards.forward_id and g is not forwards.current)
         candidates = sorted((g for g in ours if g.flexible), key=lambda g: g.index)
         for group in candidates:
-            for handle in self._live_handles(group.saved):
+            for handle in live_handles(group.saved):
                 if self._device_free() >= needed:
                     return True
                 if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
@@ -589,7 +480,7 @@ class ActivationOffloader:
                 )
         return self._device_free() >= needed
 
-    def _spill_tiers(self, group: _Group | None) -> list[str]:
+    def _spill_tiers(self, group: BlockGroup | None) -> list[str]:
         """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""
         order = []
         if group is not None:
@@ -597,7 +488,7 @@ class ActivationOffloader:
         order += ["nvme", "host"]
         return [t for i, t in enumerate(order) if self.registry.has_tier(t) and t not in order[:i]]
 
-    def _write_back(self, handle: Handle, group: _Group) -> None:
+    def _write_back(self, handle: Handle, group: BlockGroup) -> None:
         tier = group.policy.value
         try:
             transfer = handle.move_to(tier, Priority.WRITEBACK)
@@ -625,7 +516,7 @@ class ActivationOffloader:
             raise saved.modified  # rule 5, TRAPS 1
         original = saved.tensor_ref()
         if original is not None and original._version != saved.version:
-            raise _version_error(original, saved.version)
+            raise version_error(original, saved.version)
         handle: Handle = saved.handle
         obj = handle.obj
         group = saved.group
@@ -664,7 +555,7 @@ class ActivationOffloader:
                     self.counters.fetched_bytes[source] += obj.nbytes
         return tensor
 
-    def _demand(self, handle: Handle, group: _Group | None) -> None:
+    def _demand(self, handle: Handle, group: BlockGroup | None) -> None:
         """Start bringing ``handle``'s object back into the device budget for backward, now
         (rule 5). When it does not fit: wait for the write-backs in flight to land, then
         give back prefetched objects backward needs later; the clear error only when it
@@ -692,7 +583,7 @@ class ActivationOffloader:
                 raise error from exc
 
     def _demand_error(
-        self, obj: ManagedObject, source: str, group: _Group | None, exc: TierCapacityError
+        self, obj: ManagedObject, source: str, group: BlockGroup | None, exc: TierCapacityError
     ) -> ActivationMemoryError:
         where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
         unknown = (
@@ -742,7 +633,7 @@ class ActivationOffloader:
                 self.counters.prefetch_released += 1
         return released
 
-    def _prefetch_before(self, group: _Group) -> None:
+    def _prefetch_before(self, group: BlockGroup) -> None:
         """Rule 5: bring back what backward needs next, in that order, and only into free
         device bytes: the rest of this block, then the ``lookahead`` blocks before it,
         each block's tensors in reverse pack order, until the prefetch window's bytes are
@@ -752,10 +643,10 @@ class ActivationOffloader:
         window = self._prefetch_window()
         ahead = self._prefetched_bytes()
         for index in range(group.index, max(group.index - 1 - self.lookahead, -1), -1):
-            earlier = self._groups.get((group.forward_id, index))
+            earlier = self.forwards.group(group.forward_id, index)
             if earlier is None or earlier.prefetched:
                 continue
-            for order, handle in enumerate(self._live_handles(earlier.saved[::-1])):
+            for order, handle in enumerate(live_handles(earlier.saved[::-1])):
                 source = handle.tier
                 if source == "device":
                     obj = handle.obj
@@ -821,9 +712,3 @@ class ActivationOffloader:
             self.memory.prefetch_window, waited, span[1] - span[0], self._window_cap()
         )
 
-    @staticmethod
-    def _live_handles(refs: Sequence[weakref.ref[SavedActivation]]) -> Iterator[Handle]:
-        for ref in refs:
-            saved = ref()
-            if saved is not None and not saved.handle._freed:
-                yield saved.handle
