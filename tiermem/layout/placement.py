@@ -36,9 +36,9 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.units import ALIGNMENT, format_size, parse_size, round_up
@@ -394,3 +394,58 @@ def _check_fits(
 
 def normalize_chunk_size(size: int) -> int:
     return round_up(size, ALIGNMENT)
+
+
+def chunk_sizes(request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]]) -> list[int]:
+    """The chunk sizes to try: the requested one (at least ``largest``, the largest parameter's
+    bytes; rounded up to ``ALIGNMENT``), else ``candidates()`` (NOTE [ Chunk layout rules ] rule 5)."""
+    if request.chunk_size is None:
+        return list(candidates())
+    if request.chunk_size < largest:
+        raise PlanError(
+            f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
+        )
+    return [normalize_chunk_size(request.chunk_size)]
+
+
+Layouts = TypeVar("Layouts")
+
+
+def choose_layout(
+    sizes: Sequence[int],
+    pack: Callable[[int], Layouts],
+    needs: Callable[[Layouts], tuple[Sequence[ChunkNeeds], int]],
+    waste: Callable[[Layouts, int], int],
+    *,
+    budgets: Budgets,
+    request: PlanRequest,
+    grads_stream: bool = False,
+) -> tuple[Layouts, Plan]:
+    """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
+    :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
+    buffers); of the sizes whose plan fits, the one that ``waste`` s least, the larger on a
+    tie (fewer, larger transfers). Raises the first size's error when none fits."""
+    best: tuple[int, int, Layouts, Plan] | None = None
+    first_error: Exception | None = None
+    for size in sizes:
+        layouts = pack(size)
+        chunk_needs, min_buffers = needs(layouts)
+        try:
+            plan = decide(
+                chunk_needs,
+                chunk_size=size,
+                min_buffers=min_buffers,
+                budgets=budgets,
+                request=request,
+                grads_stream=grads_stream,
+            )
+        except (StatesMemoryError, PlanError) as exc:
+            first_error = first_error or exc
+            continue
+        lost = waste(layouts, size)
+        if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
+            best = (lost, size, layouts, plan)
+    if best is None:
+        assert first_error is not None
+        raise first_error
+    return best[2], best[3]

@@ -103,7 +103,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
-from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, normalize_chunk_size, parse_plan
+from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, choose_layout, chunk_sizes, parse_plan
 from tiermem.registry import Registry
 from tiermem.states import core
 from tiermem.states.backward import BackwardMixin
@@ -289,40 +289,16 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         budgets = Budgets(
             **{name: self.registry.free_bytes(name) + held.get(name, 0) for name in ("device", "host", "nvme")}
         )
-        request = self._request
-        if request.chunk_size is not None:
-            largest = max(info.nbytes for info in self._info)
-            if request.chunk_size < largest:
-                raise PlanError(
-                    f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
-                )
-            sizes = [normalize_chunk_size(request.chunk_size)]
-        else:
-            sizes = size_candidates(self._info)
-        best: tuple[int, int, list[ChunkLayout], Plan] | None = None
-        first_error: Exception | None = None
-        for size in sizes:
-            layouts = pack(self._info, order, size)
-            try:
-                plan = decide(
-                    self._needs(layouts),
-                    chunk_size=size,
-                    min_buffers=self._min_buffers(layouts),
-                    budgets=budgets,
-                    request=request,
-                    grads_stream=self._grads_stream,
-                )
-            except (StatesMemoryError, PlanError) as exc:
-                first_error = first_error or exc
-                continue
-            lost = waste(layouts, size)
-            if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
-                best = (lost, size, layouts, plan)
-        if best is None:
-            assert first_error is not None
-            raise first_error
-        _, _, layouts, plan = best
-        return layouts, plan
+        largest = max(info.nbytes for info in self._info)
+        return choose_layout(
+            chunk_sizes(self._request, largest, lambda: size_candidates(self._info)),
+            lambda size: pack(self._info, order, size),
+            lambda layouts: (self._needs(layouts), self._min_buffers(layouts)),
+            waste,
+            budgets=budgets,
+            request=self._request,
+            grads_stream=self._grads_stream,
+        )
 
     def _needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
         return [
