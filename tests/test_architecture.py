@@ -16,9 +16,12 @@ LEAVES = {"tiermem", "tiermem.errors", "tiermem.units"}
 PLANNER_PURE = {
     "tiermem.planner",
     "tiermem.planner.activation_costs",
+    "tiermem.planner.candidates",
     "tiermem.planner.costmodel",
     "tiermem.planner.errors",
     "tiermem.planner.profile",
+    "tiermem.planner.raises",
+    "tiermem.planner.scan",
     "tiermem.planner.state_costs",
 }
 

@@ -1,4 +1,7 @@
 """The search: the fastest plan whose predicted peaks fit every tier. Pure (profile + budgets in).
+Rules 1 and 2 enumerate in :mod:`~tiermem.planner.candidates`, rules 1-3 scan and pick in
+:mod:`~tiermem.planner.scan`, rules 4 and 5 are in :mod:`~tiermem.planner.raises`; this module
+runs them and explains the plan (and re-exports their public names).
 
 # NOTE [ Plan search ]
 1. Dimensions: chunk size (the chunk-size candidates of NOTE [ Chunk layout rules ] rule 5,
@@ -45,53 +48,51 @@
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
-from tiermem.layout.activation_policy import BlockProfile, adaptive_keep
-from tiermem.layout.chunks import ParamInfo, pack, size_candidates
-from tiermem.layout.placement import BLOCK_POLICIES, ChunkNeeds, Plan, Prediction, normalize_chunk_size
+from tiermem.layout.placement import Plan, Prediction
+from tiermem.planner.candidates import (
+    MAX_SIZES,
+    ActivationCandidate,
+    activation_candidates,
+    fixed_policies,
+    packings,
+    pareto,
+)
 from tiermem.planner.costmodel import (
     FRAGMENTATION_MARGIN,
     TIERS,
     Estimate,
-    Packing,
     StatesChoice,
-    StatesCost,
     activation_cost,
-    activation_overhead_s,
     combine,
-    fastest_fitting,
-    predict,
     states_cost,
-    states_overhead_s,
 )
-from tiermem.planner.errors import NoPlanFitsError, format_size_up
 from tiermem.planner.profile import Profile
-from tiermem.errors import PlanError
+from tiermem.planner.raises import GALLOP_TRIES, IN_TURN_TRIES, NARROW_TRIES, WIDEN_TRIES, no_fit
+from tiermem.planner.scan import FINALISTS, MAX_EXACT, Space
 from tiermem.units import format_size
 
-MAX_SIZES = 12
-"""Rule 1: chunk sizes tried at most (spread over the candidates)."""
-FINALISTS = 24
-"""Rule 3."""
-MAX_EXACT = 2000
-"""Rule 3: full predictions at most (each costs O(blocks + chunks))."""
-
-GALLOP_TRIES = 8
-"""Rule 5: candidate capacities tried before widening the raise."""
-IN_TURN_TRIES = 3
-"""Rule 5: of those, the first tried in turn before galloping."""
-WIDEN_TRIES = 10
-"""Rule 5: doublings of the raise tried past the candidates before giving up on one tier."""
-NARROW_TRIES = 8
-"""Rule 5: bisection steps between a raise that failed and one that fits."""
+__all__ = [
+    "FINALISTS",
+    "GALLOP_TRIES",
+    "IN_TURN_TRIES",
+    "MAX_EXACT",
+    "MAX_SIZES",
+    "NARROW_TRIES",
+    "WIDEN_TRIES",
+    "ActivationCandidate",
+    "Decision",
+    "activation_candidates",
+    "combine_for",
+    "explain",
+    "fixed_policies",
+    "packings",
+    "pareto",
+    "search",
+]
 
 
 @dataclass(frozen=True)
@@ -105,338 +106,6 @@ class Decision:
     considered: int
     policies_family: str = ""
     extra: Mapping[str, object] = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class _Act:
-    policies: tuple[str, ...]
-    family: str
-    device: int
-    host: int
-    nvme: int
-    time: float
-
-
-def packings(
-    profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_stream: bool = False
-) -> list[Packing]:
-    """Rule 1: one packing per chunk size, in the profile's execution order (``grads_stream``:
-    NOTE [ Default placement rule ] rule 3)."""
-    infos = [ParamInfo(p.nbytes, (p.nbytes,), torch.uint8, p.trainable) for p in profile.params]
-    if chunk_sizes is None:
-        sizes = size_candidates(infos)
-        if len(sizes) > MAX_SIZES:
-            step = (len(sizes) - 1) / (MAX_SIZES - 1)
-            sizes = sorted({sizes[round(i * step)] for i in range(MAX_SIZES)})
-    else:
-        sizes = [normalize_chunk_size(s) for s in chunk_sizes]
-    result = []
-    for size in sizes:
-        layouts = pack(infos, profile.order, size)
-        needs = []
-        for layout in layouts:
-            sections = max((profile.params[s.index].sections for s in layout.slots), default=0)
-            needs.append(ChunkNeeds(layout.nbytes, layout.trainable, sections))
-        where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
-        span = max((len({where[i] for i in module}) for module in profile.modules if module), default=1)
-        shared = len({where[i] for i in profile.shared})
-        stages = None
-        if profile.param_block:
-            # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
-            stages = [max(profile.param_block[s.index] for s in layout.slots) for layout in layouts]
-        result.append(Packing(size, needs, span + shared, shared, stages, grads_stream))
-    return result
-
-
-def fixed_policies(profile: Profile, block_policy: str | Sequence[str]) -> tuple[str, ...]:
-    """A caller's activation policy (one name for every block, or one per block) as one per
-    block; raises ``PlanError`` when it names an unknown policy or the wrong number of blocks."""
-    count = len(profile.blocks)
-    policies = (block_policy,) * count if isinstance(block_policy, str) else tuple(block_policy)
-    unknown = sorted(set(policies) - set(BLOCK_POLICIES))
-    if unknown or len(policies) != count:
-        raise PlanError(
-            f"tiermem planner: block_policy must be one of {'|'.join(BLOCK_POLICIES)} or a list of them, one per "
-            f"activation block ({count} blocks), got {list(policies)!r}"
-        )
-    return policies
-
-
-def activation_candidates(profile: Profile, block_policy: str | Sequence[str] | None = None) -> list[_Act]:
-    """Rule 2 (``block_policy``: the one candidate the caller fixed)."""
-    count = len(profile.blocks)
-    memcpy_bw = profile.memcpy_bw or math.inf
-    has_nvme = bool(profile.links.get("device->nvme"))
-    families: list[tuple[str, tuple[str, ...]]] = [("keep", ("keep",) * count)]
-    if block_policy is not None:
-        fixed = fixed_policies(profile, block_policy)
-        families = [(f"fixed by the caller ({', '.join(sorted(set(fixed)))})", fixed)]
-        kinds: list[str] = []
-    else:
-        kinds = ["recompute", "host"] + (["nvme"] if has_nvme else [])
-    for kept in range(count if kinds else 0):
-        for kind in kinds:
-            families.append((f"{kind}, last {kept} kept", (kind,) * (count - kept) + ("keep",) * kept))
-    if has_nvme and count and block_policy is None:
-        write_bw = profile.links["device->nvme"]
-        read_bw = profile.links.get("nvme->device") or write_bw
-        tba = adaptive_keep([BlockProfile(b.forward_s, b.saved_bytes) for b in profile.blocks], write_bw, read_bw)
-        families.append((f"TBA adaptive keep (last {tba} kept)", ("nvme",) * (count - tba) + ("keep",) * tba))
-        # NVMe where the I/O hides, recompute where it would stall (coarse grid over the split).
-        step = max(1, count // 10)
-        for kept in range(0, count, step):
-            for split in range(0, count - kept, step):
-                policies = ("nvme",) * split + ("recompute",) * (count - kept - split) + ("keep",) * kept
-                families.append((f"nvme then recompute, last {kept} kept", policies))
-    seen: set[tuple[str, ...]] = set()
-    result = []
-    for family, policies in families:
-        if policies in seen:
-            continue
-        seen.add(policies)
-        cost = activation_cost(profile, policies)
-        time = cost.recompute_s + cost.stall_s + cost.memcpy_bytes / memcpy_bw
-        if profile.cpu:
-            time += cost.nvme_bytes_moved / memcpy_bw  # staging copies share the cores (TRAPS 7)
-        time += activation_overhead_s(profile, cost)
-        result.append(_Act(policies, family, cost.device_demand, cost.host_bytes, cost.nvme_bytes, time))
-    return result
-
-
-def pareto(acts: Sequence[_Act]) -> list[_Act]:
-    """Entries no other beats on device, host and NVMe bytes and time at once, by device bytes
-    ascending (rule 2). Not on device and time alone: an entry offloading to the host beats one
-    offloading to NVMe there, yet only the NVMe one fits a small host (measured: a 200M GPT at
-    10% device and host found no plan while the mechanism's own rule ran it)."""
-    ordered = sorted(acts, key=lambda a: (a.device, a.time, a.host, a.nvme))
-    if not ordered:
-        return []
-    points = np.array([(a.device, a.host, a.nvme, a.time) for a in ordered], dtype=np.float64)
-    keep = np.ones(len(ordered), dtype=bool)
-    for i, point in enumerate(points):
-        # Beaten: another entry no worse anywhere and better somewhere (duplicates keep the first).
-        no_worse = np.all(points <= point, axis=1)
-        better = np.any(points < point, axis=1)
-        beaten = no_worse & (better | (np.arange(len(points)) < i))
-        beaten[i] = False
-        keep[i] = not beaten.any()
-    return [act for act, kept in zip(ordered, keep, strict=True) if kept]
-
-
-@dataclass(frozen=True)
-class _Row:
-    """One states choice the scan evaluated at some capacities (rule 4 reads them back)."""
-
-    key: tuple[int, int, int, int]  # packing index, persistent, buffers, host_end
-    choice: StatesChoice
-    states: StatesCost
-    time: float
-    #: device bytes left for activations under the separable bound; -1: the gradients do not fit
-    room: float
-    fits_reserve: bool
-
-
-@dataclass
-class _Scan:
-    caps: Mapping[str, int]
-    rows: list[_Row]
-    #: (separable time, tie, row, front index): one per row whose fastest room-fitting entry
-    #: (walking down to the first whose host and NVMe bytes fit) exists
-    feasible: list[tuple[float, int, _Row, int]]
-    closest: tuple[float, StatesChoice, _Act] | None
-
-
-class _Space:
-    """The candidates of rules 1 and 2, which do not depend on the capacities, with the states
-    costs and full predictions computed so far: rule 4 scans again at raised capacities and
-    reuses them."""
-
-    def __init__(
-        self,
-        profile: Profile,
-        *,
-        chunk_sizes: Sequence[int] | None,
-        margin: float,
-        block_policy: str | Sequence[str] | None,
-        grads_stream: bool,
-    ) -> None:
-        self.profile = profile
-        self.margin = margin
-        self.front = pareto(activation_candidates(profile, block_policy))
-        self.front_keys = [(a.device, a.time, i) for i, a in enumerate(self.front)]
-        self._front_devices = [a.device for a in self.front]
-        # Rule 2: a row takes the fastest entry within its room whose host and NVMe bytes fit.
-        by_time = sorted(range(len(self.front)), key=lambda i: (self.front[i].time, self.front[i].device))
-        self._by_time = np.array(by_time, dtype=np.int64)
-        self._by_time_bytes = np.array(
-            [(self.front[i].device, self.front[i].host, self.front[i].nvme) for i in by_time], dtype=np.float64
-        ).reshape(-1, 3)
-        self.packings = packings(profile, chunk_sizes, grads_stream)
-        self._memcpy_bw = profile.memcpy_bw or math.inf
-        self._read_bw = profile.links.get("nvme->device") or math.inf
-        self._compute_s = profile.compute_s
-        self._states: dict[tuple[int, int, int, int], tuple[StatesChoice, StatesCost, float]] = {}
-        self._exact: dict[tuple[tuple[int, int, int, int], int], Estimate] = {}
-        self._pareto: list[tuple[tuple[int, int], ...]] | None = None
-        self._host_steps: dict[int, tuple[list[int], list[int]]] = {}
-        self._choices: dict[int, list[tuple[tuple[int, int, int, int], StatesChoice, StatesCost, float]]] = {}
-
-    def states(self, key: tuple[int, int, int, int]) -> tuple[StatesChoice, StatesCost, float]:
-        """A states choice, its cost and its separable time (memoised)."""
-        hit = self._states.get(key)
-        if hit is None:
-            k, persistent, buffers, host_end = key
-            profile = self.profile
-            choice = StatesChoice(self.packings[k], persistent, buffers, host_end)
-            states = states_cost(profile, choice, timeline=False)
-            memcpy_bw = self._memcpy_bw
-            nvme_reads = states.nvme_read_forward + states.nvme_read_backward
-            time = (
-                states.optimizer_s
-                + states.memcpy_bytes / memcpy_bw
-                + (nvme_reads + states.nvme_step_bytes) * (1 / memcpy_bw if profile.cpu else 0.0)
-                + max(0.0, nvme_reads / self._read_bw - self._compute_s)
-                + states_overhead_s(profile, states.streamed_chunks)
-            )
-            hit = self._states[key] = (choice, states, time)
-        return hit
-
-    def exact(self, row: _Row, index: int) -> Estimate:
-        """Rule 3's full prediction of a row with front entry ``index`` (memoised)."""
-        estimate = self._exact.get((row.key, index))
-        if estimate is None:
-            estimate = predict(self.profile, row.choice, self.front[index].policies)
-            self._exact[(row.key, index)] = estimate
-        return estimate
-
-    def choices(self, host_usable: int) -> list[tuple[tuple[int, int, int, int], StatesChoice, StatesCost, float]]:
-        """Rule 1 at a host budget: every states choice (its key, cost and separable time);
-        memoised, since only the host budget moves host_end."""
-        hit = self._choices.get(host_usable)
-        if hit is None:
-            hit = []
-            for k, packing in enumerate(self.packings):
-                n = packing.chunks
-                for persistent in range(n + 1):
-                    streamed = n - persistent
-                    low = min(packing.min_buffers, streamed)
-                    options = {low, min(packing.min_buffers + 1, streamed), streamed} if streamed else {0}
-                    host_end = packing.host_end(persistent, host_usable) if streamed else n
-                    for buffers in sorted(options):
-                        key = (k, persistent, buffers, host_end)
-                        hit.append((key, *self.states(key)))
-            self._choices[host_usable] = hit
-        return hit
-
-    def scan(self, caps: Mapping[str, int]) -> _Scan:
-        """Rules 1 and 2 at ``caps``: every states choice, and the front entry each can take."""
-        usable = {t: caps[t] / (1 + self.margin) for t in TIERS}
-        front = self.front
-        rows: list[_Row] = []
-        feasible: list[tuple[float, int, _Row, int]] = []
-        closest: tuple[float, StatesChoice, _Act] | None = None
-        for key, choice, states, states_time in self.choices(int(usable["host"])):
-            # The separable bound: gradients coexist with activations' peak or come after it.
-            room = usable["device"] - states.static_device - states.grad_in_flight
-            room = room if states.grad_total <= room else -1
-            fits_reserve = states.reserve_device_bytes <= caps["device"]
-            row = _Row(key, choice, states, states_time, room, fits_reserve)
-            rows.append(row)
-            index = self._fastest_fitting(room, usable, states) if fits_reserve else -1
-            if index >= 0:
-                feasible.append((states_time + front[index].time, len(feasible), row, index))
-            else:
-                least = front[0]
-                over = _overshoot(
-                    states.static_device + states.grad_in_flight + max(least.device, states.grad_total),
-                    states.host_bytes + least.host,
-                    states.nvme_bytes + least.nvme,
-                    usable,
-                )
-                over = max(over, states.reserve_device_bytes / max(caps["device"], 1))
-                if closest is None or over < closest[0]:
-                    closest = (over, choice, least)
-        return _Scan(caps, rows, feasible, closest)
-
-    def _fastest_fitting(self, room: float, usable: Mapping[str, float], states: StatesCost) -> int:
-        """The front index of the fastest entry within ``room`` whose host and NVMe bytes fit
-        beside ``states``'; -1 when none does."""
-        if not len(self._by_time):
-            return -1
-        limits = np.array(
-            [int(room), usable["host"] - states.host_bytes, usable["nvme"] - states.nvme_bytes], dtype=np.float64
-        )
-        fitting = np.all(self._by_time_bytes <= limits, axis=1)
-        first = int(np.argmax(fitting))
-        return int(self._by_time[first]) if fitting[first] else -1
-
-    def pick(
-        self, scan: _Scan, caps: Mapping[str, int], enough: int = FINALISTS
-    ) -> tuple[tuple[float, int, _Row, int, Estimate] | None, list[tuple[_Row, int, Estimate]]]:
-        """Rule 3: the fastest of the first ``enough`` feasible candidates that fit in full, and
-        the candidates that did not fit before it stopped."""
-        best: tuple[float, int, _Row, int, Estimate] | None = None
-        failed: list[tuple[_Row, int, Estimate]] = []
-        fitting = 0
-        for _, _, row, index in heapq.nsmallest(MAX_EXACT, scan.feasible):
-            estimate = self.exact(row, index)
-            if not estimate.fits(caps, self.margin):
-                failed.append((row, index, estimate))
-                continue
-            key = (estimate.step_s, estimate.peak_bytes["device"])
-            if best is None or key < (best[0], best[1]):
-                best = (estimate.step_s, estimate.peak_bytes["device"], row, index, estimate)
-            fitting += 1
-            if fitting >= enough:
-                break
-        return best, failed
-
-    def fits(self, caps: Mapping[str, int]) -> tuple[bool, _Scan, list[tuple[_Row, int, Estimate]]]:
-        """Whether ``search`` at ``caps`` returns a plan (the same scan and pick, stopping at
-        the first fit)."""
-        scan = self.scan(caps)
-        best, failed = self.pick(scan, caps, enough=1)
-        return best is not None, scan, failed
-
-    def least_host_end(self, packing: Packing, persistent: int, nvme_room: float, host: int) -> int | None:
-        """The least host_end at which the streamed chunks' NVMe homes fit ``nvme_room`` and the
-        host capacity that makes the scan take it holds ``host`` more bytes (None: none)."""
-        if nvme_room < 0:
-            return None
-        n = packing.chunks
-        if persistent == n:
-            return n
-        homes = packing._home
-        end = bisect.bisect_left(homes, homes[n] - nvme_room, persistent, n + 1)
-        steps = self._host_steps.get(id(packing))
-        if steps is None:
-            # host_bytes(p, h + 1) - host_bytes(p, h) does not depend on p, and its suffix maxima
-            bytes_at = [packing.host_bytes(0, h) for h in range(n + 1)]
-            increments = [bytes_at[h + 1] - bytes_at[h] for h in range(n)]
-            suffix = [0] * (n + 1)
-            for h in range(n - 1, -1, -1):
-                suffix[h] = max(suffix[h + 1], increments[h])
-            steps = self._host_steps[id(packing)] = (increments, suffix)
-        increments, suffix = steps
-        if suffix[end] <= host:
-            return n
-        while increments[end] <= host:
-            end += 1
-        return end
-
-    def front_pareto(self) -> list[tuple[tuple[int, int], ...]]:
-        """Per front prefix ``0..i``: the (NVMe bytes, host bytes) pairs no other entry of the
-        prefix beats on both."""
-        if self._pareto is None:
-            result: list[tuple[tuple[int, int], ...]] = []
-            current: list[tuple[int, int]] = []
-            for act in self.front:
-                point = (act.nvme, act.host)
-                if not any(n <= point[0] and h <= point[1] for n, h in current):
-                    current = [(n, h) for n, h in current if not (point[0] <= n and point[1] <= h)] + [point]
-                result.append(tuple(current))
-            self._pareto = result
-        return self._pareto
 
 
 def search(
@@ -453,7 +122,7 @@ def search(
     states are searched around it. ``grads_stream``: the loop frees NVMe
     chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
     caps = {t: int(capacities[t]) for t in TIERS}
-    space = _Space(
+    space = Space(
         profile,
         chunk_sizes=chunk_sizes,
         margin=margin,
@@ -467,7 +136,7 @@ def search(
         if failed and (closest is None or closest[0] > 1.0):
             row, index, _ = failed[0]
             closest = (1.0, row.choice, space.front[index])
-        raise _no_fit(space, caps, scan, failed, closest)
+        raise no_fit(space, caps, scan, failed, closest)
     _, _, row, index, estimate = best
     choice, act = row.choice, space.front[index]
     estimate = estimate.within(caps)
@@ -492,221 +161,6 @@ def search(
         considered=len(scan.rows) * len(space.front),
         policies_family=act.family,
     )
-
-
-def _overshoot(device: float, host: float, nvme: float, usable: Mapping[str, float]) -> float:
-    return max(device / max(usable["device"], 1), host / max(usable["host"], 1), nvme / max(usable["nvme"], 1))
-
-
-def _capacity_for(need: float, margin: float) -> int:
-    """The least capacity that holds ``need`` bytes with the margin, both ways the search checks
-    it (``need * (1 + margin) <= capacity`` and ``need <= capacity / (1 + margin)``)."""
-    capacity = max(0, math.ceil(need * (1 + margin)))
-    while capacity / (1 + margin) < need or need * (1 + margin) > capacity:
-        capacity += 1
-    return capacity
-
-
-def _lower_bounds(space: _Space, rows: Sequence[_Row], caps: Mapping[str, int], tier: str) -> list[int]:
-    """Rule 5 step 1: per scanned states choice, the least capacity of ``tier`` below which it
-    cannot be feasible with only ``tier`` raised, whichever front entry it takes. Sorted."""
-    margin, front = space.margin, space.front
-    prefixes = space.front_pareto()
-    usable = {t: caps[t] / (1 + margin) for t in TIERS}
-    bounds: list[int] = []
-    for row in rows:
-        states = row.states
-        if tier == "device":
-            # The host and NVMe are as scanned: the first front entry whose bytes fit them.
-            def fits(i: int, states: StatesCost = states) -> bool:
-                return any(
-                    states.host_bytes + h <= usable["host"] and states.nvme_bytes + n <= usable["nvme"]
-                    for n, h in prefixes[i]
-                )
-
-            if not front or not fits(len(front) - 1):
-                continue
-            lo, hi = 0, len(front) - 1
-            while lo < hi:
-                mid = (lo + hi) // 2
-                lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-            need = states.static_device + states.grad_in_flight + max(states.grad_total, front[lo].device)
-            bounds.append(max(_capacity_for(need, margin), states.reserve_device_bytes))
-            continue
-        # The device is as scanned: the row takes a front entry within its room.
-        index = fastest_fitting(space.front_keys, int(row.room)) if row.fits_reserve else None
-        if index is None:
-            continue
-        if tier == "nvme":
-            options = [states.nvme_bytes + n for n, h in prefixes[index] if states.host_bytes + h <= usable["host"]]
-        else:
-            # host_end follows the host capacity: the scan takes the longest prefix of homes
-            # the host holds, so an entry with host bytes fits only in the slack that prefix
-            # leaves (less than the next chunk's increment), or once every chunk is home.
-            packing, persistent = row.choice.packing, row.choice.persistent
-            options = []
-            for nvme, host in prefixes[index]:
-                end = space.least_host_end(packing, persistent, usable["nvme"] - nvme, host)
-                if end is not None:
-                    options.append((packing.host_bytes(persistent, end) if persistent < packing.chunks else 0) + host)
-        if options:
-            bounds.append(_capacity_for(min(options), margin))
-    return sorted(bounds)
-
-
-def _changes(space: _Space, scan: _Scan, failed: Sequence[tuple[_Row, int, Estimate]], tier: str) -> list[int]:
-    """Rule 5 step 2: capacities of ``tier`` above those of ``scan`` at which its outcome can
-    change. Per candidate that failed in full (only the device differs between the separable
-    bound and the full prediction): the device it needs; the host at which its host_end takes
-    in another chunk (fewer NVMe reads, less device) or a front entry with more host bytes
-    fits; the NVMe at which one with more NVMe bytes fits. For the host, per states choice
-    too: where its host_end moves, and where the first entry fits the slack it leaves."""
-    margin, front = space.margin, space.front
-    changes: list[int] = []
-    for row, _, estimate in failed:
-        states = row.states
-        if tier == "device":
-            changes.append(max(_capacity_for(estimate.needed()["device"], margin), estimate.reserve_device_bytes))
-            continue
-        entries = front[: bisect.bisect_right(space._front_devices, int(row.room))]
-        if tier == "host":
-            packing, persistent, host_end = row.choice.packing, row.choice.persistent, row.choice.host_end
-            if persistent < packing.chunks:
-                changes += (
-                    _capacity_for(packing.host_bytes(persistent, end), margin)
-                    for end in range(host_end + 1, packing.chunks + 1)
-                )
-            changes += {_capacity_for(states.host_bytes + act.host, margin) for act in entries if act.host}
-        else:
-            changes += {_capacity_for(states.nvme_bytes + act.nvme, margin) for act in entries if act.nvme}
-    if tier == "host" and scan.rows:
-        prefixes = space.front_pareto()
-        nvme_usable = scan.caps["nvme"] / (1 + margin)
-        for row in scan.rows:
-            index = bisect.bisect_right(space._front_devices, int(row.room)) - 1 if row.fits_reserve else -1
-            if index < 0:
-                continue
-            states, choice = row.states, row.choice
-            if choice.persistent < choice.host_end < choice.packing.chunks:
-                changes.append(_capacity_for(choice.packing.host_bytes(choice.persistent, choice.host_end + 1), margin))
-            hosts = [h for n, h in prefixes[index] if states.nvme_bytes + n <= nvme_usable]
-            if hosts:
-                changes.append(_capacity_for(states.host_bytes + min(hosts), margin))
-    return changes
-
-
-def _raise_alone(
-    space: _Space, scan: _Scan, failed: Sequence[tuple[_Row, int, Estimate]], caps: Mapping[str, int], tier: str
-) -> int | None:
-    """Rule 5: the least capacity of ``tier``, the others as given, at which ``search`` returns
-    a plan (None when none was found)."""
-    bounds = _lower_bounds(space, scan.rows, caps, tier)
-    if not bounds:
-        return None
-    have = caps[tier]
-    low = max(have, bounds[0] - 1)  # no plan fits below the least bound
-    candidates = sorted({c for c in bounds + _changes(space, scan, failed, tier) if c > low})
-    high = None
-    stride, tries = 1, 0
-    # The next candidates in turn (a failure's own needs are often the answer), then galloping:
-    # the 2nd, 4th, 8th... above the last that failed.
-    while candidates and tries < GALLOP_TRIES:
-        probe = candidates[min(stride, len(candidates)) - 1]
-        tries += 1
-        ok, again, failures = space.fits({**caps, tier: probe})
-        if ok:
-            high = probe
-            break
-        low, stride = probe, stride * 2 if tries >= IN_TURN_TRIES else 1
-        candidates = sorted({c for c in candidates + _changes(space, again, failures, tier) if c > low})
-    widened = high is None
-    if widened:
-        # Past the candidates: double the raise until a plan fits.
-        step = max(low - have, have // 16, 1 << 20)
-        for _ in range(WIDEN_TRIES):
-            probe = low + step
-            if space.fits({**caps, tier: probe})[0]:
-                high = probe
-                break
-            low, step = probe, 2 * step
-        if high is None:
-            return None
-    # Bisect between the last failure and the fit: over the candidates between them; after
-    # widening, over the interval.
-    for _ in range(NARROW_TRIES):
-        between = [c for c in candidates if low < c < high]
-        if between:
-            probe = between[len(between) // 2]
-        elif widened and high - low > 1:
-            probe = (low + high) // 2
-        else:
-            break
-        if space.fits({**caps, tier: probe})[0]:
-            high = probe
-        else:
-            low = probe
-    return high
-
-
-def _raise_together(space: _Space, caps: Mapping[str, int], short: Mapping[str, int]) -> dict[str, int] | None:
-    """Rule 4: raises of several tiers together with which ``search`` returns a plan: the
-    closest plan's shortfalls where they suffice, else those with one tier raised further by
-    the least that fits (rule 5 from there; the cheapest as a fraction of the tier)."""
-    raised = {t: caps[t] + short[t] for t in TIERS}
-    if not any(short.values()):
-        return None
-    ok, scan, failed = space.fits(raised)
-    if ok:
-        return {t: short[t] for t in TIERS if short[t]}
-    best: tuple[float, dict[str, int]] | None = None
-    for tier in TIERS:
-        target = _raise_alone(space, scan, failed, raised, tier)
-        if target is None:
-            continue
-        extra = (target - raised[tier]) / max(caps[tier], 1)
-        if best is None or extra < best[0]:
-            best = (extra, {t: r for t, r in {**short, tier: target - caps[tier]}.items() if r})
-    return None if best is None else best[1]
-
-
-def _no_fit(
-    space: _Space,
-    caps: Mapping[str, int],
-    scan: _Scan,
-    failed: Sequence[tuple[_Row, int, Estimate]],
-    closest: tuple[float, StatesChoice, _Act] | None,
-) -> NoPlanFitsError:
-    """Rules 4 and 5."""
-    if closest is None:
-        return NoPlanFitsError({t: 0 for t in TIERS}, dict(caps), {}, ["the model has no parameters to place"])
-    _, choice, act = closest
-    estimate = predict(space.profile, choice, act.policies)
-    # Not Estimate.shortfall: it rounds need * (1 + margin) down, so a plan over by less than a
-    # byte lacks "0" everywhere and raising by its figures leaves it over.
-    need = estimate.needed()
-    short = {t: max(0, _capacity_for(need[t], space.margin) - caps[t]) for t in TIERS}
-    short["device"] = max(short["device"], estimate.reserve_device_bytes - caps["device"])
-    targets = {t: _raise_alone(space, scan, failed, caps, t) for t in TIERS}
-    alone = {t: target - caps[t] for t, target in targets.items() if target is not None}
-    smaller = "use a smaller batch (activations) or a smaller model"
-    together = None
-    if alone:
-        advice = [
-            f"raise [{t}] capacity{' (or add paths)' if t == 'nvme' else ''} by at least {format_size_up(r)} "
-            f"(to {format_size_up(caps[t] + r)})"
-            for t, r in sorted(alone.items(), key=lambda item: (item[1] / max(caps[item[0]], 1), item[0]))
-        ]
-        advice.append(smaller)
-    else:
-        together = _raise_together(space, caps, short)
-        raises = together or {t: short[t] for t in TIERS if short[t]}
-        parts = [
-            f"[{t}] capacity by at least {format_size_up(r)} (to {format_size_up(caps[t] + r)})"
-            for t, r in raises.items()
-        ]
-        together_word = " together" if len(parts) > 1 else ""
-        advice = [f"raise {' and '.join(parts)}{together_word}, or {smaller}" if parts else smaller]
-    return NoPlanFitsError(short, dict(caps), need, advice, raise_alone=alone, raise_together=together)
 
 
 def explain(
