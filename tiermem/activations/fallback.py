@@ -52,17 +52,25 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 from collections.abc import Sequence
 
 import torch
 
+from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.ledger import WriteFailure, WriteLedger, failure_cause
 from tiermem.activations.memory import MAX_OUTAGE_FORWARDS, ModelMemory, Outage
+from tiermem.activations.saved import BlockGroup, Forwards, live_handles
+from tiermem.errors import StorageError, TierCapacityError, TiermemError
 from tiermem.layout.activation_policy import BlockPolicy
+from tiermem.registry import Handle, ObjectState, Priority, Registry
 
 # The ledger, the outages and the model memory lived here: importable from here still.
 __all__ = [
     "MAX_OUTAGE_FORWARDS",
+    "ActivationMemoryError",
+    "Fallbacks",
     "ModelMemory",
     "Outage",
     "WriteFailure",
@@ -71,6 +79,14 @@ __all__ = [
     "failure_cause",
     "first_tensor_numel",
 ]
+
+log = logging.getLogger("tiermem.activations")
+
+
+class ActivationMemoryError(TiermemError, MemoryError):
+    """Raised when a saved activation fits nowhere: not in the device budget after the
+    write-backs in flight landed, and no other tier would take it (NOTE [ Activation
+    fallbacks ] rule 5); or when backward cannot bring one back into the device budget."""
 
 
 def first_tensor_numel(args: Sequence[object]) -> int:
@@ -94,3 +110,233 @@ def decide(planned: BlockPolicy, outage_cause: str | None, expected: int | None,
     if planned.offloads and outage_cause is not None:
         return BlockPolicy.KEEP, f"{cause}->keep"
     return planned, ""
+
+
+class Fallbacks:
+    """The fallbacks of one offloader, acted on (rules 1 to 6): a block's policy decided as it
+    starts, the write ledger's news drained, saved tensors registered on the device or
+    evicted and spilled to make them fit, and every fallback reported once.
+
+    ``policies`` is the offloader's own list (adaptive keep updates it in place);
+    ``flexible`` and ``names`` are per block; ``forwards`` is the offloader's forward state.
+    """
+
+    def __init__(
+        self,
+        registry: Registry,
+        memory: ModelMemory,
+        counters: ActivationCounters,
+        forwards: Forwards,
+        *,
+        names: Sequence[str],
+        policies: Sequence[BlockPolicy],
+        flexible: Sequence[bool],
+    ) -> None:
+        self.registry = registry
+        self.memory = memory
+        self.counters = counters
+        self.forwards = forwards
+        self.names = names
+        self.policies = policies
+        self.flexible = flexible
+        #: Fallbacks already reported, by (forward, block, reason): one warning each.
+        self._reported: set[tuple[int, int, str]] = set()
+
+    def forward_started(self) -> None:
+        """A new forward: its fallbacks are reported again (rule 6)."""
+        self._reported.clear()
+
+    def device_free(self) -> int:
+        return self.registry.free_bytes("device")
+
+    def room(self) -> int:
+        """Rule 4: the device budget minus what stays resident (write-backs in flight to
+        working tiers free their bytes on landing) and what the tensors saved outside the
+        blocks will need."""
+        working = [t for t in ("host", "nvme") if self.memory.outage(t) is None]
+        room = self.device_free() + self.memory.ledger.inflight_bytes(working)
+        return room - self.memory.outside_bytes
+
+    def decide(self, group: BlockGroup) -> BlockPolicy:
+        """Rules 3 and 4: this forward's policy for a flexible block, as it starts."""
+        planned = group.policy
+        if planned is BlockPolicy.RECOMPUTE:
+            return planned
+        expected = group.expected = self.memory.estimate(group.index, group.input_numel)
+        ledger = self.memory.ledger
+        if expected is not None and expected > self.device_free() and ledger.inflight_bytes():
+            # Tight: whether the block fits depends on write-backs in flight landing (the
+            # block would wait for them at its first saved tensor anyway). Learn how they
+            # end first, so a failing disk is known before the room is counted on.
+            ledger.wait_idle()
+            self.drain()
+        outage = self.memory.outage(planned.value) if planned.offloads else None
+        room = self.room()
+        policy, fallback = decide(planned, outage.cause if outage else None, expected, room)
+        if fallback:
+            why = f"{planned.value} is out ({outage.message})" if outage else "the device budget is short"
+            if policy is BlockPolicy.RECOMPUTE:
+                later = "now" if planned is BlockPolicy.KEEP or outage else "when backward brings them back"
+                why += (
+                    f"; its ~{expected} saved bytes would not fit {later}: {room} bytes of the device budget "
+                    "are not held by what stays resident"
+                )
+            self.report(group.forward_id, group.index, fallback, why)
+        return policy
+
+    def drain(self) -> None:
+        """Act on write-backs that ended since the last look (rule 3): a failure puts its
+        tier out and keeps the rest of its block, including the block running now."""
+        failures, landed = self.memory.ledger.take_failures()
+        for tier in landed:
+            self.memory.tier_worked(tier)
+        for failure in failures:
+            self.memory.tier_failed(failure.tier, failure.cause, failure.message)
+            group = self.forwards.group(failure.forward_id, failure.index)
+            if group is not None and group.policy.value == failure.tier:
+                group.policy = BlockPolicy.KEEP
+            self.report(
+                failure.forward_id,
+                failure.index,
+                f"{failure.cause}->keep",
+                f"a write-back of {failure.nbytes} bytes to {failure.tier} failed ({failure.message}); "
+                "what did not land stays on the device",
+            )
+        current = self.forwards.current
+        if current is not None and current.policy.offloads:
+            outage = self.memory.outage(current.policy.value)
+            if outage is not None:
+                current.policy = BlockPolicy.KEEP
+                self.report(
+                    current.forward_id,
+                    current.index,
+                    f"{outage.cause}->keep",
+                    f"its tier is out ({outage.message})",
+                )
+
+    def report(self, forward_id: int, index: int, reason: str, why: str) -> None:
+        """Rule 6: count a fallback and warn, once per forward, block and reason."""
+        key = (forward_id, index, reason)
+        if key in self._reported:
+            return
+        self._reported.add(key)
+        with self.counters.lock:
+            self.counters.fallbacks += 1
+            self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
+        where = f"block {index} ({self.names[index]})" if index >= 0 else "a saved tensor outside the blocks"
+        log.warning("tiermem activations: %s falls back to %s [%s]: %s", where, reason.split("->")[1], reason, why)
+
+    def register(self, tensor: torch.Tensor, group: BlockGroup | None) -> Handle:
+        """A saved tensor registered on the device; when it does not fit, room is made
+        (caches reclaimed, write-backs in flight waited for, rule 5's eviction) or the
+        tensor is spilled to another tier (rule 5)."""
+        try:
+            return self.registry.register(tensor, "device", kind="activation")
+        except TierCapacityError:
+            pass
+        # Caches give their bytes first (NOTE [ Managed object rules ] rule 7: the chunk pool's
+        # spares); write-backs in flight free device memory when they land: wait, then retry.
+        if self.registry.reclaim("device"):
+            with contextlib.suppress(TierCapacityError):
+                return self.registry.register(tensor, "device", kind="activation")
+        self.memory.ledger.wait_idle()
+        self.drain()
+        try:
+            return self.registry.register(tensor, "device", kind="activation")
+        except TierCapacityError as exc:
+            # A helper, not a local holding ``exc``: that local would sit in a reference
+            # cycle through the traceback and keep the block's tensors alive (TRAPS 14).
+            return self._spill(tensor, group, exc)
+
+    def _spill(self, tensor: torch.Tensor, group: BlockGroup | None, device_error: TierCapacityError) -> Handle:
+        """Rule 5: write a tensor the device cannot hold synchronously to another tier,
+        where a fallback may; else the clear error."""
+        nbytes = tensor.untyped_storage().nbytes()
+        index = group.index if group is not None else -1
+        forward_id = group.forward_id if group is not None else self.forwards.forward_id
+        tried: list[str] = []
+        spill = group.flexible if group is not None else any(self.flexible)
+        if spill and self.evict(self.registry.reserved_size("device", nbytes)):
+            with contextlib.suppress(TierCapacityError):
+                return self.registry.register(tensor, "device", kind="activation")
+        for tier in self.spill_tiers(group) if spill else []:
+            outage = self.memory.outage(tier)
+            if outage is not None:
+                tried.append(f"{tier} is out ({outage.message})")
+                continue
+            try:
+                handle = self.registry.register(tensor, tier, kind="activation")
+            except (StorageError, TierCapacityError) as exc:
+                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                tried.append(f"{tier}: {exc}")
+                continue
+            self.counters.add_offloaded(tier, handle.obj.nbytes)
+            self.report(
+                forward_id,
+                index,
+                f"device_full->spill:{tier}",
+                f"a saved tensor of {nbytes} bytes does not fit in the device budget "
+                f"({device_error.used} of {device_error.capacity} bytes in use); written to {tier} synchronously",
+            )
+            return handle
+        raise self._nowhere(nbytes, group, tried, device_error) from device_error
+
+    def _nowhere(
+        self, nbytes: int, group: BlockGroup | None, tried: list[str], device_error: TierCapacityError
+    ) -> ActivationMemoryError:
+        """Rule 5's clear error: the block, the bytes, each tier's state and what to change."""
+        where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
+        elsewhere = (
+            "; ".join(tried)
+            if tried
+            else "no other tier was tried: a block the policy keeps stays on the device (NOTE [ Activation "
+            "fallbacks ] rule 2)"
+        )
+        return ActivationMemoryError(
+            f"tiermem activations: a saved tensor of {nbytes} bytes ({where}) does not fit in the device budget "
+            f"({device_error.used} of {device_error.capacity} bytes in use after the write-backs in flight "
+            f"landed), and nowhere else: {elsewhere}. Recompute is chosen when a block starts, so it could not "
+            "take this one. Raise [device] capacity, recompute this block or more blocks (policy 'recompute', or "
+            "a mapping such as {0: 'recompute'}), offload more blocks (policy nvme/host/auto), or free space for "
+            "the nvme/host tiers."
+        )
+
+    def evict(self, needed: int) -> bool:
+        """Rule 5: make ``needed`` device bytes free by writing kept blocks of this forward
+        out, synchronously, the block backward needs last first. True when it worked."""
+        forwards = self.forwards
+        ours = (g for (f, _), g in forwards.groups.items() if f == forwards.forward_id and g is not forwards.current)
+        candidates = sorted((g for g in ours if g.flexible), key=lambda g: g.index)
+        for group in candidates:
+            for handle in live_handles(group.saved):
+                if self.device_free() >= needed:
+                    return True
+                if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
+                    continue
+                tier = next((t for t in self.spill_tiers(group) if self.memory.outage(t) is None), None)
+                if tier is None:
+                    return False
+                try:
+                    handle.move_to(tier, Priority.DEMAND)
+                    handle.wait()
+                except (StorageError, TierCapacityError) as exc:
+                    exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
+                    self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                    continue
+                self.counters.add_offloaded(tier, handle.obj.nbytes)
+                self.report(
+                    group.forward_id,
+                    group.index,
+                    f"device_full->evict:{tier}",
+                    f"the device budget is full; its kept tensors are written to {tier} to make room for later ones "
+                    "(backward needs this block after them)",
+                )
+        return self.device_free() >= needed
+
+    def spill_tiers(self, group: BlockGroup | None) -> list[str]:
+        """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""
+        order = []
+        if group is not None:
+            order += [p.value for p in (group.policy, self.policies[group.index]) if p.offloads]
+        order += ["nvme", "host"]
+        return [t for i, t in enumerate(order) if self.registry.has_tier(t) and t not in order[:i]]

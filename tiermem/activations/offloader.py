@@ -55,7 +55,7 @@ from torch import nn
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.counters import ActivationCounters
-from tiermem.activations.fallback import decide, failure_cause, first_tensor_numel
+from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, failure_cause, first_tensor_numel
 from tiermem.activations.saved import (
     STORAGE_TIERS,
     BlockGroup,
@@ -66,7 +66,7 @@ from tiermem.activations.saved import (
     moving_to,
     version_error,
 )
-from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError, TiermemError
+from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError
 from tiermem.layout.activation_policy import (
     PREFETCH_START,
     BlockPolicy,
@@ -80,12 +80,6 @@ from tiermem.layout.activation_policy import (
 from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
 
 log = logging.getLogger("tiermem.activations")
-
-
-class ActivationMemoryError(TiermemError, MemoryError):
-    """Raised when a saved activation fits nowhere: not in the device budget after the
-    write-backs in flight landed, and no other tier would take it (NOTE [ Activation
-    fallbacks ] rule 5); or when backward cannot bring one back into the device budget."""
 
 
 class ActivationOffloader:
@@ -123,8 +117,15 @@ class ActivationOffloader:
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
         self._lock = threading.Lock()
-        #: Fallbacks already reported, by (forward, block, reason): one warning each.
-        self._reported: set[tuple[int, int, str]] = set()
+        self.fallbacks = Fallbacks(
+            registry,
+            self.memory,
+            counters,
+            self.forwards,
+            names=self.names,
+            policies=self.policies,
+            flexible=self.flexible,
+        )
         #: Objects prefetched for backward and not unpacked since, by object id: (object,
         #: its block, the tier it came from, its place in that block's order). A demand
         #: fetch that finds no room may give them back (rule 5).
@@ -168,7 +169,7 @@ class ActivationOffloader:
             self._wrapped.clear()
             self.forwards.current = None
             self._settle_window()
-            self._drain()  # failures reported by now are warned about at the end of the step
+            self.fallbacks.drain()  # failures reported by now are warned about at the end of the step
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
         """Checkpoint the block's forward: always (a user's ``recompute``), or when the
@@ -197,7 +198,7 @@ class ActivationOffloader:
                     self._settle_window()  # after a backward in this same context
                     self.memory.forward_started()
                     self.forwards.forward_id = self.memory.forwards
-                    self._reported.clear()
+                    self.fallbacks.forward_started()
                     self._prefetched.clear()
                     self.forwards.prune()
                 self.forwards.last_index = index
@@ -209,9 +210,9 @@ class ActivationOffloader:
                     flexible=self.flexible[index],
                 )
                 self.forwards.groups[(self.forwards.forward_id, index)] = group
-                self._drain()
+                self.fallbacks.drain()
                 if group.flexible:
-                    group.policy = self._decide(group)
+                    group.policy = self.fallbacks.decide(group)
                 group.started = time.perf_counter()
                 self.forwards.current = group
 
@@ -234,88 +235,6 @@ class ActivationOffloader:
                 self._adapt(group.forward_id)
 
         return hook
-
-    # -- fallbacks (NOTE [ Activation fallbacks ]) ------------------------------------------------
-    def _device_free(self) -> int:
-        return self.registry.free_bytes("device")
-
-    def _device_room(self) -> int:
-        """Rule 4: the device budget minus what stays resident (write-backs in flight to
-        working tiers free their bytes on landing) and what the tensors saved outside the
-        blocks will need."""
-        working = [t for t in ("host", "nvme") if self.memory.outage(t) is None]
-        room = self._device_free() + self.memory.ledger.inflight_bytes(working)
-        return room - self.memory.outside_bytes
-
-    def _decide(self, group: BlockGroup) -> BlockPolicy:
-        """Rules 3 and 4: this forward's policy for a flexible block, as it starts."""
-        planned = group.policy
-        if planned is BlockPolicy.RECOMPUTE:
-            return planned
-        expected = group.expected = self.memory.estimate(group.index, group.input_numel)
-        ledger = self.memory.ledger
-        if expected is not None and expected > self._device_free() and ledger.inflight_bytes():
-            # Tight: whether the block fits depends on write-backs in flight landing (the
-            # block would wait for them at its first saved tensor anyway). Learn how they
-            # end first, so a failing disk is known before the room is counted on.
-            ledger.wait_idle()
-            self._drain()
-        outage = self.memory.outage(planned.value) if planned.offloads else None
-        room = self._device_room()
-        policy, fallback = decide(planned, outage.cause if outage else None, expected, room)
-        if fallback:
-            why = f"{planned.value} is out ({outage.message})" if outage else "the device budget is short"
-            if policy is BlockPolicy.RECOMPUTE:
-                later = "now" if planned is BlockPolicy.KEEP or outage else "when backward brings them back"
-                why += (
-                    f"; its ~{expected} saved bytes would not fit {later}: {room} bytes of the device budget "
-                    "are not held by what stays resident"
-                )
-            self._fallback(group.forward_id, group.index, fallback, why)
-        return policy
-
-    def _drain(self) -> None:
-        """Act on write-backs that ended since the last look (rule 3): a failure puts its
-        tier out and keeps the rest of its block, including the block running now."""
-        ledger = self.memory.ledger
-        failures, landed = ledger.take_failures()
-        for tier in landed:
-            self.memory.tier_worked(tier)
-        for failure in failures:
-            self.memory.tier_failed(failure.tier, failure.cause, failure.message)
-            group = self.forwards.group(failure.forward_id, failure.index)
-            if group is not None and group.policy.value == failure.tier:
-                group.policy = BlockPolicy.KEEP
-            self._fallback(
-                failure.forward_id,
-                failure.index,
-                f"{failure.cause}->keep",
-                f"a write-back of {failure.nbytes} bytes to {failure.tier} failed ({failure.message}); "
-                "what did not land stays on the device",
-            )
-        current = self.forwards.current
-        if current is not None and current.policy.offloads:
-            outage = self.memory.outage(current.policy.value)
-            if outage is not None:
-                current.policy = BlockPolicy.KEEP
-                self._fallback(
-                    current.forward_id,
-                    current.index,
-                    f"{outage.cause}->keep",
-                    f"its tier is out ({outage.message})",
-                )
-
-    def _fallback(self, forward_id: int, index: int, reason: str, why: str) -> None:
-        """Rule 6: count a fallback and warn, once per forward, block and reason."""
-        key = (forward_id, index, reason)
-        if key in self._reported:
-            return
-        self._reported.add(key)
-        with self.counters.lock:
-            self.counters.fallbacks += 1
-            self.counters.fallback_reasons[reason] = self.counters.fallback_reasons.get(reason, 0) + 1
-        where = f"block {index} ({self.names[index]})" if index >= 0 else "a saved tensor outside the blocks"
-        log.warning("tiermem activations: %s falls back to %s [%s]: %s", where, reason.split("->")[1], reason, why)
 
     # -- adaptive keep -----------------------------------------------------------------------
     def _adapt(self, forward_id: int) -> None:
@@ -344,7 +263,7 @@ class ActivationOffloader:
                 keep,
                 len(self.blocks),
             )
-            self.policies = policies
+            self.policies[:] = policies  # in place: the collaborators hold this list
         self.memory.adapted = list(policies)
 
     # -- hooks ---------------------------------------------------------------------------------
@@ -359,9 +278,9 @@ class ActivationOffloader:
         ):
             return tensor  # rule 3
         if self.memory.ledger.pending_failures:
-            self._drain()
+            self.fallbacks.drain()
         group = self.forwards.current
-        handle = self._register(tensor, group)
+        handle = self.fallbacks.register(tensor, group)
         saved = SavedActivation(handle, tensor, group)
         hit = handle.obj.refs > 1
         with self.counters.lock:
@@ -380,114 +299,6 @@ class ActivationOffloader:
                 self._write_back(handle, group)
         return saved
 
-    def _register(self, tensor: torch.Tensor, group: BlockGroup | None) -> Handle:
-        try:
-            return self.registry.register(tensor, "device", kind="activation")
-        except TierCapacityError:
-            pass
-        # Caches give their bytes first (NOTE [ Managed object rules ] rule 7: the chunk pool's
-        # spares); write-backs in flight free device memory when they land: wait, then retry.
-        if self.registry.reclaim("device"):
-            with contextlib.suppress(TierCapacityError):
-                return self.registry.register(tensor, "device", kind="activation")
-        self.memory.ledger.wait_idle()
-        self._drain()
-        try:
-            return self.registry.register(tensor, "device", kind="activation")
-        except TierCapacityError as exc:
-            # A helper, not a local holding ``exc``: that local would sit in a reference
-            # cycle through the traceback and keep the block's tensors alive (TRAPS 14).
-            return self._spill(tensor, group, exc)
-
-    def _spill(self, tensor: torch.Tensor, group: BlockGroup | None, device_error: TierCapacityError) -> Handle:
-        """NOTE [ Activation fallbacks ] rule 5: write a tensor the device cannot hold
-        synchronously to another tier, where a fallback may; else the clear error."""
-        nbytes = tensor.untyped_storage().nbytes()
-        index = group.index if group is not None else -1
-        forward_id = group.forward_id if group is not None else self.forwards.forward_id
-        tried: list[str] = []
-        spill = group.flexible if group is not None else any(self.flexible)
-        if spill and self._evict(self.registry.reserved_size("device", nbytes)):
-            with contextlib.suppress(TierCapacityError):
-                return self.registry.register(tensor, "device", kind="activation")
-        for tier in self._spill_tiers(group) if spill else []:
-            outage = self.memory.outage(tier)
-            if outage is not None:
-                tried.append(f"{tier} is out ({outage.message})")
-                continue
-            try:
-                handle = self.registry.register(tensor, tier, kind="activation")
-            except (StorageError, TierCapacityError) as exc:
-                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
-                tried.append(f"{tier}: {exc}")
-                continue
-            with self.counters.lock:
-                self.counters.offloaded_bytes[tier] = self.counters.offloaded_bytes.get(tier, 0) + handle.obj.nbytes
-            self._fallback(
-                forward_id,
-                index,
-                f"device_full->spill:{tier}",
-                f"a saved tensor of {nbytes} bytes does not fit in the device budget "
-                f"({device_error.used} of {device_error.capacity} bytes in use); written to {tier} synchronously",
-            )
-            return handle
-        where = f"block {index} ({self.names[index]})" if group is not None else "outside the blocks"
-        elsewhere = (
-            "; ".join(tried)
-            if tried
-            else "no other tier was tried: a block the policy keeps stays on the device (NOTE [ Activation "
-            "fallbacks ] rule 2)"
-        )
-        raise ActivationMemoryError(
-            f"tiermem activations: a saved tensor of {nbytes} bytes ({where}) does not fit in the device budget "
-            f"({device_error.used} of {device_error.capacity} bytes in use after the write-backs in flight "
-            f"landed), and nowhere else: {elsewhere}. Recompute is chosen when a block starts, so it could not "
-            "take this one. Raise [device] capacity, recompute this block or more blocks (policy 'recompute', or "
-            "a mapping such as {0: 'recompute'}), offload more blocks (policy nvme/host/auto), or free space for "
-            "the nvme/host tiers."
-        ) from device_error
-
-    def _evict(self, needed: int) -> bool:
-        """Rule 5: make ``needed`` device bytes free by writing kept blocks of this forward
-        out, synchronously, the block backward needs last first. True when it worked."""
-        forwards = self.forwards
-        ours = (g for (f, _), g in forwards.groups.items() if f == forwards.forward_id and g is not forwards.current)
-        candidates = sorted((g for g in ours if g.flexible), key=lambda g: g.index)
-        for group in candidates:
-            for handle in live_handles(group.saved):
-                if self._device_free() >= needed:
-                    return True
-                if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
-                    continue
-                tier = next((t for t in self._spill_tiers(group) if self.memory.outage(t) is None), None)
-                if tier is None:
-                    return False
-                try:
-                    handle.move_to(tier, Priority.DEMAND)
-                    handle.wait()
-                except (StorageError, TierCapacityError) as exc:
-                    exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
-                    self.memory.tier_failed(tier, failure_cause(exc), str(exc))
-                    continue
-                with self.counters.lock:
-                    self.counters.offloaded_bytes[tier] = self.counters.offloaded_bytes.get(tier, 0) + handle.obj.nbytes
-                self._fallback(
-                    group.forward_id,
-                    group.index,
-                    f"device_full->evict:{tier}",
-                    f"the device budget is full; its kept tensors are written to {tier} to make room for later ones "
-                    "(backward needs this block after them)",
-                )
-        return self._device_free() >= needed
-
-    def _spill_tiers(self, group: BlockGroup | None) -> list[str]:
-        """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""
-        order = []
-        if group is not None:
-            order += [p.value for p in (group.policy, self.policies[group.index]) if p.offloads]
-        order += ["nvme", "host"]
-        return [t for i, t in enumerate(order) if self.registry.has_tier(t) and t not in order[:i]]
-
     def _write_back(self, handle: Handle, group: BlockGroup) -> None:
         tier = group.policy.value
         try:
@@ -497,7 +308,7 @@ class ActivationOffloader:
             cause = failure_cause(exc)
             self.memory.tier_failed(tier, cause, str(exc))
             group.policy = BlockPolicy.KEEP
-            self._fallback(group.forward_id, group.index, f"{cause}->keep", f"writing to {tier} failed: {exc}")
+            self.fallbacks.report(group.forward_id, group.index, f"{cause}->keep", f"writing to {tier} failed: {exc}")
             return
         error = handle.obj.error
         if error is not None:
@@ -608,7 +419,7 @@ class ActivationOffloader:
         entries = sorted(self._prefetched.items(), key=lambda item: (item[1][1].index, item[1][3]))
         released = False
         for key, (ref, group, tier, _order) in entries:
-            if self._device_free() >= needed:
+            if self.fallbacks.device_free() >= needed:
                 break
             del self._prefetched[key]
             obj = ref()
@@ -662,7 +473,7 @@ class ActivationOffloader:
                     continue
                 if ahead >= window:
                     return  # the rest of this block comes at a later unpack
-                if self.registry.reserved_size("device", handle.obj.nbytes) > self._device_free():
+                if self.registry.reserved_size("device", handle.obj.nbytes) > self.fallbacks.device_free():
                     return
                 try:
                     handle.move_to("device", Priority.PREFETCH)
