@@ -17,6 +17,7 @@ from tests.test_activations import Decoder, _assert_identical, _batch, _settled_
 from tests.test_registry import DeviceCache
 from tiermem.activations import ActivationMemoryError, ActivationOffloader, BlockPolicy
 from tiermem.activations.fallback import MAX_OUTAGE_FORWARDS, ModelMemory, WriteLedger, decide
+from tiermem.activations.prefetch import Prefetcher
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 
@@ -150,7 +151,7 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
     the prefetched objects backward needs last are written back to NVMe until it fits,
     instead of an ActivationMemoryError; gradients stay bitwise those of plain PyTorch."""
     _synchronous_write_backs(monkeypatch)
-    demand, prefetch = ActivationOffloader._demand, ActivationOffloader._prefetch_before
+    demand, prefetch = ActivationOffloader._demand, Prefetcher.before
 
     def earlier_blocks_only(self, group):  # never the rest of the block being unpacked
         earlier = self.forwards.group(group.forward_id, group.index - 1)
@@ -159,13 +160,13 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
 
     def prefetch_first(self, handle, group):
         if group is not None:
-            self._prefetch_before(group)  # takes the free room before the demand can
+            self.prefetcher.before(group)  # takes the free room before the demand can
         demand(self, handle, group)
 
-    monkeypatch.setattr(ActivationOffloader, "_prefetch_before", earlier_blocks_only)
+    monkeypatch.setattr(Prefetcher, "before", earlier_blocks_only)
     monkeypatch.setattr(ActivationOffloader, "_demand", prefetch_first)
     # Whole blocks ahead, as before the prefetch window (NOTE [ Prefetch window ]) bounded them.
-    monkeypatch.setattr(ActivationOffloader, "_prefetch_window", lambda self: 1 << 62)
+    monkeypatch.setattr(Prefetcher, "window", lambda self: 1 << 62)
     torch.manual_seed(0)
     model = Decoder(layers=6)
     want = _step(model, contextlib.nullcontext())

@@ -13,7 +13,7 @@ import torch
 import tiermem
 from tests.test_activations import Decoder, _assert_identical, _step
 from tests.test_activations_fallbacks import _config, _synchronous_write_backs
-from tiermem.activations import ActivationOffloader
+from tiermem.activations.prefetch import Prefetcher
 from tiermem.layout.activation_policy import PREFETCH_START, WAIT_TOLERANCE, next_prefetch_window
 from tiermem.tiers.backends.posix import PosixBackend
 
@@ -30,14 +30,14 @@ def test_the_window_doubles_only_when_backward_waited_and_stops_at_its_cap():
 def _ahead_after_each_prefetch(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     """(bytes prefetched and not unpacked, the largest such object) after every prefetch round."""
     seen: list[tuple[int, int]] = []
-    original = ActivationOffloader._prefetch_before
+    original = Prefetcher.before
 
     def prefetch(self, group):
         original(self, group)
-        objects = [obj.nbytes for ref, *_ in self._prefetched.values() if (obj := ref()) is not None]
-        seen.append((self._prefetched_bytes(), max(objects, default=0)))
+        objects = [obj.nbytes for ref, *_ in self.prefetched.values() if (obj := ref()) is not None]
+        seen.append((self.ahead_bytes(), max(objects, default=0)))
 
-    monkeypatch.setattr(ActivationOffloader, "_prefetch_before", prefetch)
+    monkeypatch.setattr(Prefetcher, "before", prefetch)
     return seen
 
 
@@ -49,7 +49,7 @@ def test_prefetch_keeps_within_the_window(tmp_path, monkeypatch, policy):
     _synchronous_write_backs(monkeypatch)
     seen = _ahead_after_each_prefetch(monkeypatch)
     # Backward of a toy model is as fast as a read: the window would grow (tested below).
-    monkeypatch.setattr("tiermem.activations.offloader.next_prefetch_window", lambda window, *_: window)
+    monkeypatch.setattr("tiermem.activations.prefetch.next_prefetch_window", lambda window, *_: window)
     torch.manual_seed(0)
     model = Decoder(layers=6)
     want = _step(model, contextlib.nullcontext())
@@ -65,7 +65,7 @@ def test_prefetch_keeps_within_the_window(tmp_path, monkeypatch, policy):
         bounded = max(ahead for ahead, _ in seen)
         assert 0 < bounded <= window + largest_object
         # The same step with whole blocks ahead: what the window saves.
-        monkeypatch.setattr(ActivationOffloader, "_prefetch_window", lambda self: self._window_cap())
+        monkeypatch.setattr(Prefetcher, "window", lambda self: self.cap())
         seen.clear()
         _assert_identical(_step(model, offloader), want)
         assert max(ahead for ahead, _ in seen) > window + largest_object
@@ -101,5 +101,5 @@ def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monke
         windows.append(offloader.memory.prefetch_window)
         assert windows[0] is not None and windows == sorted(windows)
         assert windows[2] > windows[0]  # grown between steps, before any context closed
-        assert windows[-1] <= offloader._window_cap()
+        assert windows[-1] <= offloader.prefetcher.cap()
     assert list(tmp_path.iterdir()) == []

@@ -42,9 +42,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 import threading
 import time
 import weakref
@@ -56,25 +54,22 @@ from torch import nn
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, failure_cause, first_tensor_numel
+from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import (
-    STORAGE_TIERS,
     BlockGroup,
     Forwards,
     SavedActivation,
     in_backward,
-    live_handles,
     moving_to,
     version_error,
 )
-from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError
+from tiermem.errors import StorageError, TierCapacityError
 from tiermem.layout.activation_policy import (
-    PREFETCH_START,
     BlockPolicy,
     BlockProfile,
     PolicySpec,
     adaptive_keep,
     flexible_blocks,
-    next_prefetch_window,
     resolve_policies,
 )
 from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
@@ -126,14 +121,7 @@ class ActivationOffloader:
             policies=self.policies,
             flexible=self.flexible,
         )
-        #: Objects prefetched for backward and not unpacked since, by object id: (object,
-        #: its block, the tier it came from, its place in that block's order). A demand
-        #: fetch that finds no room may give them back (rule 5).
-        self._prefetched: dict[int, tuple[weakref.ref[ManagedObject], BlockGroup, str, int]] = {}
-        #: The backward since the window was last settled: its first and last unpack, and the
-        #: runtime's wait total at that settlement (NOTE [ Prefetch window ] rule 3).
-        self._backward_span: list[float] = []
-        self._wait_seen = 0.0
+        self.prefetcher = Prefetcher(registry, self.memory, counters, self.forwards, lookahead=lookahead)
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -146,8 +134,7 @@ class ActivationOffloader:
             if always or self.flexible[index]:
                 self._wrapped.append((block, block.__dict__.get("forward")))
                 self._wrap_recompute(block, index, always)
-        with self.counters.lock:
-            self._wait_seen = self.counters.backward_wait_s
+        self.prefetcher.context_entered()
         self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._saved_hooks.__enter__()
         return self
@@ -168,7 +155,7 @@ class ActivationOffloader:
                     block.__dict__["forward"] = previous
             self._wrapped.clear()
             self.forwards.current = None
-            self._settle_window()
+            self.prefetcher.settle()
             self.fallbacks.drain()  # failures reported by now are warned about at the end of the step
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
@@ -195,11 +182,11 @@ class ActivationOffloader:
                 return
             with self._lock:
                 if index <= self.forwards.last_index:  # a new forward pass begins
-                    self._settle_window()  # after a backward in this same context
+                    self.prefetcher.settle()  # after a backward in this same context
                     self.memory.forward_started()
                     self.forwards.forward_id = self.memory.forwards
                     self.fallbacks.forward_started()
-                    self._prefetched.clear()
+                    self.prefetcher.forward_started()
                     self.forwards.prune()
                 self.forwards.last_index = index
                 group = BlockGroup(
@@ -331,13 +318,7 @@ class ActivationOffloader:
         handle: Handle = saved.handle
         obj = handle.obj
         group = saved.group
-        now = time.perf_counter()
-        if self._backward_span:
-            self._backward_span[1] = now
-        else:
-            self._backward_span = [now, now]
-        # Backward needs this object now: it is no prefetch that a demand may take back.
-        self._prefetched.pop(obj.id, None)
+        self.prefetcher.unpacked(obj)
         if obj.state is ObjectState.MOVING and obj.tier == "device":  # the device tier is memory
             # Forwarding: still in memory; the write is no longer needed.
             with self.counters.lock:
@@ -345,7 +326,7 @@ class ActivationOffloader:
                 self.counters.cancelled += 1
             handle.move_to("device")
             if group is not None:
-                self._prefetch_before(group)
+                self.prefetcher.before(group)
             return handle.tensor()
         source = obj.tier
         prefetching = obj.state is ObjectState.MOVING and moving_to(obj) == "device"
@@ -354,7 +335,7 @@ class ActivationOffloader:
         # backward needs later (rule 5). The fetch runs while the prefetches are issued.
         self._demand(handle, group)
         if group is not None:
-            self._prefetch_before(group)
+            self.prefetcher.before(group)
         try:
             tensor = handle.tensor("device")
         except TierCapacityError as exc:  # the object left the device meanwhile (not expected)
@@ -387,7 +368,7 @@ class ActivationOffloader:
                     waited = True
                     self.memory.ledger.wait_idle()
                     continue
-                if self._release_prefetched(needed, exclude=obj):
+                if self.prefetcher.release(needed, exclude=obj):
                     continue
                 error = self._demand_error(obj, obj.tier, group, exc)
                 exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
@@ -409,117 +390,3 @@ class ActivationOffloader:
             "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
             "{0: 'recompute'})."
         )
-
-    def _release_prefetched(self, needed: int, exclude: ManagedObject) -> bool:
-        """Rule 5: give the device room a demand fetch needs back from prefetches, the
-        object backward needs last first: each is written back to the tier it came from
-        (synchronously; a prefetch in flight lands first) and its block is prefetched
-        again later. Only objects no saved tensor has been unpacked from since they were
-        prefetched are touched: nothing backward holds. True when one was given back."""
-        entries = sorted(self._prefetched.items(), key=lambda item: (item[1][1].index, item[1][3]))
-        released = False
-        for key, (ref, group, tier, _order) in entries:
-            if self.fallbacks.device_free() >= needed:
-                break
-            del self._prefetched[key]
-            obj = ref()
-            if obj is None or obj is exclude or obj.state is ObjectState.FREED:
-                continue
-            group.prefetched = False  # fetched again when there is room
-            with contextlib.suppress(Exception):  # a failed prefetch left it where it was
-                self.registry.wait(obj)
-            if obj.state is not ObjectState.RESIDENT or obj.tier != "device" or obj.refs == 0:
-                continue
-            try:
-                self.registry.move(obj, tier, Priority.DEMAND)
-                self.registry.wait(obj)
-            except (StorageError, TierCapacityError) as exc:
-                exc.__traceback__ = None  # TRAPS 16
-                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
-                continue
-            except ObjectFreedError:
-                continue
-            released = True
-            with self.counters.lock:
-                self.counters.prefetch_released += 1
-        return released
-
-    def _prefetch_before(self, group: BlockGroup) -> None:
-        """Rule 5: bring back what backward needs next, in that order, and only into free
-        device bytes: the rest of this block, then the ``lookahead`` blocks before it,
-        each block's tensors in reverse pack order, until the prefetch window's bytes are
-        ahead of backward (NOTE [ Prefetch window ]). A prefetch never takes the room
-        something needed sooner must be fetched into: it stops at the first that does not
-        fit, and that block is tried again at the next unpack."""
-        window = self._prefetch_window()
-        ahead = self._prefetched_bytes()
-        for index in range(group.index, max(group.index - 1 - self.lookahead, -1), -1):
-            earlier = self.forwards.group(group.forward_id, index)
-            if earlier is None or earlier.prefetched:
-                continue
-            for order, handle in enumerate(live_handles(earlier.saved[::-1])):
-                source = handle.tier
-                if source == "device":
-                    obj = handle.obj
-                    if obj.state is ObjectState.MOVING and moving_to(obj) in STORAGE_TIERS:
-                        # Its write is still in flight and backward needs it soon: cancel the
-                        # write (rule 5's forwarding, early), or it would land and need a fetch
-                        # into room that earlier blocks' prefetches had meanwhile taken.
-                        handle.move_to("device")
-                        with self.counters.lock:
-                            self.counters.cancelled += 1
-                    continue
-                if handle.state is not ObjectState.RESIDENT:
-                    continue
-                if ahead >= window:
-                    return  # the rest of this block comes at a later unpack
-                if self.registry.reserved_size("device", handle.obj.nbytes) > self.fallbacks.device_free():
-                    return
-                try:
-                    handle.move_to("device", Priority.PREFETCH)
-                except TierCapacityError:
-                    return
-                except Exception:  # noqa: BLE001 - a failed prefetch surfaces at the demand fetch
-                    continue
-                ahead += handle.obj.nbytes
-                self._prefetched[handle.obj.id] = (weakref.ref(handle.obj), earlier, source, -order)
-                with self.counters.lock:
-                    self.counters.fetched_bytes[source] += handle.obj.nbytes
-            earlier.prefetched = True  # every tensor of the block is back or on its way
-
-    def _prefetched_bytes(self) -> int:
-        """Bytes prefetched and not unpacked since (rule 5); forgets objects freed meanwhile."""
-        total = 0
-        for key, (ref, _group, _tier, _order) in list(self._prefetched.items()):
-            obj = ref()
-            if obj is None or obj.state is ObjectState.FREED:
-                del self._prefetched[key]
-            else:
-                total += obj.nbytes
-        return total
-
-    def _window_cap(self) -> int:
-        return (self.lookahead + 1) * max(self.memory.block_bytes.values(), default=0)
-
-    def _prefetch_window(self) -> int:
-        """NOTE [ Prefetch window ] rule 2: the bytes backward prefetches ahead of need."""
-        if self.memory.prefetch_window is None:
-            largest = max(self.memory.block_bytes.values(), default=0)
-            if not largest:
-                return sys.maxsize  # nothing measured: only ``lookahead`` bounds it, block-wise
-            self.memory.prefetch_window = max(1, int(PREFETCH_START * largest))
-        return self.memory.prefetch_window
-
-    def _settle_window(self) -> None:
-        """NOTE [ Prefetch window ] rule 3: grow the window when the backward since the last
-        look waited (at the context's end, and at a new forward inside one context)."""
-        span, self._backward_span = self._backward_span, []
-        with self.counters.lock:
-            total = self.counters.backward_wait_s
-        waited, self._wait_seen = total - self._wait_seen, total
-        if len(span) < 2 or self.memory.prefetch_window is None:
-            return
-        self.memory.prefetch_window = next_prefetch_window(
-            self.memory.prefetch_window, waited, span[1] - span[0], self._window_cap()
-        )
-
