@@ -1,7 +1,7 @@
 """The planner's link probes and the profile cache's revalidation: each NVMe path's own write and
 read bandwidth next to the aggregate links, and a revalidation that re-probes the NVMe link and
 probes with less where the tiers have less room, never trusting the key blindly.
-(NOTE [ Profile cache ] rule 2; ``probe_links`` in ``tiermem.planner.profiler``)"""
+(NOTE [ Profile cache ] rule 2; ``probe_links`` in ``tiermem.planner.probes``)"""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from tests.test_planner import one_thread  # noqa: F401  (autouse: one thread, a
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner import BlockStats, Profile, cache
-from tiermem.planner import profiler as profiler_module
+from tiermem.planner import probes as probes_module
 from tiermem.planner.auto import profile_model
 from tiermem.planner.profiler import (
     MIN_PROBE_BYTES,
@@ -104,7 +104,7 @@ def test_one_path_reuses_the_aggregate_instead_of_probing_again(tmp_path, monkey
     def refuse(*_args: object) -> dict[str, float]:
         raise AssertionError("one path: its bandwidth is the aggregate, not probed twice")
 
-    monkeypatch.setattr(profiler_module, "probe_nvme_paths", refuse)
+    monkeypatch.setattr(probes_module, "probe_nvme_paths", refuse)
     with tiermem.Runtime(settings([path])) as rt:
         links = probe_links(rt.registry, probe_size(rt.registry))
         assert_nothing_left(rt)

@@ -22,8 +22,9 @@ from tiermem.config import Config
 from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
+from tiermem.planner.probes import probe_links, probe_size
 from tiermem.planner.profile import Profile
-from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte, probe_links, probe_size
+from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte
 from tiermem.planner.search import Decision, search
 from tiermem.registry import Registry
 from tiermem.states.optimizer import SUPPORTED
@@ -33,11 +34,7 @@ log = logging.getLogger("tiermem.planner")
 
 def free_bytes(registry: Registry) -> dict[str, int]:
     """What each tier has free now (the capacities the search must respect)."""
-    return {
-        name: tier.capacity - tier.statistics().current_bytes
-        for name, tier in registry.tiers.items()
-        if name in ("device", "host", "nvme")
-    }
+    return {name: registry.free_bytes(name) for name in registry.tier_names if name in ("device", "host", "nvme")}
 
 
 def _optimizer_facts(

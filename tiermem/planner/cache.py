@@ -26,7 +26,7 @@
    lot between moments (0.9 to 6 GB/s for 16 MiB here); outside it the machine changed, and
    the model is profiled again. So is a profile without the per-path NVMe bandwidths that a
    profiling now would measure (one cached by an older tiermem; ``probe_links`` in
-   :mod:`~tiermem.planner.profiler`), and one without a device->host bandwidth. Every probe
+   :mod:`~tiermem.planner.probes`), and one without a device->host bandwidth. Every probe
    frees what it moved: nothing is left in a tier or in an NVMe path.
 3. Writes are atomic (a temporary file renamed), so two processes never read half a profile.
    Profiles live in the user's cache, never in an NVMe run directory (DESIGN).
@@ -49,10 +49,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from tiermem.planner.profile import PROFILE_VERSION, Profile
-from tiermem.planner.profiler import (
+from tiermem.planner.probes import (
     MIN_PROBE_BYTES,
-    Batch,
     move_seconds,
     nvme_io_seconds,
     nvme_path_links,
@@ -60,8 +58,10 @@ from tiermem.planner.profiler import (
     path_probe_plan,
     probe_size,
 )
+from tiermem.planner.profile import PROFILE_VERSION, Profile
+from tiermem.planner.profiler import Batch
 from tiermem.registry import Registry
-from tiermem.tiers.base import ALIGNMENT
+from tiermem.units import ALIGNMENT
 
 REVALIDATE_FACTOR = 4.0
 """Rule 2."""
@@ -202,7 +202,7 @@ def revalidate(profile: Profile, registry: Registry) -> Revalidation:
         missing.append("device->host")
     else:
         checks += _device_to_host(registry, probed, links["device->host"])
-    if links.get("host->nvme") and links.get("nvme->host") and "nvme" in registry.tiers:
+    if links.get("host->nvme") and links.get("nvme->host") and registry.has_tier("nvme"):
         checks += _nvme_round_trip(registry, probed, links["host->nvme"], links["nvme->host"])
         missing += _missing_paths(profile, registry)
     return Revalidation(tuple(checks), tuple(missing), time.perf_counter() - start)

@@ -47,12 +47,12 @@ import torch
 from torch import nn
 
 from tiermem.activations.offloader import ActivationCounters, ActivationOffloader
+from tiermem.errors import PlanError
 from tiermem.planner.profile import Overheads
 from tiermem.registry import Registry
-from tiermem.states.errors import PlanError
 from tiermem.states.manager import ModelStates
 from tiermem.states.optimizer import SUPPORTED
-from tiermem.tiers.base import ALIGNMENT
+from tiermem.units import ALIGNMENT
 
 log = logging.getLogger("tiermem.planner")
 
@@ -107,7 +107,7 @@ def calibrate(
     if optimizer_class not in SUPPORTED:
         optimizer_class, defaults = torch.optim.AdamW, {"lr": 1e-3}
     kwargs = _kwargs(optimizer_class, defaults)
-    device = registry.tiers["device"].device  # type: ignore[attr-defined]
+    device = registry.device
     layer_bytes = (WIDTH * WIDTH + WIDTH) * 4
     per_layer = -(-(layer_bytes + 64) // ALIGNMENT) * ALIGNMENT  # one layer's parameters a chunk
     whole = per_layer * LAYERS

@@ -1,4 +1,5 @@
-"""The instrumented step: what the planner needs, measured on a sample batch.
+"""The instrumented step: what the planner needs, measured on a sample batch. Its link probes
+(rule 5) are in :mod:`~tiermem.planner.probes` (re-exported here).
 
 # NOTE [ Profiling step ]
 1. It runs on the parameters in plain PyTorch (not chunked), on a sample: what the user gives
@@ -37,14 +38,12 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import functools
 import inspect
 import time
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,11 +54,23 @@ from torch.utils._pytree import tree_leaves
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
+
+# The link probes (rule 5) live in tiermem.planner.probes; their names stay importable from here.
+from tiermem.planner.probes import (  # noqa: F401
+    LINKS,
+    MIN_PROBE_BYTES,
+    PATH_PROBE_ROUNDS,
+    PROBE_BYTES,
+    move_seconds,
+    nvme_io_seconds,
+    nvme_path_links,
+    nvme_paths,
+    path_probe_plan,
+    probe_links,
+    probe_nvme_paths,
+    probe_size,
+)
 from tiermem.planner.profile import BlockStats, ParamStats
-from tiermem.registry import Registry
-from tiermem.schedulers.base import Priority
-from tiermem.tiers.base import ALIGNMENT
-from tiermem.tiers.memory import aligned_empty
 
 
 @dataclass(frozen=True)
@@ -74,17 +85,10 @@ class Batch:
 
 Sample = tuple[Any, ...] | Batch | Callable[[nn.Module], torch.Tensor]
 
-PROBE_BYTES = 32 << 20
-"""Bytes moved per link probe (less where a tier has less free)."""
 MIN_TIMING_PASSES = 2
 MAX_TIMING_PASSES = 8
 TIMING_BUDGET_S = 1.0
 """NOTE [ Profiling step ] rule 3: timing passes, and the seconds below which more are run."""
-MIN_PROBE_BYTES = 64 << 10
-"""The smallest probe still measured. A small device budget (a tight ``tiermem train``) leaves
-room for small probes only; they underrate bandwidth (per-move latency weighs more), which
-errs on the slow side, while no measurement at all would make the cost model treat NVMe as
-absent and host copies as free."""
 OPTIMIZER_SAMPLE_BYTES = 32 << 20
 """Parameter bytes the optimizer timing steps over (then scaled to the model's)."""
 
@@ -305,20 +309,10 @@ def _record_order(
     return handles, order, seen, blocks
 
 
-def measure(
-    model: nn.Module,
-    sample: Sample,
-    *,
-    sections: Callable[[int], int],
-    min_bytes: int,
-    device: torch.device,
-    blocks: BlockSpec = None,
-) -> tuple[list[BlockStats], BlockStats, list[ParamStats], list[int], list[tuple[int, ...]], list[int], list[int]]:
-    """Rules 1-4: blocks, the part outside them, parameters, execution order, modules, shared."""
-    found, params = _blocks_and_order(model, blocks)
-    modules_list = [m for _, m in found]
+def _param_modules(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[list[tuple[int, ...]], list[int]]:
+    """Each module's own parameters (indices into ``params``), and the parameters more than
+    one module owns (tied)."""
     index = {id(p): i for i, p in enumerate(params)}
-    protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
     owners: dict[int, int] = {}
     modules: list[tuple[int, ...]] = []
     for module in model.modules():
@@ -327,48 +321,74 @@ def measure(
             modules.append(own)
             for i in own:
                 owners[i] = owners.get(i, 0) + 1
-    shared = sorted(i for i, n in owners.items() if n > 1)
-    with unchanged_training_state(model, device):
-        # Pass 1: bytes, order, warm-up.
-        live = _LiveBytes()
-        hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+    return modules, sorted(i for i, n in owners.items() if n > 1)
 
-        def where() -> int:
-            if hooks.running is not None:
-                return hooks.running
-            ended = [i for i, (_, end) in enumerate(hooks.marks.forward) if end]
-            return max(ended) + 1 if ended else -1  # between blocks: backward reaches it after the next
 
-        handles, order, seen, first_block = _record_order(model, params, where)
-        try:
-            with hooks, live, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
-                live.mark()
-                outputs = _loss(model, sample)
-                # Peak since the last block ended (the head and loss) above what remains.
-                head_transient = live.peak - live.live
-                torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-                del outputs
-        finally:
-            for handle in handles:
-                handle.remove()
-        order += [i for i in range(len(params)) if i not in seen]
-        marks = hooks.marks
-        peaks = hooks.peaks
+def _bytes_pass(
+    model: nn.Module, sample: Sample, params: Sequence[nn.Parameter], hooks: _BlockHooks, live: _LiveBytes
+) -> tuple[list[int], dict[int, int], int]:
+    """Pass 1 (rule 3): bytes, the execution order, warm-up. (order, first block each parameter
+    was used in, the head's transient peak)."""
+
+    def where() -> int:
+        if hooks.running is not None:
+            return hooks.running
+        ended = [i for i, (_, end) in enumerate(hooks.marks.forward) if end]
+        return max(ended) + 1 if ended else -1  # between blocks: backward reaches it after the next
+
+    handles, order, seen, first_block = _record_order(model, params, where)
+    try:
+        with hooks, live, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+            live.mark()
+            outputs = _loss(model, sample)
+            # Peak since the last block ended (the head and loss) above what remains.
+            head_transient = live.peak - live.live
+            torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            del outputs
+    finally:
+        for handle in handles:
+            handle.remove()
+    order += [i for i in range(len(params)) if i not in seen]
+    return order, first_block, head_transient
+
+
+def _timing_passes(
+    model: nn.Module,
+    sample: Sample,
+    params: Sequence[nn.Parameter],
+    blocks: Sequence[nn.Module],
+    protected: set[int],
+    min_bytes: int,
+) -> tuple[float, float, _Marks]:
+    """Rule 3: at least two timed passes, more while they are short; the median one's
+    (forward seconds, backward seconds, block marks)."""
+    timings = []
+    spent = 0.0
+    while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
+        with _BlockHooks(blocks, protected, min_bytes, None) as timer:
+            forward_s, backward_s = _run(model, sample)
         for p in params:
             p.grad = None
-        # Timing passes: at least two, more while they are short (rule 3).
-        timings = []
-        spent = 0.0
-        while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
-            with _BlockHooks(modules_list, protected, min_bytes, None) as timer:
-                forward_s, backward_s = _run(model, sample)
-            for p in params:
-                p.grad = None
-            timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
-            spent += forward_s + backward_s
-        # The median pass (the lower middle of an even count), not the fastest: the cost model
-        # predicts the median step a run measures (rule 3).
-        _, forward_s, backward_s, times = sorted(timings, key=lambda t: t[0])[(len(timings) - 1) // 2]
+        timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
+        spent += forward_s + backward_s
+    # The median pass (the lower middle of an even count), not the fastest: the cost model
+    # predicts the median step a run measures (rule 3).
+    _, forward_s, backward_s, times = sorted(timings, key=lambda t: t[0])[(len(timings) - 1) // 2]
+    return forward_s, backward_s, times
+
+
+def _block_stats(
+    found: Sequence[tuple[str, nn.Module]],
+    times: _Marks,
+    hooks: _BlockHooks,
+    forward_s: float,
+    backward_s: float,
+    head_transient: int,
+) -> tuple[list[BlockStats], BlockStats]:
+    """Rules 3 and 4: per block, its times (from the timed pass ``times``) and bytes (from the
+    bytes pass ``hooks``); then the part outside blocks, what the pass took beyond them."""
+    marks = hooks.marks
+    peaks = hooks.peaks
     stats = []
     block_fwd = block_bwd = 0.0
     for i, (name, _) in enumerate(found):
@@ -397,6 +417,31 @@ def measure(
         max(head_transient, 0),
         marks.outside_saved_count,
     )
+    return stats, outside
+
+
+def measure(
+    model: nn.Module,
+    sample: Sample,
+    *,
+    sections: Callable[[int], int],
+    min_bytes: int,
+    device: torch.device,
+    blocks: BlockSpec = None,
+) -> tuple[list[BlockStats], BlockStats, list[ParamStats], list[int], list[tuple[int, ...]], list[int], list[int]]:
+    """Rules 1-4: blocks, the part outside them, parameters, execution order, modules, shared."""
+    found, params = _blocks_and_order(model, blocks)
+    modules_list = [m for _, m in found]
+    protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+    modules, shared = _param_modules(model, params)
+    with unchanged_training_state(model, device):
+        live = _LiveBytes()
+        hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+        order, first_block, head_transient = _bytes_pass(model, sample, params, hooks, live)
+        for p in params:
+            p.grad = None
+        forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
+    stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient)
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]
     return stats, outside, param_stats, order, modules, shared, param_block
@@ -435,199 +480,3 @@ def optimizer_seconds_per_byte(
         best = min(best, time.perf_counter() - start)
     return best / total
 
-
-LINKS = (
-    ("device", "host"),
-    ("host", "device"),
-    ("device", "nvme"),
-    ("nvme", "device"),
-    ("host", "nvme"),
-    ("nvme", "host"),
-)
-
-
-def probe_size(registry: Registry, nbytes: int = PROBE_BYTES, tiers: Iterable[str] | None = None) -> int:
-    """The probe's bytes: ``nbytes``, or a quarter of the least free of ``tiers`` (default:
-    every tier), page-rounded."""
-    names = registry.tiers if tiers is None else [name for name in tiers if name in registry.tiers]
-    free = [registry.tiers[name].capacity - registry.tiers[name].statistics().current_bytes for name in names]
-    size = min([nbytes, *(f // 4 for f in free)])
-    return size - size % ALIGNMENT
-
-
-def move_seconds(registry: Registry, src: str, dst: str, nbytes: int) -> float:
-    """Seconds of one registry move of ``nbytes`` from tier ``src`` to ``dst`` (the bytes
-    start on the device and are staged at ``src`` first, untimed); freed after."""
-    device = registry.tiers["device"].device  # type: ignore[attr-defined]
-    tensor = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    handle = registry.register(tensor, "device", dedup=False, kind="probe")
-    try:
-        if src != "device":
-            handle.move_to(src, Priority.DEMAND)
-            handle.wait()
-        start = time.perf_counter()
-        handle.move_to(dst, Priority.DEMAND)
-        handle.wait()
-        return time.perf_counter() - start
-    finally:
-        handle.free()
-
-
-def probe_links(registry: Registry, size: int) -> dict[str, float]:
-    """Rule 5: bytes/s of each link, moving ``size`` bytes through the real tiers (best of
-    three: the first touches fault pages in). Where the NVMe tier stripes over several paths,
-    also each path's own write and read bandwidth (:func:`probe_nvme_paths`), under the keys
-    of :func:`nvme_path_links`; with one path those are the aggregate ``host->nvme`` and
-    ``nvme->host`` (not probed twice). The cost model reads only the aggregate keys."""
-    tiers = registry.tiers
-    result: dict[str, float] = {}
-    if size < MIN_PROBE_BYTES:
-        return result  # too little room to measure anything meaningful
-    for src, dst in LINKS:
-        if src not in tiers or dst not in tiers:
-            continue
-        fastest = min(move_seconds(registry, src, dst, size) for _ in range(3))
-        result[f"{src}->{dst}"] = size / max(fastest, 1e-9)
-    paths = nvme_paths(registry)
-    if len(paths) == 1 and result.get("host->nvme") and result.get("nvme->host"):
-        write, read = nvme_path_links(paths[0])
-        result[write], result[read] = result["host->nvme"], result["nvme->host"]
-    elif len(paths) > 1:
-        result.update(probe_nvme_paths(registry, size))
-    return result
-
-
-PATH_PROBE_ROUNDS = 3
-"""Rounds of each path's probe (best counts, as for the aggregate links)."""
-
-
-def nvme_path_links(path: str) -> tuple[str, str]:
-    """The profile's link keys of one NVMe path (one of ``[nvme] paths``, as the tier
-    resolved it): ``("host->nvme[PATH]", "nvme[PATH]->host")``, write then read."""
-    return f"host->nvme[{path}]", f"nvme[{path}]->host"
-
-
-def nvme_paths(registry: Registry) -> list[str]:
-    """The NVMe tier's paths (one per stripe); empty without an NVMe tier that has paths."""
-    tier = registry.tiers.get("nvme")
-    return [str(p) for p in getattr(tier, "paths", None) or ()]
-
-
-def path_probe_plan(registry: Registry, size: int) -> tuple[int, int]:
-    """``(span, per_path)``: the NVMe bytes :func:`probe_nvme_paths` allocates to probe each
-    path with ``per_path`` bytes (at most ``size``, fewer where the tier has less than twice
-    ``span`` free). ``per_path`` is what any placement of the span guarantees every path
-    (whole stripe units, NOTE [ NVMe tier layout and I/O ] rule 1); below
-    :data:`MIN_PROBE_BYTES` no path is probed."""
-    tier = registry.tiers.get("nvme")
-    stripes = len(nvme_paths(registry))
-    block = int(getattr(tier, "block_size", 0) or 0)
-    if tier is None or stripes < 1 or block <= 0:
-        return 0, 0
-    free = tier.capacity - tier.statistics().current_bytes
-    span = min(stripes * (size + block), free // 2)
-    span -= span % ALIGNMENT
-    # A span starting anywhere covers at least span // block - 1 whole units; every path owns
-    # one in ``stripes`` consecutive units.
-    guaranteed = max((span // block - 1) // stripes, 0) * block
-    per_path = min(size, guaranteed)
-    return span, per_path - per_path % ALIGNMENT
-
-
-def _stripe_pieces(start: int, span: int, block: int, stripes: int, path: int, limit: int) -> list[tuple[int, int]]:
-    """``(offset, length)`` within an NVMe allocation at logical ``start`` of the bytes that
-    live on path ``path`` (NOTE [ NVMe tier layout and I/O ] rule 1: logical unit ``u`` is in
-    file ``u % stripes``), the first ``limit`` of them."""
-    pieces: list[tuple[int, int]] = []
-    position, end, taken = start, start + span, 0
-    while position < end and taken < limit:
-        unit, within = divmod(position, block)
-        step = min(block - within, end - position)
-        if unit % stripes == path:
-            length = min(step, limit - taken)
-            pieces.append((position - start, length))
-            taken += length
-        position += step
-    return pieces
-
-
-def _timed_io(
-    io: Callable[[Any, int, torch.Tensor], Future[None]],
-    allocation: Any,
-    pieces: Sequence[tuple[int, int]],
-    buffer: torch.Tensor,
-) -> float:
-    """Seconds to carry out every piece at once (the tier keeps ``queue_depth`` in flight)."""
-    start = time.perf_counter()
-    futures: list[Future[None]] = []
-    at = 0
-    try:
-        for offset, length in pieces:
-            futures.append(io(allocation, offset, buffer[at : at + length]))
-            at += length
-    finally:
-        concurrent.futures.wait(futures)  # never leave I/O in flight on a buffer about to go
-    elapsed = time.perf_counter() - start
-    for future in futures:
-        future.result()
-    return elapsed
-
-
-def nvme_io_seconds(registry: Registry, nbytes: int) -> tuple[float, float] | None:
-    """Seconds of one write of ``nbytes`` to the NVMe tier, from a page-aligned host buffer,
-    and of reading them back, straight through the tier's ``write``/``read`` (as
-    :func:`probe_nvme_paths`); the allocation is freed. None without an NVMe tier or room."""
-    tier = registry.tiers.get("nvme")
-    if tier is None or nbytes <= 0:
-        return None
-    nbytes += -nbytes % ALIGNMENT
-    try:
-        allocation = tier.allocate(nbytes)
-    except MemoryError:
-        return None
-    try:
-        buffer = aligned_empty(nbytes, torch.device("cpu"))
-        buffer.fill_(1)
-        write = _timed_io(tier.write, allocation, [(0, nbytes)], buffer)
-        read = _timed_io(tier.read, allocation, [(0, nbytes)], buffer)
-    finally:
-        tier.free(allocation)
-    return write, read
-
-
-def probe_nvme_paths(registry: Registry, size: int) -> dict[str, float]:
-    """Bytes/s of writing and of reading each NVMe path on its own (keys of
-    :func:`nvme_path_links`), best of :data:`PATH_PROBE_ROUNDS`; empty where the tier has too
-    little room (:func:`path_probe_plan`).
-
-    Through the tier's own I/O (its ``write``/``read``, backend, O_DIRECT, queue depth), as
-    ``tiermem bench io`` raw mode does: one allocation spans every path, and each path's probe
-    moves only the stripe units that live on it, between them and a page-aligned host buffer,
-    all at once. Timed as the aggregate links are (the I/O completes; no ``fdatasync``), so a
-    path's numbers compare with the aggregate ``host->nvme`` / ``nvme->host``. The probe's
-    bytes are in the tier's own files and the allocation is freed: nothing is left behind."""
-    paths = nvme_paths(registry)
-    span, per_path = path_probe_plan(registry, size)
-    if len(paths) < 1 or per_path < MIN_PROBE_BYTES:
-        return {}
-    tier = registry.tiers["nvme"]
-    block = int(tier.block_size)  # type: ignore[attr-defined]
-    try:
-        allocation = tier.allocate(span)
-    except MemoryError:  # fragmented, or taken since the plan: no per-path numbers this time
-        return {}
-    result: dict[str, float] = {}
-    try:
-        buffer = aligned_empty(per_path, torch.device("cpu"))
-        buffer.fill_(1)  # fault the pages in before any clock runs
-        pieces = [_stripe_pieces(allocation.location, span, block, len(paths), i, per_path) for i in range(len(paths))]
-        for _ in range(PATH_PROBE_ROUNDS):
-            for path, own in zip(paths, pieces, strict=True):
-                write, read = nvme_path_links(path)
-                seconds = _timed_io(tier.write, allocation, own, buffer)
-                result[write] = max(result.get(write, 0.0), per_path / max(seconds, 1e-9))
-                seconds = _timed_io(tier.read, allocation, own, buffer)
-                result[read] = max(result.get(read, 0.0), per_path / max(seconds, 1e-9))
-    finally:
-        tier.free(allocation)
-    return result
