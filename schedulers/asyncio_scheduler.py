@@ -26,6 +26,10 @@
    "after each run", at most a quarter of the queue. A run fails as a whole when any of
    its blocks fails (the move fails with it, as it would for one failed block).
 
+Rules 3-5 and 7 (what a tier admits now) are decided by
+:class:`~tiermem.schedulers.admission.TierLimits`, which also holds a move's record; the loop,
+the priority queues and the hand-over of finished runs are here.
+
 All scheduler state is touched only on the loop thread; the training thread talks to
 it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures. Tiers
 report finished blocks through one thread-safe deque that the loop drains in one wake-up
@@ -47,7 +51,16 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from tiermem.errors import RuntimeClosedError, internal_error
-from tiermem.layout.shares import PREFETCH_SHARE
+from tiermem.schedulers.admission import (
+    MEMORY_BLOCK_SIZE,
+    RUN_SHARE,
+    Link,
+    Move,
+    TierLimits,
+    executor_for,
+    new_move,
+    padded,
+)
 from tiermem.schedulers.base import (
     LinkStatistics,
     Priority,
@@ -56,48 +69,11 @@ from tiermem.schedulers.base import (
     Transfer,
     WaitRecorder,
 )
-from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
-from tiermem.units import round_up
+from tiermem.tiers.base import Allocation
+
+__all__ = ["MEMORY_BLOCK_SIZE", "RUN_SHARE", "AsyncioScheduler"]
 
 log = logging.getLogger("tiermem.scheduler")
-
-#: Memory-to-memory copies have no queue to overtake in; bigger blocks cost less overhead.
-MEMORY_BLOCK_SIZE = 8 << 20
-#: The most of a vectored tier's queue depth one run may take (rule 7).
-RUN_SHARE = 0.25
-
-
-@dataclass
-class _Move:
-    transfer: Transfer
-    src_offset: int
-    dst_offset: int
-    executor: Tier
-    block_size: int
-    issued: int = 0  # bytes issued so far
-    inflight: int = 0  # runs in flight (a run is one call to the executing tier, rule 7)
-    error: BaseException | None = None
-    cancelled: bool = False
-    queued: bool = True
-    # Resolved once per move rather than per block (small blocks are counted per request,
-    # TRAPS 15): the distinct tiers whose in-flight bytes it holds, and its link's counters.
-    tier_names: tuple[str, ...] = ()
-    link: _Link | None = None
-    #: The most blocks one call to the executor may carry (rule 7); 1 for tiers that are not vectored.
-    max_run: int = 1
-
-    @property
-    def remaining(self) -> int:
-        return self.transfer.nbytes - self.issued
-
-
-@dataclass
-class _Link:
-    bytes: int = 0
-    busy_s: float = 0.0
-    requests: int = 0
-    inflight: int = 0
-    busy_since: float = 0.0
 
 
 @dataclass
@@ -106,7 +82,7 @@ class _Counters:
     completed: int = 0
     cancelled: int = 0
     failed: int = 0
-    links: dict[str, _Link] = field(default_factory=dict)
+    links: dict[str, Link] = field(default_factory=dict)
 
 
 def _new_loop(kind: str) -> asyncio.AbstractEventLoop:
@@ -139,17 +115,16 @@ class AsyncioScheduler(Scheduler):
             raise ValueError(
                 f"tiermem scheduler: max_inflight ({max_inflight}) and block_size ({block_size}) must be > 0"
             )
-        self.max_inflight = max_inflight
         self.tier_max_inflight = dict(tier_max_inflight or {})
         self.block_size = block_size
-        self._queues: dict[Priority, collections.deque[_Move]] = {p: collections.deque() for p in Priority}
-        self._moves: dict[Transfer, _Move] = {}
-        self._inflight_bytes: dict[str, int] = collections.defaultdict(int)
-        self._inflight_requests: dict[str, int] = collections.defaultdict(int)
+        self._queues: dict[Priority, collections.deque[Move]] = {p: collections.deque() for p in Priority}
+        self._moves: dict[Transfer, Move] = {}
+        # Rules 3-5 and 7; it reads tier_max_inflight, the same dict, at every decision.
+        self._limits = TierLimits(max_inflight, self.tier_max_inflight)
         self._counters = _Counters()
         self._waits = WaitRecorder()
         # Finished runs, from tier threads to the loop (see the module docstring).
-        self._landed: collections.deque[tuple[_Move, int, int, int, Future[None], float]] = collections.deque()
+        self._landed: collections.deque[tuple[Move, int, int, int, Future[None], float]] = collections.deque()
         self._drain_scheduled = False
         self._closed = False
         self._close_lock = threading.Lock()
@@ -179,20 +154,11 @@ class AsyncioScheduler(Scheduler):
             raise internal_error(
                 f"move of {nbytes} bytes from {src!r}+{src_offset} to {dst!r}+{dst_offset} out of bounds"
             )
-        executor = self._executor(src.tier, dst.tier)
+        executor = executor_for(src.tier, dst.tier)
         for tier in {src.tier, dst.tier}:
             tier.fence()  # on this thread: its current stream is the one that produced the bytes
-        memory_only = src.tier.is_memory and dst.tier.is_memory
         transfer = Transfer(src, dst, nbytes, Priority(priority), self._cancel, self._promote, self._waits)
-        move = _Move(
-            transfer,
-            src_offset,
-            dst_offset,
-            executor,
-            max(self.block_size, MEMORY_BLOCK_SIZE) if memory_only else self.block_size,
-            tier_names=tuple(dict.fromkeys((src.tier.name, dst.tier.name))),
-            max_run=max(1, int(executor.queue_depth * RUN_SHARE)) if executor.vectored else 1,
-        )
+        move = new_move(transfer, src_offset, dst_offset, executor, self.block_size)
         with self._close_lock:  # close() cannot begin between the check and the hand-over
             if self._closed:
                 raise RuntimeClosedError("the scheduler")
@@ -224,6 +190,15 @@ class AsyncioScheduler(Scheduler):
     def closed(self) -> bool:
         return self._closed
 
+    @property
+    def max_inflight(self) -> int:
+        """Bytes in flight per tier unless ``tier_max_inflight`` names the tier (rule 3)."""
+        return self._limits.max_inflight
+
+    @max_inflight.setter
+    def max_inflight(self, value: int) -> None:
+        self._limits.max_inflight = value
+
     # -- loop thread ---------------------------------------------------------------------
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self._loop)
@@ -246,7 +221,7 @@ class AsyncioScheduler(Scheduler):
         return SchedulerStatistics(
             links=MappingProxyType(links),
             queued=MappingProxyType({p.name.lower(): len(q) for p, q in self._queues.items()}),
-            inflight_bytes=MappingProxyType(dict(self._inflight_bytes)),
+            inflight_bytes=MappingProxyType(dict(self._limits.inflight_bytes)),
             submitted=c.submitted,
             completed=c.completed,
             cancelled=c.cancelled,
@@ -255,7 +230,7 @@ class AsyncioScheduler(Scheduler):
             wait_s=self._waits.wait_s,
         )
 
-    def _enqueue(self, move: _Move) -> None:
+    def _enqueue(self, move: Move) -> None:
         self._counters.submitted += 1
         self._moves[move.transfer] = move
         if move.transfer.nbytes == 0:
@@ -291,51 +266,10 @@ class AsyncioScheduler(Scheduler):
         transfer.priority = priority
         self._dispatch()
 
-    def _unqueue(self, move: _Move) -> None:
+    def _unqueue(self, move: Move) -> None:
         if move.queued:
             self._queues[move.transfer.priority].remove(move)
             move.queued = False
-
-    def _limit(self, tier: Tier, priority: Priority) -> int:
-        bound = self.tier_max_inflight.get(tier.name, self.max_inflight)
-        return int(bound * PREFETCH_SHARE) if priority == Priority.PREFETCH else bound
-
-    def _admits(self, move: _Move, nbytes: int, held: set[str], slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
-        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
-        ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
-        counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
-        transfer = move.transfer
-        executor = move.executor
-        priority = transfer.priority
-        slots = self._inflight_requests[executor.name] + slots_ahead
-        if slots >= executor.queue_depth:
-            return False
-        if priority == Priority.PREFETCH and slots and slots >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
-            return False  # rule 4 applies to request slots as well as bytes
-        for tier in (transfer.src.tier, transfer.dst.tier):
-            if priority > Priority.DEMAND and tier.name in held:
-                return False  # rule 2: nothing of lower priority slips in ahead of a waiting demand
-            inflight = self._inflight_bytes[tier.name] + bytes_ahead
-            if inflight and inflight + nbytes > self._limit(tier, priority):
-                return False
-        return True
-
-    def _admitted_run(self, move: _Move, held: set[str]) -> tuple[int, int]:
-        """How much of ``move`` to issue now: (bytes, blocks), (0, 0) when rules 2-5 admit
-        nothing. Blocks are admitted one by one, as if each were issued alone, up to the
-        move's run length (rule 7), so a run never holds more than its blocks would."""
-        block, remaining = move.block_size, move.remaining
-        length = min(block, remaining)
-        if not self._admits(move, length, held):
-            return 0, 0
-        total, blocks = length, 1
-        while blocks < move.max_run and total < remaining:
-            length = min(block, remaining - total)
-            if not self._admits(move, length, held, blocks, total):
-                break
-            total += length
-            blocks += 1
-        return total, blocks
 
     def _dispatch(self) -> None:
         """Issue every block that rules 2-5 admit, highest priority first (in runs, rule 7)."""
@@ -344,7 +278,7 @@ class AsyncioScheduler(Scheduler):
             queue = self._queues[priority]
             for move in list(queue):
                 while move.remaining > 0 and move.queued:
-                    length, blocks = self._admitted_run(move, held)
+                    length, blocks = self._limits.admitted_run(move, held)
                     if not blocks:
                         if priority == Priority.DEMAND:
                             held.update((move.transfer.src.tier.name, move.transfer.dst.tier.name))
@@ -354,7 +288,7 @@ class AsyncioScheduler(Scheduler):
                     queue.remove(move)
                     move.queued = False
 
-    def _issue(self, move: _Move, length: int, blocks: int = 1) -> None:
+    def _issue(self, move: Move, length: int, blocks: int = 1) -> None:
         """Hand ``blocks`` contiguous blocks (``length`` bytes) of ``move`` to its executor
         in one call: a run (rule 7), or a single block."""
         transfer = move.transfer
@@ -362,7 +296,7 @@ class AsyncioScheduler(Scheduler):
         src_off = move.src_offset + move.issued
         dst_off = move.dst_offset + move.issued
         move.issued += length
-        span = self._padded(move, src_off, dst_off, length)
+        span = padded(move, src_off, dst_off, length)
         try:
             if move.executor is dst.tier:
                 future = dst.tier.write(dst, dst_off, src.view(src_off, span))
@@ -376,14 +310,12 @@ class AsyncioScheduler(Scheduler):
                 self._finish(move)
             return
         move.inflight += 1
-        for name in move.tier_names:
-            self._inflight_bytes[name] += span
-        self._inflight_requests[move.executor.name] += blocks
+        self._limits.issued(move, span, blocks)
         link = move.link
         if link is None:
             link = self._counters.links.get(transfer.link)
             if link is None:
-                link = self._counters.links[transfer.link] = _Link()
+                link = self._counters.links[transfer.link] = Link()
             move.link = link
         issued_at = time.perf_counter()
         if link.inflight == 0:
@@ -391,7 +323,7 @@ class AsyncioScheduler(Scheduler):
         link.inflight += 1
         future.add_done_callback(lambda f: self._block_landed((move, span, length, blocks, f, issued_at)))
 
-    def _block_landed(self, block: tuple[_Move, int, int, int, Future[None], float]) -> None:
+    def _block_landed(self, block: tuple[Move, int, int, int, Future[None], float]) -> None:
         """Any thread: hand a finished run (or block) to the loop, waking it only if no drain is due.
 
         The flag is cleared by the drain *before* it empties the deque, and set here *after*
@@ -408,26 +340,9 @@ class AsyncioScheduler(Scheduler):
             self._block_done(*landed.popleft(), dispatch=False)
         self._dispatch()  # once for the whole batch: rules 2-5 see every freed slot at once
 
-    @staticmethod
-    def _padded(move: _Move, src_off: int, dst_off: int, length: int) -> int:
-        """The last block may carry the allocations' alignment padding, so direct I/O
-        needs no bounce buffer; padding stays inside both reservations."""
-        transfer = move.transfer
-        end = move.issued == transfer.nbytes
-        if not end or length % ALIGNMENT == 0:
-            return length
-        # Only where the move ends both allocations' bytes: padding past a partial range
-        # would overwrite destination bytes the move does not own.
-        if src_off + length != transfer.src.nbytes or dst_off + length != transfer.dst.nbytes:
-            return length
-        padded = round_up(length, ALIGNMENT)
-        if src_off + padded <= transfer.src.reserved and dst_off + padded <= transfer.dst.reserved:
-            return padded
-        return length
-
     def _block_done(
         self,
-        move: _Move,
+        move: Move,
         span: int,
         length: int,
         blocks: int,
@@ -438,9 +353,7 @@ class AsyncioScheduler(Scheduler):
     ) -> None:
         transfer = move.transfer
         move.inflight -= 1
-        for name in move.tier_names:
-            self._inflight_bytes[name] -= span
-        self._inflight_requests[move.executor.name] -= blocks
+        self._limits.landed(move, span, blocks)
         link = move.link
         if link is None:
             raise internal_error("a block finished on a move that never issued one")
@@ -460,7 +373,7 @@ class AsyncioScheduler(Scheduler):
         if dispatch:
             self._dispatch()
 
-    def _finish(self, move: _Move) -> None:
+    def _finish(self, move: Move) -> None:
         transfer = move.transfer
         if self._moves.pop(transfer, None) is None:
             return
@@ -489,16 +402,3 @@ class AsyncioScheduler(Scheduler):
             drained.set_result(None)
         else:
             self._loop.call_later(0.001, self._check_drained, drained)
-
-    def _executor(self, src: Tier, dst: Tier) -> Tier:
-        """The tier that carries out a move: the storage side, else the device (its copy
-        stream), else the destination."""
-        if not src.is_memory and not dst.is_memory:
-            raise internal_error(f"no direct path {src.name}->{dst.name}: stage through a memory tier")
-        if not dst.is_memory:
-            return dst
-        if not src.is_memory:
-            return src
-        if src.name == "device":
-            return src
-        return dst
