@@ -15,8 +15,9 @@ from torch import nn
 import tiermem
 from tests.test_activations import Decoder, _assert_identical, _batch, _settled_activations, _step, offloaded
 from tests.test_registry import DeviceCache
-from tiermem.activations import ActivationMemoryError, ActivationOffloader, BlockPolicy
+from tiermem.activations import ActivationMemoryError, BlockPolicy
 from tiermem.activations.fallback import MAX_OUTAGE_FORWARDS, ModelMemory, WriteLedger, decide
+from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
@@ -114,14 +115,14 @@ def test_auto_fits_a_device_budget_of_about_one_block(tmp_path):
 def _synchronous_write_backs(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every write-back lands before the next tensor is saved, so what the device holds
     when backward starts (and at each unpack) does not depend on the machine's load."""
-    original = ActivationOffloader._write_back
+    original = SavedTensorHooks.write_back
 
     def write_back(self, handle, group):
         original(self, handle, group)
         with contextlib.suppress(Exception):  # a failure is the ledger's to report
             handle.wait()
 
-    monkeypatch.setattr(ActivationOffloader, "_write_back", write_back)
+    monkeypatch.setattr(SavedTensorHooks, "write_back", write_back)
 
 
 def test_prefetch_never_takes_the_room_a_demand_fetch_needs(tmp_path, monkeypatch):
@@ -151,7 +152,7 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
     the prefetched objects backward needs last are written back to NVMe until it fits,
     instead of an ActivationMemoryError; gradients stay bitwise those of plain PyTorch."""
     _synchronous_write_backs(monkeypatch)
-    demand, prefetch = ActivationOffloader._demand, Prefetcher.before
+    demand, prefetch = SavedTensorHooks.demand, Prefetcher.before
 
     def earlier_blocks_only(self, group):  # never the rest of the block being unpacked
         earlier = self.forwards.group(group.forward_id, group.index - 1)
@@ -164,7 +165,7 @@ def test_a_demand_fetch_takes_its_room_back_from_prefetches(tmp_path, monkeypatc
         demand(self, handle, group)
 
     monkeypatch.setattr(Prefetcher, "before", earlier_blocks_only)
-    monkeypatch.setattr(ActivationOffloader, "_demand", prefetch_first)
+    monkeypatch.setattr(SavedTensorHooks, "demand", prefetch_first)
     # Whole blocks ahead, as before the prefetch window (NOTE [ Prefetch window ]) bounded them.
     monkeypatch.setattr(Prefetcher, "window", lambda self: 1 << 62)
     torch.manual_seed(0)

@@ -1,0 +1,194 @@
+"""The saved-tensor hook pair: what autograd's pack and unpack do with a saved tensor
+(NOTE [ Activation offload rules ] rules 2 to 6, in ``tiermem/activations/offloader.py``;
+"rule N" below cites that NOTE)."""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from tiermem.activations.counters import ActivationCounters
+from tiermem.activations.fallback import ActivationMemoryError, Fallbacks
+from tiermem.activations.ledger import failure_cause
+from tiermem.activations.memory import ModelMemory
+from tiermem.activations.prefetch import Prefetcher
+from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, moving_to, version_error
+from tiermem.errors import StorageError, TierCapacityError
+from tiermem.layout.activation_policy import BlockPolicy
+from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
+
+
+class SavedTensorHooks:
+    """Pack and unpack for one offloader. ``forwards`` says which block is running;
+    ``fallbacks`` registers what is packed (NOTE [ Activation fallbacks ]); ``prefetcher``
+    brings back what backward needs next; ``names`` name the blocks in errors."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        memory: ModelMemory,
+        counters: ActivationCounters,
+        forwards: Forwards,
+        fallbacks: Fallbacks,
+        prefetcher: Prefetcher,
+        *,
+        names: Sequence[str],
+        min_bytes: int,
+    ) -> None:
+        self.registry = registry
+        self.memory = memory
+        self.counters = counters
+        self.forwards = forwards
+        self.fallbacks = fallbacks
+        self.prefetcher = prefetcher
+        self.names = names
+        self.min_bytes = min_bytes
+        #: Saved tensors on another device stay where they are (rule 3).
+        self.device = registry.device
+        #: Storages of the model's parameters and buffers, by id (rule 3): set by :meth:`protect`.
+        self.protected: set[int] = set()
+
+    def protect(self, model: nn.Module) -> None:
+        """Rule 3: parameters and buffers (and views of them) stay where they are."""
+        self.protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+
+    # -- pack ----------------------------------------------------------------------------------
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if in_backward():
+            return tensor  # rule 2
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < self.min_bytes or id(storage) in self.protected or tensor.device != self.device:
+            return tensor  # rule 3
+        if self.memory.ledger.pending_failures:
+            self.fallbacks.drain()
+        group = self.forwards.current
+        handle = self.fallbacks.register(tensor, group)
+        saved = SavedActivation(handle, tensor, group)
+        hit = handle.obj.refs > 1
+        with self.counters.lock:
+            if hit:
+                self.counters.dedup_hits += 1
+            else:
+                self.counters.captured_bytes += handle.obj.nbytes
+        if group is None and not hit:
+            self.memory.outside_now += handle.obj.nbytes
+        if group is not None:
+            group.saved.append(weakref.ref(saved))
+            group.pending.append((saved, tensor))
+            if not hit:
+                group.saved_bytes += handle.obj.nbytes
+            if group.policy.offloads and not hit and handle.tier == "device":
+                self.write_back(handle, group)
+        return saved
+
+    def write_back(self, handle: Handle, group: BlockGroup) -> None:
+        """Rule 4: start writing a saved tensor of an offloading block to its tier."""
+        tier = group.policy.value
+        try:
+            transfer = handle.move_to(tier, Priority.WRITEBACK)
+        except (StorageError, TierCapacityError) as exc:
+            # NOTE [ Activation fallbacks ] rule 3, found at once: keep this block resident.
+            cause = failure_cause(exc)
+            self.memory.tier_failed(tier, cause, str(exc))
+            group.policy = BlockPolicy.KEEP
+            self.fallbacks.report(group.forward_id, group.index, f"{cause}->keep", f"writing to {tier} failed: {exc}")
+            return
+        error = handle.obj.error
+        if error is not None:
+            # The write failed before move_to returned, so the registry read its error on
+            # this thread: Transfer.exception() re-raises it, and its traceback now holds
+            # this frame and pack's (with the saved tensor) in a cycle only the GC frees.
+            # Cut it; the failure is still reported, by message (TRAPS 16).
+            error.__traceback__ = None
+        if transfer is not None:
+            self.memory.ledger.started(transfer, handle.obj, handle.obj.nbytes, tier, group.forward_id, group.index)
+
+    # -- unpack --------------------------------------------------------------------------------
+    def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
+            return saved
+        if saved.modified is not None:
+            raise saved.modified  # rule 5, TRAPS 1
+        original = saved.tensor_ref()
+        if original is not None and original._version != saved.version:
+            raise version_error(original, saved.version)
+        handle: Handle = saved.handle
+        obj = handle.obj
+        group = saved.group
+        self.prefetcher.unpacked(obj)
+        if obj.state is ObjectState.MOVING and obj.tier == "device":  # the device tier is memory
+            # Forwarding: still in memory; the write is no longer needed.
+            with self.counters.lock:
+                self.counters.forwarded += 1
+                self.counters.cancelled += 1
+            handle.move_to("device")
+            if group is not None:
+                self.prefetcher.before(group)
+            return handle.tensor()
+        source = obj.tier
+        prefetching = obj.state is ObjectState.MOVING and moving_to(obj) == "device"
+        start = time.perf_counter()
+        # The demand first, prefetches after: the room it needs is never taken by blocks
+        # backward needs later (rule 5). The fetch runs while the prefetches are issued.
+        self.demand(handle, group)
+        if group is not None:
+            self.prefetcher.before(group)
+        try:
+            tensor = handle.tensor("device")
+        except TierCapacityError as exc:  # the object left the device meanwhile (not expected)
+            raise self._demand_error(obj, source, group, exc) from exc
+        if source != "device":
+            with self.counters.lock:
+                self.counters.backward_wait_s += time.perf_counter() - start
+                if not prefetching:  # a prefetch in flight counted its bytes when it started
+                    self.counters.fetched_bytes[source] += obj.nbytes
+        return tensor
+
+    def demand(self, handle: Handle, group: BlockGroup | None) -> None:
+        """Start bringing ``handle``'s object back into the device budget for backward, now
+        (rule 5). When it does not fit: wait for the write-backs in flight to land, then
+        give back prefetched objects backward needs later; the clear error only when it
+        still does not fit."""
+        obj = handle.obj
+        if obj.tier == "device" or (obj.state is ObjectState.MOVING and moving_to(obj) is not None):
+            return  # on the device, or on its way (a prefetch, promoted by the read)
+        needed = self.registry.reserved_size("device", obj.nbytes)
+        waited = False
+        while True:
+            try:
+                handle.move_to("device", Priority.DEMAND)
+                return
+            except TierCapacityError as exc:
+                if self.registry.reclaim("device"):  # caches first (registry rule 7)
+                    continue
+                if not waited and self.memory.ledger.inflight_bytes():
+                    waited = True
+                    self.memory.ledger.wait_idle()
+                    continue
+                if self.prefetcher.release(needed, exclude=obj):
+                    continue
+                error = self._demand_error(obj, obj.tier, group, exc)
+                exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
+                raise error from exc
+
+    def _demand_error(
+        self, obj: ManagedObject, source: str, group: BlockGroup | None, exc: TierCapacityError
+    ) -> ActivationMemoryError:
+        where = f"block {group.index} ({self.names[group.index]})" if group is not None else "outside the blocks"
+        unknown = (
+            " Nothing was measured of this block when it started (a model's first forward), so it could not "
+            "be switched to recompute in time (NOTE [ Activation fallbacks ] rule 1); the next forward would."
+            if group is not None and group.flexible and group.expected is None
+            else ""
+        )
+        return ActivationMemoryError(
+            f"tiermem activations: backward needs a saved tensor of {obj.nbytes} bytes ({where}) back from "
+            f"{source}, but the device budget has {exc.used} of {exc.capacity} bytes in use.{unknown} Raise "
+            "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
+            "{0: 'recompute'})."
+        )
