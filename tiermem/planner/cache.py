@@ -29,7 +29,8 @@
    :mod:`~tiermem.planner.probes`), and one without a device->host bandwidth. Every probe
    frees what it moved: nothing is left in a tier or in an NVMe path.
 3. Writes are atomic (a temporary file renamed), so two processes never read half a profile.
-   Profiles live in the user's cache, never in an NVMe run directory (DESIGN).
+   Profiles live in the user's cache, never in an NVMe run directory (a run directory is
+   private to one run and removed with it: NOTE [ Run directory rules ]).
 """
 
 from __future__ import annotations
