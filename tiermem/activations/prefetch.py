@@ -40,7 +40,7 @@ class Prefetcher:
         self.lookahead = lookahead
         #: Objects prefetched for backward and not unpacked since, by object id: (object,
         #: its block, the tier it came from, its place in that block's order). A demand
-        #: fetch that finds no room may give them back (offload rule 5).
+        #: fetch that finds no room may give them back (NOTE [ Activation offload rules ] rule 5).
         self.prefetched: dict[int, tuple[weakref.ref[ManagedObject], BlockGroup, str, int]] = {}
         #: The backward since the window was last settled: its first and last unpack, and the
         #: runtime's wait total at that settlement (NOTE [ Prefetch window ] rule 3).
@@ -67,12 +67,12 @@ class Prefetcher:
         self.prefetched.pop(obj.id, None)
 
     def before(self, group: BlockGroup) -> None:
-        """Offload rule 5: bring back what backward needs next, in that order, and only into
-        free device bytes: the rest of this block, then the ``lookahead`` blocks before it,
-        each block's tensors in reverse pack order, until the prefetch window's bytes are
-        ahead of backward (NOTE [ Prefetch window ]). A prefetch never takes the room
-        something needed sooner must be fetched into: it stops at the first that does not
-        fit, and that block is tried again at the next unpack."""
+        """NOTE [ Activation offload rules ] rule 5: bring back what backward needs next, in
+        that order, and only into free device bytes: the rest of this block, then the
+        ``lookahead`` blocks before it, each block's tensors in reverse pack order, until the
+        prefetch window's bytes are ahead of backward (NOTE [ Prefetch window ]). A prefetch
+        never takes the room something needed sooner must be fetched into: it stops at the
+        first that does not fit, and that block is tried again at the next unpack."""
         window = self.window()
         ahead = self.ahead_bytes()
         for index in range(group.index, max(group.index - 1 - self.lookahead, -1), -1):
@@ -104,8 +104,9 @@ class Prefetcher:
 
     def _cancel_write(self, handle: Handle) -> None:
         """A tensor still on the device whose write to storage is in flight, and backward
-        needs it soon: cancel the write (offload rule 5's forwarding, early), or it would
-        land and need a fetch into room that earlier blocks' prefetches had meanwhile taken."""
+        needs it soon: cancel the write (NOTE [ Activation offload rules ] rule 5's forwarding,
+        early), or it would land and need a fetch into room that earlier blocks' prefetches
+        had meanwhile taken."""
         obj = handle.obj
         if obj.state is ObjectState.MOVING and moving_to(obj) in STORAGE_TIERS:
             handle.move_to("device")
@@ -113,11 +114,12 @@ class Prefetcher:
                 self.counters.cancelled += 1
 
     def release(self, needed: int, exclude: ManagedObject) -> bool:
-        """Offload rule 5: give the device room a demand fetch needs back from prefetches,
-        the object backward needs last first: each is written back to the tier it came from
-        (synchronously; a prefetch in flight lands first) and its block is prefetched
-        again later. Only objects no saved tensor has been unpacked from since they were
-        prefetched are touched: nothing backward holds. True when one was given back."""
+        """NOTE [ Activation offload rules ] rule 5: give the device room a demand fetch needs
+        back from prefetches, the object backward needs last first: each is written back to
+        the tier it came from (synchronously; a prefetch in flight lands first) and its block
+        is prefetched again later. Only objects no saved tensor has been unpacked from since
+        they were prefetched are touched: nothing backward holds. True when one was given
+        back."""
         entries = sorted(self.prefetched.items(), key=lambda item: (item[1][1].index, item[1][3]))
         released = False
         for key, (ref, group, tier, _order) in entries:
