@@ -64,3 +64,69 @@ def test_the_layout_vocabulary_imports_only_units_errors_and_itself():
                     assert name in LEAVES or name.startswith("tiermem.layout"), f"{path.name} imports {name}"
     loaded = _loaded_after_import("tiermem.layout.placement")
     assert all(m in LEAVES or m.startswith("tiermem.layout") for m in loaded), sorted(loaded)
+
+
+#: What the library is made of (tests/ and bench/ are not library code).
+LIBRARY = [ROOT / "tiermem", ROOT / "tiers", ROOT / "schedulers"]
+MAX_MODULE_LINES = 500
+MAX_FUNCTION_LINES = 80
+#: A function may stay longer when the line right above its ``def`` (or its decorators) says why.
+LONG_MARK = "# long:"
+
+
+def _library_modules() -> list[pathlib.Path]:
+    return sorted(p for folder in LIBRARY for p in folder.rglob("*.py"))
+
+
+def test_every_library_module_is_at_most_500_lines():
+    too_long = {str(p.relative_to(ROOT)): n for p in _library_modules() if (n := len(p.read_text().splitlines())) > 500}
+    assert not too_long, f"split these along a real seam (docs/ARCHITECTURE.md): {too_long}"
+
+
+def test_every_library_function_is_at_most_80_lines_or_says_why():
+    too_long = []
+    for path in _library_modules():
+        lines = path.read_text().splitlines()
+        for node in ast.walk(ast.parse("\n".join(lines), filename=str(path))):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            first = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+            marked = first >= 2 and lines[first - 2].strip().startswith(LONG_MARK)
+            if length > MAX_FUNCTION_LINES and not marked:
+                too_long.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    assert not too_long, "shorten these, or put '# long: <why>' above the def: " + "; ".join(too_long)
+
+
+#: Names that would mean managed-object code reaches past the registry (docs/ARCHITECTURE.md rule 4).
+DOOR_BYPASSES = ("tiermem.schedulers", "tiermem.tiers")
+
+
+def _door_bypass(node: ast.AST) -> list[str]:
+    """``registry.scheduler`` / ``registry.tiers`` (the machinery behind the door) or ``<handle>.obj.home``
+    (an object's raw allocation), where ``node`` is one."""
+    if not isinstance(node, ast.Attribute) or not isinstance(node.value, (ast.Attribute, ast.Name)):
+        return []
+    owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
+    if owner == "registry" and node.attr in ("scheduler", "tiers"):
+        return [f"registry.{node.attr}"]
+    if owner == "obj" and node.attr == "home" and isinstance(node.value, ast.Attribute):
+        return [".obj.home"]
+    return []
+
+
+@pytest.mark.parametrize("package", ["states", "activations"])
+def test_states_and_activations_reach_bytes_only_through_the_registry(package):
+    offenders = []
+    for path in sorted((ROOT / "tiermem" / package).rglob("*.py")):
+        text = path.read_text()
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            else:
+                names = []
+            offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.startswith(DOOR_BYPASSES)]
+            offenders += [f"{path.name}:{node.lineno} uses {what}" for what in _door_bypass(node)]
+    assert not offenders, offenders
