@@ -323,7 +323,7 @@ def _manage_streamed(rt: tiermem.Runtime, model: GPT) -> tuple[GPT, Any, Any, Ca
     plan = {"chunk_size": "64KiB", "persistent_chunks": 0, "buffers": 3}
     model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
     states = rt._model_states[-1]
-    return model, optimizer, states, lambda: states._slots[states._index[id(model.wte.weight)]][0]
+    return model, optimizer, states, lambda: states.chunk_of(model.wte.weight)
 
 
 def test_the_tied_chunk_is_unpinned_once_the_heads_backward_ran(tmp_path):
@@ -337,7 +337,7 @@ def test_the_tied_chunk_is_unpinned_once_the_heads_backward_ran(tmp_path):
         model, optimizer, states, tied = _manage_streamed(rt, model)
         pins = _pins_at(model, model.blocks[4], tied)
         got = train(model, optimizer, range(2))
-        assert not tied().persistent and tied() is not states._slots[states._index[id(model.blocks[4].fc.weight)]][0]
+        assert not tied().persistent and tied() is not states.chunk_of(model.blocks[4].fc.weight)
     assert pins == [0, 0]  # pinned through every block's backward before: [1, 1]
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
@@ -408,7 +408,7 @@ def test_a_module_called_twice_is_unpinned_after_each_calls_backward(tmp_path):
             model, torch.optim.AdamW, lr=1e-2, plan={"chunk_size": "4KiB", "persistent_chunks": 0, "buffers": 2}
         )
         states = rt._model_states[-1]
-        chunk = lambda: states._slots[states._index[id(model.shared.weight)]][0]  # noqa: E731
+        chunk = lambda: states.chunk_of(model.shared.weight)  # noqa: E731
         pins = _pins_at(model, model.mid, chunk)
         got = run(model, optimizer)
     assert pins == [0, 0]

@@ -322,11 +322,11 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     still being written back, but never while another home waits for its step, so the host
     never stages more than STAGED_HOMES homes; training stays exact."""
     from tiermem.layout.placement import STAGED_HOMES
-    from tiermem.states.stepping import StepMixin
+    from tiermem.states.stepping import Stepper
     from tiermem.tiers.nvme import NvmeTier
 
     seen: list[tuple[int, int]] = []  # (homes waiting for their step, homes off NVMe) at each prefetch
-    original = StepMixin._backward_entered
+    original = Stepper.backward_entered
 
     def recorded(self, chunk):
         before = chunk.home.state if chunk.home is not None else None
@@ -335,7 +335,7 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
             waiting, off = self._homes_off_nvme()
             seen.append((waiting, off))
 
-    monkeypatch.setattr(StepMixin, "_backward_entered", recorded)
+    monkeypatch.setattr(Stepper, "backward_entered", recorded)
     write = NvmeTier.write
 
     def slow_write(self, allocation, offset, src):

@@ -18,7 +18,7 @@ import tiermem
 from tests import test_states, test_states_declared
 from tests.test_states import one_thread  # noqa: F401 - autouse: plain runs are cached under one torch thread
 from tiermem.states import StatesUsageError
-from tiermem.states.backward import BackwardMixin
+from tiermem.states.gradients import Gradients
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.manager import ModelStates
 
@@ -119,14 +119,14 @@ def host_gradients(monkeypatch):
     yields the number of HostGradients it handed out (the tests check it did)."""
     monkeypatch.setattr(ModelStates, "proxy_host_gradients", True)
     made = [0]
-    exposed = BackwardMixin._exposed
+    exposed = Gradients.exposed
 
-    def counting(self: BackwardMixin, chunk: Any, view: torch.Tensor) -> torch.Tensor:
+    def counting(self: Gradients, chunk: Any, view: torch.Tensor) -> torch.Tensor:
         out = exposed(self, chunk, view)
         made[0] += isinstance(out, HostGradient)
         return out
 
-    monkeypatch.setattr(BackwardMixin, "_exposed", counting)
+    monkeypatch.setattr(Gradients, "exposed", counting)
     return made
 
 

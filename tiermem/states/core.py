@@ -1,29 +1,25 @@
-"""What the parts of the model-state manager share: per-use and per-parameter records, the
-attributes :class:`StatesBase` declares, and two helpers (NOTE [ Model-state rules ] lives in
-``manager.py``).
+"""What every collaborator of :class:`~tiermem.states.manager.ModelStates` may read: the facts
+about the managed model that never change (:class:`ModelFacts`), whether the manager is still
+open (:class:`Lifecycle`), the per-use and per-parameter records, and two helpers. Nothing
+here holds bytes or touches the registry (NOTE [ Model-state rules ] lives in ``manager.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import weakref
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import psutil
 import torch
 from torch import nn
-from torch.utils.hooks import RemovableHandle
 
-from tiermem.errors import TierCapacityError
-from tiermem.layout.chunks import ParamInfo, Slot
-from tiermem.layout.placement import Plan
-from tiermem.registry import Handle, KnownBytes, ObjectState, Registry
+from tiermem.layout.chunks import ChunkLayout, ParamInfo
+from tiermem.layout.placement import ChunkNeeds
 from tiermem.states.chunks import Chunk
-from tiermem.states.errors import StatesClosedError, StatesMemoryError
-from tiermem.states.optimizer import ManagedOptimizer
-from tiermem.states.pool import ChunkPool
+from tiermem.states.errors import StatesClosedError, StatesUsageError
+from tiermem.states.optimizer import coerce_optimizer, state_names
 from tiermem.units import format_size
 
 
@@ -70,131 +66,134 @@ class Snapshot:
     states: dict[int, dict[str, Any]]
 
 
-class StatesBase:
-    """Attributes every part of :class:`~tiermem.states.manager.ModelStates` reads; set there."""
+def _working_dtype(param_dtype: Any, params: Sequence[nn.Parameter]) -> tuple[torch.dtype | None, int]:
+    """``rt.manage(param_dtype=)``: the working dtype and the master scale (chunk layout rule 6)."""
+    if param_dtype is None:
+        return None, 1
+    if param_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(
+            f"tiermem manage: param_dtype must be torch.bfloat16 or torch.float16 (working parameters with fp32 "
+            f"masters), got {param_dtype!r}"
+        )
+    other = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
+    if other:
+        raise StatesUsageError(
+            f"tiermem manage: param_dtype={param_dtype} keeps fp32 masters of fp32 parameters, but the model has "
+            f"{', '.join(other)} parameters; build the model in float32"
+        )
+    return param_dtype, 4 // param_dtype.itemsize
 
-    registry: Registry
-    device: torch.device
+
+@dataclass(frozen=True, eq=False)
+class ModelFacts:
+    """The managed model as ``rt.manage`` found it: fixed for the manager's whole life."""
+
     model: nn.Module
+    #: the torch device of the device tier
+    device: torch.device
     params: list[nn.Parameter]
-    optimizer: ManagedOptimizer
-    optimizer_class: type[torch.optim.Optimizer]
-    state_names: tuple[str, ...]
-    plan: Plan
-    chunks: list[Chunk]
-    pool: ChunkPool
-    _index: dict[int, int]
-    _info: list[ParamInfo]
-    _trainable: list[bool]
-    _module_names: dict[nn.Module, list[tuple[str, int]]]
-    #: calls of each module since the root's forward started
-    _calls: Counter[nn.Module]
-    _slots: list[tuple[Chunk, Slot]]
-    _has_grad: list[bool]
-    _pstate: dict[int, ParamState]
-    _generation: int
-    _read_cache: tuple[int, tuple[int, int], torch.Tensor] | None
-    _in_backward: bool
-    _uses: weakref.WeakSet[Use]
-    _waiters: dict[int, weakref.WeakSet[Use]]
-    _leaf_hooks: list[RemovableHandle]
-    _loading: list[Chunk]
-    _sd_keep_vars: bool
-    _closed: bool
-    #: NOTE [ Host gradients ] rule 6: expose host gradients through HostGradients on the CPU
-    #: device too (tests); on CUDA they always are
-    proxy_host_gradients: bool = False
-    _restored: bool
-
-    # Implemented by BackwardMixin; declared here for the parts that call across.
-    def _settle_backward(self) -> None:
-        raise NotImplementedError
-
-    _repack_pending: bool
+    #: id(parameter) -> its index in ``params``
+    index: dict[int, int]
+    #: what packing needs per parameter (in its working dtype)
+    info: list[ParamInfo]
+    trainable: list[bool]
+    #: each module's own parameters: (name, index)
+    module_names: dict[nn.Module, list[tuple[str, int]]]
     #: parameters several modules own (tied weights)
-    _shared: set[int]
+    shared: set[int]
+    #: parameters the optimizer steps
+    optimized: set[int]
+    optimizer_class: type[torch.optim.Optimizer]
+    #: the optimizer-state tensors kept per parameter (NOTE [ Exact optimizer step ] rule 1)
+    state_names: tuple[str, ...]
+    #: rt.manage(param_dtype=): the working dtype, None without mixed precision
+    param_dtype: torch.dtype | None
+    #: fp32 master bytes per working byte (chunk layout rule 6)
+    master_scale: int
 
-    def _repack(self) -> None:
-        raise NotImplementedError
-
-    def _flush(self, chunk: Chunk) -> None:
-        raise NotImplementedError
-
-    def _reconcile_grads(self) -> None:
-        raise NotImplementedError
-
-    _grad_leases: dict[int, list[bool]]
-
-    def _retire_host_grads(self, chunk: Chunk | None = None) -> None:
-        raise NotImplementedError
-
-    def _drop_grads(self, chunk: Chunk) -> None:
-        raise NotImplementedError
-
-    def _home_on_host(
-        self, chunk: Chunk, known: KnownBytes | None = None
-    ) -> contextlib.AbstractContextManager[torch.Tensor]:
-        raise NotImplementedError
-
-    # Implemented by StepMixin (NOTE [ Declared steps ]); called from the hooks.
-    def _forward_with_grad(self) -> None:
-        raise NotImplementedError
-
-    def _arm_early_steps(self) -> None:
-        raise NotImplementedError
-
-    def _backward_entered(self, chunk: Chunk) -> None:
-        raise NotImplementedError
-
-    def _gradients_complete(self, chunk: Chunk) -> None:
-        raise NotImplementedError
-
-    def _backward_ended(self, complete: bool) -> None:
-        raise NotImplementedError
-
-    def _grad_bytes(self, chunk: Chunk) -> torch.Tensor:
-        raise NotImplementedError
-
-    def _wait_home_moves(self, skip: Chunk | None = None) -> None:
-        """Wait until no home but ``skip``'s is moving: write-backs of NVMe homes free the
-        host bytes they were staged in when they land."""
-        for other in self.chunks:
-            if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
-                other.home.wait()
-
-    def _version(self) -> tuple[int, int]:
-        """Changes whenever a chunk's home may have changed (cache key for home reads)."""
-        return (self._generation, self.pool.writes)
-
-    def _held_bytes(self) -> dict[str, int]:
-        """Bytes this manager holds, per tier."""
-        held: dict[str, int] = {}
-        for chunk in self.chunks:
-            for handle in (chunk.dev, chunk.home, chunk.grad):
-                if handle is not None:
-                    held[handle.tier] = held.get(handle.tier, 0) + handle.reserved
-        return held
-
-    def _register(self, tensor: torch.Tensor, tier: str) -> Handle:
-        """Account ``tensor`` (adopted on a memory tier of its device, copied to NVMe)."""
-        try:
-            return self.registry.register(tensor, tier, dedup=False, kind="chunk")
-        except TierCapacityError as exc:
-            raise StatesMemoryError(
-                f"tiermem model states: {format_size(exc.requested)} do not fit in the {tier} tier "
-                f"({format_size(exc.used)} of {format_size(exc.capacity)} in use). Raise [{tier}] capacity or give "
-                "plan= fewer persistent chunks or a smaller chunk_size."
-            ) from exc
-
-    def _check_usable(self) -> None:
-        if self._closed:
-            if self._restored:
-                raise StatesClosedError(
-                    "tiermem: the Runtime that managed this model's states has closed; its parameters are ordinary "
-                    "tensors again. Build a new optimizer over them (or manage the model in a new Runtime)."
+    @classmethod
+    def of(
+        cls, model: nn.Module, device: torch.device, optimizer: Any, kwargs: Any, param_dtype: Any
+    ) -> tuple[ModelFacts, torch.optim.Optimizer]:
+        """The facts, and the plain torch optimizer ``optimizer`` (with ``kwargs``) stands for."""
+        params = list(model.parameters())
+        if not params:
+            raise ValueError("tiermem manage: the model has no parameters")
+        for p in params:
+            if p.layout != torch.strided or p.device.type == "meta":
+                raise StatesUsageError(
+                    f"tiermem manage: parameters must be dense tensors with data; got {p.layout} on {p.device}"
                 )
+        index = {id(p): i for i, p in enumerate(params)}
+        working, master_scale = _working_dtype(param_dtype, params)
+        base = coerce_optimizer(params, optimizer, kwargs or {})
+        info = [
+            ParamInfo(p.numel() * working.itemsize, tuple(p.shape), working, p.requires_grad)
+            if working is not None
+            else ParamInfo(p.numel() * p.element_size(), tuple(p.shape), p.dtype, p.requires_grad)
+            for p in params
+        ]
+        module_names: dict[nn.Module, list[tuple[str, int]]] = {}
+        for module in model.modules():
+            names = [(n, index[id(p)]) for n, p in module._parameters.items() if p is not None]
+            if names:
+                module_names[module] = names
+        owners = Counter(i for names in module_names.values() for _, i in names)
+        facts = cls(
+            model=model,
+            device=device,
+            params=params,
+            index=index,
+            info=info,
+            trainable=[p.requires_grad for p in params],
+            module_names=module_names,
+            shared={i for i, count in owners.items() if count > 1},
+            optimized={index[id(p)] for group in base.param_groups for p in group["params"]},
+            optimizer_class=type(base),
+            state_names=state_names(type(base), base.param_groups),
+            param_dtype=working,
+            master_scale=master_scale,
+        )
+        return facts, base
+
+    def sections(self, layout: ChunkLayout) -> int:
+        """Optimizer-state sections of a chunk's home: none for a chunk nothing steps."""
+        return len(self.state_names) if any(s.index in self.optimized for s in layout.slots) else 0
+
+    def needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
+        return [
+            ChunkNeeds(layout.nbytes, layout.trainable, self.sections(layout), self.master_scale) for layout in layouts
+        ]
+
+    def min_buffers(self, layouts: Sequence[ChunkLayout]) -> int:
+        """Rule 4 of NOTE [ Default placement rule ]: chunks one module spans + shared chunks."""
+        where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
+        span = max(len({where[i] for _, i in names}) for names in self.module_names.values())
+        return span + len({where[i] for i in self.shared})
+
+    def param_names(self, indices: list[int]) -> list[str]:
+        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
+        return [names.get(id(self.params[i]), f"parameter {i}") for i in indices]
+
+
+class Lifecycle:
+    """Whether the manager is open; after close, whether the parameters were restored."""
+
+    def __init__(self, param_bytes: int) -> None:
+        self._param_bytes = param_bytes
+        self.closed = False
+        self.restored = False
+
+    def check_usable(self) -> None:
+        if not self.closed:
+            return
+        if self.restored:
             raise StatesClosedError(
-                "tiermem: the Runtime that managed this model's states has closed and its parameters did not fit in "
-                f"memory ({format_size(sum(i.nbytes for i in self._info))} needed), so they were not restored. Save "
-                "model.state_dict() before leaving `with rt`, or free memory before it closes."
+                "tiermem: the Runtime that managed this model's states has closed; its parameters are ordinary "
+                "tensors again. Build a new optimizer over them (or manage the model in a new Runtime)."
             )
+        raise StatesClosedError(
+            "tiermem: the Runtime that managed this model's states has closed and its parameters did not fit in "
+            f"memory ({format_size(self._param_bytes)} needed), so they were not restored. Save "
+            "model.state_dict() before leaving `with rt`, or free memory before it closes."
+        )

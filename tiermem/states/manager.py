@@ -1,9 +1,23 @@
 """ModelStates: one model's parameters, gradients and optimizer states, in chunks across tiers.
 
-The parts: this module (building chunks under a plan, forward hooks, the step, lifecycle);
-``pool.py`` (which streamed chunks hold device bytes: rules 1, 3, 6); ``backward.py`` (pins
-through backward, gradient routing: rules 3, 4); ``stateio.py`` (state dicts, re-pack
-snapshots, restore at close); ``placement.py`` (the plan); ``optimizer.py`` (the exact step).
+:class:`ModelStates` composes collaborators that each own one job, and owns only the forward
+hooks (which chunks a running module pins, rules 1 and 3), the public surface (the optimizer's
+backend, ``describe``, ``close``) and the wiring:
+
+- :class:`~tiermem.states.core.ModelFacts` (``core.py``): what never changes about the model;
+- :class:`~tiermem.states.store.ChunkStore` (``store.py``): the chunks in force and their bytes;
+- :class:`~tiermem.states.pool.ChunkPool` (``pool.py``): which streamed chunks hold device bytes
+  (rules 1, 3, 6);
+- :class:`~tiermem.states.homes.Homes` (``homes.py``): staging and reading chunk homes;
+- :class:`~tiermem.states.gradients.Gradients` (``gradients.py``): gradient buffers and
+  ``p.grad`` (rule 4);
+- :class:`~tiermem.states.backward.BackwardTracker` (``backward.py``): pins through backward and
+  the backward pass (rules 3, 4);
+- :class:`~tiermem.states.stepping.Stepper` (``stepping.py``): the step (rule 5, NOTE
+  [ Declared steps ]), with torch's own optimizer code (``optimizer.py``);
+- :class:`~tiermem.states.stateio.StateIO` (``stateio.py``): state dicts, snapshots, restore;
+- :class:`~tiermem.states.relayout.Relayout` (``relayout.py``): the layout in force, re-packs
+  and first-step plans (rules 2, 9), under the plan of :mod:`tiermem.layout.placement`.
 
 # NOTE [ Model-state rules ]
 1. Every parameter (a tied one once) lives in one chunk's own storage and ``p.data`` is a view
@@ -92,55 +106,34 @@ import contextlib
 import functools
 import logging
 import weakref
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map_only
 from torch.utils.hooks import RemovableHandle
 
-from tiermem.errors import TierCapacityError
-from tiermem.layout.chunks import ChunkLayout, ParamInfo, Slot, pack, size_candidates, waste
-from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, choose_layout, chunk_sizes, parse_plan
+from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
-from tiermem.states import core
-from tiermem.states.backward import BackwardMixin
+from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ParamState, Snapshot, Use
-from tiermem.states.errors import PlanError, StatesMemoryError, StatesUsageError
-from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
+from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
+from tiermem.states.errors import StatesUsageError
+from tiermem.states.gradients import Gradients
+from tiermem.states.homes import Homes
+from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.pool import ChunkPool
-from tiermem.states.stateio import StateIOMixin
-from tiermem.states.stepping import StepMixin
-from tiermem.units import format_size
+from tiermem.states.relayout import FirstStepPlanner, Relayout
+from tiermem.states.stateio import StateIO
+from tiermem.states.stepping import Declarations, Stepper
+from tiermem.states.store import ChunkStore
 
-FirstStepPlanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
-"""Rule 9: given the model (plain parameters) and its first forward's arguments, the plan."""
+__all__ = ["FirstStepPlanner", "ModelStates"]
 
 log = logging.getLogger("tiermem.states")
 
 #: Models under management, so one model is not managed twice.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
-
-
-def _working_dtype(param_dtype: Any, params: Sequence[nn.Parameter]) -> tuple[torch.dtype | None, int]:
-    """``rt.manage(param_dtype=)``: the working dtype and the master scale (chunk layout rule 6)."""
-    if param_dtype is None:
-        return None, 1
-    if param_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(
-            f"tiermem manage: param_dtype must be torch.bfloat16 or torch.float16 (working parameters with fp32 "
-            f"masters), got {param_dtype!r}"
-        )
-    other = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
-    if other:
-        raise StatesUsageError(
-            f"tiermem manage: param_dtype={param_dtype} keeps fp32 masters of fp32 parameters, but the model has "
-            f"{', '.join(other)} parameters; build the model in float32"
-        )
-    return param_dtype, 4 // param_dtype.itemsize
 
 
 def _refuse_compile() -> None:
@@ -157,8 +150,12 @@ def _refuse_compile() -> None:
         )
 
 
-class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
+class ModelStates:
     """Carries out a :class:`Plan` for one model and its optimizer (NOTE [ Model-state rules ])."""
+
+    #: NOTE [ Host gradients ] rule 7: expose host gradients through HostGradients on the CPU
+    #: device too (tests); on CUDA they always are. Read when a model is managed.
+    proxy_host_gradients: bool = False
 
     def __init__(
         self,
@@ -180,285 +177,185 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         if model in _MANAGED:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
-        self.device: torch.device = registry.device
-        self.model = model
-        self.params: list[nn.Parameter] = list(model.parameters())
-        if not self.params:
-            raise ValueError("tiermem manage: the model has no parameters")
-        for p in self.params:
-            if p.layout != torch.strided or p.device.type == "meta":
-                raise StatesUsageError(
-                    f"tiermem manage: parameters must be dense tensors with data; got {p.layout} on {p.device}"
-                )
-        self._index = {id(p): i for i, p in enumerate(self.params)}
-        self._param_dtype, self._master_scale = _working_dtype(param_dtype, self.params)
-        base = coerce_optimizer(self.params, optimizer, optimizer_kwargs or {})
-        self.optimizer_class = type(base)
-        self.state_names = state_names(self.optimizer_class, base.param_groups)
-        self._optimized = {self._index[id(p)] for group in base.param_groups for p in group["params"]}
-        self._trainable = [p.requires_grad for p in self.params]
-        working = self._param_dtype
-        self._info = [
-            ParamInfo(p.numel() * working.itemsize, tuple(p.shape), working, p.requires_grad)
-            if working is not None
-            else ParamInfo(p.numel() * p.element_size(), tuple(p.shape), p.dtype, p.requires_grad)
-            for p in self.params
-        ]
-        self._module_names: dict[nn.Module, list[tuple[str, int]]] = {}
-        for module in model.modules():
-            names = [(n, self._index[id(p)]) for n, p in module._parameters.items() if p is not None]
-            if names:
-                self._module_names[module] = names
-        owners = Counter(i for names in self._module_names.values() for _, i in names)
-        self._shared = {i for i, count in owners.items() if count > 1}
-        self._request: PlanRequest = parse_plan(plan)
-        self._init_stepping(grad_accumulation_steps, clip_grad_norm, keep_gradients)
-        # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
-        self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
-
-        self.chunks: list[Chunk] = []
-        self._slots: list[tuple[Chunk, Slot]] = []
-        self._module_chunks: dict[nn.Module, tuple[Chunk, ...]] = {}
-        self.pool = ChunkPool(registry, [], 0)
-        self._has_grad = [False] * len(self.params)
-        #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
-        self._grad_leases: dict[int, list[bool]] = {}
-        self._pstate: dict[int, ParamState] = {}
-        self._order = self._initial_order()
-        self._recording: list[int] | None = None
-        self._seen: set[int] = set()
-        self._recorded: list[int] | None = None
-        self._repack_pending = False
-        self._generation = 0
-        self._read_cache: tuple[int, tuple[int, int], torch.Tensor] | None = None
-        self._in_backward = False
-        self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
-        self._waiters: dict[int, weakref.WeakSet[Use]] = {}
-        self._leaf_hooks: list[RemovableHandle] = []
+        self.facts, base = ModelFacts.of(model, registry.device, optimizer, optimizer_kwargs, param_dtype)
+        request = parse_plan(plan)
+        declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
+        facts = self.facts
+        self.lifecycle = Lifecycle(sum(info.nbytes for info in facts.info))
+        self.store = ChunkStore(registry, facts)
+        self.homes = Homes(self.store)
+        self.gradients = Gradients(
+            registry, facts, self.store, self.homes, proxy_host_gradients=self.proxy_host_gradients
+        )
+        self.stateio = StateIO(facts, self.store, self.homes, self.gradients, self.lifecycle)
+        self.relayout = Relayout(
+            registry,
+            facts,
+            (self.store, self.homes, self.gradients, self.stateio),
+            request=request,
+            planner=first_step_planner,
+            plan_owner=plan_owner,
+            grads_stream=declared.grads_stream,
+            hooks=(self._remove_hooks, self._register_hooks),
+        )
+        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared)
+        self.backward = BackwardTracker(facts, self.store, self.gradients, self.stepper, self.lifecycle)
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int]] = []
-        #: calls of each module since the root's forward started (rule 3: a repeated call)
-        self._calls: Counter[nn.Module] = Counter()
-        self._loading: list[Chunk] = []
-        self._sd_keep_vars = False
         self._hooks: list[RemovableHandle] = []
-        #: rule 9: who plans at the first step, and the first forward's arguments
-        self._planner = first_step_planner
-        self._plan_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
-        self._closed = False
-        self._restored = False
 
         snapshot = Snapshot(
-            data=[p.detach() for p in self.params],
-            grads=[p.grad for p in self.params],
-            states={self._index[id(p)]: dict(s) for p, s in base.state.items() if s},
+            data=[p.detach() for p in facts.params],
+            grads=[p.grad for p in facts.params],
+            states={facts.index[id(p)]: dict(s) for p, s in base.state.items() if s},
         )
-        layouts, self.plan = self._plan_layout(self._order)
+        layouts, first_plan = self.relayout.plan_layout(self.relayout.order)
         try:
-            self._build(layouts, self.plan, snapshot)
+            self.relayout.build(layouts, first_plan, snapshot)
         except BaseException:
-            self._free_chunks()
-            for p, data, grad in zip(self.params, snapshot.data, snapshot.grads, strict=True):
+            self.relayout.free()
+            for p, data, grad in zip(facts.params, snapshot.data, snapshot.grads, strict=True):
                 p.data, p.grad = data, grad
             raise
         base.state.clear()  # its states now live in chunks
-        # CUDA: buffers follow the parameters to the device (they are not managed).
-        for module in model.modules():
-            for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != self.device:
-                    module._buffers[name] = buffer.to(self.device)
-                if buffer is not None and self._param_dtype is not None and buffer.is_floating_point():
-                    module._buffers[name] = module._buffers[name].to(self._param_dtype)  # as model.to(dtype)
+        self._move_buffers()
         self.optimizer = ManagedOptimizer(self, base)
+        self.stepper.optimizer = self.optimizer
         self._register_hooks()
         _MANAGED[model] = self
 
-    def _initial_order(self) -> list[int]:
-        """Rule 2: registration order, or the execution order the planner's profile recorded
-        (``PlanRequest.order``), which spares the re-pack at the first step."""
-        order = self._request.order
-        if order is None or sorted(order) != list(range(len(self.params))):
-            return list(range(len(self.params)))
-        return list(order)
+    def _move_buffers(self) -> None:
+        """CUDA: buffers follow the parameters to the device (they are not managed); mixed
+        precision casts floating ones, as ``model.to(dtype)`` would."""
+        device, working = self.facts.device, self.facts.param_dtype
+        for module in self.facts.model.modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != device:
+                    module._buffers[name] = buffer.to(device)
+                if buffer is not None and working is not None and buffer.is_floating_point():
+                    module._buffers[name] = module._buffers[name].to(working)  # type: ignore[union-attr]
 
-    def _plan_layout(
-        self, order: Sequence[int], held: Mapping[str, int] | None = None
-    ) -> tuple[list[ChunkLayout], Plan]:
-        """Pack ``order`` and decide the plan (NOTE [ Chunk layout rules ] rule 5)."""
-        held = held or {}
-        budgets = Budgets(
-            **{name: self.registry.free_bytes(name) + held.get(name, 0) for name in ("device", "host", "nvme")}
-        )
-        largest = max(info.nbytes for info in self._info)
-        return choose_layout(
-            chunk_sizes(self._request, largest, lambda: size_candidates(self._info)),
-            lambda size: pack(self._info, order, size),
-            lambda layouts: (self._needs(layouts), self._min_buffers(layouts)),
-            waste,
-            budgets=budgets,
-            request=self._request,
-            grads_stream=self._grads_stream,
-        )
+    # -- what callers read ---------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        return self.facts.model
 
-    def _needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
-        return [
-            ChunkNeeds(layout.nbytes, layout.trainable, self._sections(layout), self._master_scale)
-            for layout in layouts
-        ]
+    @property
+    def device(self) -> torch.device:
+        return self.facts.device
 
-    def _sections(self, layout: ChunkLayout) -> int:
-        return len(self.state_names) if any(s.index in self._optimized for s in layout.slots) else 0
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.facts.params
 
-    def _min_buffers(self, layouts: Sequence[ChunkLayout]) -> int:
-        """Rule 4 of NOTE [ Default placement rule ]: chunks one module spans + shared chunks."""
-        where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
-        span = max(len({where[i] for _, i in names}) for names in self._module_names.values())
-        return span + len({where[i] for i in self._shared})
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return self.facts.optimizer_class
 
-    def _build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
-        """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values."""
-        self.plan = plan
-        slots: list[tuple[Chunk, Slot] | None] = [None] * len(self.params)
-        for layout in layouts:
-            persistent = layout.index < plan.persistent_chunks
-            chunk = Chunk(
-                layout,
-                persistent=persistent,
-                home=plan.state_home[layout.index],
-                sections=self._sections(layout),
-                device=self.device,
-                master_scale=self._master_scale,
-            )
-            self.chunks.append(chunk)
-            for slot in layout.slots:
-                slots[slot.index] = (chunk, slot)
-            if not persistent:
-                # Rule 1: parameters view the chunk's storage, emptied right away (on CUDA all
-                # chunks at full size at once would be the whole model in device memory).
-                for slot in layout.slots:
-                    p = self.params[slot.index]
-                    if p.dtype != slot.dtype:
-                        p.grad = None  # a working dtype: the gradient comes back as a view below
-                    p.data = slot.view(chunk.data)
-                chunk.data.untyped_storage().resize_(0)
-            if persistent:
-                chunk.dev = self._register(chunk.data, "device")
-                for slot in layout.slots:
-                    slot.view(chunk.data).copy_(snapshot.data[slot.index])  # casts to a working dtype
-                if chunk.sections or chunk.has_master:
-                    home = torch.zeros(chunk.home_bytes, dtype=torch.uint8, device=self.device)
-                    if chunk.has_master:  # fp32 masters of working chunks (chunk layout rule 6)
-                        for slot in layout.slots:
-                            slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
-                    chunk.home = self._register(home, "device")
-            else:
-                home = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
-                for slot in layout.slots:
-                    if chunk.master_scale > 1:
-                        slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
-                    slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
-                chunk.home = self._register(home, chunk.home_tier)
-            grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
-            if any(grad is not None for _, grad in grads):
-                tier = "host" if chunk.offloaded else "device"
-                buffer = torch.zeros(chunk.nbytes, dtype=torch.uint8, device="cpu" if chunk.offloaded else self.device)
-                for slot, grad in grads:
-                    if grad is not None:
-                        slot.view(buffer).copy_(grad)
-                        self._has_grad[slot.index] = True
-                chunk.grad = self._register(buffer, tier)
-        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
-        self._slots = [s for s in slots if s is not None]
-        if len(self._slots) != len(self.params):
-            raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
-        for p, (chunk, slot) in zip(self.params, self._slots, strict=True):
-            if chunk.persistent:
-                if p.dtype != slot.dtype:
-                    p.grad = None  # a working dtype: the gradient comes back as a view below
-                p.data = slot.view(chunk.data)
-        self._expose_grads()
-        self._module_chunks = {
-            module: tuple(sorted({self._slots[i][0] for _, i in names}, key=lambda c: c.index))
-            for module, names in self._module_names.items()
-        }
-        self._import_states(snapshot.states)
-        owner = self._plan_owner() if self._plan_owner is not None else None
-        if owner is not None:
-            owner.plan = plan  # type: ignore[attr-defined]
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        return self.facts.state_names
 
-    def _free_chunks(self) -> None:
-        """Free every chunk's bytes (accounting included); parameters keep dangling views."""
-        for chunk in self.chunks:
-            if chunk.fetching is not None:
-                transfer, chunk.fetching = chunk.fetching, None
-                transfer.cancel()
-                with contextlib.suppress(Exception):
-                    transfer.wait()
-            chunk.empty_storage()
-            for handle in (chunk.dev, chunk.home, chunk.grad):
-                if handle is not None:
-                    handle.free()
-            chunk.dev = chunk.home = chunk.grad = None
-        self._retire_host_grads()
-        self.chunks = []
-        self.pool.resident.clear()
-        self.pool.drop_spares()
-        self._read_cache = None
+    @property
+    def plan(self) -> Plan:
+        """The plan in force."""
+        assert self.store.plan is not None
+        return self.store.plan
 
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.store.chunks
+
+    @property
+    def pool(self) -> ChunkPool:
+        return self.store.pool
+
+    @property
+    def chunk_steps(self) -> int:
+        """Chunk steps run at ``optimizer.step()``, cumulative."""
+        return self.stepper.chunk_steps
+
+    @property
+    def early_chunk_steps(self) -> int:
+        """Chunk steps run during backward (NOTE [ Declared steps ]), cumulative."""
+        return self.stepper.early_chunk_steps
+
+    def chunk_of(self, param: torch.Tensor) -> Chunk:
+        """The chunk holding ``param`` now (a re-pack replaces the chunks)."""
+        return self.store.chunk_of(self.facts.index[id(param)])
+
+    # -- the managed optimizer's backend -------------------------------------------------------
+    def _outside_backward(self, what: str) -> None:
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        if self.backward.in_backward:
+            raise StatesUsageError(f"tiermem: optimizer.{what}() was called during backward")
+
+    def step(self, optimizer: ManagedOptimizer) -> None:
+        self._outside_backward("step")
+        self.stepper.step(optimizer)
+
+    def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
+        self._outside_backward("zero_grad")
+        self.gradients.zero_grad(optimizer, set_to_none)
+
+    def export_optimizer_state(self, optimizer: ManagedOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
+        """Per-parameter state in PyTorch's shape, as fresh CPU copies."""
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        return self.stateio.export_optimizer_state()
+
+    def import_optimizer_state(self, optimizer: ManagedOptimizer, state: Mapping[torch.Tensor, Any]) -> None:
+        self.lifecycle.check_usable()
+        self.stateio.import_optimizer_state(state)
+
+    # -- forward hooks (rules 1, 2, 3) ---------------------------------------------------------
     def _register_hooks(self) -> None:
-        model = self.model
+        model, stateio = self.facts.model, self.stateio
         self._hooks.append(model.register_forward_pre_hook(self._root_started, with_kwargs=True))
         self._hooks.append(model.register_forward_hook(self._root_ended, always_call=True))
-        for module in self._module_names:
+        for module in self.facts.module_names:
             self._hooks.append(module.register_forward_pre_hook(self._forward_started))
             self._hooks.append(module.register_forward_hook(self._forward_ended, with_kwargs=True, always_call=True))
-            self._hooks.append(module.register_state_dict_pre_hook(self._state_dict_started))
-            self._hooks.append(module.register_state_dict_post_hook(functools.partial(self._state_dict_ended)))
-            self._hooks.append(module.register_load_state_dict_pre_hook(self._load_started))
-            self._hooks.append(module.register_load_state_dict_post_hook(self._load_ended))
-        for i, p in enumerate(self.params):
-            if self._trainable[i]:
-                self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self._accumulated, i)))
+            self._hooks.append(module.register_state_dict_pre_hook(stateio.state_dict_started))
+            self._hooks.append(module.register_state_dict_post_hook(functools.partial(stateio.state_dict_ended)))
+            self._hooks.append(module.register_load_state_dict_pre_hook(stateio.load_started))
+            self._hooks.append(module.register_load_state_dict_post_hook(stateio.load_ended))
+        for i, p in enumerate(self.facts.params):
+            if self.facts.trainable[i]:
+                self._hooks.append(
+                    p.register_post_accumulate_grad_hook(functools.partial(self.backward.accumulated, i))
+                )
+
+    def _remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks.clear()
 
     def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        self._check_usable()
+        self.lifecycle.check_usable()
         _refuse_compile()
-        self._settle_backward()
-        if self._recorded is None and self._recording is None:
-            self._recording, self._seen = [], set()
-        self._calls.clear()
+        self.backward.settle()
+        self.relayout.forward_started(args, kwargs)
+        self.backward.new_forward()
         if torch.is_grad_enabled():
-            self._forward_with_grad()
-            if self._planner is not None and self._plan_batch is None:  # rule 9
-                detach = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.detach)
-                self._plan_batch = (detach(tuple(args)), detach(dict(kwargs)))
+            self.stepper.forward_with_grad()
         return None
 
     def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
-        if self._plan_batch is not None:
-            self._repack_pending = True  # rule 9: plan at the next optimizer.step()
-        if self._recording is None:
-            return
-        order = self._recording + [i for i in range(len(self.params)) if i not in self._seen]
-        self._recording, self._recorded = None, order
-        if order != self._order:
-            self._repack_pending = True  # rule 2: at the next optimizer.step()
+        self.relayout.forward_ended()
 
     def _forward_started(self, module: nn.Module, _args: Any) -> None:
-        self._check_usable()
+        self.lifecycle.check_usable()
         _refuse_compile()
-        names = self._module_names[module]
-        if self._recording is not None:
-            for _, i in names:
-                if i not in self._seen:
-                    self._seen.add(i)
-                    self._recording.append(i)
+        names = self.facts.module_names[module]
+        self.relayout.record(names)
         if torch.is_grad_enabled():
             for _, i in names:
-                if self._trainable[i]:
-                    self._slots[i][0].pending.add(i)
-        chunks = self._module_chunks[module]
-        self.pool.acquire(chunks, +1)
+                if self.facts.trainable[i]:
+                    self.store.chunk_of(i).pending.add(i)
+        chunks = self.store.module_chunks[module]
+        self.store.pool.acquire(chunks, +1)
         for chunk in chunks:
             chunk.pins += 1
         self._active.append((module, torch._C._autograd._get_sequence_nr()))
@@ -467,177 +364,55 @@ class ModelStates(StepMixin, BackwardMixin, StateIOMixin):
         if not self._active or self._active[-1][0] is not module:
             return  # its pre-hook failed: nothing was pinned
         _, first_node = self._active.pop()
-        for chunk in self._module_chunks[module]:
+        for chunk in self.store.module_chunks[module]:
             chunk.pins -= 1
-        if output is not None and not self._closed and torch.is_grad_enabled():
-            self._calls[module] += 1
-            self._track_use(module, args, kwargs, output, first_node)
+        if output is not None and not self.lifecycle.closed and torch.is_grad_enabled():
+            self.backward.call_ended(module, args, kwargs, output, first_node)
 
-    def _repack(self) -> None:
-        self._repack_pending = False
-        if self._plan_batch is not None and self._plan_first_step():
-            return
-        order = self._recorded
-        if order is None or order == self._order:
-            return
-        self.pool.clear()
-        try:
-            layouts, plan = self._plan_layout(order, held=self._held_bytes())
-        except (PlanError, StatesMemoryError) as exc:
-            log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
-            return
-        snapshot = self._snapshot()
-        old = self._layout_in_force()
-        self._clear_chunks()
-        self._rebuild((layouts, plan, list(order)), old, snapshot)
+    def _refuse(self, _module: nn.Module, _args: Any) -> None:
+        self.lifecycle.check_usable()
 
-    def _layout_in_force(self) -> tuple[list[ChunkLayout], Plan, list[int]]:
-        return [chunk.layout for chunk in self.chunks], self.plan, list(self._order)
-
-    def _clear_chunks(self) -> None:
-        """Free every chunk and forget gradients and states: a snapshot holds them (rules 2, 9)."""
-        self._free_chunks()
-        self._has_grad = [False] * len(self.params)
-        self._pstate.clear()
-
-    def _rebuild(
-        self,
-        new: tuple[Sequence[ChunkLayout], Plan, list[int]],
-        old: tuple[Sequence[ChunkLayout], Plan, list[int]],
-        snapshot: Snapshot,
-    ) -> bool:
-        """Build ``new`` (layouts, plan, order) from ``snapshot``, or ``old`` again when ``new``
-        does not fit after all (logged); whether ``new`` was built."""
-        try:
-            self._build(new[0], new[1], snapshot)
-            self._order = new[2]
-            return True
-        except (StatesMemoryError, TierCapacityError) as exc:
-            log.warning("tiermem model states: the new chunk layout could not be built (%s); keeping the old", exc)
-            self._clear_chunks()
-            self._build(old[0], old[1], snapshot)
-            self._order = old[2]
-            return False
-
-    def _plan_first_step(self) -> bool:
-        """Rule 9: plan from the first forward's arguments and rebuild the chunks under the plan.
-        False when planning is skipped (the caller re-packs as rule 2 says); True once rebuilt."""
-        planner, batch = self._planner, self._plan_batch
-        assert planner is not None and batch is not None
-        self._plan_batch = None
-        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
-            log.info(
-                "tiermem model states: optimizer.step() inside rt.offload_activations(); planning waits for a "
-                "step outside it (the offloader's hooks would capture the profiling step)"
-            )
-            return False
-        self._planner = None  # once, whatever happens below
-        needed = sum(
-            info.nbytes * self._master_scale * (1 + info.trainable + len(self.state_names)) for info in self._info
-        )
-        on_device = sum(info.nbytes * (1 + info.trainable) for info in self._info)  # parameters, gradients
-        if self.device.type != "cpu" and on_device > 0.8 * core.memory_available(self.device):
-            log.warning(
-                "tiermem model states: not planning from the first step: the plain parameters and gradients (%s) "
-                "do not fit in %s's free memory for the profiling step; the default placement stays. Give "
-                "rt.manage a plan= (or sample= on a machine with the room)",
-                format_size(on_device),
-                self.device,
-            )
-            return False
-        if needed > 0.8 * core.memory_available(torch.device("cpu")):
-            log.warning(
-                "tiermem model states: not planning from the first step: a plain copy of the model states (%s) does "
-                "not fit in free memory; the default placement stays. Give rt.manage a plan= (or sample= on a "
-                "machine with the room)",
-                format_size(needed),
-            )
-            return False
-        self.pool.clear()
-        snapshot = self._snapshot()
-        old = self._layout_in_force()
-        layouts, plan, order = old
-        self._clear_chunks()
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks.clear()
-        request = self._request
-        try:
-            working = self._param_dtype
-            for p, data in zip(self.params, snapshot.data, strict=True):
-                # What training computes with, where it computes (snapshots are CPU copies).
-                p.data = data.to(self.device, working or data.dtype)
-                p.grad = None
-            try:
-                planned = planner(self.model, *batch)
-                self._request = planned
-                new_order = list(planned.order) if planned.order is not None else (self._recorded or order)
-                if sorted(new_order) != list(range(len(self.params))):
-                    new_order = self._recorded or order
-                layouts, plan = self._plan_layout(new_order)
-                order = new_order
-            except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
-                self._request = request
-                log.warning(
-                    "tiermem model states: planning from the first step failed, the default placement stays "
-                    "(give rt.manage a plan= or sample= to choose): %s: %s",
-                    type(exc).__name__,
-                    exc,
-                )
-                if self._recorded is not None and self._recorded != order:
-                    with contextlib.suppress(PlanError, StatesMemoryError):
-                        layouts, plan = self._plan_layout(self._recorded)
-                        order = list(self._recorded)
-        finally:
-            if not self._rebuild((layouts, plan, order), old, snapshot):
-                self._request = request
-            self._register_hooks()
-        return True
-
+    # -- lifecycle -----------------------------------------------------------------------------
     def close(self) -> None:
         """Restore ordinary parameters when they fit, else mark them unusable; free every chunk.
 
         Never raises: it runs inside ``Runtime.close``, which must go on to free the tiers."""
-        if self._closed:
+        lifecycle = self.lifecycle
+        if lifecycle.closed:
             return
         try:
-            self._settle_backward()
-            self.pool.clear()
-            self._restored = self._restore()
+            self.backward.settle()
+            self.store.pool.clear()
+            lifecycle.restored = self.stateio.restore()
         except Exception:
             log.exception("tiermem model states: restoring parameters failed; the model is unusable now")
-            self._restored = False
-        self._closed = True
+            lifecycle.restored = False
+        lifecycle.closed = True
         try:
-            for handle in self._hooks + self._leaf_hooks:
-                handle.remove()
-            self._hooks.clear()
-            self._leaf_hooks.clear()
-            if not self._restored:
-                for p in self.params:
+            self._remove_hooks()
+            self.backward.remove_hooks()
+            if not lifecycle.restored:
+                for p in self.facts.params:
                     p.grad = None
                     # The same Parameter object, now a meta tensor: shapes stay, bytes are gone,
                     # and the hooks below refuse to run the model (set_data cannot change device).
                     meta = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
                     with contextlib.suppress(RuntimeError):  # a live graph still holds it: leave it empty
                         torch.utils.swap_tensors(p, meta)
-                for module in self._module_names:
+                for module in self.facts.module_names:
                     self._hooks.append(module.register_forward_pre_hook(self._refuse))
-            self._free_chunks()
+            self.relayout.free()
         except Exception:
             log.exception("tiermem model states: releasing the chunks failed")
         finally:
-            self._pstate.clear()
-            _MANAGED.pop(self.model, None)
-
-    def _refuse(self, _module: nn.Module, _args: Any) -> None:
-        self._check_usable()
+            self.store.pstate.clear()
+            _MANAGED.pop(self.facts.model, None)
 
     def describe(self) -> dict[str, Any]:
         """Where each chunk lives now: for logs and tests."""
         return {
             "plan": self.plan.as_dict(),
-            "order": "execution" if self._order == self._recorded else "registration",
+            "order": "execution" if self.relayout.order == self.relayout.recorded else "registration",
             "chunk_steps": self.chunk_steps,
             "early_chunk_steps": self.early_chunk_steps,
             "chunks": [

@@ -4,6 +4,12 @@ Carries out rules 1, 3 and 6 of NOTE [ Model-state rules ] (in ``manager.py``) f
 chunks' parameter storage: fetch (DEMAND), prefetch, evict, release, and the retry ladder when
 the device tier is full. It decides nothing about order; the hooks tell it what is needed.
 
+:class:`ChunkPool` owns which streamed chunks are resident, their last use, the spares and the
+count of device copies written home. It may touch: the chunks' device storage and their ``dev``
+handle and in-flight fetch, a chunk's home only to fill the device copy from it or write a
+changed copy back (``Handle.fill_from``), and gradient buffers only to wait for their
+write-backs; bytes move through the registry alone (NOTE [ Managed object rules ]).
+
 # NOTE [ Spare chunk storage ]
 1. On the CPU device a released streamed chunk's bytes are kept as a *spare* and the next
    fetch takes them (``UntypedStorage._swap_data_ptr_`` moves the bytes between storage

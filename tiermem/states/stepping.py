@@ -1,6 +1,12 @@
 """The optimizer step: at ``optimizer.step()``, or early, overlapped with the last backward of an
 accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in ``manager.py``).
 
+:class:`Stepper` owns the declarations and the counters of NOTE [ Declared steps ] (backwards
+counted, chunks stepped early, gradient versions) and runs chunk steps. It may touch: chunk homes
+(staged through :class:`~tiermem.states.homes.Homes`), the store's optimizer records and
+generation, the pool's residency (releases), and gradients through
+:class:`~tiermem.states.gradients.Gradients`; a pending re-pack it hands to the relayout.
+
 # NOTE [ Declared steps ]
 1. ``rt.manage(..., grad_accumulation_steps=N, clip_grad_norm=max_norm)`` declares the loop:
    ``optimizer.step()`` and ``optimizer.zero_grad()`` come after every N-th backward (N is 1
@@ -57,7 +63,7 @@ import dataclasses
 import logging
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -66,10 +72,13 @@ from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ParamState, StatesBase, same
+from tiermem.states.core import ModelFacts, ParamState, same
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.gradients import Gradients
+from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer, run_step
+from tiermem.states.store import ChunkStore
 
 log = logging.getLogger("tiermem.states")
 
@@ -111,68 +120,98 @@ def grads_stream(accumulation: int | None, max_norm: float | None, keep_gradient
     return accumulation == 1 and max_norm is None and not keep_gradients
 
 
-class StepMixin(StatesBase):
-    """The step half of :class:`~tiermem.states.manager.ModelStates`."""
+@dataclasses.dataclass(frozen=True)
+class Declarations:
+    """Rule 1: what ``rt.manage`` was told about the loop."""
 
-    #: rule 1: None when the loop is undeclared
-    _accumulation: int | None
-    _max_norm: float | None
-    #: rule 2: counted backwards since the last step; forwards with grad since the last one
-    _counted: int
-    _grad_forwards: int
-    #: rule 3: whether this backward steps chunks early, which did, and whether early steps may run
-    _early: bool
-    _early_allowed: bool
-    _windows: int
-    _stepped: set[int]
-    _partial_end: bool
-    _keep_gradients: bool
-    #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
-    _grad_versions: dict[int, tuple[torch.Tensor, int]]
+    #: backwards per step; None when the loop is undeclared
+    accumulation: int | None
+    max_norm: float | None
+    keep_gradients: bool
 
-    def _init_stepping(self, grad_accumulation_steps: Any, clip_grad_norm: Any, keep_gradients: bool = True) -> None:
-        self._accumulation, self._max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
-        if not keep_gradients and self._accumulation is None:
+    @classmethod
+    def check(cls, grad_accumulation_steps: Any, clip_grad_norm: Any, keep_gradients: bool = True) -> Declarations:
+        accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
+        if not keep_gradients and accumulation is None:
             raise ValueError(
                 "tiermem manage: keep_gradients=False frees gradients as chunks step during backward, which only "
                 "declared loops do: give grad_accumulation_steps= too"
             )
-        self._keep_gradients = bool(keep_gradients)
-        #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
-        self._grads_stream = grads_stream(self._accumulation, self._max_norm, self._keep_gradients)
+        return cls(accumulation, max_norm, bool(keep_gradients))
+
+    @property
+    def grads_stream(self) -> bool:
+        """NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)."""
+        return grads_stream(self.accumulation, self.max_norm, self.keep_gradients)
+
+
+class Repacker(Protocol):
+    """What the step asks of the relayout: a re-pack is due (NOTE [ Model-state rules ] rules 2
+    and 9), and carrying it out."""
+
+    @property
+    def pending(self) -> bool: ...
+
+    def run(self) -> None: ...
+
+
+class Stepper:
+    """Chunk steps at ``optimizer.step()`` and, in declared loops, during backward."""
+
+    def __init__(
+        self,
+        facts: ModelFacts,
+        store: ChunkStore,
+        gradients: Gradients,
+        homes: Homes,
+        repacker: Repacker,
+        declared: Declarations,
+    ) -> None:
+        self.facts = facts
+        self.store = store
+        self.gradients = gradients
+        self.homes = homes
+        self.repacker = repacker
+        self.declared = declared
+        #: the managed optimizer early steps use (bound once it exists)
+        self.optimizer: ManagedOptimizer | None = None
+        #: rule 2: counted backwards since the last step; forwards with grad since the last one
         self._counted = 0
         self._grad_forwards = 0
+        #: rule 3: whether this backward steps chunks early, which did, and whether early steps may run
         self._early = False
-        self._early_allowed = self._accumulation is not None and self._max_norm is None
+        self._early_allowed = declared.accumulation is not None and declared.max_norm is None
         self._windows = 0
-        self._stepped = set()
+        self._stepped: set[int] = set()
         self._partial_end = False
-        self._grad_versions = {}
+        #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
+        self._grad_versions: dict[int, tuple[torch.Tensor, int]] = {}
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
         self.chunk_steps = 0
 
-    # -- rule 2 and 3: hooks called from forward and backward ---------------------------------
-    def _forward_with_grad(self) -> None:
+    # -- rule 2 and 3: told from forward and backward ------------------------------------------
+    def forward_with_grad(self) -> None:
         self._grad_forwards += 1
 
-    def _arm_early_steps(self) -> None:
+    def arm_early_steps(self) -> None:
         """At the start of a backward: will it step chunks early (rule 3)?"""
+        declared = self.declared
         self._early = (
             self._early_allowed
-            and self._accumulation is not None
-            and (self._windows > 0 or not self._keep_gradients)
+            and declared.accumulation is not None
+            and (self._windows > 0 or not declared.keep_gradients)
             and self._grad_forwards == 1
-            and self._counted + 1 == self._accumulation
-            and (not self._repack_pending or not self._keep_gradients)  # see step()
+            and self._counted + 1 == declared.accumulation
+            and (not self.repacker.pending or not declared.keep_gradients)  # see step()
             and not self._partial_end
         )
 
-    def _backward_entered(self, chunk: Chunk) -> None:
+    def backward_entered(self, chunk: Chunk) -> None:
         """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan
         keeps host room for ``STAGED_HOMES`` homes (placement rule 3). At most one home waits
         for its step (prefetched, not yet stepped), so a step whose home was not prefetched
-        always finds room once the write-backs in flight land (``_home_on_host`` waits for
+        always finds room once the write-backs in flight land (``Homes.on_host`` waits for
         them); homes on their way back after their step take the rest of the room, so the
         next home is read while the last one is written (measured: the training thread waited
         for homes 9% of a 100M step when a prefetch also waited for the write-back). Never the
@@ -183,7 +222,7 @@ class StepMixin(StatesBase):
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= STAGED_HOMES:
             return  # the step stages it on demand once earlier write-backs landed
-        if any(slot.index in self._shared for slot in chunk.layout.slots):
+        if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
             chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
@@ -192,40 +231,42 @@ class StepMixin(StatesBase):
         """NVMe homes that hold host bytes (staged on the host, or moving either way): those
         of chunks not stepped yet in this window (prefetched, waiting for their step), and all."""
         waiting = off_nvme = 0
-        for c in self.chunks:
+        for c in self.store.chunks:
             home = c.home
             if c.home_tier == "nvme" and home is not None and (home.state is ObjectState.MOVING or home.tier != "nvme"):
                 off_nvme += 1
                 waiting += c.index not in self._stepped
         return waiting, off_nvme
 
-    def _gradients_complete(self, chunk: Chunk) -> None:
+    def gradients_complete(self, chunk: Chunk) -> None:
         """Every used parameter of an offloaded chunk has its gradient: send them home, and step
         early (rule 3), from where they are when nothing keeps them (rule 8)."""
+        assert self.optimizer is not None
+        keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
-        if not slots or self._keep_gradients or self.device.type != "cpu":
-            self._flush(chunk)
+        if not slots or keep or self.facts.device.type != "cpu":
+            self.gradients.flush(chunk)
         if not slots:
             return
         known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)
         self.early_chunk_steps += 1
-        if not self._keep_gradients and chunk.grad is not None:
+        if not keep and chunk.grad is not None:
             # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
             for slot in chunk.layout.slots:
-                self._has_grad[slot.index] = False
-                self.params[slot.index].grad = None
-            self._drop_grads(chunk)
+                self.store.has_grad[slot.index] = False
+                self.facts.params[slot.index].grad = None
+            self.gradients.drop(chunk)
 
-    def _backward_ended(self, complete: bool) -> None:
+    def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
         for index in sorted(self._stepped):
-            chunk = self.chunks[index]
+            chunk = self.store.chunks[index]
             if chunk.pins == 0:
-                self.pool.release(chunk)
+                self.store.pool.release(chunk)
         self._early = False
         if not complete:
             # A nested backward ended ours early and forgot which gradients are still to come
@@ -234,37 +275,36 @@ class StepMixin(StatesBase):
             return
         self._counted += 1
         self._grad_forwards = 0
-        self._grad_versions = {i: (p.grad, p.grad._version) for i, p in enumerate(self.params) if p.grad is not None}
+        self._grad_versions = {
+            i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
+        }
 
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
-        self._check_usable()
-        self._settle_backward()
-        if self._in_backward:
-            raise StatesUsageError("tiermem: optimizer.step() was called during backward")
+        """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._grad_forwards = 0
         self._partial_end = False
-        if self._accumulation is not None:
+        if self.declared.accumulation is not None:
             self._check_gradients_untouched(stepped, counted)
             self._windows += 1
-        self._reconcile_grads()
-        if self._max_norm is not None:
-            optimizer.grad_norm = self._clip(self._max_norm)
-        if self._repack_pending:
+        self.gradients.reconcile()
+        if self.declared.max_norm is not None:
+            optimizer.grad_norm = self._clip(self.declared.max_norm)
+        if self.repacker.pending:
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
             # parameters hold no gradient now, so the new chunks step exactly the others.
-            self._repack()
+            self.repacker.run()
             stepped = set()
-        self.pool.release_all()
-        self._generation += 1
+        self.store.pool.release_all()
+        self.store.generation += 1
         group_of = self._group_of(optimizer)
         attributes = {
             name: getattr(optimizer, name) for name in ("grad_scale", "found_inf") if hasattr(optimizer, name)
         }
         work = []
-        for chunk in self.chunks:
+        for chunk in self.store.chunks:
             slots = self._steppable(chunk, group_of)
             if slots and chunk.index not in stepped:
                 work.append((chunk, slots))
@@ -278,7 +318,7 @@ class StepMixin(StatesBase):
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
             self.chunk_steps += 1
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
-            home = self.chunks[index].home
+            home = self.store.chunks[index].home
             if home is not None:
                 home.wait()
 
@@ -286,30 +326,32 @@ class StepMixin(StatesBase):
         """Rule 5: ``clip_grad_norm_`` over the real gradients. HostGradients are read in place on
         the host (NOTE [ Host gradients ] rule 6): torch's function reads only ``.grad`` of what
         it is given, so it gets holders of the host bytes (a test checks it stays bitwise)."""
-        grads = [p.grad for p in self.params if p.grad is not None]
+        params = self.facts.params
+        grads = [p.grad for p in params if p.grad is not None]
         if not any(isinstance(g, HostGradient) for g in grads):
-            return torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
         holders = [_GradientHolder(host_bytes(g)) for g in grads]
         total = torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
-        return total.to(self.device)  # where plain PyTorch's norm is (the first gradient's device)
+        return total.to(self.facts.device)  # where plain PyTorch's norm is (the first gradient's device)
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
+        params = self.facts.params
         changed = [
             i
             for i, (grad, version) in self._grad_versions.items()
-            if self.params[i].grad is not grad or grad._version != version
-        ] + [i for i, p in enumerate(self.params) if p.grad is not None and i not in self._grad_versions and counted]
+            if params[i].grad is not grad or grad._version != version
+        ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
         self._grad_versions = {}
         if not changed:
             return
         if stepped:
-            names = self._param_names([i for i in changed][:3])
+            names = self.facts.param_names([i for i in changed][:3])
             raise StatesUsageError(
                 f"tiermem: gradients changed between backward and optimizer.step() ({', '.join(names)}...), but "
-                f"rt.manage(grad_accumulation_steps={self._accumulation}) already stepped {len(stepped)} chunk(s) "
-                "with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) and "
-                "nobody edits .grad; for GradScaler or hand-made gradient edits, call rt.manage without "
+                f"rt.manage(grad_accumulation_steps={self.declared.accumulation}) already stepped {len(stepped)} "
+                "chunk(s) with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) "
+                "and nobody edits .grad; for GradScaler or hand-made gradient edits, call rt.manage without "
                 "grad_accumulation_steps."
             )
         if self._early_allowed:
@@ -319,15 +361,13 @@ class StepMixin(StatesBase):
                 "step will not overlap backward (NOTE [ Declared steps ] rule 4)"
             )
 
-    def _param_names(self, indices: list[int]) -> list[str]:
-        names = {id(p): n for n, p in self.model.named_parameters(remove_duplicate=False)}
-        return [names.get(id(self.params[i]), f"parameter {i}") for i in indices]
-
-    def _group_of(self, optimizer: ManagedOptimizer) -> dict[int, int]:
+    @staticmethod
+    def _group_of(optimizer: ManagedOptimizer) -> dict[int, int]:
         return {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
 
     def _steppable(self, chunk: Chunk, group_of: Mapping[int, int]) -> list[Slot]:
-        return [s for s in chunk.layout.slots if self._has_grad[s.index] and id(self.params[s.index]) in group_of]
+        has_grad, params = self.store.has_grad, self.facts.params
+        return [s for s in chunk.layout.slots if has_grad[s.index] and id(params[s.index]) in group_of]
 
     def _run_chunk_step(
         self,
@@ -341,7 +381,7 @@ class StepMixin(StatesBase):
         if chunk.home_tier != "nvme":
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
             return
-        with self._home_on_host(chunk, known):
+        with self.homes.on_host(chunk, known):
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
@@ -362,7 +402,7 @@ class StepMixin(StatesBase):
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
     ) -> None:
-        names = self.state_names
+        names = self.facts.state_names
         scale = chunk.master_scale
         objects: dict[int, torch.Tensor] = {}
         if chunk.has_master:
@@ -370,7 +410,7 @@ class StepMixin(StatesBase):
             # chunk, chunk layout rule 6) with the gradient in its dtype, as a master-weights loop does.
             assert chunk.home is not None and chunk.grad is not None
             home = chunk.home.tensor(chunk.home.tier)
-            grads = self._grad_bytes(chunk)
+            grads = self.gradients.grad_bytes(chunk)
             for slot in slots:
                 master = slot.master_view(home, 0, scale)
                 grad = slot.view(grads)
@@ -378,10 +418,10 @@ class StepMixin(StatesBase):
                 objects[slot.index] = master
         else:
             home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
-            objects = {slot.index: self.params[slot.index] for slot in slots}
+            objects = {slot.index: self.facts.params[slot.index] for slot in slots}
         state: dict[torch.Tensor, dict[str, Any]] = {}
         for slot in slots:
-            record = self._pstate.get(slot.index)
+            record = self.store.pstate.get(slot.index)
             if record is not None:
                 state[objects[slot.index]] = {
                     key: slot.master_view(home, chunk.section_base(names.index(key)), scale)
@@ -391,9 +431,9 @@ class StepMixin(StatesBase):
                 }
         by_group: dict[int, list[torch.Tensor]] = {}
         for slot in slots:
-            by_group.setdefault(group_of[id(self.params[slot.index])], []).append(objects[slot.index])
+            by_group.setdefault(group_of[id(self.facts.params[slot.index])], []).append(objects[slot.index])
         groups = [(optimizer.param_groups[g], params) for g, params in sorted(by_group.items())]
-        after = run_step(self.optimizer_class, optimizer.defaults, groups, state, attributes)
+        after = run_step(self.facts.optimizer_class, optimizer.defaults, groups, state, attributes)
         for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]
             obj = objects[slot.index]
             entry = after.get(obj)
@@ -407,7 +447,7 @@ class StepMixin(StatesBase):
                         target.copy_(value)
                 else:
                     record.scalars[key] = value
-            self._pstate[slot.index] = record
+            self.store.pstate[slot.index] = record
         if scale > 1:  # refresh the working copy from the stepped masters (chunk layout rule 6)
             for slot in slots:
                 master = objects[slot.index]

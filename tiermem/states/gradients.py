@@ -1,0 +1,227 @@
+"""Gradients in gradient chunks: routing each accumulated gradient into its chunk's buffer,
+sending offloaded chunks' buffers home, and what ``p.grad`` is between backward and step (rule 4
+of NOTE [ Model-state rules ] in ``manager.py``; NOTE [ Host gradients ] in ``hostgrad.py``).
+
+:class:`Gradients` owns the leases of the HostGradients it exposed. It may touch: each chunk's
+gradient buffer (``chunk.grad``, through its handle and the registry), ``p.grad`` of the managed
+parameters, the store's ``has_grad`` flags, and the device tier's room through the pool's retry
+ladder. It never touches parameter values or homes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tiermem.errors import TierCapacityError
+from tiermem.registry import ObjectState, Priority, Registry
+from tiermem.states.chunks import Chunk
+from tiermem.states.core import ModelFacts, same
+from tiermem.states.errors import StatesMemoryError, StatesUsageError
+from tiermem.states.homes import Homes
+from tiermem.states.hostgrad import HostGradient
+from tiermem.states.optimizer import ManagedOptimizer
+from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+
+class Gradients:
+    """The gradient buffers of ``store``'s chunks and the ``.grad`` of its parameters."""
+
+    def __init__(
+        self, registry: Registry, facts: ModelFacts, store: ChunkStore, homes: Homes, *, proxy_host_gradients: bool
+    ) -> None:
+        self.registry = registry
+        self.facts = facts
+        self.store = store
+        self.homes = homes
+        #: NOTE [ Host gradients ] rule 7: HostGradients on the CPU device too (tests)
+        self.proxy_host_gradients = proxy_host_gradients
+        #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
+        self._leases: dict[int, list[bool]] = {}
+
+    # -- in backward ---------------------------------------------------------------------------
+    def device_grads(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's gradient buffer on the device (allocated, or brought back to accumulate)."""
+        handle = chunk.grad
+        pool = self.store.pool
+        if handle is None:
+            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.facts.device)
+            chunk.grad = pool.device_room(
+                lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk"),
+                (chunk,),
+                demand=True,
+                what=f"the gradients of chunk {chunk.index}",
+            )
+            del buffer  # only the allocation keeps it (TRAPS 14: the write-back must free it)
+            return chunk.grad.tensor("device")
+        if handle.tier != "device" or handle.state is ObjectState.MOVING:
+            pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
+            handle.wait()
+        return handle.tensor("device")
+
+    def accumulate(self, i: int, p: torch.Tensor) -> Chunk | None:
+        """Rule 4, after autograd accumulated ``p.grad``: into its chunk's buffer; the chunk, or
+        None when ``p`` has no gradient."""
+        grad = p.grad
+        if grad is None:
+            return None
+        if grad.layout != torch.strided:
+            raise StatesUsageError("tiermem: sparse gradients are not supported for managed parameters")
+        chunk, slot = self.store.slots[i]
+        view = slot.view(self.device_grads(chunk))
+        if not same(grad, view):
+            if self.store.has_grad[i]:
+                view.add_(grad)  # what AccumulateGrad does: `variable.grad += new_grad`
+            else:
+                view.copy_(grad)
+            p.grad = view
+        if chunk.offloaded:
+            # TRAPS 28: this node's stream (autograd's, on CUDA) wrote the buffer; the write-back
+            # of the whole chunk, submitted later from another node's hook, must wait for it too.
+            self.registry.fence("device")
+        self.store.has_grad[i] = True
+        return chunk
+
+    def send_offloaded_back(self) -> None:
+        """At a backward's start: offloaded chunks' gradients wait on the host; autograd must not
+        add into those views (rule 4), they come back to the device to accumulate."""
+        for chunk in self.store.chunks:
+            if chunk.offloaded and chunk.trainable:
+                for slot in chunk.layout.slots:
+                    self.facts.params[slot.index].grad = None
+                self.retire(chunk)
+
+    def enter(self, chunk: Chunk) -> None:
+        """A chunk's backward began: its parameters' earlier gradients view its device buffer."""
+        if chunk.offloaded and chunk.grad is not None:
+            have = [slot for slot in chunk.layout.slots if self.store.has_grad[slot.index]]
+            if have:
+                data = self.device_grads(chunk)
+                for slot in have:
+                    self.facts.params[slot.index].grad = slot.view(data)
+
+    def flush(self, chunk: Chunk) -> None:
+        """Send an offloaded chunk's gradients home (rule 4)."""
+        handle = chunk.grad
+        if handle is None or handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
+            return
+        for slot in chunk.layout.slots:
+            self.facts.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
+        try:
+            handle.move_to("host", Priority.WRITEBACK)
+        except TierCapacityError:
+            # Staged NVMe homes free host bytes as their write-backs land (early steps).
+            self.homes.wait_moves()
+            try:
+                handle.move_to("host", Priority.WRITEBACK)
+            except TierCapacityError as exc:
+                raise StatesMemoryError(
+                    f"tiermem model states: chunk {chunk.index}'s gradients ({format_size(exc.requested)}) go to the "
+                    f"host until the optimizer steps, but {format_size(exc.used)} of {format_size(exc.capacity)} "
+                    "are in use; raise [host] capacity (a plan made for streaming gradients, keep_gradients=False, "
+                    "needs every chunk to step as its backward ends: a nested reentrant backward or accumulation "
+                    "keeps them all)"
+                ) from exc
+
+    # -- what p.grad is ------------------------------------------------------------------------
+    def grad_bytes(self, chunk: Chunk) -> torch.Tensor:
+        """The chunk's gradient buffer where it is resident now (host or device)."""
+        assert chunk.grad is not None
+        chunk.grad.wait()
+        return chunk.grad.tensor(chunk.grad.tier)
+
+    def expose(self) -> None:
+        """``p.grad`` views the real gradient wherever it lives (rule 4, TRAPS 4)."""
+        for chunk in self.store.chunks:
+            data = self.grad_bytes(chunk) if chunk.grad is not None else None
+            for slot in chunk.layout.slots:
+                has = self.store.has_grad[slot.index] and data is not None
+                self.facts.params[slot.index].grad = self.exposed(chunk, slot.view(data)) if has else None  # type: ignore[arg-type]
+
+    def exposed(self, chunk: Chunk, view: torch.Tensor) -> torch.Tensor:
+        """What ``p.grad`` is for ``view``, a gradient in ``chunk``'s buffer: the view itself, or a
+        :class:`HostGradient` standing for it on the device (NOTE [ Host gradients ] rule 1)."""
+        assert chunk.grad is not None
+        on_host = chunk.grad.tier == "host" and (self.facts.device.type != "cpu" or self.proxy_host_gradients)
+        if not on_host:
+            return view
+        lease = self._leases.setdefault(chunk.index, [True])
+        return HostGradient(view, self.facts.device, lease)
+
+    def retire(self, chunk: Chunk | None = None) -> None:
+        """NOTE [ Host gradients ] rule 5: ``chunk``'s (every chunk's) host gradient bytes move or
+        are freed; HostGradients of them refuse ops from now on."""
+        for index in [chunk.index] if chunk is not None else list(self._leases):
+            lease = self._leases.pop(index, None)
+            if lease is not None:
+                lease[0] = False
+
+    def drop(self, chunk: Chunk) -> None:
+        """Free ``chunk``'s gradient buffer (no parameter of it has a gradient any more)."""
+        assert chunk.grad is not None
+        self.retire(chunk)
+        chunk.grad.free()
+        chunk.grad = None
+
+    @staticmethod
+    def _is_exposed(grad: torch.Tensor, view: torch.Tensor) -> bool:
+        """``grad`` is what :meth:`exposed` made of ``view`` (or the view itself)."""
+        if isinstance(grad, HostGradient):
+            return same(grad.host, view)
+        return same(grad, view)
+
+    def reconcile(self) -> None:
+        """Rule 4: take in what user code did to ``p.grad`` since we exposed it."""
+        has_grad = self.store.has_grad
+        for chunk in self.store.chunks:
+            if not chunk.trainable:
+                continue
+            data: torch.Tensor | None = None
+            for slot in chunk.layout.slots:
+                i = slot.index
+                p = self.facts.params[i]
+                grad = p.grad
+                if not has_grad[i] and grad is None:
+                    continue
+                if has_grad[i] and grad is None:
+                    has_grad[i] = False  # model.zero_grad() or `p.grad = None`
+                    continue
+                if data is None:
+                    data = self.grad_bytes(chunk) if chunk.grad is not None else self._new_grads(chunk)
+                view = slot.view(data)
+                if not self._is_exposed(grad, view):
+                    view.copy_(grad)  # a HostGradient of another view copies through its own bytes
+                    p.grad = self.exposed(chunk, view)
+                has_grad[i] = True
+            if chunk.grad is not None and not any(has_grad[s.index] for s in chunk.layout.slots):
+                self.drop(chunk)
+
+    def _new_grads(self, chunk: Chunk) -> torch.Tensor:
+        tier = "host" if chunk.offloaded else "device"
+        device = "cpu" if chunk.offloaded else self.facts.device
+        chunk.grad = self.store.register(torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device), tier)
+        return chunk.grad.tensor(tier)
+
+    def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
+        """``optimizer.zero_grad()`` over the real gradients, once :meth:`reconcile` took them in."""
+        self.reconcile()
+        has_grad = self.store.has_grad
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                i = self.facts.index[id(p)]
+                if not has_grad[i] or p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                    has_grad[i] = False
+                elif isinstance(p.grad, HostGradient):
+                    p.grad.host.zero_()  # in place on the host: no round trip through the device
+                else:  # what torch.optim.Optimizer.zero_grad does
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        for chunk in self.store.chunks:
+            if chunk.grad is not None and not any(has_grad[s.index] for s in chunk.layout.slots):
+                self.drop(chunk)

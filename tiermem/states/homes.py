@@ -1,0 +1,91 @@
+"""Access to chunk homes: staging an NVMe home on the host to write it, reading a home's bytes.
+
+:class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
+valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`). It may
+touch chunk homes through their handles only (``move_to``, ``wait``, ``tensor``, ``read_out``:
+NOTE [ Managed object rules ]), never a chunk's device storage or gradients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from tiermem.errors import TierCapacityError
+from tiermem.registry import KnownBytes, ObjectState, Priority
+from tiermem.states.chunks import Chunk
+from tiermem.states.errors import StatesMemoryError
+from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+
+class Homes:
+    """Reads and writes of the homes of ``store``'s chunks."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._read_cache: tuple[int, tuple[int, int], torch.Tensor] | None = None
+
+    def forget(self) -> None:
+        """Drop the cached home read (its chunk changed, or the chunks were rebuilt)."""
+        self._read_cache = None
+
+    def wait_moves(self, skip: Chunk | None = None) -> None:
+        """Wait until no home but ``skip``'s is moving: write-backs of NVMe homes free the
+        host bytes they were staged in when they land."""
+        for other in self.store.chunks:
+            if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
+                other.home.wait()
+
+    @contextlib.contextmanager
+    def on_host(self, chunk: Chunk, known: KnownBytes | None = None) -> Iterator[torch.Tensor]:
+        """An NVMe home staged on the host for writing, and written back after (WRITEBACK);
+        ``known``: what memory holds of it already (NOTE [ Managed object rules ] rule 6)."""
+        handle = chunk.home
+        assert handle is not None
+        try:
+            handle.move_to("host", Priority.DEMAND, known)
+        except TierCapacityError:
+            # Earlier homes' write-backs free host memory when they land (the plan stages two).
+            self.wait_moves(skip=chunk)
+            try:
+                handle.move_to("host", Priority.DEMAND, known)
+            except TierCapacityError as exc:
+                raise StatesMemoryError(
+                    f"tiermem model states: staging chunk {chunk.index}'s NVMe home ({format_size(exc.requested)}) "
+                    f"needs host memory, but {format_size(exc.used)} of {format_size(exc.capacity)} are in use; "
+                    "raise [host] capacity"
+                ) from exc
+        handle.wait()
+        try:
+            yield handle.tensor("host")
+        finally:
+            handle.move_to("nvme", Priority.WRITEBACK)
+            self._read_cache = None
+
+    @contextlib.contextmanager
+    def writable(self, chunk: Chunk) -> Iterator[torch.Tensor]:
+        """A chunk's home bytes to write in place (an NVMe home staged, then written back)."""
+        assert chunk.home is not None
+        if chunk.home_tier == "nvme":
+            with self.on_host(chunk) as data:
+                yield data
+        else:
+            chunk.home.wait()
+            yield chunk.home.tensor(chunk.home.tier)
+
+    def readable(self, chunk: Chunk) -> torch.Tensor:
+        """A chunk's home bytes to read: in place in memory, or read from NVMe (cached per version)."""
+        handle = chunk.home
+        assert handle is not None
+        handle.wait()
+        if handle.tier != "nvme":
+            return handle.tensor(handle.tier)
+        cache = self._read_cache
+        if cache is not None and cache[0] == chunk.index and cache[1] == self.store.version():
+            return cache[2]
+        data = handle.read_out()
+        self._read_cache = (chunk.index, self.store.version(), data)
+        return data

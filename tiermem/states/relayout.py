@@ -1,0 +1,289 @@
+"""Which chunk layout is in force, and every (re)build of the chunks: the first build at
+``rt.manage``, the re-pack in execution order (rule 2 of NOTE [ Model-state rules ] in
+``manager.py``), planning from the first real step (rule 9), and freeing them.
+
+:class:`Relayout` owns the plan request, the parameter order the chunks are packed in, the
+execution order a forward records, whether a re-pack is due, and the first-step planner with the
+arguments it will be given. It may touch: the store's chunks (built, freed) and the parameters'
+``.data``/``.grad`` while the planner profiles plain parameters, the manager's hooks (through the
+``unhook``/``hook`` it is given), and the plan owner's ``plan``. Where chunks go is the plan's
+(:func:`~tiermem.layout.placement.choose_layout`); values move through
+:class:`~tiermem.states.stateio.StateIO` snapshots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_map_only
+
+from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import ChunkLayout, pack, size_candidates, waste
+from tiermem.layout.placement import Budgets, Plan, PlanRequest, choose_layout, chunk_sizes
+from tiermem.registry import Registry
+from tiermem.states import core
+from tiermem.states.core import ModelFacts, Snapshot
+from tiermem.states.errors import PlanError, StatesMemoryError
+from tiermem.states.gradients import Gradients
+from tiermem.states.homes import Homes
+from tiermem.states.stateio import StateIO
+from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+FirstStepPlanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
+"""Rule 9: given the model (plain parameters) and its first forward's arguments, the plan."""
+
+Layout = tuple[Sequence[ChunkLayout], Plan, list[int]]
+"""Chunk layouts, their plan and the parameter order they were packed in."""
+
+log = logging.getLogger("tiermem.states")
+
+
+class Relayout:
+    """The layout in force for one model's chunks, and building them anew."""
+
+    def __init__(
+        self,
+        registry: Registry,
+        facts: ModelFacts,
+        parts: tuple[ChunkStore, Homes, Gradients, StateIO],
+        *,
+        request: PlanRequest,
+        planner: FirstStepPlanner | None,
+        plan_owner: object | None,
+        grads_stream: bool,
+        hooks: tuple[Callable[[], None], Callable[[], None]],
+    ) -> None:
+        """``parts``: the collaborators a build fills; ``hooks``: (remove, register) the manager's
+        hooks, off while the first-step planner profiles plain parameters."""
+        self.registry = registry
+        self.facts = facts
+        self.store, self.homes, self.gradients, self.stateio = parts
+        self.request = request
+        self._grads_stream = grads_stream
+        self._unhook, self._hook = hooks
+        # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
+        self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
+        #: rule 2: the order the chunks are packed in; the one being recorded; the recorded one
+        self.order = self._initial_order()
+        self._recording: list[int] | None = None
+        self._seen: set[int] = set()
+        self.recorded: list[int] | None = None
+        #: a re-pack (or a first-step plan) runs at the next optimizer.step()
+        self.pending = False
+        #: rule 9: who plans at the first step, and the first forward's arguments
+        self._planner = planner
+        self._plan_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+
+    def _initial_order(self) -> list[int]:
+        """Rule 2: registration order, or the execution order the planner's profile recorded
+        (``PlanRequest.order``), which spares the re-pack at the first step."""
+        order = self.request.order
+        count = len(self.facts.params)
+        if order is None or sorted(order) != list(range(count)):
+            return list(range(count))
+        return list(order)
+
+    def plan_layout(
+        self, order: Sequence[int], held: Mapping[str, int] | None = None
+    ) -> tuple[list[ChunkLayout], Plan]:
+        """Pack ``order`` and decide the plan (NOTE [ Chunk layout rules ] rule 5); ``held``:
+        bytes per tier the chunks in force hold, free once they are rebuilt."""
+        held = held or {}
+        budgets = Budgets(
+            **{name: self.registry.free_bytes(name) + held.get(name, 0) for name in ("device", "host", "nvme")}
+        )
+        info = self.facts.info
+        largest = max(i.nbytes for i in info)
+        return choose_layout(
+            chunk_sizes(self.request, largest, lambda: size_candidates(info)),
+            lambda size: pack(info, order, size),
+            lambda layouts: (self.facts.needs(layouts), self.facts.min_buffers(layouts)),
+            waste,
+            budgets=budgets,
+            request=self.request,
+            grads_stream=self._grads_stream,
+        )
+
+    # -- building ------------------------------------------------------------------------------
+    def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
+        """Chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values, gradients and states."""
+        self.store.build(layouts, plan, snapshot)
+        self.gradients.expose()
+        self.stateio.import_states(snapshot.states)
+        owner = self._plan_owner() if self._plan_owner is not None else None
+        if owner is not None:
+            owner.plan = plan  # type: ignore[attr-defined]
+
+    def free(self) -> None:
+        """Free every chunk's bytes (accounting included); parameters keep dangling views."""
+        self.store.free()
+        self.gradients.retire()
+        self.homes.forget()
+
+    def _clear(self) -> None:
+        """Free every chunk and forget gradients and states: a snapshot holds them (rules 2, 9)."""
+        self.free()
+        self.store.forget_values()
+
+    def _in_force(self) -> Layout:
+        assert self.store.plan is not None
+        return [chunk.layout for chunk in self.store.chunks], self.store.plan, list(self.order)
+
+    def _rebuild(self, new: Layout, old: Layout, snapshot: Snapshot) -> bool:
+        """Build ``new`` from ``snapshot``, or ``old`` again when ``new`` does not fit after all
+        (logged); whether ``new`` was built."""
+        try:
+            self.build(new[0], new[1], snapshot)
+            self.order = new[2]
+            return True
+        except (StatesMemoryError, TierCapacityError) as exc:
+            log.warning("tiermem model states: the new chunk layout could not be built (%s); keeping the old", exc)
+            self._clear()
+            self.build(old[0], old[1], snapshot)
+            self.order = old[2]
+            return False
+
+    # -- rule 2: the execution order -----------------------------------------------------------
+    def forward_started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The root's forward starts: record its order if none was, keep the first-step batch."""
+        if self.recorded is None and self._recording is None:
+            self._recording, self._seen = [], set()
+        if torch.is_grad_enabled() and self._planner is not None and self._plan_batch is None:  # rule 9
+            detach = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.detach)
+            self._plan_batch = (detach(tuple(args)), detach(dict(kwargs)))
+
+    def record(self, names: Sequence[tuple[str, int]]) -> None:
+        """A module's forward starts: its own parameters come next in execution order."""
+        if self._recording is not None:
+            for _, i in names:
+                if i not in self._seen:
+                    self._seen.add(i)
+                    self._recording.append(i)
+
+    def forward_ended(self) -> None:
+        if self._plan_batch is not None:
+            self.pending = True  # rule 9: plan at the next optimizer.step()
+        if self._recording is None:
+            return
+        order = self._recording + [i for i in range(len(self.facts.params)) if i not in self._seen]
+        self._recording, self.recorded = None, order
+        if order != self.order:
+            self.pending = True  # rule 2: at the next optimizer.step()
+
+    def run(self) -> None:
+        """The re-pack (or first-step plan) due at this optimizer.step(), backward being done."""
+        self.pending = False
+        if self._plan_batch is not None and self._plan_first_step():
+            return
+        order = self.recorded
+        if order is None or order == self.order:
+            return
+        self.store.pool.clear()
+        try:
+            layouts, plan = self.plan_layout(order, held=self.store.held_bytes())
+        except (PlanError, StatesMemoryError) as exc:
+            log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
+            return
+        snapshot = self.stateio.snapshot()
+        old = self._in_force()
+        self._clear()
+        self._rebuild((layouts, plan, list(order)), old, snapshot)
+
+    # -- rule 9: planning from the first step --------------------------------------------------
+    def _plan_first_step(self) -> bool:
+        """Rule 9: plan from the first forward's arguments and rebuild the chunks under the plan.
+        False when planning is skipped (the caller re-packs as rule 2 says); True once rebuilt."""
+        planner, batch = self._planner, self._plan_batch
+        assert planner is not None and batch is not None
+        self._plan_batch = None
+        if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+            log.info(
+                "tiermem model states: optimizer.step() inside rt.offload_activations(); planning waits for a "
+                "step outside it (the offloader's hooks would capture the profiling step)"
+            )
+            return False
+        self._planner = None  # once, whatever happens below
+        if not self._room_for_plain_copy():
+            return False
+        self.store.pool.clear()
+        snapshot = self.stateio.snapshot()
+        old = self._in_force()
+        self._clear()
+        self._unhook()
+        request = self.request
+        new = old
+        try:
+            working = self.facts.param_dtype
+            for p, data in zip(self.facts.params, snapshot.data, strict=True):
+                # What training computes with, where it computes (snapshots are CPU copies).
+                p.data = data.to(self.facts.device, working or data.dtype)
+                p.grad = None
+            new = self._plan_on_plain(planner, batch, old)
+        finally:
+            if not self._rebuild(new, old, snapshot):
+                self.request = request
+            self._hook()
+        return True
+
+    def _room_for_plain_copy(self) -> bool:
+        """Rule 9: the profiling step needs plain parameters and gradients where training
+        computes, and the snapshot a plain copy of the model states in memory."""
+        facts = self.facts
+        per_param = 1 + len(facts.state_names)
+        needed = sum(info.nbytes * facts.master_scale * (per_param + info.trainable) for info in facts.info)
+        on_device = sum(info.nbytes * (1 + info.trainable) for info in facts.info)  # parameters, gradients
+        if facts.device.type != "cpu" and on_device > 0.8 * core.memory_available(facts.device):
+            log.warning(
+                "tiermem model states: not planning from the first step: the plain parameters and gradients (%s) "
+                "do not fit in %s's free memory for the profiling step; the default placement stays. Give "
+                "rt.manage a plan= (or sample= on a machine with the room)",
+                format_size(on_device),
+                facts.device,
+            )
+            return False
+        if needed > 0.8 * core.memory_available(torch.device("cpu")):
+            log.warning(
+                "tiermem model states: not planning from the first step: a plain copy of the model states (%s) does "
+                "not fit in free memory; the default placement stays. Give rt.manage a plan= (or sample= on a "
+                "machine with the room)",
+                format_size(needed),
+            )
+            return False
+        return True
+
+    def _plan_on_plain(
+        self, planner: FirstStepPlanner, batch: tuple[tuple[Any, ...], dict[str, Any]], old: Layout
+    ) -> Layout:
+        """Rule 9: the planner's layout for the plain model (its request in force from now on), or,
+        when it fails (logged), ``old`` re-packed in the recorded order where that plans."""
+        request = self.request
+        layouts, plan, order = old
+        try:
+            planned = planner(self.facts.model, *batch)
+            self.request = planned
+            new_order = list(planned.order) if planned.order is not None else (self.recorded or order)
+            if sorted(new_order) != list(range(len(self.facts.params))):
+                new_order = self.recorded or order
+            layouts, plan = self.plan_layout(new_order)
+            order = new_order
+        except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
+            self.request = request
+            log.warning(
+                "tiermem model states: planning from the first step failed, the default placement stays "
+                "(give rt.manage a plan= or sample= to choose): %s: %s",
+                type(exc).__name__,
+                exc,
+            )
+            if self.recorded is not None and self.recorded != order:
+                with contextlib.suppress(PlanError, StatesMemoryError):
+                    layouts, plan = self.plan_layout(self.recorded)
+                    order = list(self.recorded)
+        return layouts, plan, order

@@ -1,0 +1,182 @@
+"""The chunks in force and the bytes they hold.
+
+:class:`ChunkStore` owns one model's chunks (built from a snapshot under a plan, and freed), the
+device buffer pool over them, which chunk and slot each parameter lives in, which parameters have
+a gradient, their optimizer records (``ParamState``) and the generation that changes whenever a
+home may have. It may touch: the chunks' storage and handles, registering bytes with the
+registry (kind ``"chunk"``), and each parameter's ``.data`` (rule 1 of NOTE [ Model-state rules ]
+in ``manager.py``) and, while building, ``.grad``. It decides nothing about order or residency.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import ChunkLayout, Slot
+from tiermem.layout.placement import Plan
+from tiermem.registry import Handle, Registry
+from tiermem.states.chunks import Chunk
+from tiermem.states.core import ModelFacts, ParamState, Snapshot
+from tiermem.states.errors import StatesMemoryError
+from tiermem.states.pool import ChunkPool
+from tiermem.units import format_size
+
+
+class ChunkStore:
+    """One model's chunks, with what each parameter has in them (rules 1 and 6)."""
+
+    def __init__(self, registry: Registry, facts: ModelFacts) -> None:
+        self.registry = registry
+        self.facts = facts
+        self.chunks: list[Chunk] = []
+        #: per parameter index: its chunk and its place in it
+        self.slots: list[tuple[Chunk, Slot]] = []
+        #: per module with parameters of its own: the chunks holding them, in order
+        self.module_chunks: dict[nn.Module, tuple[Chunk, ...]] = {}
+        self.pool = ChunkPool(registry, [], 0)
+        self.plan: Plan | None = None
+        #: per parameter index: whether it has a gradient (in its chunk's gradient buffer)
+        self.has_grad = [False] * len(facts.params)
+        #: per parameter index: its optimizer record, once the optimizer made one
+        self.pstate: dict[int, ParamState] = {}
+        #: bumped whenever homes may change outside a write-back (steps, loads, imports)
+        self.generation = 0
+
+    def version(self) -> tuple[int, int]:
+        """Changes whenever a chunk's home may have changed (cache key for home reads)."""
+        return (self.generation, self.pool.writes)
+
+    def chunk_of(self, index: int) -> Chunk:
+        return self.slots[index][0]
+
+    def held_bytes(self) -> dict[str, int]:
+        """Bytes these chunks hold, per tier."""
+        held: dict[str, int] = {}
+        for chunk in self.chunks:
+            for handle in (chunk.dev, chunk.home, chunk.grad):
+                if handle is not None:
+                    held[handle.tier] = held.get(handle.tier, 0) + handle.reserved
+        return held
+
+    def register(self, tensor: torch.Tensor, tier: str) -> Handle:
+        """Account ``tensor`` (adopted on a memory tier of its device, copied to NVMe)."""
+        try:
+            return self.registry.register(tensor, tier, dedup=False, kind="chunk")
+        except TierCapacityError as exc:
+            raise StatesMemoryError(
+                f"tiermem model states: {format_size(exc.requested)} do not fit in the {tier} tier "
+                f"({format_size(exc.used)} of {format_size(exc.capacity)} in use). Raise [{tier}] capacity or give "
+                "plan= fewer persistent chunks or a smaller chunk_size."
+            ) from exc
+
+    # -- building and freeing ---------------------------------------------------------------
+    def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
+        """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values and
+        gradients (optimizer states are the caller's: :class:`~tiermem.states.stateio.StateIO`)."""
+        facts = self.facts
+        self.plan = plan
+        slots: list[tuple[Chunk, Slot] | None] = [None] * len(facts.params)
+        for layout in layouts:
+            chunk = self._build_chunk(layout, plan, snapshot)
+            for slot in layout.slots:
+                slots[slot.index] = (chunk, slot)
+        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
+        self.slots = [s for s in slots if s is not None]
+        if len(self.slots) != len(facts.params):
+            raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
+        for p, (chunk, slot) in zip(facts.params, self.slots, strict=True):
+            if chunk.persistent:
+                if p.dtype != slot.dtype:
+                    p.grad = None  # a working dtype: the gradient comes back as a view
+                p.data = slot.view(chunk.data)
+        self.module_chunks = {
+            module: tuple(sorted({self.slots[i][0] for _, i in names}, key=lambda c: c.index))
+            for module, names in facts.module_names.items()
+        }
+
+    def _build_chunk(self, layout: ChunkLayout, plan: Plan, snapshot: Snapshot) -> Chunk:
+        persistent = layout.index < plan.persistent_chunks
+        chunk = Chunk(
+            layout,
+            persistent=persistent,
+            home=plan.state_home[layout.index],
+            sections=self.facts.sections(layout),
+            device=self.facts.device,
+            master_scale=self.facts.master_scale,
+        )
+        self.chunks.append(chunk)
+        if persistent:
+            self._fill_persistent(chunk, snapshot)
+        else:
+            self._fill_streamed(chunk, snapshot)
+        grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
+        if any(grad is not None for _, grad in grads):
+            tier = "host" if chunk.offloaded else "device"
+            device = "cpu" if chunk.offloaded else self.facts.device
+            buffer = torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device)
+            for slot, grad in grads:
+                if grad is not None:
+                    slot.view(buffer).copy_(grad)
+                    self.has_grad[slot.index] = True
+            chunk.grad = self.register(buffer, tier)
+        return chunk
+
+    def _fill_persistent(self, chunk: Chunk, snapshot: Snapshot) -> None:
+        """A persistent chunk: its device copy (the working parameters) and, with optimizer
+        states or fp32 masters, a device home."""
+        chunk.dev = self.register(chunk.data, "device")
+        for slot in chunk.layout.slots:
+            slot.view(chunk.data).copy_(snapshot.data[slot.index])  # casts to a working dtype
+        if chunk.sections or chunk.has_master:
+            home = torch.zeros(chunk.home_bytes, dtype=torch.uint8, device=self.facts.device)
+            if chunk.has_master:  # fp32 masters of working chunks (chunk layout rule 6)
+                for slot in chunk.layout.slots:
+                    slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
+            chunk.home = self.register(home, "device")
+
+    def _fill_streamed(self, chunk: Chunk, snapshot: Snapshot) -> None:
+        """A streamed chunk: parameters view its storage, emptied at once (rule 1: on CUDA all
+        chunks at full size at once would be the whole model in device memory), and its home."""
+        for slot in chunk.layout.slots:
+            p = self.facts.params[slot.index]
+            if p.dtype != slot.dtype:
+                p.grad = None  # a working dtype: the gradient comes back as a view
+            p.data = slot.view(chunk.data)
+        chunk.data.untyped_storage().resize_(0)
+        home = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
+        for slot in chunk.layout.slots:
+            if chunk.master_scale > 1:
+                slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
+            slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
+        chunk.home = self.register(home, chunk.home_tier)
+
+    def free(self) -> None:
+        """Free every chunk's bytes (accounting included); parameters keep dangling views."""
+        for chunk in self.chunks:
+            if chunk.fetching is not None:
+                transfer, chunk.fetching = chunk.fetching, None
+                transfer.cancel()
+                with contextlib.suppress(Exception):
+                    transfer.wait()
+            chunk.empty_storage()
+            self.free_handles(chunk)
+        self.chunks = []
+        self.pool.resident.clear()
+        self.pool.drop_spares()
+
+    @staticmethod
+    def free_handles(chunk: Chunk) -> None:
+        for handle in (chunk.dev, chunk.home, chunk.grad):
+            if handle is not None:
+                handle.free()
+        chunk.dev = chunk.home = chunk.grad = None
+
+    def forget_values(self) -> None:
+        """Gradients and optimizer records are gone with the chunks (a snapshot holds them)."""
+        self.has_grad = [False] * len(self.facts.params)
+        self.pstate.clear()
