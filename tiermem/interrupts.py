@@ -202,7 +202,10 @@ def _internal_paths() -> tuple[str, ...]:
     import tiermem.tiers
 
     base = os.path.dirname(tiermem.__file__)
-    paths = [os.path.join(base, name) for name in ("activations", "planner", "states", "registry.py", "runtime.py")]
+    # Every module of the runtime's internals that can wait or move bytes belongs here: the managed
+    # objects (objects.py) hold Handle.wait, the registry its moves.
+    internals = ("activations", "planner", "states", "objects.py", "registry.py", "runtime.py")
+    paths = [os.path.join(base, name) for name in internals]
     paths += [os.path.dirname(tiermem.tiers.__file__), os.path.dirname(tiermem.schedulers.__file__)]
     paths.append(weakref.__file__)
     return tuple(p for p in paths if p)
