@@ -79,6 +79,12 @@ class ManagedObject:
         """Where the object is resident (its source, while it moves)."""
         return self.home.tier.name
 
+    @property
+    def target_tier(self) -> str | None:
+        """The tier the object is on its way to; None when it is not moving."""
+        target = self.target
+        return None if target is None else target.tier.name
+
     def __repr__(self) -> str:
         moving = f"->{self.target.tier.name}" if self.target is not None else ""
         return f"ManagedObject#{self.id}({self.nbytes} bytes, {self.state.value} {self.tier}{moving})"
@@ -209,6 +215,11 @@ class Handle:
         """Rule 9: a fresh CPU copy of the object's bytes read where they live (no move)."""
         self._check()
         return self.obj.registry.read_out(self.obj)
+
+    @property
+    def freed(self) -> bool:
+        """True once :meth:`free` was called on this handle (its object may live on in others)."""
+        return self._freed
 
     def free(self) -> None:
         """Drop this handle; the object is freed with its last handle. Idempotent."""

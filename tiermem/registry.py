@@ -420,6 +420,10 @@ class Registry:
         """The torch device of the device tier (the CPU without CUDA)."""
         return self._tier("device").device  # type: ignore[attr-defined,no-any-return]
 
+    def is_memory(self, tier: str) -> bool:
+        """True when ``tier`` holds its bytes in memory (device, host), False for storage (NVMe)."""
+        return self._tier(tier).is_memory
+
     def tier_statistics(self, tier: str) -> TierStatistics:
         """``tier``'s own accounting (capacity, current and peak bytes, ...)."""
         return self._tier(tier).statistics()

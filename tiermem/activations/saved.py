@@ -16,17 +16,10 @@ import torch
 from tiermem.layout.activation_policy import BlockPolicy
 from tiermem.registry import Handle, ManagedObject
 
-#: The offloader's tiers (BlockPolicy's names) that are storage, not memory: ``device`` and
-#: ``host`` hold bytes in memory, ``nvme`` on a drive.
-STORAGE_TIERS = frozenset({"nvme"})
-
 
 def moving_to(obj: ManagedObject) -> str | None:
-    """The tier ``obj`` is on its way to, None when it is not moving. Read from the name of
-    its transfer's link: the registry is the only door, so its allocations and tiers are
-    not ours to look at."""
-    transfer = obj.transfer
-    return None if transfer is None else transfer.link.rpartition("->")[2]
+    """The tier ``obj`` is on its way to, None when it is not moving."""
+    return obj.target_tier
 
 
 def in_backward() -> bool:
@@ -121,5 +114,5 @@ def live_handles(refs: Sequence[weakref.ref[SavedActivation]]) -> Iterator[Handl
     """The handles of the saved tensors in ``refs`` that autograd still holds."""
     for ref in refs:
         saved = ref()
-        if saved is not None and not saved.handle._freed:
+        if saved is not None and not saved.handle.freed:
             yield saved.handle
