@@ -27,8 +27,8 @@
    its blocks fails (the move fails with it, as it would for one failed block).
 
 Rules 3-5 and 7 (what a tier admits now) are decided by
-:class:`~tiermem.schedulers.admission.TierLimits`, which also holds a move's record; the loop,
-the priority queues and the hand-over of finished runs are here.
+:class:`~tiermem.schedulers.admission.TierLimits` (a move's record, ``Move``, is defined beside
+it in that module); the loop, the priority queues and the hand-over of finished runs are here.
 
 All scheduler state is touched only on the loop thread; the training thread talks to
 it through ``call_soon_threadsafe`` and waits on ``concurrent.futures`` futures. Tiers
@@ -115,12 +115,11 @@ class AsyncioScheduler(Scheduler):
             raise ValueError(
                 f"tiermem scheduler: max_inflight ({max_inflight}) and block_size ({block_size}) must be > 0"
             )
-        self.tier_max_inflight = dict(tier_max_inflight or {})
         self.block_size = block_size
         self._queues: dict[Priority, collections.deque[Move]] = {p: collections.deque() for p in Priority}
         self._moves: dict[Transfer, Move] = {}
-        # Rules 3-5 and 7; it reads tier_max_inflight, the same dict, at every decision.
-        self._limits = TierLimits(max_inflight, self.tier_max_inflight)
+        # Rules 3-5 and 7: the bounds live there alone (the properties below read and set them).
+        self._limits = TierLimits(max_inflight, dict(tier_max_inflight or {}))
         self._counters = _Counters()
         self._waits = WaitRecorder()
         # Finished runs, from tier threads to the loop (see the module docstring).
@@ -198,6 +197,15 @@ class AsyncioScheduler(Scheduler):
     @max_inflight.setter
     def max_inflight(self, value: int) -> None:
         self._limits.max_inflight = value
+
+    @property
+    def tier_max_inflight(self) -> dict[str, int]:
+        """Per-tier overrides of ``max_inflight`` (rule 3), by tier name."""
+        return self._limits.tier_max_inflight
+
+    @tier_max_inflight.setter
+    def tier_max_inflight(self, value: dict[str, int]) -> None:
+        self._limits.tier_max_inflight = dict(value)
 
     # -- loop thread ---------------------------------------------------------------------
     def _run_loop(self) -> None:

@@ -16,8 +16,10 @@ import tiermem
 from tests.test_activations import Decoder, _assert_identical, _batch, _settled_activations, _step, offloaded
 from tests.test_registry import DeviceCache
 from tiermem.activations import ActivationMemoryError, BlockPolicy
-from tiermem.activations.fallback import MAX_OUTAGE_FORWARDS, ModelMemory, WriteLedger, decide
+from tiermem.activations.fallback import decide
 from tiermem.activations.hooks import SavedTensorHooks
+from tiermem.activations.ledger import WriteLedger
+from tiermem.activations.memory import MAX_OUTAGE_FORWARDS, ModelMemory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend

@@ -1,6 +1,7 @@
 """What the registry hands out and keeps: managed objects, handles on them, known bytes and
 cached bytes (NOTE [ Managed object rules ] is in :mod:`tiermem.registry`, which carries out
-every rule; the classes here only hold state and forward to it). Every name here is importable
+every rule; the classes here hold state and forward to it, except :meth:`KnownBytes.rest`, which
+checks rule 6's prefix-or-suffix condition). Every name here is importable
 from :mod:`tiermem.registry` too.
 """
 

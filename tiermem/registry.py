@@ -43,10 +43,10 @@ operations below, never a tier or the scheduler. The objects themselves are in
    unmoved until the copy ended (``wait()`` on the transfer returned).
 9. Reading an object where it lives without moving it (``Handle.read_out``: exporting a
    chunk's NVMe home) reads its allocation straight from the tier into a fresh CPU tensor of
-   its reserved size, outside the scheduler, once its move (if any) ended. ``fence(tier)``
-   orders every copy the tier starts from now on after the device work the calling thread
-   has queued (TRAPS 28): for bytes a kernel wrote that a later submit, perhaps from another
-   thread, reads.
+   its reserved size, outside the scheduler, once its move (if any) ended.
+10. ``fence(tier)`` orders every copy the tier starts from now on after the device work the
+   calling thread has queued (TRAPS 28): for bytes a kernel wrote that a later submit,
+   perhaps from another thread, reads.
 """
 
 from __future__ import annotations
@@ -376,7 +376,7 @@ class Registry:
         return data
 
     def fence(self, tier: str) -> None:
-        """Rule 9: ``tier``'s copies started from now on wait for device work queued so far (TRAPS 28)."""
+        """Rule 10: ``tier``'s copies started from now on wait for device work queued so far (TRAPS 28)."""
         self._tier(tier).fence()
 
     # -- rule 7: caches outside objects ---------------------------------------------------------
@@ -384,10 +384,9 @@ class Registry:
         """Account ``buffer`` (a 1-D uint8 tensor on ``tier``'s device) on ``tier`` as a cache;
         raises :class:`~tiermem.errors.TierCapacityError` when it has no room."""
         target = self._tier(tier)
-        adopt = getattr(target, "adopt", None)
-        if adopt is None:
+        if not target.is_memory:
             raise ValueError(f"tiermem registry: the {tier} tier keeps no cached bytes (not a memory tier)")
-        return CachedBytes(adopt(buffer))
+        return CachedBytes(target.adopt(buffer))  # type: ignore[attr-defined]  # memory tiers adopt
 
     def add_reclaimer(self, tier: str, reclaim: Callable[[], bool]) -> None:
         """``reclaim`` (a bound method, held weakly) frees bytes ``tier`` holds only as a cache."""
@@ -435,7 +434,7 @@ class Registry:
 
     def reserved_size(self, tier: str, nbytes: int) -> int:
         """What an allocation of ``nbytes`` takes from ``tier``'s capacity (alignment included)."""
-        return self._tier(tier).reserved_size(nbytes)  # type: ignore[attr-defined,no-any-return]
+        return self._tier(tier).reserved_size(nbytes)
 
     def link_statistics(self) -> Mapping[str, LinkStatistics]:
         """Bytes and busy seconds per link (``"device->nvme"``, ...) since the runtime started."""

@@ -1,4 +1,4 @@
-"""Byte sizes in human form: parse ``"512MiB"``/``"8GiB"``/ints, format back.
+"""Byte sizes: parse ``"512MiB"``/``"8GiB"``/ints, format back, and the I/O alignment (``ALIGNMENT``).
 
 A leaf module (no tiermem imports) so tiers, schedulers and the core share it.
 """

@@ -59,26 +59,12 @@ from collections.abc import Sequence
 import torch
 
 from tiermem.activations.counters import ActivationCounters
-from tiermem.activations.ledger import WriteFailure, WriteLedger, failure_cause
-from tiermem.activations.memory import MAX_OUTAGE_FORWARDS, ModelMemory, Outage
+from tiermem.activations.ledger import failure_cause
+from tiermem.activations.memory import ModelMemory
 from tiermem.activations.saved import BlockGroup, Forwards, live_handles
 from tiermem.errors import StorageError, TierCapacityError, TiermemError
 from tiermem.layout.activation_policy import BlockPolicy
 from tiermem.registry import Handle, ObjectState, Priority, Registry
-
-# The ledger, the outages and the model memory lived here: importable from here still.
-__all__ = [
-    "MAX_OUTAGE_FORWARDS",
-    "ActivationMemoryError",
-    "Fallbacks",
-    "ModelMemory",
-    "Outage",
-    "WriteFailure",
-    "WriteLedger",
-    "decide",
-    "failure_cause",
-    "first_tensor_numel",
-]
 
 log = logging.getLogger("tiermem.activations")
 

@@ -63,12 +63,12 @@ from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, first_tensor_numel
 from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.prefetch import Prefetcher
-from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, version_error
+from tiermem.activations.saved import BlockGroup, Forwards, in_backward, version_error
 from tiermem.layout.activation_policy import BlockPolicy, PolicySpec, flexible_blocks, resolve_policies
 from tiermem.registry import Registry
 
 # Imported from here by the runtime, the planner's calibration and the tests.
-__all__ = ["ActivationCounters", "ActivationMemoryError", "ActivationOffloader", "SavedActivation"]
+__all__ = ["ActivationCounters", "ActivationMemoryError", "ActivationOffloader"]
 
 
 class ActivationOffloader:
@@ -89,8 +89,6 @@ class ActivationOffloader:
         self.registry = registry
         self.model = model
         self.counters = counters
-        self.min_bytes = min_bytes
-        self.lookahead = lookahead
         self.blocks = find_blocks(model, blocks)
         self.names = [name for name, _ in self.blocks]
         self.policies, self.adaptive = resolve_policies(policy, self.names, default_policy)

@@ -58,6 +58,13 @@ class BackwardTracker:
         """The root's forward starts: no module was called in it yet."""
         self._calls.clear()
 
+    def call_started(self, module: nn.Module) -> None:
+        """A module's forward starts with grad enabled: its trainable parameters' gradients
+        are pending in their chunks until they accumulate (rule 4)."""
+        for _, i in self.facts.module_names[module]:
+            if self.facts.trainable[i]:
+                self.store.chunk_of(i).pending.add(i)
+
     def remove_hooks(self) -> None:
         for handle in self._leaf_hooks:
             handle.remove()

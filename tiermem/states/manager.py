@@ -5,9 +5,9 @@ hooks (which chunks a running module pins, rules 1 and 3), the public surface (t
 backend, ``describe``, ``close``) and the wiring:
 
 - :class:`~tiermem.states.core.ModelFacts` (``core.py``): what never changes about the model;
-- :class:`~tiermem.states.store.ChunkStore` (``store.py``): the chunks in force and their bytes;
-- :class:`~tiermem.states.pool.ChunkPool` (``pool.py``): which streamed chunks hold device bytes
-  (rules 1, 3, 6);
+- :class:`~tiermem.states.store.ChunkStore` (``store.py``): the chunks in force and their bytes,
+  with the device buffer pool it rebuilds at every build, :class:`~tiermem.states.pool.ChunkPool`
+  (``pool.py``): which streamed chunks hold device bytes (rules 1, 3, 6);
 - :class:`~tiermem.states.homes.Homes` (``homes.py``): staging and reading chunk homes;
 - :class:`~tiermem.states.gradients.Gradients` (``gradients.py``): gradient buffers and
   ``p.grad`` (rule 4);
@@ -351,9 +351,7 @@ class ModelStates:
         names = self.facts.module_names[module]
         self.relayout.record(names)
         if torch.is_grad_enabled():
-            for _, i in names:
-                if self.facts.trainable[i]:
-                    self.store.chunk_of(i).pending.add(i)
+            self.backward.call_started(module)
         chunks = self.store.module_chunks[module]
         self.store.pool.acquire(chunks, +1)
         for chunk in chunks:
