@@ -172,3 +172,11 @@ def test_relative_links_resolve(doc):
             continue
         resolved = (path.parent / target.split("#", 1)[0]).resolve()
         assert resolved.exists(), f"{doc} links {target}, which does not exist"
+
+
+def test_bench_readme_is_current_results_in_at_most_400_lines():
+    """bench/README.md holds the latest result per benchmark; history lives in git log."""
+    text = (ROOT / "bench" / "README.md").read_text()
+    assert len(text.splitlines()) <= 400
+    # a dated diary ("session 16", "2026-11-25: ...") is what the 400 lines replaced
+    assert not re.search(r"\bsession \d+\b|\b20\d\d-\d\d-\d\d\b", text, re.IGNORECASE)
