@@ -2,12 +2,14 @@
 
 from tiermem.activations.blocks import find_blocks
 from tiermem.activations.offloader import ActivationCounters, ActivationMemoryError, ActivationOffloader
+from tiermem.activations.storages import ActivationStorageError
 from tiermem.layout.activation_policy import BlockPolicy, BlockProfile, adaptive_keep, resolve_policies
 
 __all__ = [
     "ActivationCounters",
     "ActivationMemoryError",
     "ActivationOffloader",
+    "ActivationStorageError",
     "BlockPolicy",
     "BlockProfile",
     "adaptive_keep",

@@ -18,6 +18,7 @@ from tiermem.activations.ledger import failure_cause
 from tiermem.activations.memory import ModelMemory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, moving_to, version_error
+from tiermem.activations.storages import ProtectedStorages, StorageWatch
 from tiermem.errors import StorageError, TierCapacityError
 from tiermem.layout.activation_policy import BlockPolicy
 from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
@@ -50,19 +51,23 @@ class SavedTensorHooks:
         self.min_bytes = min_bytes
         #: Saved tensors on another device stay where they are (rule 3).
         self.device = registry.device
-        #: Storages of the model's parameters and buffers, by id (rule 3): set by :meth:`protect`.
-        self.protected: set[int] = set()
+        #: Storages of the parameters and buffers the modules hold when they run (rule 3).
+        self.protected = ProtectedStorages()
+        #: Storages under a write-back in flight (rule 9).
+        self.watch = StorageWatch()
 
-    def protect(self, model: nn.Module) -> None:
-        """Rule 3: parameters and buffers (and views of them) stay where they are."""
-        self.protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
+    def protect(self, model: nn.Module, blocks: Sequence[nn.Module]) -> list[Any]:
+        """Rule 3: parameters and buffers (and views of them) stay where they are; the forward
+        pre-hooks that keep the set current are returned, to remove at exit (TRAPS 30)."""
+        return self.protected.register(model, blocks)
 
     # -- pack ----------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
         if in_backward():
             return tensor  # rule 2
+        self.watch.check()  # rule 9
         storage = tensor.untyped_storage()
-        if storage.nbytes() < self.min_bytes or id(storage) in self.protected or tensor.device != self.device:
+        if storage.nbytes() < self.min_bytes or storage in self.protected or tensor.device != self.device:
             return tensor  # rule 3
         if self.memory.ledger.pending_failures:
             self.fallbacks.drain()
@@ -84,6 +89,7 @@ class SavedTensorHooks:
                 group.saved_bytes += handle.obj.nbytes
             if group.policy.offloads and not hit and handle.tier == "device":
                 self.write_back(handle, group)
+                self.watch.started(handle.obj, storage, f"block {group.index} ({self.names[group.index]})")
         return saved
 
     def write_back(self, handle: Handle, group: BlockGroup) -> None:
@@ -120,6 +126,7 @@ class SavedTensorHooks:
         handle: Handle = saved.handle
         obj = handle.obj
         group = saved.group
+        self.watch.check()  # rule 9
         self.prefetcher.unpacked(obj)
         if obj.state is ObjectState.MOVING and obj.tier == "device":  # the device tier is memory
             # Forwarding: still in memory; the write is no longer needed.
@@ -129,7 +136,7 @@ class SavedTensorHooks:
             handle.move_to("device")
             if group is not None:
                 self.prefetcher.before(group)
-            return handle.tensor()
+            return self._checked(handle)
         source = obj.tier
         prefetching = obj.state is ObjectState.MOVING and moving_to(obj) == "device"
         start = time.perf_counter()
@@ -142,11 +149,21 @@ class SavedTensorHooks:
             tensor = handle.tensor("device")
         except TierCapacityError as exc:  # the object left the device meanwhile (not expected)
             raise self._demand_error(obj, source, group, exc) from exc
+        self._checked(handle, tensor)
         if source != "device":
             with self.counters.lock:
                 self.counters.backward_wait_s += time.perf_counter() - start
                 if not prefetching:  # a prefetch in flight counted its bytes when it started
                     self.counters.fetched_bytes[source] += obj.nbytes
+        return tensor
+
+    def _checked(self, handle: Handle, tensor: torch.Tensor | None = None) -> torch.Tensor:
+        """``handle``'s tensor, unless rule 9 found its write landed from a storage that changed
+        under it (a cancelled write may still have landed: NOTE [ Managed object rules ] rule 3)."""
+        tensor = handle.tensor() if tensor is None else tensor
+        broken = self.watch.broken(handle.obj)
+        if broken is not None:
+            raise broken
         return tensor
 
     def demand(self, handle: Handle, group: BlockGroup | None) -> None:

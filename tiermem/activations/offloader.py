@@ -10,7 +10,14 @@
    returned as they are: backward needs them at once (TRAPS 6).
 3. Kept as they are: tensors whose storage is below ``min_bytes``, parameters, buffers
    and views of either (``weight.t()``), and tensors on another device than the device
-   tier's.
+   tier's. A parameter is what a module holds *when it runs*, never a list taken at entry
+   (TRAPS 30: FSDP2 swaps ``module._parameters[name]`` to the full parameter it gathers
+   for each forward and frees it after): the set of their storages (held weakly, matched
+   by identity) is taken again in forward pre-hooks on the model (anew, each forward), on
+   every block (its subtree) and on every other module holding parameters or buffers
+   itself (so tensors saved outside the blocks are covered too), each registered after
+   the hooks already there, so after FSDP2's unshard (prepended). See
+   :mod:`tiermem.activations.storages`.
 4. Every other saved tensor is registered as a managed ``activation`` object, adopted
    without a copy and deduplicated by storage and version (TRAPS 9); each pack returns
    its own :class:`SavedActivation` with its own view. Blocks whose policy offloads start
@@ -38,9 +45,23 @@
 8. What the offloader learns about a model (block sizes, adaptive keep's choice, tier
    outages, write-backs in flight) outlives one context: ``tiermem train`` opens a
    context per step, and the next step starts from what the last one measured.
+9. A saved tensor whose storage something else frees or resizes (``resize_``) while its
+   write-back is in flight may be written from freed memory (TRAPS 24, 30). The storage's
+   address and size when the write started are compared at every block start and end,
+   pack and unpack (cheap: writes in flight only), and when the write ends; if it landed
+   from a storage that changed, every unpack of it raises
+   :class:`~tiermem.activations.storages.ActivationStorageError` naming the block and what
+   to do, never the copy. A write that did not land (cancelled by forwarding, or failed)
+   leaves the tensor in its storage, read as plain PyTorch would read it. Detection, not
+   a copy at pack: a copy would double the memory traffic and the peak of every
+   offloaded byte (rule 4 adopts storages in place) to guard against something rule 3
+   already keeps parameters out of; detection costs two integer reads per write in
+   flight and checkpoint. Unseen only: a storage freed *and* given back the same address
+   and size between two checkpoints while its write is in flight (FSDP2 frees in its
+   post-forward hook, before the block's end is checked, and gives back in backward).
 
 The offloader composes collaborators, each given what it reads and writes explicitly:
-:class:`~tiermem.activations.hooks.SavedTensorHooks` (pack and unpack, rules 2 to 6),
+:class:`~tiermem.activations.hooks.SavedTensorHooks` (pack and unpack, rules 2 to 6 and 9),
 :class:`~tiermem.activations.fallback.Fallbacks` (rule 7), :class:`~tiermem.activations.prefetch.Prefetcher`
 (rule 5's prefetches and their window) and :class:`~tiermem.activations.adaptive.AdaptiveKeep`; it
 tracks the blocks (rule 1) in a :class:`~tiermem.activations.saved.Forwards` they share, and the
@@ -126,7 +147,7 @@ class ActivationOffloader:
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
-        self.hooks.protect(self.model)  # rule 3
+        self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))  # rule 3
         for index, (_name, block) in enumerate(self.blocks):
             self._module_hooks.append(block.register_forward_pre_hook(self._block_started(index)))
             self._module_hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
@@ -180,6 +201,7 @@ class ActivationOffloader:
         def hook(_module: nn.Module, args: Any) -> None:
             if in_backward() or not torch.is_grad_enabled():
                 return
+            self.hooks.watch.check()  # rule 9
             with self._lock:
                 forwards = self.forwards
                 if index <= forwards.last_index:  # a new forward pass begins
@@ -211,6 +233,7 @@ class ActivationOffloader:
 
     def _block_ended(self, index: int) -> Any:
         def hook(_module: nn.Module, _args: Any, _output: Any) -> None:
+            self.hooks.watch.check()  # rule 9: after the hooks already there (FSDP2's reshard frees here)
             group = self.forwards.current
             if group is None or group.index != index:
                 return

@@ -1,0 +1,294 @@
+"""Activation offload under frameworks that swap and free parameter storages (issue 18,
+TRAPS 30): FSDP2's pattern in one process, storages freed under a write in flight (NOTE
+[ Activation offload rules ] rules 3 and 9), and real FSDP2 on 2 gloo processes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+import warnings
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem.activations import ActivationStorageError
+from tiermem.tiers.backends.faulty import FaultyBackend
+from tiermem.tiers.backends.posix import PosixBackend
+
+WIDTH = 256  # a 256x256 weight is 256 KiB: above min_bytes, so only rule 3 keeps it on the device
+BATCH = 128
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(Block(), Block(), Block())
+
+
+def batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
+
+
+def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
+    x, y = batch(seed)
+    return nn.functional.mse_loss(model(x), y)
+
+
+class GatheredParameters:
+    """FSDP2's pattern on one module, in one process: the optimizer holds ``sharded``; a
+    forward pre-hook (prepended, as FSDP2's) swaps ``module._parameters[name]`` to a full
+    parameter whose one storage is given bytes for the forward and freed with
+    ``resize_(0)`` after it, given bytes again for backward by a hook on the output, and
+    whose gradient goes to the sharded parameter (FSDP2's reduce-scatter)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self.sharded = dict(module.named_parameters(recurse=False))
+        self.full = {name: nn.Parameter(torch.empty_like(p)) for name, p in self.sharded.items()}
+        for name, full in self.full.items():
+            full.untyped_storage().resize_(0)
+            full.register_post_accumulate_grad_hook(self._reduce(name))
+        module.register_forward_pre_hook(self._pre_forward, prepend=True)
+        module.register_forward_hook(self._post_forward)
+
+    def _unshard(self) -> None:
+        for name, full in self.full.items():
+            storage = full.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(full.numel() * full.element_size())
+            with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(full):
+                full.copy_(self.sharded[name])
+
+    def _reshard(self) -> None:
+        self.module._parameters.update(self.sharded)
+        for full in self.full.values():
+            full.untyped_storage().resize_(0)
+
+    def _pre_forward(self, _module: nn.Module, _args: object) -> None:
+        self._unshard()
+        self.module._parameters.update(self.full)
+
+    def _post_forward(self, _module: nn.Module, _args: object, output: torch.Tensor) -> None:
+        self._reshard()
+        if output.requires_grad:
+            output.register_hook(lambda _grad: self._unshard())
+
+    def _reduce(self, name: str):
+        def hook(full: torch.Tensor) -> None:
+            self.sharded[name].grad, full.grad = full.grad, None
+            full.untyped_storage().resize_(0)
+
+        return hook
+
+
+def _config(path, **activations) -> dict:
+    return {
+        "device": {"capacity": "256MiB", "device": "cpu"},
+        "host": {"capacity": "256MiB"},
+        "nvme": {"paths": [str(path)], "capacity": "256MiB", "block_size": "256KiB"},
+        "activations": {"min_bytes": 64 << 10, **activations},
+        "scheduler": {"loop": "asyncio"},
+    }
+
+
+def _train(model: nn.Module, steps: int, context=contextlib.nullcontext) -> list[torch.Tensor]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        with context():
+            loss_of(model, step).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_parameters_swapped_in_at_forward_are_never_offloaded(tmp_path):
+    """Regression (issue 18): the full parameters a pre-hook swaps in after the context
+    opened are parameters (rule 3), never written out while their owner frees them."""
+    want = _train(mlp(), 2)
+    model = mlp()
+    gathered = [GatheredParameters(m) for m in model.modules() if isinstance(m, nn.Linear)]
+    full_storages = [full.untyped_storage() for g in gathered for full in g.full.values()]
+    registered: list[weakref.ref] = []
+    with tiermem.Runtime(_config(tmp_path)) as rt:
+
+        def context():
+            offloader = rt.offload_activations(model, policy="nvme")
+            register = offloader.hooks.fallbacks.register
+
+            def spy(tensor, group):
+                registered.append(weakref.ref(tensor.untyped_storage()))
+                return register(tensor, group)
+
+            offloader.hooks.fallbacks.register = spy
+            return offloader
+
+        got = _train(model, 2, context)
+        assert rt.stats().as_dict()["activations"]["captured_bytes"] > 0
+    assert registered and not any(ref() is s for ref in registered for s in full_storages)
+    for a, b in zip(got, want, strict=True):
+        assert torch.equal(a, b)
+    assert list(tmp_path.iterdir()) == []
+
+
+class HeldWrites(FaultyBackend):
+    """Posix writes that report completion only when the test says (the bytes are read first)."""
+
+    def __init__(self) -> None:
+        super().__init__(PosixBackend())
+        self.hold = False
+        self.entered = threading.Event()
+        self.go = threading.Event()
+
+    def pwrite(self, handle, buffer, offset) -> int:
+        written = super().pwrite(handle, buffer, offset)
+        if self.hold:
+            self.entered.set()
+            self.go.wait(30)
+        return written
+
+
+class Saves(nn.Module):
+    """``sin`` saves ``hidden`` (128 KiB, offloaded); kept here so a test can free its storage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(64, 512)
+        self.hidden: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.hidden = self.lin(x)
+        return torch.sin(self.hidden)
+
+
+class OneBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Saves()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](x)
+
+
+@pytest.mark.parametrize("seen", ["at-block-end", "when-the-write-lands", "never-freed"])
+def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch, seen):
+    """Rule 9: the saved tensor's storage is freed (resize_(0)) while its write to NVMe is
+    in flight, and given bytes again (zeros) before backward: backward raises
+    ActivationStorageError instead of using the copy."""
+    backend = HeldWrites()
+    monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (backend, "injected by test"))
+    torch.manual_seed(0)
+    model = OneBlock()
+    block = model.blocks[0]
+    x = torch.randn(64, 64)
+    want = torch.autograd.grad(block(x).sum(), block.lin.weight)[0]
+    nbytes = 64 * 512 * 4
+
+    def free_under_the_write(_module, _args, _output) -> None:  # runs before the offloader's block end
+        assert backend.entered.wait(10)
+        if seen == "at-block-end":
+            block.hidden.untyped_storage().resize_(0)
+
+    block.register_forward_hook(free_under_the_write)
+    with tiermem.Runtime(_config(tmp_path)) as rt:
+        offloader = rt.offload_activations(model, policy={0: "nvme"})
+        backend.hold = True
+        with offloader:
+            out = model(x).sum()
+            storage = block.hidden.untyped_storage()
+            if seen == "when-the-write-lands":
+                storage.resize_(0)
+            backend.go.set()
+            offloader.memory.ledger.wait_idle()
+            deadline = time.monotonic() + 10
+            while offloader.hooks.watch._watched and time.monotonic() < deadline:
+                time.sleep(0.001)  # the watch's own callback runs after the ledger's
+            if seen != "never-freed":
+                storage.resize_(nbytes)
+                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # other bytes than were saved
+                with pytest.raises(ActivationStorageError, match="freed or resized its storage"):
+                    torch.autograd.grad(out, block.lin.weight)
+            else:
+                assert torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
+            del out
+        assert rt.stats().as_dict()["activations"]["bytes_written"]["nvme"] >= nbytes
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- real FSDP2 on 2 gloo processes (issue 18) ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fsdp_rank(rank: int, world: int, port: int, root: str) -> None:
+    """One rank: the MLP sharded per block and at the root, 2 AdamW steps under offload."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    warnings.simplefilter("ignore", FutureWarning)  # FSDP2/gloo deprecations (issue 18's trap)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        model = mlp()
+        for block in model:
+            fully_shard(block)
+        fully_shard(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        path = os.path.join(root, f"rank{rank}")
+        os.makedirs(path)
+        config = {"nvme": {"paths": [path]}, "activations": {"min_bytes": 100000}}
+        with tiermem.Runtime(config) as rt:
+            for step in range(2):
+                with rt.offload_activations(model, policy="nvme"):
+                    loss_of(model, 2 * step + rank).backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            activations = rt.stats().as_dict()["activations"]
+        assert activations["bytes_written"]["nvme"] > 0 or activations["cancelled"] > 0, activations
+        assert activations["fallbacks"] == 0, activations  # no gathered weight was written, then freed
+        assert os.listdir(path) == [], os.listdir(path)
+        full = [p.full_tensor().detach().clone() for p in model.parameters()]
+        if rank == 0:
+            torch.save(full, os.path.join(root, "params.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_fsdp2_with_activations_on_nvme_matches_one_process(tmp_path):
+    """Issue 18: FSDP2 (reshard after forward) + offload to NVMe on 2 gloo ranks ends with
+    parameters bitwise those of plain PyTorch trained on the mean loss of both ranks' batches."""
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    pytest.importorskip("torch.distributed.fsdp")
+    import torch.multiprocessing as mp
+
+    mp.spawn(_fsdp_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        ((loss_of(model, 2 * step) + loss_of(model, 2 * step + 1)) / 2).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    got = torch.load(tmp_path / "params.pt")
+    for a, b in zip(got, model.parameters(), strict=True):
+        assert torch.equal(a, b.detach())
