@@ -115,7 +115,7 @@ def _door_bypass(node: ast.AST) -> list[str]:
     return []
 
 
-@pytest.mark.parametrize("package", ["states", "activations"])
+@pytest.mark.parametrize("package", ["states", "activations", "checkpoint"])
 def test_states_and_activations_reach_bytes_only_through_the_registry(package):
     offenders = []
     for path in sorted((ROOT / "tiermem" / package).rglob("*.py")):

@@ -174,3 +174,17 @@ class PlanError(TiermemError, ValueError):
 class StatesMemoryError(TiermemError, MemoryError):
     """Raised when model states do not fit the budgets: at ``rt.manage`` when the plan cannot
     fit, or during a step when every device buffer is pinned."""
+
+
+class CheckpointError(TiermemError, OSError):
+    """Raised when a checkpoint cannot be saved or loaded: damaged or partial files, a missing
+    checkpoint, or one that does not match the managed model. ``path`` names the file or
+    directory at fault; the message says what to do."""
+
+    def __init__(self, message: str, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message

@@ -335,6 +335,25 @@ class Runtime:
 
         return planner(model, Batch(args, kwargs) if kwargs else args)
 
+    # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
+    def save(self, path: str | os.PathLike[str], *, extra: Any = None) -> None:
+        """Save every model and optimizer this runtime manages, the RNG states, the declared
+        loop's position and ``extra`` (picklable: an LR scheduler's state_dict, the data position)
+        as a DCP checkpoint at ``path``, streamed from the tier that holds each chunk; written
+        beside ``path`` and committed atomically, so a crash keeps the previous one."""
+        from tiermem import checkpoint  # DCP only when asked
+
+        self.registry  # noqa: B018  (raises a clear error outside `with rt`)
+        checkpoint.save(self._model_states, path, extra=extra)
+
+    def load(self, path: str | os.PathLike[str]) -> Any:
+        """Load a checkpoint ``rt.save`` wrote (or a plain DCP one) into the models managed so far
+        (``rt.manage`` of the same architecture, in the same order); returns its ``extra``."""
+        from tiermem import checkpoint
+
+        self.registry  # noqa: B018
+        return checkpoint.load(self._model_states, path)
+
     # -- introspection ----------------------------------------------------------------------
     @property
     def plan(self) -> Plan | None:

@@ -309,6 +309,25 @@ class ModelStates:
         self.lifecycle.check_usable()
         self.stateio.import_optimizer_state(state)
 
+    # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
+    def checkpoint_io(self, what: str) -> StateIO:
+        """The state I/O a checkpoint streams through, between steps only: a forward or backward
+        in progress holds chunks a save would read half-updated and a load would overwrite."""
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        if self.backward.in_backward or self._active:
+            raise StatesUsageError(
+                f"tiermem checkpoint: rt.{what}() was called during forward or backward; call it between steps"
+            )
+        return self.stateio
+
+    def loop_position(self) -> dict[str, int] | None:
+        """The declared loop's position (NOTE [ Declared steps ] rule 2); None when undeclared."""
+        return None if self.stepper.declared.accumulation is None else self.stepper.loop_position()
+
+    def restore_loop_position(self, position: Mapping[str, Any]) -> None:
+        self.stepper.restore_loop_position(position)
+
     # -- forward hooks (rules 1, 2, 3) ---------------------------------------------------------
     def _register_hooks(self) -> None:
         model, stateio = self.facts.model, self.stateio

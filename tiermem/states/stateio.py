@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tiermem.errors import internal_error
 from tiermem.registry import Priority
 from tiermem.states import core
 from tiermem.states.chunks import Chunk
@@ -28,6 +30,19 @@ from tiermem.states.store import ChunkStore
 from tiermem.units import format_size
 
 log = logging.getLogger("tiermem.states")
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One tensor a checkpoint streams for parameter ``index``: its full-precision value (``key``
+    None: the fp32 master under mixed precision) or one optimizer-state section (``key``)."""
+
+    index: int
+    key: str | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    #: the chunk holding it: a checkpoint reads and writes one chunk's tensors together
+    chunk: int
 
 
 class StateIO:
@@ -104,24 +119,31 @@ class StateIO:
         self.store.generation += 1
 
     # -- parameter values ----------------------------------------------------------------------
-    def _param_copy(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s values as a fresh CPU tensor of its own (its working dtype)."""
+    def _param_source(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s values (its working dtype) where they are: the device copy when
+        resident, else its home (an NVMe home read once per chunk and version)."""
         chunk, slot = self.store.slots[i]
         if chunk.resident:
             self.store.pool.wait(chunk)
-            source = slot.view(chunk.data)
-        else:
-            source = slot.view(self.homes.readable(chunk), chunk.working_base)
-        return source.to("cpu", copy=True)
+            return slot.view(chunk.data)
+        return slot.view(self.homes.readable(chunk), chunk.working_base)
+
+    def _master_source(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s full-precision value where it is: its fp32 master under mixed precision."""
+        chunk, slot = self.store.slots[i]
+        if chunk.master_scale == 1:
+            return self._param_source(i)
+        assert chunk.home is not None
+        home = self.homes.readable(chunk) if chunk.offloaded else chunk.home.tensor("device")
+        return slot.master_view(home, 0, chunk.master_scale)
+
+    def _param_copy(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s values as a fresh CPU tensor of its own (its working dtype)."""
+        return self._param_source(i).to("cpu", copy=True)
 
     def _master_copy(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full-precision value: its fp32 master under mixed precision."""
-        chunk, slot = self.store.slots[i]
-        if chunk.master_scale == 1:
-            return self._param_copy(i)
-        assert chunk.home is not None
-        home = self.homes.readable(chunk) if chunk.offloaded else chunk.home.tensor("device")
-        return slot.master_view(home, 0, chunk.master_scale).to("cpu", copy=True)
+        return self._master_source(i).to("cpu", copy=True)
 
     # -- module state dicts (hooks) ------------------------------------------------------------
     def state_dict_started(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
@@ -240,3 +262,81 @@ class StateIO:
         chunk.empty_storage()
         self.store.free_handles(chunk)
         self.homes.forget()
+
+    # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
+    def checkpoint_tensors(self) -> list[StateTensor]:
+        """Every parameter's value and optimizer-state sections, chunk by chunk (no bytes read)."""
+        names, pstate, out = self.facts.state_names, self.store.pstate, []
+        for chunk in self.store.chunks:
+            for slot in chunk.layout.slots:
+                dtype = torch.float32 if chunk.master_scale > 1 else slot.dtype
+                out.append(StateTensor(slot.index, None, slot.shape, dtype, chunk.index))
+                record = pstate.get(slot.index)
+                for key in record.keys if record is not None and chunk.sections else ():
+                    if key in names and key not in record.scalars:
+                        out.append(StateTensor(slot.index, key, slot.shape, dtype, chunk.index))
+        return out
+
+    def state_entries(self, i: int) -> dict[str, Any]:
+        """Parameter ``i``'s optimizer state in its key order: sections as :class:`StateTensor`
+        (read with :meth:`read_tensor`), scalars (``step``) as they are; empty before its first step."""
+        record = self.store.pstate.get(i)
+        if record is None:
+            return {}
+        chunk, slot = self.store.slots[i]
+        dtype = torch.float32 if chunk.master_scale > 1 else slot.dtype
+        return {
+            key: record.scalars[key] if key in record.scalars else StateTensor(i, key, slot.shape, dtype, chunk.index)
+            for key in record.keys
+        }
+
+    def read_tensor(self, tensor: StateTensor) -> torch.Tensor:
+        """``tensor``'s bytes where they live, without a copy where they are in memory: valid until
+        the next read (an NVMe home is read once per chunk and version, NOTE [ Managed object
+        rules ] rule 9, so reading a chunk's tensors together reads its home once)."""
+        if tensor.key is None:
+            return self._master_source(tensor.index)
+        chunk, slot = self.store.slots[tensor.index]
+        section = chunk.section_base(self.facts.state_names.index(tensor.key))
+        return slot.master_view(self.homes.readable(chunk), section, chunk.master_scale)
+
+    @contextlib.contextmanager
+    def chunk_writer(self, index: int) -> Iterator[Callable[[StateTensor, torch.Tensor], None]]:
+        """Write checkpointed values into chunk ``index``: ``put(tensor, value)`` copies into its
+        home (an NVMe home staged on the host, written back at exit) and, for a persistent chunk,
+        its device copy; a streamed chunk's device copy is released first (it would go stale)."""
+        chunk = self.store.chunks[index]
+        if not chunk.persistent and not chunk.offloaded:
+            raise internal_error(f"{chunk!r}: a streamed chunk is always offloaded")
+        self.store.pool.release(chunk)
+        names, scale = self.facts.state_names, chunk.master_scale
+        home_ctx = self.homes.writable(chunk) if chunk.home is not None else contextlib.nullcontext(None)
+        try:
+            with home_ctx as home:
+
+                def put(tensor: StateTensor, value: torch.Tensor) -> None:
+                    slot = self.store.slots[tensor.index][1]
+                    if tensor.key is not None:
+                        base = chunk.section_base(names.index(tensor.key))
+                        slot.master_view(home, base, scale).copy_(value)  # type: ignore[arg-type]
+                        return
+                    if chunk.persistent:
+                        slot.view(chunk.data).copy_(value)  # the working copy (the master at scale 1)
+                    if scale > 1:
+                        slot.master_view(home, 0, scale).copy_(value)  # type: ignore[arg-type]
+                    if chunk.offloaded:
+                        slot.view(home, chunk.working_base).copy_(value)  # type: ignore[arg-type]
+
+                yield put
+        finally:
+            self.store.generation += 1
+            self.homes.forget()
+
+    def set_scalars(self, i: int, state: Mapping[str, Any] | None) -> None:
+        """Parameter ``i``'s optimizer record after a checkpoint load: its keys in order, each a
+        scalar's value or None for a section (written with :meth:`chunk_writer`); None: no state yet."""
+        if not state:
+            self.store.pstate.pop(i, None)
+        else:
+            self.store.pstate[i] = ParamState(list(state), {k: v for k, v in state.items() if v is not None})
+        self.store.generation += 1

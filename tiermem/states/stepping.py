@@ -279,6 +279,17 @@ class Stepper:
             i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
         }
 
+    # -- the loop's position, for checkpoints -------------------------------------------------
+    def loop_position(self) -> dict[str, int]:
+        """Where a declared loop stands (rule 2): windows stepped so far (early steps start after
+        the first, rule 3) and backwards counted in the current one."""
+        return {"windows": self._windows, "counted": self._counted}
+
+    def restore_loop_position(self, position: Mapping[str, Any]) -> None:
+        """A checkpoint's position: taken at a window boundary, so no backward is counted yet."""
+        self._windows = int(position.get("windows", 0))
+        self._counted = self._grad_forwards = 0
+
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""

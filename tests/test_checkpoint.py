@@ -1,0 +1,279 @@
+"""Checkpoints (issue 19, first step): ``rt.save`` / ``rt.load`` in DCP's filesystem format resume
+training bitwise (states on NVMe, undeclared and declared loops, RNG, LR schedule), plain PyTorch
+reads the weights and PyTorch's own DCP checkpoints load, damaged checkpoints are refused with a
+clear error and failed saves leave the previous checkpoint and no temporary files.
+(NOTE [ Checkpoint rules ], NOTE [ Checkpoint commit rules ])"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import tiermem
+import tiermem.checkpoint
+from tiermem.checkpoint import files
+from tiermem.errors import CheckpointError
+from tiermem.states import StatesUsageError
+
+W = 64
+
+
+class Net(nn.Module):
+    """Dropout draws from the RNG (a resume must restore it); the tied head shares a chunk's weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(W, 2 * W)
+        self.layers = nn.ModuleList(nn.Linear(2 * W, 2 * W) for _ in range(4))
+        self.norm = nn.LayerNorm(2 * W)
+        self.drop = nn.Dropout(0.1)
+        self.head = nn.Linear(2 * W, W)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for layer in self.layers:
+            x = x + self.drop(torch.relu(layer(x)))
+        return self.head(self.norm(x))
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_model(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def config(tmp_path: pathlib.Path, host: str = "64MiB") -> dict[str, Any]:
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    return {
+        "device": {"capacity": "1MiB", "device": "cpu"},
+        "host": {"capacity": host},
+        "nvme": {"paths": [str(tmp_path / "nvme")], "capacity": "64MiB", "block_size": "64KiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+
+
+PLAN = {"state_home": "nvme", "chunk_size": "128KiB"}
+
+
+def manage(rt: tiermem.Runtime, seed: int = 0, **kwargs: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    groups = lambda m: [  # noqa: E731
+        {"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    model = make_model(seed)
+    model, optimizer = rt.manage(model, torch.optim.AdamW(groups(model), lr=3e-3), plan=PLAN, **kwargs)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, schedule
+
+
+def train(model: nn.Module, optimizer: Any, schedule: Any, steps: range, micro: int = 1) -> list[float]:
+    losses = []
+    for step in steps:
+        for k in range(micro):
+            g = torch.Generator().manual_seed(100 * step + k)
+            x = torch.randn(4, W, generator=g)
+            loss = (model(x) - x).pow(2).mean()
+            loss.backward()
+            losses.append(loss.item())
+        optimizer.step()
+        optimizer.zero_grad()
+        schedule.step()
+    return losses
+
+
+def snapshot(model: nn.Module, optimizer: Any) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    return {k: v.clone() for k, v in model.state_dict().items()}, optimizer.state_dict()
+
+
+def assert_bitwise(a: tuple[dict[str, Any], dict[str, Any]], b: tuple[dict[str, Any], dict[str, Any]]) -> None:
+    (params_a, opt_a), (params_b, opt_b) = a, b
+    assert params_a.keys() == params_b.keys()
+    for name in params_a:
+        assert torch.equal(params_a[name], params_b[name]), name
+    assert opt_a["param_groups"] == opt_b["param_groups"]
+    assert opt_a["state"].keys() == opt_b["state"].keys()
+    for i, state in opt_a["state"].items():
+        assert state.keys() == opt_b["state"][i].keys()
+        for key, value in state.items():
+            assert torch.equal(value, opt_b["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["undeclared", "declared"])
+def test_resume_is_exact_with_states_on_nvme(tmp_path, declared):
+    """Train N, save, train M == train N, save, fresh runtime and model (other seed), load, train M."""
+    kwargs = {"grad_accumulation_steps": 2} if declared else {}
+    micro = 2 if declared else 1
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path, host="1MiB")) as rt:
+        model, optimizer, schedule = manage(rt, **kwargs)
+        train(model, optimizer, schedule, range(3), micro)
+        assert {c["home"] for c in model_homes(rt)} == {"nvme"}
+        rt.save(path, extra={"schedule": schedule.state_dict(), "step": 3})
+        expected_losses = train(model, optimizer, schedule, range(3, 6), micro)
+        expected = snapshot(model, optimizer)
+    with tiermem.Runtime(config(tmp_path, host="1MiB")) as rt:
+        model, optimizer, schedule = manage(rt, seed=1, **kwargs)
+        torch.manual_seed(1234)  # the load restores the RNG the dropout draws from
+        extra = rt.load(path)
+        assert extra["step"] == 3
+        schedule.load_state_dict(extra["schedule"])
+        losses = train(model, optimizer, schedule, range(3, 6), micro)
+        assert losses == expected_losses
+        assert_bitwise(snapshot(model, optimizer), expected)
+        if declared:
+            assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0  # the position was restored
+
+
+def model_homes(rt: tiermem.Runtime) -> list[dict[str, Any]]:
+    return [c for states in rt._model_states for c in states.describe()["chunks"] if not c["persistent"]]
+
+
+def test_plain_pytorch_loads_the_weights_bitwise(tmp_path):
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, schedule = manage(rt)
+        train(model, optimizer, schedule, range(2))
+        rt.save(path)
+        managed = {k: v.clone() for k, v in model.state_dict().items()}
+    plain = make_model(seed=7)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        reader = tiermem.checkpoint.storage_reader(path)
+        dcp.load({"model": plain.state_dict()}, checkpoint_id=path, storage_reader=reader)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, managed[name]), name
+
+
+def test_a_checkpoint_pytorch_wrote_loads_into_a_managed_model(tmp_path):
+    """The format is DCP's own: get_state_dict's FQN-keyed optimizer state loads with rt.load."""
+    plain = make_model()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    train(plain, optimizer, schedule, range(3))
+    model_sd, optim_sd = get_state_dict(plain, optimizer)
+    schedule_at_save = schedule.state_dict()
+    path = tmp_path / "plain"
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    lr_at_save = optimizer.param_groups[0]["lr"]
+    torch.manual_seed(5)
+    rng = torch.get_rng_state()
+    expected_losses = train(plain, optimizer, schedule, range(3, 5))
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=1)
+        model, managed_optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1.0), plan=PLAN)
+        assert rt.load(path) is None  # no extra in a plain checkpoint
+        assert managed_optimizer.param_groups[0]["lr"] == lr_at_save != 1.0  # the saved hyper-parameters
+        managed_schedule = torch.optim.lr_scheduler.StepLR(managed_optimizer, step_size=2, gamma=0.5)
+        managed_schedule.load_state_dict(schedule_at_save)
+        torch.set_rng_state(rng)
+        assert train(model, managed_optimizer, managed_schedule, range(3, 5)) == expected_losses
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, plain.state_dict()[name]), name
+
+
+def _ckpt_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
+    return {p.name: p for p in path.iterdir()}
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate"])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, schedule = manage(rt)
+        train(model, optimizer, schedule, range(1))
+        rt.save(path)
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        data = _ckpt_files(path)["__0_0.distcp"]
+        raw = bytearray(data.read_bytes())
+        if damage == "corrupt":
+            raw[len(raw) // 2] ^= 0x01
+        else:
+            del raw[-100:]
+        data.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointError, match=r"__0_0\.distcp") as info:
+            rt.load(path)
+        assert ("truncated" if damage == "truncate" else "digest") in str(info.value)
+        assert "load an earlier checkpoint" in str(info.value)
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, before[name]), name  # nothing was loaded
+        (path / files.MANIFEST).unlink()
+        with pytest.raises(CheckpointError, match="missing"):
+            rt.load(path)
+
+
+def _leftovers(path: pathlib.Path) -> list[str]:
+    return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
+
+
+def test_a_failed_save_keeps_the_previous_checkpoint_and_no_temporary_files(tmp_path, monkeypatch):
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, schedule = manage(rt)
+        rt.save(path, extra="first")
+        train(model, optimizer, schedule, range(1))
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(dcp, "save", broken)
+        with pytest.raises(OSError, match="No space"):
+            rt.save(path, extra="second")
+        monkeypatch.undo()
+        assert _leftovers(path) == []
+        with pytest.raises(CheckpointError, match="cannot be pickled"):
+            rt.save(path, extra=lambda: None)
+        assert rt.load(path) == "first"
+
+
+def test_commit_without_an_atomic_exchange_and_its_recovery(tmp_path, monkeypatch):
+    """Rule 3's fallback: rename the old one aside, the new one in; a crash between the two
+    renames leaves the old one aside, and the next load puts it back."""
+    monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path, extra=1)
+        rt.save(path, extra=2)
+        assert _leftovers(path) == []
+        os.rename(path, path.parent / f".{path.name}.tiermem-old-crashed")  # killed between the renames
+        assert rt.load(path) == 2
+        assert _leftovers(path) == []
+
+
+def test_save_inside_a_declared_window_is_refused(tmp_path):
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, _, _ = manage(rt, grad_accumulation_steps=2)
+        model(torch.randn(2, W)).sum().backward()
+        with pytest.raises(StatesUsageError, match="accumulation window"):
+            rt.save(tmp_path / "ckpt")
+        assert not (tmp_path / "ckpt").exists() and _leftovers(tmp_path / "ckpt") == []
+
+
+def test_load_refuses_another_architecture(tmp_path):
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        torch.manual_seed(0)
+        other = nn.Sequential(nn.Linear(W, W))
+        rt.manage(other, torch.optim.AdamW, lr=1e-3)
+        with pytest.raises(CheckpointError, match="model entries this model does not have"):
+            rt.load(path)

@@ -1,0 +1,137 @@
+"""Checkpoints of tiered training state: ``rt.save(path, extra=...)`` / ``extra = rt.load(path)``.
+
+A checkpoint is a ``torch.distributed.checkpoint`` (DCP) checkpoint in DCP's own filesystem
+format of ``{"model": <model.state_dict() names>, "optimizer": <get_optimizer_state_dict's
+form>}``, plus ``tiermem-state.pkl`` (``extra``, RNG states, the declared loop's position) and
+``tiermem-manifest.json`` (a digest per file). A plain PyTorch model loads its weights with
+``dcp.load({"model": m.state_dict()}, checkpoint_id=path, storage_reader=storage_reader(path))``.
+
+# NOTE [ Checkpoint rules ]
+1. The registry is the only door: a checkpoint reads and writes chunk bytes through each
+   model's :class:`~tiermem.states.stateio.StateIO` (homes through their handles, NOTE
+   [ Managed object rules ] rules 1 and 9), never a tier or the scheduler, and only between
+   steps (``ModelStates.checkpoint_io`` refuses during forward and backward).
+2. Streamed save: DCP plans from stand-ins (shape and dtype, one element of storage); each
+   tensor's bytes are read from where they live (device copy, host home, or an NVMe home read
+   once per chunk) only when DCP's writer resolves it, one tensor in flight (DCP's serial
+   loader: ``per_thread_copy_ahead=0``, one writer thread). Items are ordered chunk by chunk,
+   so the RSS a save adds is about one chunk's home plus one tensor, not the model.
+3. Streamed load: DCP's reader fills a temporary per tensor; complete, it is written into its
+   chunk (the home, staged on the host for NVMe, one chunk at a time and written back before
+   the next; a persistent chunk's device copy too). A streamed chunk's device copy is released
+   first, so the next fetch reads the loaded values. Gradients are not part of a checkpoint.
+4. Exact: values are the full-precision masters (fp32 under ``param_dtype``), optimizer states
+   bitwise with their scalars (``step``), param groups' hyper-parameters (an LR schedule's lr),
+   and every RNG; a declared loop is saved at a window boundary only (no counted backward
+   pending, whose gradients a checkpoint would lose).
+5. On disk: NOTE [ Checkpoint commit rules ] in ``files.py`` (written beside ``path``,
+   committed atomically, digests verified before anything is loaded).
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+
+from tiermem.checkpoint import files
+from tiermem.checkpoint.content import LoadTree, rng_state, save_tree, set_rng_state
+from tiermem.checkpoint.planners import StreamingLoadPlanner, StreamingSavePlanner
+from tiermem.errors import CheckpointError, TiermemError
+from tiermem.states import ModelStates, StatesUsageError
+
+__all__ = ["CheckpointError", "load", "save", "storage_reader"]
+
+#: DCP warns at every single-process save and load; one process is what this step supports.
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def storage_reader(path: str | os.PathLike[str]) -> FileSystemReader:
+    """A DCP ``StorageReader`` for the checkpoint at ``path`` (DCP's own filesystem format)."""
+    return FileSystemReader(os.fspath(path))
+
+
+def _unwrap(exc: CheckpointException, path: Path, what: str) -> BaseException:
+    """DCP wraps every failure; ours (tiermem's, Ctrl-C) come out as they were."""
+    failures = [failure[0] for failure in exc.failures.values()]
+    first = failures[0] if failures else exc
+    if isinstance(first, (TiermemError, KeyboardInterrupt)):
+        return first
+    return CheckpointError(f"tiermem checkpoint: {what} {path} failed: {first}", str(path))
+
+
+def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, extra: Any = None) -> None:
+    """Rules 2, 4 and 5: stream every managed model and optimizer to a new checkpoint at ``path``."""
+    where = Path(os.path.abspath(os.fspath(path)))
+    loops = [states.loop_position() for states in all_states]
+    if any(loop is not None and loop["counted"] for loop in loops):
+        raise StatesUsageError(
+            "tiermem checkpoint: rt.save() was called inside a declared accumulation window (backwards counted "
+            "since the last optimizer.step()); their gradients are not saved. Save after optimizer.step()."
+        )
+    try:
+        payload = pickle.dumps({"version": files.FORMAT_VERSION, "extra": extra, "rng": rng_state(), "loops": loops})
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"tiermem checkpoint: extra= cannot be pickled ({exc}); pass picklable values") from exc
+    tree, sources = save_tree(all_states)
+    with files.staged(where) as staging:
+        writer = FileSystemWriter(staging.dir, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+        planner = StreamingSavePlanner(sources)
+        try:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+                dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as exc:
+            raise _unwrap(exc, where, "saving") from None
+        finally:
+            planner.release()
+        with open(staging.dir / files.STATE_FILE, "wb") as f:
+            f.write(payload)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any:
+    """Rules 3-5: verify the checkpoint at ``path``, stream it into the managed models and
+    optimizers, restore RNG states and loop positions; returns the ``extra`` it was saved with
+    (None for a plain DCP checkpoint)."""
+    where = Path(os.path.abspath(os.fspath(path)))
+    files.recover(where)
+    ours = files.verify(where)
+    reader = storage_reader(where)
+    try:
+        metadata = reader.read_metadata()
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
+        raise CheckpointError(
+            f"tiermem checkpoint: cannot read {where / files.DCP_METADATA}: {exc}; the checkpoint is damaged",
+            str(where),
+        ) from exc
+    tree = LoadTree(all_states, metadata, str(where))
+    planner = StreamingLoadPlanner(tree.targets, lambda key: tree.stateios[key[0]].chunk_writer(key[1]))
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+            dcp.load(tree.tree, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        raise _unwrap(exc, where, "loading") from None
+    finally:
+        planner.close()
+    if planner.pending():
+        raise CheckpointError(f"tiermem checkpoint: {where} did not provide {planner.pending()[:5]}", str(where))
+    tree.finish(planner.loaded)
+    if not ours:
+        return None
+    with open(where / files.STATE_FILE, "rb") as f:
+        state = pickle.load(f)
+    set_rng_state(state["rng"])
+    for states, loop in zip(all_states, state["loops"], strict=False):
+        if loop is not None and states.loop_position() is not None:
+            states.restore_loop_position(loop)
+    return state["extra"]

@@ -1,0 +1,208 @@
+"""What a checkpoint holds for the models a runtime manages, in DCP's own shapes: the nested
+state dict ``{"model": <model.state_dict() names>, "optimizer": <get_optimizer_state_dict's
+form: FQN-keyed state and param groups>}`` (later models under ``model_1``/``optimizer_1``, ...),
+the sources a save reads each tensor from, and the targets a load writes each one into; plus
+the RNG states. Bytes are reached only through each model's
+:class:`~tiermem.states.stateio.StateIO` (NOTE [ Checkpoint rules ] rule 1).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from tiermem.checkpoint.planners import ObjPath, Source, Target, stand_in
+from tiermem.errors import CheckpointError
+from tiermem.states import ModelStates
+from tiermem.states.stateio import StateIO, StateTensor
+
+
+def keys_of(m: int) -> tuple[str, str]:
+    """The top-level keys of model ``m`` (the first one's are DCP's usual ``model``/``optimizer``)."""
+    return ("model", "optimizer") if m == 0 else (f"model_{m}", f"optimizer_{m}")
+
+
+def _fqns(states: ModelStates) -> tuple[list[str], dict[str, int]]:
+    """Each parameter's FQN as DCP's get_optimizer_state_dict names it (its first name), and
+    every name (tied ones included) -> parameter index."""
+    index = {id(p): i for i, p in enumerate(states.params)}
+    first: dict[int, str] = {}
+    every: dict[str, int] = {}
+    for name, p in states.model.named_parameters(remove_duplicate=False):
+        i = index[id(p)]
+        first.setdefault(i, name)
+        every[name] = i
+    return [first[i] for i in range(len(states.params))], every
+
+
+def _param_groups(states: ModelStates, fqns: list[str]) -> list[dict[str, Any]]:
+    index = {id(p): i for i, p in enumerate(states.params)}
+    return [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [fqns[index[id(p)]] for p in group["params"]]}
+        for group in states.optimizer.param_groups
+    ]
+
+
+def save_tree(all_states: Sequence[ModelStates]) -> tuple[dict[str, Any], dict[ObjPath, Source]]:
+    """The state dict to plan (stand-ins for managed tensors) and where each managed tensor's
+    bytes come from, read only when DCP's writer asks (rule 2)."""
+    tree: dict[str, Any] = {}
+    sources: dict[ObjPath, Source] = {}
+    for m, states in enumerate(all_states):
+        stateio = states.checkpoint_io("save")
+        model_key, optim_key = keys_of(m)
+        fqns, _ = _fqns(states)
+        index = {id(p): i for i, p in enumerate(states.params)}
+        values = {t.index: t for t in stateio.checkpoint_tensors() if t.key is None}
+
+        def source(t: StateTensor, m: int = m, stateio: StateIO = stateio) -> Source:
+            return Source((m, t.chunk), lambda: stateio.read_tensor(t))
+
+        model: dict[str, Any] = {}
+        for name, value in states.model.state_dict(keep_vars=True).items():
+            i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
+            if i is None:
+                model[name] = value.detach() if isinstance(value, torch.Tensor) else value  # buffers, extra state
+                continue
+            model[name] = stand_in(values[i].shape, values[i].dtype)
+            sources[(model_key, name)] = source(values[i])
+        state: dict[str, dict[str, Any]] = {}
+        for i, fqn in enumerate(fqns):
+            entries = stateio.state_entries(i)
+            if not entries:
+                continue
+            state[fqn] = {}
+            for key, value in entries.items():
+                if isinstance(value, StateTensor):
+                    state[fqn][key] = stand_in(value.shape, value.dtype)
+                    sources[(optim_key, "state", fqn, key)] = source(value)
+                else:
+                    state[fqn][key] = value
+        tree[model_key] = model
+        tree[optim_key] = {"state": state, "param_groups": _param_groups(states, fqns)}
+    return tree, sources
+
+
+class LoadTree:
+    """What a load asks of DCP for ``all_states`` given the checkpoint's ``metadata``, and what
+    it does with the values that are not chunk bytes (scalars, param groups)."""
+
+    def __init__(self, all_states: Sequence[ModelStates], metadata: Metadata, where: str) -> None:
+        self.all_states = all_states
+        self.where = where
+        self.tree: dict[str, Any] = {}
+        self.targets: dict[ObjPath, Target] = {}
+        self.stateios = [states.checkpoint_io("load") for states in all_states]
+        #: per model: parameter index -> its optimizer state in key order (tensors filled in on commit)
+        self.states: list[dict[int, dict[str, Any]]] = [{} for _ in all_states]
+        paths = dict(metadata.planner_data or {})
+        if not paths:
+            raise self._error("has no planner data (not saved with DCP's default planner)")
+        known = set(keys_of(m)[k] for m in range(len(all_states)) for k in (0, 1))
+        unknown = sorted({str(p[0]) for p in paths.values()} - known)
+        if unknown:
+            raise self._error(f"holds {unknown} beyond the {len(all_states)} model(s) this runtime manages")
+        for m, states in enumerate(all_states):
+            self._model(m, states, paths, metadata)
+
+    def _error(self, what: str) -> CheckpointError:
+        return CheckpointError(
+            f"tiermem checkpoint: {self.where} {what}; load it after rt.manage() of the same models, in the same "
+            "order.",
+            self.where,
+        )
+
+    # long: one pass over the checkpoint's entries of one model, each kind of entry a few lines
+    def _model(self, m: int, states: ModelStates, paths: dict[str, ObjPath], metadata: Metadata) -> None:
+        model_key, optim_key = keys_of(m)
+        stateio = self.stateios[m]
+        _, by_name = _fqns(states)
+        index = {id(p): i for i, p in enumerate(states.params)}
+        values = {t.index: t for t in stateio.checkpoint_tensors() if t.key is None}
+        model: dict[str, Any] = {}
+        for name, value in states.model.state_dict(keep_vars=True).items():
+            i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
+            if i is None:
+                model[name] = value.detach() if isinstance(value, torch.Tensor) else value
+                continue
+            t = values[i]
+            model[name] = stand_in(t.shape, t.dtype)
+            self.targets[(model_key, name)] = Target(t.shape, t.dtype, (m, t.chunk), t)
+        extra = sorted(f for f, p in paths.items() if p[0] == model_key and (len(p) != 2 or p[1] not in model))
+        if extra:
+            raise self._error(f"holds model entries this model does not have: {extra[:5]}")
+        state: dict[str, dict[str, Any]] = {}
+        groups: dict[int, dict[str, Any]] = {}
+        names = states.state_names
+        for flat, path in paths.items():
+            if path[0] != optim_key:
+                continue
+            if len(path) == 4 and path[1] == "param_groups":
+                groups.setdefault(int(path[2]), {})[path[3]] = None
+                continue
+            if len(path) != 4 or path[1] != "state" or path[2] not in by_name:
+                raise self._error(f"holds optimizer entry {flat!r}, which matches no parameter of this model")
+            fqn, key, i = path[2], path[3], by_name[path[2]]
+            record = self.states[m].setdefault(i, {})
+            record[key] = None
+            md = metadata.state_dict_metadata[flat]
+            if isinstance(md, BytesStorageMetadata):
+                state.setdefault(fqn, {})[key] = None
+                continue
+            assert isinstance(md, TensorStorageMetadata)
+            shape, dtype = tuple(md.size), md.properties.dtype
+            state.setdefault(fqn, {})[key] = stand_in(shape, dtype)
+            entry = stateio.state_entries(i).get(key) if key in names else None
+            chunk = values[i].chunk
+            if key in names and (isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections):
+                section = StateTensor(i, key, values[i].shape, values[i].dtype, chunk)
+                self.targets[(optim_key, "state", fqn, key)] = Target(shape, dtype, (m, chunk), section)
+            else:
+                self.targets[(optim_key, "state", fqn, key)] = Target(
+                    shape, dtype, commit=lambda v, r=record, k=key: r.__setitem__(k, v)
+                )
+        self.tree[model_key] = model
+        self.tree[optim_key] = {"state": state, "param_groups": [groups[g] for g in sorted(groups)]}
+
+    def finish(self, loaded: dict[ObjPath, Any]) -> None:
+        """After DCP's reader: optimizer records (scalars, key order) and param groups."""
+        for m, states in enumerate(self.all_states):
+            _, optim_key = keys_of(m)
+            fqns, by_name = _fqns(states)
+            for path, value in loaded.items():
+                if path[0] == optim_key and path[1] == "state":
+                    self.states[m][by_name[path[2]]][path[3]] = value
+            for i in range(len(states.params)):
+                self.stateios[m].set_scalars(i, self.states[m].get(i))
+            saved = [
+                {k: loaded[(optim_key, "param_groups", g, k)] for k in group}
+                for g, group in enumerate(self.tree[optim_key]["param_groups"])
+            ]
+            self._param_groups(states, fqns, saved)
+
+    def _param_groups(self, states: ModelStates, fqns: list[str], saved: list[dict[str, Any]]) -> None:
+        """The saved hyper-parameters (an LR schedule's current lr) replace the live ones."""
+        current = _param_groups(states, fqns)
+        if [s.get("params") for s in saved] != [c["params"] for c in current]:
+            raise self._error("has other optimizer parameter groups than this optimizer")
+        for group, values in zip(states.optimizer.param_groups, saved, strict=True):
+            group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def rng_state() -> dict[str, Any]:
+    """Every RNG a training loop draws from (torch, CUDA where initialised, NumPy, Python)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    return {"torch": torch.get_rng_state(), "cuda": cuda, "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])

@@ -1,0 +1,236 @@
+"""A checkpoint directory on disk: written beside its destination, committed by one atomic
+rename, with a digest per file verified before anything is loaded.
+
+# NOTE [ Checkpoint commit rules ]
+1. A save writes into a temporary sibling of ``path`` (``.<name>.tiermem-tmp-<id>``, same
+   directory, so the same filesystem and a rename can commit it). The writer holds an
+   ``flock`` on that directory for its whole life; a sibling whose lock is free belongs to a
+   save that died (SIGKILL, power loss) and the next save of ``path`` removes it. Never judged
+   by a PID, which the system reuses (TRAPS 5).
+2. Durability before visibility: every file is written and ``fsync``-ed (DCP's data and
+   ``.metadata`` with ``sync_files``, ours explicitly), the manifest last, then the directory
+   itself; only then is it renamed into place, and the parent directory is ``fsync``-ed after.
+3. The commit is one atomic step: with no checkpoint at ``path``, ``rename``; with one,
+   ``renameat2(RENAME_EXCHANGE)`` swaps the two directories, so ``path`` is at every instant
+   either the previous complete checkpoint or the new complete one; the previous one (now at
+   the temporary name) is removed afterwards. Where the filesystem cannot exchange, the old
+   one is first renamed to ``.<name>.tiermem-old-<id>`` and the new one into place; a crash
+   between the two leaves ``path`` missing and the old sibling, which the next load or save
+   of ``path`` renames back (:func:`recover`).
+4. The manifest (``tiermem-manifest.json``) records every other file's size and xxh3-128
+   digest. A load verifies all of them first, streaming (a few MiB in memory), and refuses a
+   missing, truncated or corrupted file with a :class:`CheckpointError` naming it: never
+   wrong weights. A directory with DCP's ``.metadata`` and neither manifest nor tiermem state
+   file is a plain DCP checkpoint (written by PyTorch itself): loaded without digests.
+5. A save that fails removes its temporary directory and leaves ``path`` as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import xxhash
+
+from tiermem.errors import CheckpointError
+
+MANIFEST = "tiermem-manifest.json"
+#: extra, RNG states and loop positions (pickled)
+STATE_FILE = "tiermem-state.pkl"
+DCP_METADATA = ".metadata"
+FORMAT = "tiermem-dcp"
+FORMAT_VERSION = 1
+_TMP = ".tiermem-tmp-"
+_OLD = ".tiermem-old-"
+_BLOCK = 4 << 20
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _siblings(path: Path, tag: str) -> list[Path]:
+    return sorted(path.parent.glob(f".{path.name}{tag}*"))
+
+
+def fsync_path(path: Path) -> None:
+    """``fsync`` a file or a directory (rule 2)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def recover(path: Path) -> None:
+    """Rule 3: a fallback commit killed between its two renames left ``path`` missing and the
+    previous checkpoint at an ``-old-`` sibling: put it back. With ``path`` present, an old
+    sibling is a committed save's leftover: remove it."""
+    for old in _siblings(path, _OLD):
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(old, path)
+            fsync_path(path.parent)
+
+
+def remove_stale(path: Path) -> None:
+    """Rule 1: remove temporary siblings whose writer is gone (their lock is free)."""
+    for stale in _siblings(path, _TMP):
+        try:
+            fd = os.open(stale, os.O_RDONLY | os.O_DIRECTORY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live save holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two directories atomically; False where the system or filesystem cannot."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    renameat2 = getattr(libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
+
+
+class Staging:
+    """The temporary sibling a save writes into (rules 1, 3, 5)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        recover(path)
+        remove_stale(path)
+        self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
+        self.dir.mkdir()
+        self._fd: int | None = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def _unlock(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def discard(self) -> None:
+        """Rule 5: remove everything this save wrote."""
+        shutil.rmtree(self.dir, ignore_errors=True)
+        self._unlock()
+
+    def commit(self) -> None:
+        """Rules 2 and 3: make the written checkpoint ``path``, atomically."""
+        write_manifest(self.dir)
+        fsync_path(self.dir)
+        path, parent = self.path, self.path.parent
+        if not path.exists():
+            os.rename(self.dir, path)
+        elif _exchange(self.dir, path):
+            fsync_path(parent)
+            shutil.rmtree(self.dir, ignore_errors=True)  # the previous checkpoint, swapped out
+        else:
+            old = parent / f".{path.name}{_OLD}{uuid.uuid4().hex}"
+            os.rename(path, old)
+            os.rename(self.dir, path)
+            fsync_path(parent)
+            shutil.rmtree(old, ignore_errors=True)
+        fsync_path(parent)
+        self._unlock()
+
+
+def digest_file(path: Path) -> tuple[int, str]:
+    """Size and xxh3-128 digest of ``path``, read in blocks (bounded memory)."""
+    hasher = xxhash.xxh3_128()
+    buffer = bytearray(_BLOCK)
+    view = memoryview(buffer)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()
+
+
+def write_manifest(directory: Path) -> None:
+    """Rule 4: every file's size and digest, written and synced last."""
+    files = {}
+    for name in sorted(os.listdir(directory)):
+        if name != MANIFEST:
+            size, digest = digest_file(directory / name)
+            files[name] = {"bytes": size, "xxh3_128": digest}
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "files": files}
+    with open(directory / MANIFEST, "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _damaged(path: Path, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"tiermem checkpoint: {path} {what}. The checkpoint is damaged or incomplete and was not loaded (no weights "
+        "were changed); load an earlier checkpoint, or save again from a run that still has its states.",
+        str(path),
+    )
+
+
+def verify(directory: Path) -> bool:
+    """Rule 4: check every file against the manifest; True for a tiermem checkpoint, False for
+    a plain DCP one. Raises :class:`CheckpointError` naming the first bad file."""
+    if not directory.is_dir():
+        raise CheckpointError(
+            f"tiermem checkpoint: no checkpoint at {directory} (not a directory). Give the path rt.save() wrote.",
+            str(directory),
+        )
+    manifest_path = directory / MANIFEST
+    if not manifest_path.exists():
+        if (directory / DCP_METADATA).exists() and not (directory / STATE_FILE).exists():
+            return False
+        raise _damaged(manifest_path, "is missing")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        files = manifest["files"]
+        if manifest.get("format") != FORMAT:
+            raise ValueError(f"format {manifest.get('format')!r}")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise _damaged(manifest_path, f"cannot be read ({exc})") from exc
+    for name, record in files.items():
+        file = directory / name
+        if not file.exists():
+            raise _damaged(file, "is missing")
+        size, digest = digest_file(file)
+        if size != record["bytes"]:
+            raise _damaged(file, f"is {size} bytes but was written with {record['bytes']} (truncated or extended)")
+        if digest != record["xxh3_128"]:
+            raise _damaged(file, f"does not match its digest (xxh3-128 {digest}, written {record['xxh3_128']})")
+    return True
+
+
+@contextlib.contextmanager
+def staged(path: Path) -> Iterator[Staging]:
+    """A :class:`Staging` committed when the block succeeds, discarded when it raises."""
+    staging = Staging(path)
+    try:
+        yield staging
+    except BaseException:
+        staging.discard()
+        raise
+    try:
+        staging.commit()
+    except BaseException:
+        staging.discard()
+        raise
