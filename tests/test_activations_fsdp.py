@@ -269,6 +269,9 @@ def _fsdp_rank(rank: int, world: int, port: int, root: str) -> None:
         full = [p.full_tensor().detach().clone() for p in model.parameters()]
         if rank == 0:
             torch.save(full, os.path.join(root, "params.pt"))
+        # Both ranks leave together: gloo aborts a process ("terminate called without an active
+        # exception") whose peer tears its connections down while it still holds them.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
