@@ -277,3 +277,41 @@ def test_load_refuses_another_architecture(tmp_path):
         rt.manage(other, torch.optim.AdamW, lr=1e-3)
         with pytest.raises(CheckpointError, match="model entries this model does not have"):
             rt.load(path)
+
+
+@pytest.mark.parametrize("what", ["directory", "file", "symlink", "broken_manifest"])
+def test_save_refuses_a_path_that_is_not_a_checkpoint(tmp_path, what):
+    """Rule 6 of NOTE [ Checkpoint commit rules ]: never swap out and remove a user's files."""
+    path = tmp_path / "ckpt"
+    if what == "directory":
+        path.mkdir()
+        (path / "notes.txt").write_text("keep me")
+    elif what == "file":
+        path.write_text("keep me")
+    elif what == "symlink":
+        (tmp_path / "target").mkdir()
+        (tmp_path / "target" / "notes.txt").write_text("keep me")
+        path.symlink_to(tmp_path / "target")
+    else:
+        path.mkdir()
+        (path / files.MANIFEST).write_text('{"format": "something-else"}')
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "nvme" not in p.parts)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        with pytest.raises(CheckpointError, match="choose a new or empty directory") as info:
+            rt.save(path)
+        assert str(path) in str(info.value) and info.value.path == str(path)
+    after = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*") if "nvme" not in p.parts)
+    assert after == before and _leftovers(path) == []
+    if what in ("directory", "file"):
+        assert (path / "notes.txt" if what == "directory" else path).read_text() == "keep me"
+
+
+def test_save_into_an_empty_directory_and_over_a_checkpoint(tmp_path):
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path, extra=1)
+        rt.save(path, extra=2)
+        assert rt.load(path) == 2 and _leftovers(path) == []

@@ -23,6 +23,10 @@ rename, with a digest per file verified before anything is loaded.
    wrong weights. A directory with DCP's ``.metadata`` and neither manifest nor tiermem state
    file is a plain DCP checkpoint (written by PyTorch itself): loaded without digests.
 5. A save that fails removes its temporary directory and leaves ``path`` as it was.
+6. Only a checkpoint is replaced: ``path`` must be missing, an empty directory, or a tiermem
+   checkpoint (its manifest names our format). Anything else (a directory of other files, a
+   file, a symlink) is refused before anything is written, and checked again just before the
+   commit: a save must never swap out and remove a user's directory.
 """
 
 from __future__ import annotations
@@ -110,13 +114,42 @@ def _exchange(a: Path, b: Path) -> bool:
     raise OSError(code, os.strerror(code), str(b))
 
 
+def _is_checkpoint(path: Path) -> bool:
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and manifest.get("format") == FORMAT
+
+
+def check_replaceable(path: Path) -> None:
+    """Rule 6: refuse a ``path`` that holds something other than a tiermem checkpoint."""
+    if path.is_symlink():
+        what = "is a symbolic link"
+    elif not path.exists():
+        return
+    elif not path.is_dir():
+        what = "is a file"
+    elif not any(path.iterdir()) or _is_checkpoint(path):
+        return
+    else:
+        what = f"is a directory that is not a tiermem checkpoint (no {MANIFEST} of format {FORMAT!r})"
+    raise CheckpointError(
+        f"tiermem checkpoint: cannot save to {path}: it {what}, and a save replaces its destination. Nothing was "
+        "written; choose a new or empty directory.",
+        str(path),
+    )
+
+
 class Staging:
-    """The temporary sibling a save writes into (rules 1, 3, 5)."""
+    """The temporary sibling a save writes into (rules 1, 3, 5, 6)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        if path.parent.exists():
+            recover(path)
+        check_replaceable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        recover(path)
         remove_stale(path)
         self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
         self.dir.mkdir()
@@ -138,6 +171,7 @@ class Staging:
         write_manifest(self.dir)
         fsync_path(self.dir)
         path, parent = self.path, self.path.parent
+        check_replaceable(path)
         if not path.exists():
             os.rename(self.dir, path)
         elif _exchange(self.dir, path):
