@@ -315,3 +315,40 @@ def test_save_into_an_empty_directory_and_over_a_checkpoint(tmp_path):
         rt.save(path, extra=1)
         rt.save(path, extra=2)
         assert rt.load(path) == 2 and _leftovers(path) == []
+
+
+def _foreign_checkpoint(path: pathlib.Path, edit: str) -> None:
+    """A plain DCP checkpoint of Net + AdamW with one tensor changed (``edit``)."""
+    plain = make_model()
+    optimizer = torch.optim.AdamW(plain.parameters(), lr=3e-3)
+    schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    train(plain, optimizer, schedule, range(1))
+    model_sd, optim_sd = get_state_dict(plain, optimizer)
+    state = optim_sd["state"]["layers.1.weight"]
+    if edit == "shape":
+        state["exp_avg"] = torch.ones(1, state["exp_avg"].shape[1])  # would broadcast
+    elif edit == "dtype":
+        state["exp_avg"] = state["exp_avg"].double()  # would cast
+    elif edit == "model_dtype":
+        model_sd["layers.1.weight"] = model_sd["layers.1.weight"].double()
+    elif edit == "groups":
+        optim_sd["param_groups"][0]["params"] = optim_sd["param_groups"][0]["params"][:-1]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+
+
+@pytest.mark.parametrize("edit", ["shape", "dtype", "model_dtype"])
+def test_load_refuses_other_shapes_and_dtypes_before_writing(tmp_path, edit):
+    path = tmp_path / "plain"
+    _foreign_checkpoint(path, edit)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=1)
+        model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1.0), plan=PLAN)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        train(model, optimizer, schedule, range(1))
+        before = snapshot(model, optimizer)
+        with pytest.raises(CheckpointError, match=r"layers\.1\.weight.*shape.*dtype") as info:
+            rt.load(path)
+        assert "nothing was loaded" in str(info.value)
+        assert_bitwise(snapshot(model, optimizer), before)

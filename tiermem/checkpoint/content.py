@@ -117,6 +117,14 @@ class LoadTree:
             self.where,
         )
 
+    def _check_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, into: StateTensor) -> None:
+        """A saved tensor is written into its chunk as it is: no broadcast, no cast."""
+        if shape != tuple(into.shape) or dtype != into.dtype:
+            raise self._error(
+                f"holds {name} with shape {list(shape)} and dtype {dtype}, but this model's is shape "
+                f"{list(into.shape)} and dtype {into.dtype}; nothing was loaded"
+            )
+
     # long: one pass over the checkpoint's entries of one model, each kind of entry a few lines
     def _model(self, m: int, states: ModelStates, paths: dict[str, ObjPath], metadata: Metadata) -> None:
         model_key, optim_key = keys_of(m)
@@ -124,6 +132,7 @@ class LoadTree:
         _, by_name = _fqns(states)
         index = {id(p): i for i, p in enumerate(states.params)}
         values = {t.index: t for t in stateio.checkpoint_tensors() if t.key is None}
+        flat_of = {path: flat for flat, path in paths.items()}
         model: dict[str, Any] = {}
         for name, value in states.model.state_dict(keep_vars=True).items():
             i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
@@ -131,6 +140,9 @@ class LoadTree:
                 model[name] = value.detach() if isinstance(value, torch.Tensor) else value
                 continue
             t = values[i]
+            md = metadata.state_dict_metadata.get(flat_of.get((model_key, name), ""))
+            if isinstance(md, TensorStorageMetadata):
+                self._check_tensor(f"{model_key}.{name}", tuple(md.size), md.properties.dtype, t)
             model[name] = stand_in(t.shape, t.dtype)
             self.targets[(model_key, name)] = Target(t.shape, t.dtype, (m, t.chunk), t)
         extra = sorted(f for f, p in paths.items() if p[0] == model_key and (len(p) != 2 or p[1] not in model))
@@ -161,6 +173,7 @@ class LoadTree:
             chunk = values[i].chunk
             if key in names and (isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections):
                 section = StateTensor(i, key, values[i].shape, values[i].dtype, chunk)
+                self._check_tensor(flat, shape, dtype, section)
                 self.targets[(optim_key, "state", fqn, key)] = Target(shape, dtype, (m, chunk), section)
             else:
                 self.targets[(optim_key, "state", fqn, key)] = Target(
