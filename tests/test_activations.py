@@ -416,3 +416,50 @@ def test_a_one_layer_stack_is_still_a_block(runtime):
     assert [n for n, _ in find_blocks(model)] == ["blocks.0"]
     want = _step(model, contextlib.nullcontext())
     _assert_identical(_step(model, runtime.offload_activations(model, policy="recompute")), want)
+
+
+def _hooks_and_patches(model: nn.Module) -> list[str]:
+    return [
+        f"{name or 'model'}: {kind}"
+        for name, module in model.named_modules()
+        for kind, there in (
+            ("forward pre-hooks", module._forward_pre_hooks),
+            ("forward hooks", module._forward_hooks),
+            ("patched forward", "forward" in module.__dict__),
+        )
+        if there
+    ]
+
+
+@pytest.mark.parametrize("failing", ["wrap-recompute", "saved-tensors-hooks"])
+def test_a_context_whose_entry_fails_leaves_the_model_as_it_was(runtime, monkeypatch, failing):
+    """Found in review: ``__exit__`` never runs when ``__enter__`` raises, so an entry that fails
+    after the rule-3 pre-hooks are registered (a forward wrapped for recompute, the saved-tensor
+    hooks pushed) removes what it did and re-raises: no hook or patched forward stays."""
+    torch.manual_seed(0)
+    model = Decoder(layers=3)
+    want = _step(model, contextlib.nullcontext())
+    offloader = runtime.offload_activations(model, policy="recompute")
+    if failing == "wrap-recompute":  # the first block's forward is wrapped, the second's fails
+        wrap = offloader._wrap_recompute
+
+        def wrap_then_fail(block, index, always):
+            if index == 1:
+                raise RuntimeError("injected")
+            wrap(block, index, always)
+
+        monkeypatch.setattr(offloader, "_wrap_recompute", wrap_then_fail)
+    else:
+
+        def fail(_self):
+            raise RuntimeError("injected")
+
+        monkeypatch.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", fail)
+    with pytest.raises(RuntimeError, match="injected"), offloader:
+        pytest.fail("the body never runs")
+    assert _hooks_and_patches(model) == []
+    monkeypatch.undo()
+    assert torch._C._autograd._top_saved_tensors_default_hooks(False) is None  # nothing left pushed
+    _assert_identical(_step(model, contextlib.nullcontext()), want)
+    _assert_identical(_step(model, offloader), want)  # the same offloader still works
+    assert _hooks_and_patches(model) == []

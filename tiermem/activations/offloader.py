@@ -147,17 +147,23 @@ class ActivationOffloader:
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
-        self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))  # rule 3
-        for index, (_name, block) in enumerate(self.blocks):
-            self._module_hooks.append(block.register_forward_pre_hook(self._block_started(index)))
-            self._module_hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
-            always = self.policies[index] is BlockPolicy.RECOMPUTE and not self.flexible[index]
-            if always or self.flexible[index]:
-                self._wrapped.append((block, block.__dict__.get("forward")))
-                self._wrap_recompute(block, index, always)
-        self.prefetcher.context_entered()
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
-        self._saved_hooks.__enter__()
+        try:
+            self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))  # rule 3
+            for index, (_name, block) in enumerate(self.blocks):
+                self._module_hooks.append(block.register_forward_pre_hook(self._block_started(index)))
+                self._module_hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
+                always = self.policies[index] is BlockPolicy.RECOMPUTE and not self.flexible[index]
+                if always or self.flexible[index]:
+                    self._wrapped.append((block, block.__dict__.get("forward")))
+                    self._wrap_recompute(block, index, always)
+            self.prefetcher.context_entered()
+            saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+            saved_hooks.__enter__()
+        except BaseException:
+            # __exit__ never runs for a context whose __enter__ raised: leave the model as it was.
+            self._undo_module_changes()
+            raise
+        self._saved_hooks = saved_hooks  # only once pushed: __exit__ pops exactly what was pushed
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -166,18 +172,22 @@ class ActivationOffloader:
                 self._saved_hooks.__exit__(*exc_info)
         finally:
             self._saved_hooks = None
-            for hook in self._module_hooks:
-                hook.remove()
-            self._module_hooks.clear()
-            for block, previous in self._wrapped:  # undo _wrap_recompute, restoring what was there
-                if previous is None:
-                    block.__dict__.pop("forward", None)
-                else:
-                    block.__dict__["forward"] = previous
-            self._wrapped.clear()
+            self._undo_module_changes()
             self.forwards.current = None
             self.prefetcher.settle()
             self.fallbacks.drain()  # failures reported by now are warned about at the end of the step
+
+    def _undo_module_changes(self) -> None:
+        """Remove the module hooks and undo ``_wrap_recompute``, restoring what was there."""
+        for hook in self._module_hooks:
+            hook.remove()
+        self._module_hooks.clear()
+        for block, previous in reversed(self._wrapped):
+            if previous is None:
+                block.__dict__.pop("forward", None)
+            else:
+                block.__dict__["forward"] = previous
+        self._wrapped.clear()
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
         """Checkpoint the block's forward: always (a user's ``recompute``), or when the

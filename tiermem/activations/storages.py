@@ -65,16 +65,22 @@ class ProtectedStorages:
         """Forward pre-hooks on the model (reset), on every block (its subtree: a block may use
         a child's parameter without calling the child) and on every other module holding
         parameters or buffers itself (an FSDP2 unit inside a block unshards in its own pre-hook).
-        Returns the hook handles, to remove at exit."""
-        self.reset(model)
-        handles = [model.register_forward_pre_hook(lambda m, _a: self.reset(m))]
-        block_ids = {id(b) for b in blocks}
-        for block in blocks:
-            handles.append(block.register_forward_pre_hook(lambda m, _a: self.add(m, recurse=True)))
-        for module in model.modules():
-            if module is model or id(module) in block_ids or not (module._parameters or module._buffers):
-                continue
-            handles.append(module.register_forward_pre_hook(lambda m, _a: self.add(m, recurse=False)))
+        Returns the hook handles, to remove at exit; removes those it registered if it raises."""
+        handles: list[Any] = []
+        try:
+            self.reset(model)
+            handles.append(model.register_forward_pre_hook(lambda m, _a: self.reset(m)))
+            block_ids = {id(b) for b in blocks}
+            for block in blocks:
+                handles.append(block.register_forward_pre_hook(lambda m, _a: self.add(m, recurse=True)))
+            for module in model.modules():
+                if module is model or id(module) in block_ids or not (module._parameters or module._buffers):
+                    continue
+                handles.append(module.register_forward_pre_hook(lambda m, _a: self.add(m, recurse=False)))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
         return handles
 
 
