@@ -352,3 +352,36 @@ def test_load_refuses_other_shapes_and_dtypes_before_writing(tmp_path, edit):
             rt.load(path)
         assert "nothing was loaded" in str(info.value)
         assert_bitwise(snapshot(model, optimizer), before)
+
+
+def test_load_refuses_other_param_groups_before_writing(tmp_path):
+    path = tmp_path / "plain"
+    _foreign_checkpoint(path, "groups")
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=1)
+        model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1.0), plan=PLAN)
+        schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        train(model, optimizer, schedule, range(1))
+        before = snapshot(model, optimizer)
+        with pytest.raises(CheckpointError, match=r"other optimizer parameter groups.*nothing was loaded"):
+            rt.load(path)
+        assert_bitwise(snapshot(model, optimizer), before)  # checked before the first write
+
+
+def test_a_load_failing_after_writes_began_says_so(tmp_path, monkeypatch):
+    from tiermem.states.stateio import StateIO
+
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path, extra="saved")
+
+        def broken(*args: Any, **kwargs: Any) -> None:
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(StateIO, "set_scalars", broken)
+        with pytest.raises(CheckpointError, match=r"partly overwritten.*Load a checkpoint again") as info:
+            rt.load(path)
+        assert isinstance(info.value.__cause__, OSError)
+        monkeypatch.undo()
+        assert rt.load(path) == "saved"

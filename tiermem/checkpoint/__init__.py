@@ -26,6 +26,10 @@ form>}``, plus ``tiermem-state.pkl`` (``extra``, RNG states, the declared loop's
    pending, whose gradients a checkpoint would lose).
 5. On disk: NOTE [ Checkpoint commit rules ] in ``files.py`` (written beside ``path``,
    committed atomically, digests verified before anything is loaded).
+6. A load checks everything it can before the first write: digests, the architecture, each
+   tensor's shape and dtype (DCP's metadata), the param groups (read in a first pass of only
+   those) and the state file. A failure after writes began (an I/O error half-way) raises a
+   :class:`CheckpointError` saying the managed states are partly overwritten: load again.
 """
 
 from __future__ import annotations
@@ -98,10 +102,42 @@ def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, ext
             os.fsync(f.fileno())
 
 
+def _read(tree: dict[str, Any], reader: FileSystemReader, planner: StreamingLoadPlanner, where: Path) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+            dcp.load(tree, storage_reader=reader, planner=planner, no_dist=True)
+    except CheckpointException as exc:
+        raise _unwrap(exc, where, "loading") from None
+    finally:
+        planner.close()
+    if planner.pending():
+        raise CheckpointError(f"tiermem checkpoint: {where} did not provide {planner.pending()[:5]}", str(where))
+
+
+def _no_writes(key: Any) -> Any:
+    raise AssertionError(f"tiermem checkpoint: the param-group read opened chunk {key}")
+
+
+def _read_state(where: Path) -> dict[str, Any]:
+    try:
+        with open(where / files.STATE_FILE, "rb") as f:
+            state = pickle.load(f)
+        _ = state["rng"], state["loops"], state["extra"]
+    except Exception as exc:
+        raise CheckpointError(
+            f"tiermem checkpoint: cannot read {where / files.STATE_FILE} ({exc!r}); nothing was loaded. Load it "
+            "with the tiermem version that saved it, or an earlier checkpoint.",
+            str(where / files.STATE_FILE),
+        ) from exc
+    return state
+
+
 def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any:
-    """Rules 3-5: verify the checkpoint at ``path``, stream it into the managed models and
-    optimizers, restore RNG states and loop positions; returns the ``extra`` it was saved with
-    (None for a plain DCP checkpoint)."""
+    """Rules 3-6: verify the checkpoint at ``path``, check what can be checked before writing
+    (architecture, shapes and dtypes, param groups, the state file), stream it into the managed
+    models and optimizers, restore RNG states and loop positions; returns the ``extra`` it was
+    saved with (None for a plain DCP checkpoint)."""
     where = Path(os.path.abspath(os.fspath(path)))
     files.recover(where)
     ours = files.verify(where)
@@ -114,22 +150,24 @@ def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any
             str(where),
         ) from exc
     tree = LoadTree(all_states, metadata, str(where))
+    groups = StreamingLoadPlanner({}, _no_writes)
+    _read(tree.groups_tree(), reader, groups, where)
+    tree.check_groups(groups.loaded)
+    state = _read_state(where) if ours else None
     planner = StreamingLoadPlanner(tree.targets, lambda key: tree.stateios[key[0]].chunk_writer(key[1]))
     try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-            dcp.load(tree.tree, storage_reader=reader, planner=planner, no_dist=True)
-    except CheckpointException as exc:
-        raise _unwrap(exc, where, "loading") from None
-    finally:
-        planner.close()
-    if planner.pending():
-        raise CheckpointError(f"tiermem checkpoint: {where} did not provide {planner.pending()[:5]}", str(where))
-    tree.finish(planner.loaded)
-    if not ours:
+        _read(tree.tree, reader, planner, where)
+        tree.finish(planner.loaded)
+    except Exception as exc:
+        if not planner.written:
+            raise
+        raise CheckpointError(
+            f"tiermem checkpoint: loading {where} failed after it began writing the managed states ({exc}); they "
+            "are partly overwritten. Load a checkpoint again before training (or restart the run).",
+            str(where),
+        ) from exc
+    if state is None:
         return None
-    with open(where / files.STATE_FILE, "rb") as f:
-        state = pickle.load(f)
     set_rng_state(state["rng"])
     for states, loop in zip(all_states, state["loops"], strict=False):
         if loop is not None and states.loop_position() is not None:

@@ -182,29 +182,45 @@ class LoadTree:
         self.tree[model_key] = model
         self.tree[optim_key] = {"state": state, "param_groups": [groups[g] for g in sorted(groups)]}
 
+    def groups_tree(self) -> dict[str, Any]:
+        """Only the optimizers' param groups: what :meth:`check_groups` needs, read first."""
+        return {
+            keys_of(m)[1]: {"param_groups": [dict(g) for g in self.tree[keys_of(m)[1]]["param_groups"]]}
+            for m in range(len(self.all_states))
+        }
+
+    def _saved_groups(self, m: int, loaded: dict[ObjPath, Any]) -> list[dict[str, Any]]:
+        optim_key = keys_of(m)[1]
+        return [
+            {k: loaded[(optim_key, "param_groups", g, k)] for k in group}
+            for g, group in enumerate(self.tree[optim_key]["param_groups"])
+        ]
+
+    def check_groups(self, loaded: dict[ObjPath, Any]) -> None:
+        """Before anything is written: the saved param groups hold this optimizer's parameters."""
+        for m, states in enumerate(self.all_states):
+            saved = self._saved_groups(m, loaded)
+            current = _param_groups(states, _fqns(states)[0])
+            if [s.get("params") for s in saved] != [c["params"] for c in current]:
+                raise self._error(
+                    f"has other optimizer parameter groups ({[len(s.get('params') or ()) for s in saved]} "
+                    f"parameters) than this optimizer ({[len(c['params']) for c in current]}); nothing was loaded"
+                )
+
     def finish(self, loaded: dict[ObjPath, Any]) -> None:
-        """After DCP's reader: optimizer records (scalars, key order) and param groups."""
+        """After DCP's reader: optimizer records (scalars, key order) and param groups' saved
+        hyper-parameters (an LR schedule's current lr), checked by :meth:`check_groups`."""
+        self.check_groups(loaded)
         for m, states in enumerate(self.all_states):
             _, optim_key = keys_of(m)
-            fqns, by_name = _fqns(states)
+            _, by_name = _fqns(states)
             for path, value in loaded.items():
                 if path[0] == optim_key and path[1] == "state":
                     self.states[m][by_name[path[2]]][path[3]] = value
             for i in range(len(states.params)):
                 self.stateios[m].set_scalars(i, self.states[m].get(i))
-            saved = [
-                {k: loaded[(optim_key, "param_groups", g, k)] for k in group}
-                for g, group in enumerate(self.tree[optim_key]["param_groups"])
-            ]
-            self._param_groups(states, fqns, saved)
-
-    def _param_groups(self, states: ModelStates, fqns: list[str], saved: list[dict[str, Any]]) -> None:
-        """The saved hyper-parameters (an LR schedule's current lr) replace the live ones."""
-        current = _param_groups(states, fqns)
-        if [s.get("params") for s in saved] != [c["params"] for c in current]:
-            raise self._error("has other optimizer parameter groups than this optimizer")
-        for group, values in zip(states.optimizer.param_groups, saved, strict=True):
-            group.update({k: v for k, v in values.items() if k != "params"})
+            for group, values in zip(states.optimizer.param_groups, self._saved_groups(m, loaded), strict=True):
+                group.update({k: v for k, v in values.items() if k != "params"})
 
 
 def rng_state() -> dict[str, Any]:

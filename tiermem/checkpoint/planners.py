@@ -123,6 +123,8 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         self._remaining: dict[str, int] = {}
         self._temps: dict[str, torch.Tensor] = {}
         self._open: tuple[ChunkKey, contextlib.ExitStack, Writer] | None = None
+        #: whether a managed state may have changed (a chunk's writer was opened)
+        self.written = False
 
     def _target(self, fqn: str) -> Target | None:
         return self.targets.get(tuple(self.mappings.get(fqn, (fqn,))))
@@ -172,6 +174,7 @@ class StreamingLoadPlanner(DefaultLoadPlanner):
         if self._open is not None and self._open[0] == chunk:
             return self._open[2]
         self.close()
+        self.written = True
         stack = contextlib.ExitStack()
         writer = stack.enter_context(self.open_chunk(chunk))
         self._open = (chunk, stack, writer)
