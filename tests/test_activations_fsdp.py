@@ -5,6 +5,7 @@ TRAPS 30): FSDP2's pattern in one process, storages freed under a write in fligh
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
@@ -18,6 +19,7 @@ from torch import nn
 
 import tiermem
 from tiermem.activations import ActivationStorageError
+from tiermem.activations.storages import StorageWatch
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
 
@@ -151,6 +153,7 @@ class HeldWrites(FaultyBackend):
     def __init__(self) -> None:
         super().__init__(PosixBackend())
         self.hold = False
+        self.fail = False  # the held write then fails (EIO): it never lands
         self.entered = threading.Event()
         self.go = threading.Event()
 
@@ -159,6 +162,8 @@ class HeldWrites(FaultyBackend):
         if self.hold:
             self.entered.set()
             self.go.wait(30)
+            if self.fail:
+                raise OSError(errno.EIO, "Input/output error (injected)")
         return written
 
 
@@ -226,6 +231,64 @@ def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch
                 assert torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
             del out
         assert rt.stats().as_dict()["activations"]["bytes_written"]["nvme"] >= nbytes
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("write", ["landed", "failed", "cancelled"])
+def test_only_a_write_that_landed_is_judged(tmp_path, monkeypatch, caplog, write):
+    """Rule 9 judged at unpack, before the watch's own callback on the scheduler's thread (here
+    it never judges): the storage is freed under the write (seen at block end) and given other
+    bytes (zeros) before backward. A write that landed raises; one that failed, or was cancelled
+    by a backward forwarding the tensor while it was in flight, left the object at home, in its
+    own storage, so backward reads it as plain PyTorch does, again after the write ended
+    (retain_graph; found in review)."""
+    backend = HeldWrites()
+    backend.fail = write == "failed"
+    monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (backend, "injected by test"))
+    judge = StorageWatch._judge
+    monkeypatch.setattr(StorageWatch, "_judge", lambda self, key, obj=None: obj and judge(self, key, obj))
+    torch.manual_seed(0)
+    model = OneBlock()
+    block = model.blocks[0]
+    x = torch.randn(64, 64)
+    nbytes = 64 * 512 * 4
+
+    def free(_module, _args, _output) -> None:  # runs before the offloader's block end
+        assert not backend.hold or backend.entered.wait(10)
+        block.hidden.untyped_storage().resize_(0)
+
+    def given_zeros() -> None:
+        storage = block.hidden.untyped_storage()
+        storage.resize_(nbytes)
+        torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # other bytes than were saved
+
+    hook = block.register_forward_hook(free)
+    out = model(x).sum()
+    given_zeros()
+    want = torch.autograd.grad(out, block.lin.weight)[0]  # plain PyTorch reads the zeros
+    hook.remove()
+    block.register_forward_hook(free)
+    with tiermem.Runtime(_config(tmp_path)) as rt:
+        offloader = rt.offload_activations(model, policy={0: "nvme"})
+        backend.hold = True
+        with offloader:
+            out = model(x).sum()
+            if write == "cancelled":
+                given_zeros()
+                assert torch.equal(torch.autograd.grad(out, block.lin.weight, retain_graph=True)[0], want)
+            backend.go.set()
+            offloader.memory.ledger.wait_idle()
+            if write != "cancelled":
+                given_zeros()
+            assert offloader.hooks.watch._watched  # judged at unpack, not by the callback
+            if write == "landed":
+                with pytest.raises(ActivationStorageError, match="freed or resized its storage"):
+                    torch.autograd.grad(out, block.lin.weight)
+            else:
+                assert torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
+            del out
+        assert not offloader.hooks.watch._watched
+    assert (write == "failed") == ("io_error->keep" in caplog.text)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -89,6 +89,9 @@ class _Watched:
     obj: weakref.ref[ManagedObject]
     #: Strong until the write has ended: the registry drops its own reference as it lands.
     storage: torch.UntypedStorage
+    #: The object's home when the write started: still its home once the move ended iff the
+    #: write did not land (cancelled or failed: NOTE [ Managed object rules ] rules 2 and 3).
+    source: Any
     data_ptr: int
     nbytes: int
     tier: str
@@ -116,7 +119,7 @@ class StorageWatch:
         transfer, tier = obj.transfer, obj.target_tier
         if transfer is None or tier is None:  # none started, or it already ended
             return
-        entry = _Watched(weakref.ref(obj), storage, storage.data_ptr(), storage.nbytes(), tier, where)
+        entry = _Watched(weakref.ref(obj), storage, obj.home, storage.data_ptr(), storage.nbytes(), tier, where)
         key = obj.id
         with self._lock:
             self._watched[key] = entry
@@ -133,18 +136,18 @@ class StorageWatch:
                     entry.changed = True
 
     def _judge(self, key: int, obj: ManagedObject | None = None) -> None:
-        """The write ended: did it land from a storage that changed under it? On the scheduler's
-        thread the registry's own callback ran first, so the object is on the write's tier iff it
-        landed. Judged at unpack instead (that callback has not run yet), the object may already
-        be back from that tier: a changed storage then counts as broken whatever the write did."""
+        """The write ended: did it land from a storage that changed under it? Only a write that
+        landed counts: one cancelled or failed left the object at home, in its own storage (read
+        as plain PyTorch would read it). Judged on the scheduler's thread after the registry's own
+        callback, or at unpack when that thread has not got to it yet (the object may be back from
+        the write's tier by then, so "landed" is "no longer at the home it was written from")."""
         with self._lock:
             entry = self._watched.pop(key, None)
         if entry is None:
             return
-        at_unpack = obj is not None
         obj = obj if obj is not None else entry.obj()
-        changed = entry.changed or entry.changed_now()
-        if obj is not None and changed and (at_unpack or obj.tier == entry.tier):
+        landed = obj is not None and obj.home is not entry.source  # a move to the next home leaves it there
+        if obj is not None and landed and (entry.changed or entry.changed_now()):
             self._broken[obj] = (
                 f"tiermem activations: a saved tensor of {obj.nbytes} bytes ({entry.where}) was written to "
                 f"{entry.tier} while something else freed or resized its storage (``untyped_storage().resize_``: "
@@ -155,7 +158,7 @@ class StorageWatch:
                 "as {0: 'keep'}), raise [activations] min_bytes above this tensor's size, or have the owner "
                 "keep the storage until backward."
             )
-        entry.storage = None  # type: ignore[assignment]  # the bytes may go now
+        entry.storage = entry.source = None  # type: ignore[assignment]  # the bytes may go now
 
     def broken(self, obj: ManagedObject) -> ActivationStorageError | None:
         """The error to raise for ``obj`` at unpack, if any; judges a write whose end was not judged yet."""
