@@ -385,3 +385,24 @@ def test_a_load_failing_after_writes_began_says_so(tmp_path, monkeypatch):
         assert isinstance(info.value.__cause__, OSError)
         monkeypatch.undo()
         assert rt.load(path) == "saved"
+
+
+def test_save_between_backward_and_step_is_refused(tmp_path):
+    """Undeclared loop: gradients accumulated since the last step would be lost by a checkpoint."""
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, _ = manage(rt)
+        model(torch.randn(2, W)).sum().backward()
+        with pytest.raises(StatesUsageError, match=r"since the last optimizer\.step\(\).*Save after"):
+            rt.save(path)
+        assert not path.exists() and _leftovers(path) == []
+        optimizer.zero_grad()  # the gradients are gone: nothing to lose
+        rt.save(path, extra=1)
+        model(torch.randn(2, W)).sum().backward()
+        with pytest.raises(StatesUsageError, match="optimizer"):
+            rt.save(path, extra=2)
+        optimizer.step()
+        rt.save(path, extra=3)
+        optimizer.zero_grad()
+        rt.save(path, extra=4)
+        assert rt.load(path) == 4

@@ -23,7 +23,8 @@ form>}``, plus ``tiermem-state.pkl`` (``extra``, RNG states, the declared loop's
 4. Exact: values are the full-precision masters (fp32 under ``param_dtype``), optimizer states
    bitwise with their scalars (``step``), param groups' hyper-parameters (an LR schedule's lr),
    and every RNG; a declared loop is saved at a window boundary only (no counted backward
-   pending, whose gradients a checkpoint would lose).
+   pending, whose gradients a checkpoint would lose), and any loop only after the step: a save
+   refuses gradients accumulated since the last ``optimizer.step()`` (``Stepper.gradients_unstepped``).
 5. On disk: NOTE [ Checkpoint commit rules ] in ``files.py`` (written beside ``path``,
    committed atomically, digests verified before anything is loaded).
 6. A load checks everything it can before the first write: digests, the architecture, each
@@ -79,6 +80,12 @@ def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, ext
         raise StatesUsageError(
             "tiermem checkpoint: rt.save() was called inside a declared accumulation window (backwards counted "
             "since the last optimizer.step()); their gradients are not saved. Save after optimizer.step()."
+        )
+    if any(states.stepper.gradients_unstepped() for states in all_states):
+        raise StatesUsageError(
+            "tiermem checkpoint: rt.save() was called with gradients accumulated since the last optimizer.step() "
+            "(a backward ended and .grad is set); a checkpoint does not hold gradients, so the resumed run would "
+            "step without them. Save after optimizer.step() and optimizer.zero_grad()."
         )
     try:
         payload = pickle.dumps({"version": files.FORMAT_VERSION, "extra": extra, "rng": rng_state(), "loops": loops})

@@ -184,6 +184,8 @@ class Stepper:
         self._windows = 0
         self._stepped: set[int] = set()
         self._partial_end = False
+        #: a backward (counted or not) ended since the last optimizer.step(): its gradients wait for a step
+        self._backward_since_step = False
         #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
         self._grad_versions: dict[int, tuple[torch.Tensor, int]] = {}
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
@@ -268,6 +270,7 @@ class Stepper:
             if chunk.pins == 0:
                 self.store.pool.release(chunk)
         self._early = False
+        self._backward_since_step = True
         if not complete:
             # A nested backward ended ours early and forgot which gradients are still to come
             # (rule 2): no early step until the next optimizer.step().
@@ -285,6 +288,11 @@ class Stepper:
         the first, rule 3) and backwards counted in the current one."""
         return {"windows": self._windows, "counted": self._counted}
 
+    def gradients_unstepped(self) -> bool:
+        """A checkpoint would lose gradients: a backward ended since the last optimizer.step() and
+        a managed parameter still has a ``.grad`` (``zero_grad()`` since then leaves none)."""
+        return self._backward_since_step and any(p.grad is not None for p in self.facts.params)
+
     def restore_loop_position(self, position: Mapping[str, Any]) -> None:
         """A checkpoint's position: taken at a window boundary, so no backward is counted yet."""
         self._windows = int(position.get("windows", 0))
@@ -295,6 +303,7 @@ class Stepper:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
+        self._backward_since_step = False
         self._grad_forwards = 0
         self._partial_end = False
         if self.declared.accumulation is not None:
