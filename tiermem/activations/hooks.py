@@ -65,7 +65,6 @@ class SavedTensorHooks:
     def pack(self, tensor: torch.Tensor) -> Any:
         if in_backward():
             return tensor  # rule 2
-        self.watch.check()  # rule 9
         storage = tensor.untyped_storage()
         if storage.nbytes() < self.min_bytes or storage in self.protected or tensor.device != self.device:
             return tensor  # rule 3
@@ -126,7 +125,6 @@ class SavedTensorHooks:
         handle: Handle = saved.handle
         obj = handle.obj
         group = saved.group
-        self.watch.check()  # rule 9
         self.prefetcher.unpacked(obj)
         if obj.state is ObjectState.MOVING and obj.tier == "device":  # the device tier is memory
             # Forwarding: still in memory; the write is no longer needed.

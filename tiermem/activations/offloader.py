@@ -47,18 +47,23 @@
    context per step, and the next step starts from what the last one measured.
 9. A saved tensor whose storage something else frees or resizes (``resize_``) while its
    write-back is in flight may be written from freed memory (TRAPS 24, 30). The storage's
-   address and size when the write started are compared at every block start and end,
-   pack and unpack (cheap: writes in flight only), and when the write ends; if it landed
-   from a storage that changed, every unpack of it raises
+   address and size when the write started are compared at every block start and end
+   (cheap: writes in flight only) and when the write ends; if it landed from a storage that
+   changed, every unpack of it raises
    :class:`~tiermem.activations.storages.ActivationStorageError` naming the block and what
-   to do, never the copy. A write that did not land (cancelled by forwarding, or failed)
-   leaves the tensor in its storage, read as plain PyTorch would read it. Detection, not
-   a copy at pack: a copy would double the memory traffic and the peak of every
-   offloaded byte (rule 4 adopts storages in place) to guard against something rule 3
-   already keeps parameters out of; detection costs two integer reads per write in
-   flight and checkpoint. Unseen only: a storage freed *and* given back the same address
-   and size between two checkpoints while its write is in flight (FSDP2 frees in its
-   post-forward hook, before the block's end is checked, and gives back in backward).
+   to do, never the copy. Only a write that landed counts: one that did not (cancelled by
+   forwarding, or failed) leaves the tensor at home in its own storage, read as plain
+   PyTorch would read it. An unpack that finds the write ended but not yet judged judges
+   it itself (on the safe side: a change since it landed counts there too). Detection, not
+   a copy at pack: a copy would double the memory traffic and
+   the peak of every offloaded byte (rule 4 adopts storages in place) to guard against
+   something rule 3 already keeps parameters out of; detection costs two integer reads
+   per write in flight at each block start and end, nothing per pack or unpack (a check
+   there would walk every write in flight for every saved tensor). Unseen only: a storage
+   freed *and* given back the same address and size between two checkpoints while its
+   write is in flight (FSDP2 frees in its post-forward hook, which runs before the block
+   end's check, and gives back only in backward; writes start only inside blocks, so the
+   first checkpoint after any pack is its block's end).
 
 The offloader composes collaborators, each given what it reads and writes explicitly:
 :class:`~tiermem.activations.hooks.SavedTensorHooks` (pack and unpack, rules 2 to 6 and 9),

@@ -105,9 +105,9 @@ class _Watched:
 
 class StorageWatch:
     """Rule 9: the storages of saved tensors whose write-back is in flight, with their address
-    and size when the write started. A change seen at a checkpoint (block start and end, pack,
-    unpack) or when the write lands, on a write that then lands, breaks the object: every
-    unpack of it raises :class:`ActivationStorageError`."""
+    and size when the write started. A change seen at a checkpoint (block start and end, never
+    per pack or unpack: rule 9 says why) or when the write ends, on a write that landed, breaks
+    the object: every unpack of it raises :class:`ActivationStorageError`."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
