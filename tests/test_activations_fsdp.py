@@ -5,7 +5,9 @@ TRAPS 30): FSDP2's pattern in one process, storages freed under a write in fligh
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import mmap
 import os
 import socket
 import threading
@@ -148,23 +150,35 @@ def test_parameters_swapped_in_at_forward_are_never_offloaded(tmp_path):
 
 
 class HeldWrites(FaultyBackend):
-    """Posix writes that report completion only when the test says (the bytes are read first)."""
+    """Posix writes held *before* they read their bytes, until the test says; the write then
+    reads the storage as it is by then. A storage the test freed and gave other bytes, at an
+    address the allocator chose anew, is read where it is now: the old address would be a
+    use-after-free in this process (unmapped memory: SIGSEGV), so the bytes that such a read
+    gets (what the memory holds now) are written instead; a storage still freed reads as zeros."""
 
     def __init__(self) -> None:
         super().__init__(PosixBackend())
         self.hold = False
         self.fail = False  # the held write then fails (EIO): it never lands
+        #: The saved tensor's storage, once the test freed it under the held write.
+        self.freed: torch.UntypedStorage | None = None
         self.entered = threading.Event()
         self.go = threading.Event()
 
     def pwrite(self, handle, buffer, offset) -> int:
-        written = super().pwrite(handle, buffer, offset)
         if self.hold:
             self.entered.set()
             self.go.wait(30)
             if self.fail:
                 raise OSError(errno.EIO, "Input/output error (injected)")
-        return written
+            storage = self.freed
+            if storage is not None:
+                size = len(memoryview(buffer).cast("B"))
+                aligned = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT needs
+                if storage.nbytes() >= size:
+                    aligned.write(ctypes.string_at(storage.data_ptr(), size))
+                buffer = memoryview(aligned)
+        return super().pwrite(handle, buffer, offset)
 
 
 class Saves(nn.Module):
@@ -189,13 +203,19 @@ class OneBlock(nn.Module):
         return self.blocks[0](x)
 
 
+@pytest.mark.parametrize("rule_9", [True, False], ids=["rule-9", "without-rule-9"])
 @pytest.mark.parametrize("seen", ["at-block-end", "when-the-write-lands", "never-freed"])
-def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch, seen):
+def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch, seen, rule_9):
     """Rule 9: the saved tensor's storage is freed (resize_(0)) while its write to NVMe is
-    in flight, and given bytes again (zeros) before backward: backward raises
-    ActivationStorageError instead of using the copy."""
+    held before it reads its bytes, and given other bytes (zeros) before the write reads them
+    (at-block-end: seen by the block end's check) or only after it landed from freed memory
+    (when-the-write-lands: seen then). The copy on NVMe is then wrong: without rule 9
+    (monkeypatched off) backward's gradient differs from plain PyTorch's; with it backward
+    raises ActivationStorageError instead of using the copy."""
     backend = HeldWrites()
     monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (backend, "injected by test"))
+    if not rule_9:
+        monkeypatch.setattr(StorageWatch, "broken", lambda self, obj: None)
     torch.manual_seed(0)
     model = OneBlock()
     block = model.blocks[0]
@@ -208,6 +228,10 @@ def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch
         if seen == "at-block-end":
             block.hidden.untyped_storage().resize_(0)
 
+    def given_zeros(storage: torch.UntypedStorage) -> None:
+        storage.resize_(nbytes)
+        torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # other bytes than were saved
+
     block.register_forward_hook(free_under_the_write)
     with tiermem.Runtime(_config(tmp_path)) as rt:
         offloader = rt.offload_activations(model, policy={0: "nvme"})
@@ -215,20 +239,26 @@ def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch
         with offloader:
             out = model(x).sum()
             storage = block.hidden.untyped_storage()
-            if seen == "when-the-write-lands":
+            if seen == "at-block-end":
+                given_zeros(storage)  # before the write reads them
+            elif seen == "when-the-write-lands":
                 storage.resize_(0)
+            if seen != "never-freed":
+                backend.freed = storage
             backend.go.set()
             offloader.memory.ledger.wait_idle()
             deadline = time.monotonic() + 10
             while offloader.hooks.watch._watched and time.monotonic() < deadline:
                 time.sleep(0.001)  # the watch's own callback runs after the ledger's
-            if seen != "never-freed":
-                storage.resize_(nbytes)
-                torch.empty(0, dtype=torch.uint8).set_(storage).zero_()  # other bytes than were saved
+            if seen == "when-the-write-lands":
+                given_zeros(storage)
+            if seen == "never-freed":
+                assert torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
+            elif rule_9:
                 with pytest.raises(ActivationStorageError, match="freed or resized its storage"):
                     torch.autograd.grad(out, block.lin.weight)
-            else:
-                assert torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
+            else:  # the copy holds the freed memory's bytes: a silently wrong gradient
+                assert not torch.equal(torch.autograd.grad(out, block.lin.weight)[0], want)
             del out
         assert rt.stats().as_dict()["activations"]["bytes_written"]["nvme"] >= nbytes
     assert list(tmp_path.iterdir()) == []
@@ -273,6 +303,7 @@ def test_only_a_write_that_landed_is_judged(tmp_path, monkeypatch, caplog, write
         backend.hold = True
         with offloader:
             out = model(x).sum()
+            backend.freed = block.hidden.untyped_storage()  # the held write reads it as it is then
             if write == "cancelled":
                 given_zeros()
                 assert torch.equal(torch.autograd.grad(out, block.lin.weight, retain_graph=True)[0], want)
