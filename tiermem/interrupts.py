@@ -189,12 +189,18 @@ class RuntimeInterruptGuard:
             self._answered.wait()
 
 
+#: What in the ``tiermem`` package drives the runtime instead of being part of it: a Ctrl-C in
+#: these is raised at once, as in the user's own code. Everything else there is the runtime.
+DRIVERS = ("__main__.py", "benchio", "cli", "interrupts.py", "models", "rok.py", "train.py")
+
+
 def _internal_paths() -> tuple[str, ...]:
-    """Where a KeyboardInterrupt must not be raised: the runtime's internals (not the
-    drivers: ``tiermem.train``, the CLI, the built-in models) and ``weakref``'s finalizers.
-    Not ``threading`` or ``queue`` as such: a user's own ``thread.join()`` or DataLoader
-    wait stays interruptible, as without tiermem; the runtime's own waits have its frames
-    below them."""
+    """Where a KeyboardInterrupt must not be raised: the runtime's internals and ``weakref``'s
+    finalizers. The internals are every module of the ``tiermem`` package except the
+    :data:`DRIVERS`, listed when the guard is installed, so a new module is covered without
+    being named here; the tiers and schedulers too. Not ``threading`` or ``queue`` as such: a
+    user's own ``thread.join()`` or DataLoader wait stays interruptible, as without tiermem;
+    the runtime's own waits have its frames below them."""
     import weakref
 
     import tiermem
@@ -202,10 +208,8 @@ def _internal_paths() -> tuple[str, ...]:
     import tiermem.tiers
 
     base = os.path.dirname(tiermem.__file__)
-    # Every module of the runtime's internals that can wait or move bytes belongs here: the managed
-    # objects (objects.py) hold Handle.wait, the registry its moves.
-    internals = ("activations", "planner", "states", "objects.py", "registry.py", "runtime.py")
-    paths = [os.path.join(base, name) for name in internals]
+    names = sorted(n for n in os.listdir(base) if n not in DRIVERS and (n.endswith(".py") or "." not in n))
+    paths = [os.path.join(base, name) for name in names if name != "__pycache__"]
     paths += [os.path.dirname(tiermem.tiers.__file__), os.path.dirname(tiermem.schedulers.__file__)]
     paths.append(weakref.__file__)
     return tuple(p for p in paths if p)
