@@ -110,7 +110,7 @@ def _door_bypass(node: ast.AST) -> list[str]:
     owner = node.value.attr if isinstance(node.value, ast.Attribute) else node.value.id
     if owner == "registry" and node.attr in ("scheduler", "tiers"):
         return [f"registry.{node.attr}"]
-    if owner == "obj" and node.attr == "home" and isinstance(node.value, ast.Attribute):
+    if owner == "obj" and node.attr == "home":  # handle.obj.home, or obj.home on a ManagedObject
         return [".obj.home"]
     return []
 

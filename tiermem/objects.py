@@ -71,6 +71,8 @@ class ManagedObject:
         self.dedup_key: int | None = None
         #: The current move was cancelled (rule 3); it no longer counts as on its way.
         self.cancelling = False
+        #: Moves that landed (rule 2: the target became home); a cancelled or failed one does not count.
+        self.moves_landed = 0
         #: Set once the current move has ended and the object's state reflects it.
         self.settled = threading.Event()
         self.settled.set()

@@ -10,8 +10,9 @@ operations below, never a tier or the scheduler. The objects themselves are in
    allocation to a target. While moving, the source stays allocated and readable:
    a read of an object being written out is served from memory (forwarding).
 2. A move ends on the scheduler's thread: on success the source is freed and the
-   target becomes home; on failure the target is freed and the object stays resident
-   at its source, and the error is raised to the next ``wait()`` (nothing is lost).
+   target becomes home (``ManagedObject.moves_landed`` counts these); on failure the
+   target is freed and the object stays resident at its source, and the error is raised
+   to the next ``wait()`` (nothing is lost).
 3. Asking for an object back where its write-back started cancels that write
    (a write nobody needs any more), and the object simply stays home.
 4. Freeing an object cancels its move; its allocations are released once the
@@ -260,6 +261,7 @@ class Registry:
                 obj.state = ObjectState.RESIDENT
                 if error is None and not cancelled:
                     obj.home = target
+                    obj.moves_landed += 1
                     source.tier.free(source)
                     self._count_resident(obj, source.tier, -1)
                     self._count_resident(obj, target.tier, +1)

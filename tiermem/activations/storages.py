@@ -89,9 +89,9 @@ class _Watched:
     obj: weakref.ref[ManagedObject]
     #: Strong until the write has ended: the registry drops its own reference as it lands.
     storage: torch.UntypedStorage
-    #: The object's home when the write started: still its home once the move ended iff the
+    #: The object's landed moves when the write started: unchanged once the move ended iff the
     #: write did not land (cancelled or failed: NOTE [ Managed object rules ] rules 2 and 3).
-    source: Any
+    landed_before: int
     data_ptr: int
     nbytes: int
     tier: str
@@ -119,7 +119,7 @@ class StorageWatch:
         transfer, tier = obj.transfer, obj.target_tier
         if transfer is None or tier is None:  # none started, or it already ended
             return
-        entry = _Watched(weakref.ref(obj), storage, obj.home, storage.data_ptr(), storage.nbytes(), tier, where)
+        entry = _Watched(weakref.ref(obj), storage, obj.moves_landed, storage.data_ptr(), storage.nbytes(), tier, where)
         key = obj.id
         with self._lock:
             self._watched[key] = entry
@@ -140,13 +140,13 @@ class StorageWatch:
         landed counts: one cancelled or failed left the object at home, in its own storage (read
         as plain PyTorch would read it). Judged on the scheduler's thread after the registry's own
         callback, or at unpack when that thread has not got to it yet (the object may be back from
-        the write's tier by then, so "landed" is "no longer at the home it was written from")."""
+        the write's tier by then, so "landed" is "a move of it landed since the write started")."""
         with self._lock:
             entry = self._watched.pop(key, None)
         if entry is None:
             return
         obj = obj if obj is not None else entry.obj()
-        landed = obj is not None and obj.home is not entry.source  # a move to the next home leaves it there
+        landed = obj is not None and obj.moves_landed != entry.landed_before
         if obj is not None and landed and (entry.changed or entry.changed_now()):
             self._broken[obj] = (
                 f"tiermem activations: a saved tensor of {obj.nbytes} bytes ({entry.where}) was written to "
@@ -158,7 +158,7 @@ class StorageWatch:
                 "as {0: 'keep'}), raise [activations] min_bytes above this tensor's size, or have the owner "
                 "keep the storage until backward."
             )
-        entry.storage = entry.source = None  # type: ignore[assignment]  # the bytes may go now
+        entry.storage = None  # type: ignore[assignment]  # the bytes may go now
 
     def broken(self, obj: ManagedObject) -> ActivationStorageError | None:
         """The error to raise for ``obj`` at unpack, if any; judges a write whose end was not judged yet."""
