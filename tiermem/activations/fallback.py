@@ -132,15 +132,12 @@ class Fallbacks:
         """A new forward: its fallbacks are reported again (rule 6)."""
         self._reported.clear()
 
-    def device_free(self) -> int:
-        return self.registry.free_bytes("device")
-
     def room(self) -> int:
         """Rule 4: the device budget minus what stays resident (write-backs in flight to
         working tiers free their bytes on landing) and what the tensors saved outside the
         blocks will need."""
         working = [t for t in ("host", "nvme") if self.memory.outage(t) is None]
-        room = self.device_free() + self.memory.ledger.inflight_bytes(working)
+        room = self.registry.free_bytes("device") + self.memory.ledger.inflight_bytes(working)
         return room - self.memory.outside_bytes
 
     def decide(self, group: BlockGroup) -> BlockPolicy:
@@ -150,7 +147,7 @@ class Fallbacks:
             return planned
         expected = group.expected = self.memory.estimate(group.index, group.input_numel)
         ledger = self.memory.ledger
-        if expected is not None and expected > self.device_free() and ledger.inflight_bytes():
+        if expected is not None and expected > self.registry.free_bytes("device") and ledger.inflight_bytes():
             # Tight: whether the block fits depends on write-backs in flight landing (the
             # block would wait for them at its first saved tensor anyway). Learn how they
             # end first, so a failing disk is known before the room is counted on.
@@ -295,7 +292,7 @@ class Fallbacks:
         candidates = sorted((g for g in ours if g.flexible), key=lambda g: g.index)
         for group in candidates:
             for handle in live_handles(group.saved):
-                if self.device_free() >= needed:
+                if self.registry.free_bytes("device") >= needed:
                     return True
                 if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
                     continue
@@ -317,7 +314,7 @@ class Fallbacks:
                     f"the device budget is full; its kept tensors are written to {tier} to make room for later ones "
                     "(backward needs this block after them)",
                 )
-        return self.device_free() >= needed
+        return self.registry.free_bytes("device") >= needed
 
     def spill_tiers(self, group: BlockGroup | None) -> list[str]:
         """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""

@@ -17,7 +17,7 @@ from tiermem.activations.fallback import ActivationMemoryError, Fallbacks
 from tiermem.activations.ledger import failure_cause
 from tiermem.activations.memory import ModelMemory
 from tiermem.activations.prefetch import Prefetcher
-from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, moving_to, version_error
+from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, version_error
 from tiermem.activations.storages import ProtectedStorages, StorageWatch
 from tiermem.errors import StorageError, TierCapacityError
 from tiermem.layout.activation_policy import BlockPolicy
@@ -136,7 +136,7 @@ class SavedTensorHooks:
                 self.prefetcher.before(group)
             return self._checked(handle)
         source = obj.tier
-        prefetching = obj.state is ObjectState.MOVING and moving_to(obj) == "device"
+        prefetching = obj.state is ObjectState.MOVING and obj.target_tier == "device"
         start = time.perf_counter()
         # The demand first, prefetches after: the room it needs is never taken by blocks
         # backward needs later (rule 5). The fetch runs while the prefetches are issued.
@@ -170,7 +170,7 @@ class SavedTensorHooks:
         give back prefetched objects backward needs later; the clear error only when it
         still does not fit."""
         obj = handle.obj
-        if obj.tier == "device" or (obj.state is ObjectState.MOVING and moving_to(obj) is not None):
+        if obj.tier == "device" or (obj.state is ObjectState.MOVING and obj.target_tier is not None):
             return  # on the device, or on its way (a prefetch, promoted by the read)
         needed = self.registry.reserved_size("device", obj.nbytes)
         waited = False

@@ -13,7 +13,7 @@ import weakref
 from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.ledger import failure_cause
 from tiermem.activations.memory import ModelMemory
-from tiermem.activations.saved import BlockGroup, Forwards, live_handles, moving_to
+from tiermem.activations.saved import BlockGroup, Forwards, live_handles
 from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError
 from tiermem.layout.activation_policy import PREFETCH_START, next_prefetch_window
 from tiermem.registry import Handle, ManagedObject, ObjectState, Priority, Registry
@@ -108,7 +108,7 @@ class Prefetcher:
         early), or it would land and need a fetch into room that earlier blocks' prefetches
         had meanwhile taken."""
         obj = handle.obj
-        target = moving_to(obj) if obj.state is ObjectState.MOVING else None
+        target = obj.target_tier if obj.state is ObjectState.MOVING else None
         if target is not None and not self.registry.is_memory(target):
             handle.move_to("device")
             with self.counters.lock:

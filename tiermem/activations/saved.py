@@ -14,12 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tiermem.layout.activation_policy import BlockPolicy
-from tiermem.registry import Handle, ManagedObject
-
-
-def moving_to(obj: ManagedObject) -> str | None:
-    """The tier ``obj`` is on its way to, None when it is not moving."""
-    return obj.target_tier
+from tiermem.registry import Handle
 
 
 def in_backward() -> bool:
