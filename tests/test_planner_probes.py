@@ -20,7 +20,7 @@ from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner import BlockStats, Profile, cache
 from tiermem.planner import probes as probes_module
 from tiermem.planner.auto import profile_model
-from tiermem.planner.profiler import (
+from tiermem.planner.probes import (
     MIN_PROBE_BYTES,
     PATH_PROBE_ROUNDS,
     nvme_path_links,

@@ -54,22 +54,6 @@ from torch.utils._pytree import tree_leaves
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
-
-# The link probes (rule 5) live in tiermem.planner.probes; their names stay importable from here.
-from tiermem.planner.probes import (  # noqa: F401
-    LINKS,
-    MIN_PROBE_BYTES,
-    PATH_PROBE_ROUNDS,
-    PROBE_BYTES,
-    move_seconds,
-    nvme_io_seconds,
-    nvme_path_links,
-    nvme_paths,
-    path_probe_plan,
-    probe_links,
-    probe_nvme_paths,
-    probe_size,
-)
 from tiermem.planner.profile import BlockStats, ParamStats
 
 
