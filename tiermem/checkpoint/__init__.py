@@ -45,6 +45,7 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from tiermem.checkpoint import files
 from tiermem.checkpoint.content import LoadTree, rng_state, save_tree, set_rng_state
@@ -58,9 +59,29 @@ __all__ = ["CheckpointError", "load", "save", "storage_reader"]
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
-def storage_reader(path: str | os.PathLike[str]) -> FileSystemReader:
-    """A DCP ``StorageReader`` for the checkpoint at ``path`` (DCP's own filesystem format)."""
+#: the storage formats a save can write (rule 7)
+FORMATS = ("dcp", "zarr")
+#: what ``rt.save`` writes unless told (rule 7: chosen from bench/checkpoint.py's numbers)
+DEFAULT_FORMAT = "dcp"
+
+
+def storage_reader(path: str | os.PathLike[str]) -> StorageReader:
+    """A DCP ``StorageReader`` for the checkpoint at ``path``, in the format found on disk:
+    ``FileSystemReader`` for DCP's own filesystem format, :class:`ZarrReader` for the zarr one."""
+    where = Path(os.fspath(path))
+    if files.storage_of(where) == "zarr":
+        from tiermem.checkpoint.zarr_storage import ZarrReader  # tensorstore only when asked
+
+        return ZarrReader(where)
     return FileSystemReader(os.fspath(path))
+
+
+def _writer(directory: Path, format: str) -> StorageWriter:
+    if format == "zarr":
+        from tiermem.checkpoint.zarr_storage import ZarrWriter
+
+        return ZarrWriter(directory)
+    return FileSystemWriter(directory, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
 
 
 def _unwrap(exc: CheckpointException, path: Path, what: str) -> BaseException:
@@ -72,9 +93,19 @@ def _unwrap(exc: CheckpointException, path: Path, what: str) -> BaseException:
     return CheckpointError(f"tiermem checkpoint: {what} {path} failed: {first}", str(path))
 
 
-def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, extra: Any = None) -> None:
-    """Rules 2, 4 and 5: stream every managed model and optimizer to a new checkpoint at ``path``."""
+def save(
+    all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, extra: Any = None, format: str | None = None
+) -> None:
+    """Rules 2, 4, 5 and 7: stream every managed model and optimizer to a new checkpoint at
+    ``path``, in ``format`` (``"dcp"`` or ``"zarr"``; None: :data:`DEFAULT_FORMAT`)."""
     where = Path(os.path.abspath(os.fspath(path)))
+    format = DEFAULT_FORMAT if format is None else format
+    if format not in FORMATS:
+        raise CheckpointError(
+            f"tiermem checkpoint: rt.save(format={format!r}) is not a checkpoint format; give one of {FORMATS} "
+            "(or None for the default). Nothing was written.",
+            str(where),
+        )
     loops = [states.loop_position() for states in all_states]
     if any(loop is not None and loop["counted"] for loop in loops):
         raise StatesUsageError(
@@ -93,7 +124,8 @@ def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, ext
         raise CheckpointError(f"tiermem checkpoint: extra= cannot be pickled ({exc}); pass picklable values") from exc
     tree, sources = save_tree(all_states)
     with files.staged(where) as staging:
-        writer = FileSystemWriter(staging.dir, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
+        staging.storage = format
+        writer = _writer(staging.dir, format)
         planner = StreamingSavePlanner(sources)
         try:
             with warnings.catch_warnings():
@@ -109,7 +141,7 @@ def save(all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, ext
             os.fsync(f.fileno())
 
 
-def _read(tree: dict[str, Any], reader: FileSystemReader, planner: StreamingLoadPlanner, where: Path) -> None:
+def _read(tree: dict[str, Any], reader: StorageReader, planner: StreamingLoadPlanner, where: Path) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
@@ -153,7 +185,7 @@ def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any
         metadata = reader.read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
         raise CheckpointError(
-            f"tiermem checkpoint: cannot read {where / files.DCP_METADATA}: {exc}; the checkpoint is damaged",
+            f"tiermem checkpoint: cannot read the DCP metadata of {where}: {exc}; the checkpoint is damaged",
             str(where),
         ) from exc
     tree = LoadTree(all_states, metadata, str(where))

@@ -8,8 +8,9 @@ rename, with a digest per file verified before anything is loaded.
    save that died (SIGKILL, power loss) and the next save of ``path`` removes it. Never judged
    by a PID, which the system reuses (TRAPS 5).
 2. Durability before visibility: every file is written and ``fsync``-ed (DCP's data and
-   ``.metadata`` with ``sync_files``, ours explicitly), the manifest last, then the directory
-   itself; only then is it renamed into place, and the parent directory is ``fsync``-ed after.
+   ``.metadata`` with ``sync_files``, tensorstore's with ``file_io_sync``, ours explicitly),
+   every folder below the checkpoint, the manifest last, then the directory itself; only then
+   is it renamed into place, and the parent directory is ``fsync``-ed after.
 3. The commit is one atomic step: with no checkpoint at ``path``, ``rename``; with one,
    ``renameat2(RENAME_EXCHANGE)`` swaps the two directories, so ``path`` is at every instant
    either the previous complete checkpoint or the new complete one; the previous one (now at
@@ -18,10 +19,12 @@ rename, with a digest per file verified before anything is loaded.
    between the two leaves ``path`` missing and the old sibling, which the next load or save
    of ``path`` renames back (:func:`recover`).
 4. The manifest (``tiermem-manifest.json``) records every other file's size and xxh3-128
-   digest. A load verifies all of them first, streaming (a few MiB in memory), and refuses a
-   missing, truncated or corrupted file with a :class:`CheckpointError` naming it: never
-   wrong weights. A directory with DCP's ``.metadata`` and neither manifest nor tiermem state
-   file is a plain DCP checkpoint (written by PyTorch itself): loaded without digests.
+   digest, files in folders too (the zarr format's arrays, by relative path), and the storage
+   format (``"dcp"`` or ``"zarr"``). A load verifies all of them first, streaming (a few MiB
+   in memory), and refuses a missing, truncated or corrupted file with a
+   :class:`CheckpointError` naming it: never wrong weights. A directory with DCP's
+   ``.metadata`` and neither manifest nor tiermem state file is a plain DCP checkpoint
+   (written by PyTorch itself): loaded without digests.
 5. A save that fails removes its temporary directory and leaves ``path`` as it was.
 6. Only a checkpoint is replaced: ``path`` must be missing, an empty directory, or a tiermem
    checkpoint (its manifest names our format). Anything else (a directory of other files, a
@@ -50,6 +53,8 @@ MANIFEST = "tiermem-manifest.json"
 #: extra, RNG states and loop positions (pickled)
 STATE_FILE = "tiermem-state.pkl"
 DCP_METADATA = ".metadata"
+#: the root of a checkpoint in the zarr format (a zarr v3 group)
+ZARR_ROOT = "zarr.json"
 FORMAT = "tiermem-dcp"
 FORMAT_VERSION = 1
 _TMP = ".tiermem-tmp-"
@@ -146,6 +151,8 @@ class Staging:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        #: the storage format written (recorded in the manifest)
+        self.storage = "dcp"
         if path.parent.exists():
             recover(path)
         check_replaceable(path)
@@ -168,7 +175,7 @@ class Staging:
 
     def commit(self) -> None:
         """Rules 2 and 3: make the written checkpoint ``path``, atomically."""
-        write_manifest(self.dir)
+        write_manifest(self.dir, self.storage)
         fsync_path(self.dir)
         path, parent = self.path, self.path.parent
         check_replaceable(path)
@@ -200,18 +207,41 @@ def digest_file(path: Path) -> tuple[int, str]:
     return size, hasher.hexdigest()
 
 
-def write_manifest(directory: Path) -> None:
-    """Rule 4: every file's size and digest, written and synced last."""
+def _tree(directory: Path) -> tuple[list[str], list[Path]]:
+    """Every file under ``directory`` (relative, ``/``-separated, sorted) and every folder below it."""
+    names: list[str] = []
+    folders: list[Path] = []
+    for root, dirs, found in os.walk(directory):
+        dirs.sort()
+        here = Path(root)
+        if here != directory:
+            folders.append(here)
+        names += [(here / name).relative_to(directory).as_posix() for name in found]
+    return sorted(names), folders
+
+
+def write_manifest(directory: Path, storage: str = "dcp") -> None:
+    """Rule 4: every file's size and digest (files in folders too: the zarr format's arrays),
+    written and synced last, after every folder below ``directory`` (rule 2)."""
+    names, folders = _tree(directory)
     files = {}
-    for name in sorted(os.listdir(directory)):
+    for name in names:
         if name != MANIFEST:
             size, digest = digest_file(directory / name)
             files[name] = {"bytes": size, "xxh3_128": digest}
-    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "files": files}
+    for folder in folders:
+        fsync_path(folder)
+    manifest = {"format": FORMAT, "version": FORMAT_VERSION, "storage": storage, "files": files}
     with open(directory / MANIFEST, "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
+
+
+def storage_of(directory: Path) -> str:
+    """Which storage format the checkpoint at ``directory`` is in, from what is on disk:
+    ``"zarr"`` where it is a zarr group (its root ``zarr.json``), else ``"dcp"``."""
+    return "zarr" if (directory / ZARR_ROOT).is_file() else "dcp"
 
 
 def _damaged(path: Path, what: str) -> CheckpointError:
@@ -244,6 +274,8 @@ def verify(directory: Path) -> bool:
         raise _damaged(manifest_path, f"cannot be read ({exc})") from exc
     for name, record in files.items():
         file = directory / name
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise _damaged(manifest_path, f"names {name!r}, outside the checkpoint")
         if not file.exists():
             raise _damaged(file, "is missing")
         size, digest = digest_file(file)
