@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from tiermem import distributed
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.config import Config
@@ -69,6 +70,9 @@ class Runtime:
             return self
         from tiermem.tiers.nvme import NvmeTier  # only the runtime needs storage I/O machinery
 
+        # NOTE [ Ranks ] in tiermem.distributed: in a multi-process job this rank's files go to
+        # <path>/rank<R> under each NVMe path and its auto capacities are its share of the machine.
+        ranks = distributed.detect()
         resolved = self.config.resolve()
         d, h, n, s = resolved.device, resolved.host, resolved.nvme, resolved.scheduler
         tiers: dict[str, Tier] = {}
@@ -83,6 +87,7 @@ class Runtime:
                 queue_depth=n.queue_depth,
                 checksum=n.checksum,
                 direct=n.direct,
+                subdirectory=ranks.subdirectory,
             )
             overrides = {
                 name: section.max_inflight
@@ -101,7 +106,7 @@ class Runtime:
             raise
         self._tiers = tiers
         self._registry = Registry(tiers, self._scheduler)
-        self.resolved = resolved
+        self.resolved = ranks.for_rank(resolved)  # rt.init() and the planner see this rank's paths
         self._owner_pid = os.getpid()
         # Ctrl-C inside the runtime's hooks, waits and finalizers is held until they are
         # done (TRAPS 18, 25); elsewhere it interrupts at once, as without tiermem.
@@ -336,15 +341,17 @@ class Runtime:
         return planner(model, Batch(args, kwargs) if kwargs else args)
 
     # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
-    def save(self, path: str | os.PathLike[str], *, extra: Any = None) -> None:
+    def save(self, path: str | os.PathLike[str], *, extra: Any = None, format: str | None = None) -> None:
         """Save every model and optimizer this runtime manages, the RNG states, the declared
         loop's position and ``extra`` (picklable: an LR scheduler's state_dict, the data position)
         as a DCP checkpoint at ``path``, streamed from the tier that holds each chunk; written
-        beside ``path`` and committed atomically, so a crash keeps the previous one."""
+        beside ``path`` and committed atomically, so a crash keeps the previous one. ``format``:
+        ``"dcp"`` (DCP's filesystem format) or ``"zarr"`` (a zarr v3 array per tensor, through
+        tensorstore); None is ``tiermem.checkpoint.DEFAULT_FORMAT``. ``rt.load`` reads either."""
         from tiermem import checkpoint  # DCP only when asked
 
         self.registry  # noqa: B018  (raises a clear error outside `with rt`)
-        checkpoint.save(self._model_states, path, extra=extra)
+        checkpoint.save(self._model_states, path, extra=extra, format=format)
 
     def load(self, path: str | os.PathLike[str]) -> Any:
         """Load a checkpoint ``rt.save`` wrote (or a plain DCP one) into the models managed so far
