@@ -12,6 +12,10 @@ be checked anywhere but sized for the machine it runs on:
    machine (device, capacities, pinning, NVMe paths) with concrete ones, reading the machine
    through an injectable :class:`MachineProbe` so tests can fake any machine.
 
+Capacities are per rank. In a multi-process job an ``auto`` capacity is this rank's share of
+what the machine's ranks share (RAM, disk space; its own GPU's memory), and an explicit one
+must fit the machine as many times as it has ranks (NOTE [ Ranks ] in ``tiermem.distributed``).
+
 Sizes are stored as ints (bytes); ``"auto"`` stays the string ``"auto"`` until resolved.
 The schema lives on the section dataclasses themselves (each field carries its ``_Rule``),
 so adding a setting is one line in one place; they are defined in :mod:`tiermem.config_fields`
@@ -44,6 +48,7 @@ from tiermem.config_fields import (
     ENV_PREFIX,
     ActivationsConfig,
     DeviceConfig,
+    DistributedConfig,
     HostConfig,
     ModelStatesConfig,
     NvmeConfig,
@@ -62,6 +67,7 @@ __all__ = [
     "Config",
     "DeviceConfig",
     "DiskSpace",
+    "DistributedConfig",
     "HostConfig",
     "MachineProbe",
     "ModelStatesConfig",
@@ -121,12 +127,15 @@ class MachineProbe:
 
     ``cuda_free(index)`` (free bytes on ``cuda:index``) and ``disk_space(path)`` are called
     only for the settings that need them, so faking a CPU machine needs neither CUDA nor disks.
+    ``local_world_size``: the ranks of this job on this machine, which share its RAM and disks
+    (NOTE [ Ranks ] in ``tiermem.distributed``); ``auto`` capacities are each rank's share.
     """
 
     available_ram: int
     total_ram: int
     cuda_device_count: int = 0
     local_rank: int = 0
+    local_world_size: int = 1
     cuda_free: Callable[[int], int] = _cuda_free
     disk_space: Callable[[str], DiskSpace] = _disk_space
 
@@ -137,8 +146,12 @@ class MachineProbe:
 
     @classmethod
     def detect(cls, environ: Mapping[str, str] | None = None) -> MachineProbe:
-        """Probe this machine: RAM from psutil, CUDA from torch, ``LOCAL_RANK`` from the environment."""
+        """Probe this machine: RAM from psutil, CUDA from torch, this process's rank on the machine
+        and how many ranks share it (``tiermem.distributed.detect``: ``LOCAL_RANK``,
+        ``LOCAL_WORLD_SIZE``, or an initialized process group)."""
         import psutil
+
+        from tiermem.distributed import detect as detect_ranks
 
         environ = os.environ if environ is None else environ
         text = environ.get("LOCAL_RANK", "").strip() or "0"
@@ -147,12 +160,14 @@ class MachineProbe:
                 [f"device.device: LOCAL_RANK={text!r} is not a non-negative integer (a device index)"],
                 "the environment",
             )
+        ranks = detect_ranks(environ)
         memory = psutil.virtual_memory()
         return cls(
             available_ram=int(memory.available),
             total_ram=int(memory.total),
             cuda_device_count=_cuda_device_count(),
-            local_rank=int(text),
+            local_rank=ranks.local_rank,
+            local_world_size=ranks.local_world_size,
         )
 
 
@@ -176,6 +191,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     model_states: ModelStatesConfig = field(default_factory=ModelStatesConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     source: str = field(default="configuration", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -293,10 +309,13 @@ class Config:
         """A new Config with every machine-dependent ``"auto"`` made concrete for ``probe``
         (default: :meth:`MachineProbe.detect`).
 
-        Resolved: device name, device/host/nvme capacities, host pinning, nvme paths (absolute;
-        ``[]`` becomes ``<tempdir>/tiermem``). Left as they are: nvme backend and direct (chosen by
-        a probe I/O in the NVMe tier), chunk_size (the planner), activation policy, and tier
-        max_inflight None (meaning the scheduler's). Problems are collected into one ConfigError.
+        Resolved: device name, device/host/nvme capacities (per rank: ``auto`` is this rank's share
+        of the machine, ``probe.local_world_size`` ranks), host pinning, nvme paths (absolute;
+        ``[]`` becomes ``<tempdir>/tiermem-nvme``; a rank's ``rank<R>`` under them is the
+        runtime's). Left as they are: nvme backend and direct (chosen by a probe I/O in the NVMe
+        tier), chunk_size (the planner), activation policy, tier max_inflight None (meaning the
+        scheduler's) and [distributed] (used when tiermem makes the process group). Problems are
+        collected into one ConfigError.
         """
         probe = MachineProbe.detect() if probe is None else probe
         problems: list[str] = []
@@ -383,10 +402,17 @@ def _resolve_device_name(requested: str, probe: MachineProbe, problems: list[str
     return name
 
 
+def _ranks_here(probe: MachineProbe) -> str:
+    """`` x N ranks on this machine`` for messages about a machine several ranks share, else ``""``."""
+    return f" x {probe.local_world_size} ranks on this machine" if probe.local_world_size > 1 else ""
+
+
 def _cuda_capacities(config: Config, index: int, probe: MachineProbe, problems: list[str]) -> tuple[Any, Any]:
-    """With CUDA: device auto = 90% of free device memory, host auto = 50% of available RAM."""
+    """With CUDA: device auto = 90% of free device memory (the rank's own GPU), host auto = 50%
+    of available RAM shared among the ranks on this machine."""
     device_cap: Any = config.device.capacity
     host_cap: Any = config.host.capacity
+    ranks = probe.local_world_size
     if device_cap == AUTO:
         try:
             device_cap = probe.cuda_free(index) * 9 // 10
@@ -395,10 +421,13 @@ def _cuda_capacities(config: Config, index: int, probe: MachineProbe, problems: 
                 f"device.capacity: cannot read the free memory of cuda:{index} ({exc}); set [device] capacity to a size"
             )
     if host_cap == AUTO:
-        host_cap = probe.available_ram // 2
-    elif host_cap > probe.total_ram:
+        host_cap = probe.available_ram // 2 // ranks
+    elif host_cap * ranks > probe.total_ram:
         problems.append(
-            f"host.capacity: {format_size(host_cap)} exceeds this machine's RAM "
+            f"host.capacity: {format_size(host_cap)}{_ranks_here(probe)} exceeds this machine's RAM "
+            f'({format_size(probe.total_ram)}); lower it (it is per rank) or use "auto"'
+            if ranks > 1
+            else f"host.capacity: {format_size(host_cap)} exceeds this machine's RAM "
             f'({format_size(probe.total_ram)}); lower it or use "auto"'
         )
     return device_cap, host_cap
@@ -406,28 +435,34 @@ def _cuda_capacities(config: Config, index: int, probe: MachineProbe, problems: 
 
 def _cpu_capacities(config: Config, probe: MachineProbe, problems: list[str]) -> tuple[int, int]:
     """Without CUDA device and host are one RAM (TRAPS 7): ``auto`` shares 80% of available RAM
-    (40% each, or all of what the explicit other leaves), and explicit values must fit in RAM."""
+    (40% each, or all of what the explicit other leaves) among the ranks on this machine, and
+    explicit values (per rank) must fit in RAM that many times."""
     device_cap, host_cap = config.device.capacity, config.host.capacity
-    share = probe.available_ram * 4 // 5
+    ranks = probe.local_world_size
+    share = probe.available_ram * 4 // 5 // ranks
     if device_cap == AUTO and host_cap == AUTO:
-        device_cap = host_cap = probe.available_ram * 2 // 5
+        device_cap = host_cap = probe.available_ram * 2 // 5 // ranks
     elif device_cap == AUTO:
         device_cap = max(0, share - int(host_cap))
     elif host_cap == AUTO:
         host_cap = max(0, share - int(device_cap))
     device_cap, host_cap = int(device_cap), int(host_cap)
-    if device_cap + host_cap > probe.total_ram:
+    if (device_cap + host_cap) * ranks > probe.total_ram:
+        total = (device_cap + host_cap) * ranks
         problems.append(
-            f"host.capacity: device ({format_size(device_cap)}) + host ({format_size(host_cap)}) = "
-            f"{format_size(device_cap + host_cap)} exceeds this machine's RAM "
+            f"host.capacity: device ({format_size(device_cap)}) + host ({format_size(host_cap)})"
+            f"{_ranks_here(probe)} = {format_size(total)} exceeds this machine's RAM "
             f"({format_size(probe.total_ram)}); on the CPU both tiers share one RAM"
+            + ("; capacities are per rank" if ranks > 1 else "")
         )
     return device_cap, host_cap
 
 
 def _resolve_nvme(nvme: NvmeConfig, probe: MachineProbe, problems: list[str]) -> NvmeConfig:
-    """Absolute paths (default ``<tempdir>/tiermem``); capacity auto = 90% of the free space of the
-    distinct filesystems holding them (two paths on one filesystem share its free space)."""
+    """Absolute paths (default ``<tempdir>/tiermem-nvme``; a multi-process job's ranks use
+    ``<path>/rank<R>`` under them, decided by the runtime: ``tiermem.distributed``); capacity auto
+    = 90% of the free space of the distinct filesystems holding them (two paths on one
+    filesystem share its free space), shared among the ranks on this machine."""
     paths = nvme.paths or (os.path.join(tempfile.gettempdir(), _DEFAULT_NVME_DIR),)
     paths = tuple(os.path.abspath(os.path.expanduser(p)) for p in paths)
     capacity: Any = nvme.capacity
@@ -440,5 +475,5 @@ def _resolve_nvme(nvme: NvmeConfig, probe: MachineProbe, problems: list[str]) ->
                 problems.append(f"nvme.paths: cannot read the free space for {_show(path)}: {exc.strerror or exc}")
                 continue
             free_by_fs.setdefault(space.filesystem, space.free)
-        capacity = sum(free_by_fs.values()) * 9 // 10
+        capacity = sum(free_by_fs.values()) * 9 // 10 // probe.local_world_size
     return dataclasses.replace(nvme, paths=paths, capacity=capacity)

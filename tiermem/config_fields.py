@@ -4,7 +4,11 @@ the rule that reads it, so adding a setting is one line in one place.
 A rule (:class:`_Rule`) checks one value from TOML or a dict and normalises it (sizes to
 ints, ``"cuda"`` device names to ``cuda:N``), or raises ``ValueError("<what is wrong>; <what is
 accepted>")``; it also turns ``TIERMEM_*`` environment text into what TOML would have given.
-A section checks every field when it is built, however it is built. Reading files, dicts and
+A section checks every field when it is built, however it is built.
+
+Capacities are per rank: in a multi-process job (torchrun, FSDP2) each rank has the budgets
+of ``[device]``, ``[host]`` and ``[nvme]`` for itself, and its NVMe files in ``<path>/rank<R>``
+under each path (NOTE [ Ranks ] in ``tiermem.distributed``). Reading files, dicts and
 the environment, and resolving ``"auto"`` for a machine, live in :mod:`tiermem.config`, which
 re-exports every public name here.
 """
@@ -27,6 +31,7 @@ __all__ = [
     "ENV_PREFIX",
     "ActivationsConfig",
     "DeviceConfig",
+    "DistributedConfig",
     "HostConfig",
     "ModelStatesConfig",
     "NvmeConfig",
@@ -145,6 +150,26 @@ def _int_rule(low: int, high: int) -> _Rule:
     return _Rule(parse, from_env)
 
 
+def _seconds_rule(low: float, high: float) -> _Rule:
+    """A duration in seconds: an int or a float, more than ``low`` and at most ``high``."""
+    accepted = f"use a number of seconds more than {low:g} and at most {high:g} (e.g. 600)"
+
+    def parse(value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{_show(value)} is not a number of seconds; {accepted}")
+        if not low < value <= high:  # also refuses NaN
+            raise ValueError(f"{_show(value)} is out of range; {accepted}")
+        return float(value)
+
+    def from_env(text: str) -> Any:
+        try:
+            return float(text.strip())
+        except ValueError:
+            return text
+
+    return _Rule(parse, from_env)
+
+
 def _bool_rule(*, auto: bool = False) -> _Rule:
     accepted = ('"auto", ' if auto else "") + "true or false (1/0/yes/no in the environment)"
 
@@ -251,7 +276,7 @@ class _Section:
 
 @dataclass(frozen=True)
 class DeviceConfig(_Section):
-    """[device]: the compute device (``cuda:N`` or the CPU) and its byte budget."""
+    """[device]: the compute device (``cuda:N`` or the CPU) and its byte budget (per rank)."""
 
     NAME: ClassVar[str] = "device"
     capacity: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True))
@@ -261,7 +286,7 @@ class DeviceConfig(_Section):
 
 @dataclass(frozen=True)
 class HostConfig(_Section):
-    """[host]: host RAM, pinned (page-locked) when the device is CUDA."""
+    """[host]: host RAM (per rank), pinned (page-locked) when the device is CUDA."""
 
     NAME: ClassVar[str] = "host"
     capacity: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True))
@@ -271,7 +296,8 @@ class HostConfig(_Section):
 
 @dataclass(frozen=True)
 class NvmeConfig(_Section):
-    """[nvme]: files striped over ``paths``; ``paths == ()`` means a private temp directory."""
+    """[nvme]: files striped over ``paths``; ``paths == ()`` means a private temp directory.
+    ``capacity`` is per rank; rank R of a multi-process job uses ``<path>/rank<R>``."""
 
     NAME: ClassVar[str] = "nvme"
     paths: tuple[str, ...] = _setting((), _PATHS_RULE)
@@ -314,7 +340,31 @@ class ModelStatesConfig(_Section):
     chunk_size: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True, positive=True))
 
 
+@dataclass(frozen=True)
+class DistributedConfig(_Section):
+    """[distributed]: the process group tiermem sets up itself (``tiermem train`` under torchrun).
+
+    ``timeout_s`` bounds how long a rank waits in a collective for the others: a rank that died
+    or hangs ends the job after at most that long, with an error naming the cause. It must also
+    cover the longest stretch one rank works alone while the others wait (planning, a
+    checkpoint). ``backend``: ``auto`` is gloo without CUDA and ``cpu:gloo,cuda:nccl`` with
+    it. A process group the program made itself (``init_process_group``) is used as it is.
+    """
+
+    NAME: ClassVar[str] = "distributed"
+    timeout_s: float = _setting(600.0, _seconds_rule(0, 7 * 24 * 3600))
+    backend: Literal["auto", "gloo", "nccl"] = _setting(AUTO, _choice_rule("backend", AUTO, "gloo", "nccl"))
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     cls.NAME: cls
-    for cls in (DeviceConfig, HostConfig, NvmeConfig, SchedulerConfig, ActivationsConfig, ModelStatesConfig)
+    for cls in (
+        DeviceConfig,
+        HostConfig,
+        NvmeConfig,
+        SchedulerConfig,
+        ActivationsConfig,
+        ModelStatesConfig,
+        DistributedConfig,
+    )
 }

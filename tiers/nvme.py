@@ -86,6 +86,8 @@ class NvmeTier(Tier):
     uses it where the filesystem accepts it, False never. ``checksum`` verifies every read
     (see NOTE [ NVMe tier layout and I/O ] rule 4). An empty ``paths`` uses the default
     ``$TMPDIR/tiermem-nvme`` (created on demand and removed again when empty).
+    ``subdirectory`` (one rank's ``rank<N>`` in a multi-process job) puts everything in
+    ``<path>/<subdirectory>`` instead, created on demand and removed again when empty.
     """
 
     is_memory = False
@@ -103,6 +105,7 @@ class NvmeTier(Tier):
         queue_depth: int = 32,
         checksum: bool = False,
         direct: bool | str = "auto",
+        subdirectory: str | None = None,
     ) -> None:
         if isinstance(paths, (str, bytes, os.PathLike)):
             raise TypeError("tiermem nvme tier: paths must be a list of directories, not one path")
@@ -111,7 +114,7 @@ class NvmeTier(Tier):
         self.block_size = int(block_size)
         self.checksum = bool(checksum)
         self._owner_pid = os.getpid()
-        parents, create = resolve_parents(paths)
+        parents, create = resolve_parents(paths, subdirectory)
         self._parents = parents
         self._filesystems = [filesystem_of(p) for p in parents]
         for parent, fs in zip(parents, self._filesystems, strict=True):
@@ -122,7 +125,9 @@ class NvmeTier(Tier):
                     TiermemWarning,
                     stacklevel=2,
                 )
-        self._backend, self._backend_reason = _backend_for(backend, parents[0])
+        # Probed where the files will be: the path itself (a rank directory does not exist yet).
+        probe_dir = os.path.dirname(parents[0]) if subdirectory is not None else parents[0]
+        self._backend, self._backend_reason = _backend_for(backend, probe_dir)
         # One bounce buffer per worker is all that can be in use at once (each segment holds at most one).
         self._bounces = BouncePool(self.block_size, self.queue_depth)
         self._store = NvmeStore(

@@ -55,9 +55,14 @@ class Segment(NamedTuple):
     length: int
 
 
-def resolve_parents(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[str], list[bool]]:
+def resolve_parents(
+    paths: Sequence[str | os.PathLike[str]], subdirectory: str | None = None
+) -> tuple[list[str], list[bool]]:
     """The absolute parent directories (the default one when ``paths`` is empty), checked,
-    and per parent whether it may be created (only tiermem's own default directory)."""
+    and per parent whether it may be created (only tiermem's own default directory).
+
+    With ``subdirectory`` (a rank's ``rank<N>``) each path is checked as above and the parent
+    is ``<path>/<subdirectory>``, always created on demand and removed again when empty."""
     default = default_parent()
     parents = [os.path.abspath(os.fspath(p)) for p in paths] or [default]
     seen: set[str] = set()
@@ -68,7 +73,7 @@ def resolve_parents(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[str],
             raise StoragePathError(parent, "listed twice in [nvme] paths (striping over one directory)")
         seen.add(real)
         make = parent == default  # only tiermem's own default directory is made on demand
-        create.append(make)
+        create.append(make or subdirectory is not None)
         if make and not os.path.exists(parent):
             continue
         if not os.path.exists(parent):
@@ -77,6 +82,8 @@ def resolve_parents(paths: Sequence[str | os.PathLike[str]]) -> tuple[list[str],
             raise StoragePathError(parent, "not a directory", errno.ENOTDIR)
         if not os.access(parent, os.W_OK | os.X_OK):
             raise StoragePathError(parent, "not writable by this process", errno.EACCES)
+    if subdirectory is not None:
+        parents = [os.path.join(parent, subdirectory) for parent in parents]
     return parents, create
 
 

@@ -8,6 +8,8 @@ Layout under a parent directory (one of ``[nvme] paths``)::
         data                         the tier's striped data file (made by the tier)
       .tiermem-new-<random>/         being created (lock taken, not yet renamed)
       .tiermem-dead-<random>/        being removed by its owner or a sweeper
+      rank<N>/                       rank N's parent in a multi-process job (tiermem.distributed):
+        tiermem-run-<pid>-<random>/  the same layout again, one level down
 
 # NOTE [ Run directory rules ]
 1. Liveness is the ``flock`` on ``lock``, never the PID in the name: PIDs are reused, and
@@ -22,6 +24,11 @@ Layout under a parent directory (one of ``[nvme] paths``)::
    belong to the open file description the child shares with the parent, so an unlock in
    the child would free the parent's lock; closing the child's copy of the descriptor
    does not.
+5. A ``rank<N>`` directory is one rank's parent. Sweeping a parent sweeps its ``rank<N>``
+   directories too, and sweeping a rank directory sweeps its siblings (through the parent),
+   so a dead rank's run directory is reclaimed by the next run on the same path whatever its
+   world size. A rank directory the sweep emptied is removed; one a live run is about to use
+   may vanish under it, which creating with ``create_parent`` retries (rule 2 still holds).
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ import time
 import weakref
 from dataclasses import dataclass
 
-__all__ = ["RUN_PREFIX", "RunDirectory", "default_parent", "sweep_stale"]
+__all__ = ["RANK_PREFIX", "RUN_PREFIX", "RunDirectory", "default_parent", "rank_directory_name", "sweep_stale"]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -50,6 +57,22 @@ _LOCK_NAME = "lock"
 #: Temporary (new/dead) directories older than this are leftovers of a crash mid-create or
 #: mid-remove; nothing legitimate keeps one that long.
 STALE_TEMP_AGE_S = 600.0
+
+
+#: Prefix of one rank's directory under a parent (rule 5): ``rank0``, ``rank1``, ...
+RANK_PREFIX = "rank"
+
+
+def rank_directory_name(rank: int) -> str:
+    """The directory under each NVMe path that rank ``rank`` of a multi-process job uses."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"tiermem run directory: a rank is a non-negative integer, got {rank!r}")
+    return f"{RANK_PREFIX}{rank}"
+
+
+def _is_rank_directory(name: str) -> bool:
+    digits = name[len(RANK_PREFIX) :]
+    return name.startswith(RANK_PREFIX) and digits.isdigit() and digits == str(int(digits))
 
 
 #: The default NVMe parent's name under the temp dir (the config resolves to the same).
@@ -73,7 +96,9 @@ class _RunState:
     parent: str
     lock_fd: int
     owner_pid: int
-    created_parent: bool
+    #: Directories this process made for ``parent`` (``parent`` first, then its missing
+    #: ancestors), removed at cleanup once empty.
+    created: tuple[str, ...]
     owner: bool = True
     done: bool = False
 
@@ -109,11 +134,13 @@ def _cleanup_state(state: _RunState) -> None:
         with contextlib.suppress(OSError):
             os.close(state.lock_fd)
         state.lock_fd = -1
-    if state.created_parent:
-        # Only a parent this process created, and only when empty: another runtime may be
-        # using it, and a user's own directory is never removed.
-        with contextlib.suppress(OSError):
-            os.rmdir(state.parent)
+    # Only directories this process created, and only when empty: another runtime may be
+    # using them, and a user's own directory is never removed.
+    for directory in state.created:
+        try:
+            os.rmdir(directory)
+        except OSError:
+            break  # not empty (or gone): its ancestors are not empty either
 
 
 def _remove_locked_dir(path: str, parent: str) -> bool:
@@ -145,14 +172,41 @@ def _try_lock(lock_path: str) -> int | None:
 
 
 def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
-    """Remove run directories under ``parent`` whose owner is gone; return the removed paths.
+    """Remove run directories under ``parent`` and its ``rank<N>`` directories whose owner is
+    gone; return the removed paths.
 
     A run directory is stale when its lock can be taken (its owner died, rule 1). Temporary
     ``.tiermem-new-*`` / ``.tiermem-dead-*`` directories are removed once older than
     :data:`STALE_TEMP_AGE_S` (and, for new ones, when no one holds their lock). Live
-    directories of other runtimes are never touched.
+    directories of other runtimes are never touched. A rank directory left empty by the
+    sweep (a dead rank's) is removed too (rule 5).
     """
     parent = os.fspath(parent)
+    removed = _sweep_one(parent)
+    try:
+        ranks = [name for name in os.listdir(parent) if _is_rank_directory(name)]
+    except OSError:
+        ranks = []
+    for name in ranks:
+        rank_dir = os.path.join(parent, name)
+        swept = _sweep_one(rank_dir)
+        if swept:
+            removed += swept
+            with contextlib.suppress(OSError):
+                os.rmdir(rank_dir)  # only when empty: a live rank's directory stays
+    if removed:
+        logger.info(
+            "tiermem: removed %d stale run director%s under %s: %s",
+            len(removed),
+            "y" if len(removed) == 1 else "ies",
+            parent,
+            ", ".join(removed),
+        )
+    return removed
+
+
+def _sweep_one(parent: str) -> list[str]:
+    """:func:`sweep_stale` for the entries of ``parent`` itself (not its rank directories)."""
     removed: list[str] = []
     try:
         names = os.listdir(parent)
@@ -185,15 +239,35 @@ def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
             finally:
                 if fd is not None:
                     os.close(fd)
-    if removed:
-        logger.info(
-            "tiermem: removed %d stale run director%s under %s: %s",
-            len(removed),
-            "y" if len(removed) == 1 else "ies",
-            parent,
-            ", ".join(removed),
-        )
     return removed
+
+
+def _make_missing(parent: str) -> list[str]:
+    """Make ``parent`` and its missing ancestors; the ones this call made, innermost first."""
+    missing: list[str] = []
+    probe = parent
+    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
+        missing.append(probe)
+        probe = os.path.dirname(probe)
+    made: list[str] = []
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, mode=0o700)
+            made.append(directory)
+        except FileExistsError:
+            pass  # another runtime made it: it is not ours to remove
+    return made[::-1]
+
+
+def _removable(parent: str, created: list[str]) -> tuple[str, ...]:
+    """What cleanup may remove once empty, innermost first: what this process made, and
+    tiermem's own default parent above a rank directory whoever made it (the last rank to
+    leave removes it)."""
+    directories = sorted(set(created), key=len, reverse=True)
+    default = default_parent()
+    if os.path.dirname(parent) == default and default not in directories:
+        directories.append(default)
+    return tuple(directories)
 
 
 def _older_than(path: str, now: float, age: float = STALE_TEMP_AGE_S) -> bool:
@@ -218,31 +292,30 @@ class RunDirectory:
     def create(cls, parent: str | os.PathLike[str], *, create_parent: bool = False) -> RunDirectory:
         """Sweep ``parent`` of stale run directories, then make a fresh one there.
 
-        ``create_parent`` makes ``parent`` when missing (for the default ``$TMPDIR/tiermem-nvme``);
-        :meth:`cleanup` then removes it again once empty. Otherwise a missing parent raises
-        ``FileNotFoundError``.
+        ``create_parent`` makes ``parent`` (and its missing ancestors) when missing: the default
+        ``$TMPDIR/tiermem-nvme`` and rank directories; :meth:`cleanup` removes what it made once
+        empty. Otherwise a missing parent raises ``FileNotFoundError``. In a rank directory
+        (``rank<N>``) the sweep covers the sibling ranks too (rule 5).
         """
         parent = os.path.abspath(os.fspath(parent))
-        created_parent = False
+        base = os.path.dirname(parent)
+        sweep_root = base if _is_rank_directory(os.path.basename(parent)) else parent
+        created: list[str] = []
         for _attempt in range(5):
-            if create_parent and not os.path.isdir(parent):
-                try:
-                    os.makedirs(parent, mode=0o700)
-                    created_parent = True
-                except FileExistsError:
-                    pass
-            sweep_stale(parent)
+            if create_parent:
+                created += _make_missing(parent)
+            sweep_stale(sweep_root)
             try:
-                return cls(cls._make(parent, created_parent))
+                return cls(cls._make(parent, _removable(parent, created) if create_parent else ()))
             except FileNotFoundError:
-                # Another runtime removed the (empty) default parent between our makedirs
-                # and mkdtemp: make it again.
+                # Another runtime (or a sweeper, rule 5) removed the empty parent between our
+                # makedirs and mkdtemp: make it again.
                 if not create_parent:
                     raise
         raise OSError(errno.ENOENT, "tiermem: the run directory parent keeps disappearing", parent)
 
     @staticmethod
-    def _make(parent: str, created_parent: bool) -> _RunState:
+    def _make(parent: str, created: tuple[str, ...]) -> _RunState:
         # Rule 2: lock under a temporary name, then rename to the final name.
         temp = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=parent)
         fd = -1
@@ -257,7 +330,7 @@ class RunDirectory:
                 os.close(fd)
             shutil.rmtree(temp, ignore_errors=True)
             raise
-        state = _RunState(path=final, parent=parent, lock_fd=fd, owner_pid=pid, created_parent=created_parent)
+        state = _RunState(path=final, parent=parent, lock_fd=fd, owner_pid=pid, created=created)
         _STATES.add(state)
         return state
 
