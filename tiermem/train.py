@@ -64,6 +64,7 @@ from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner.errors import NoPlanFitsError
 from tiermem.runtime import Runtime
+from tiermem.train_resume import TrainCheckpoints, run_settings
 
 __all__ = ["ENDURANCE_ASSUMPTION", "PolicyLike", "TrainSummary", "drive_capacity", "train"]
 
@@ -104,6 +105,8 @@ class TrainSummary:
     links: dict[str, int] = dataclasses.field(default_factory=dict)
     #: NOTE [ Predicted and measured ]: the plan, its predictions and what was measured
     plan: dict[str, Any] | None = None
+    #: the steps done before this run (a resume, NOTE [ Resuming a train run ]); ``losses`` are this run's
+    start_step: int = 0
 
     @property
     def tokens_per_step(self) -> int:
@@ -120,28 +123,15 @@ class TrainSummary:
         return self.tokens_per_step / median if median > 0 else 0.0
 
     def as_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)  # copies every list and dict
+        out["loss_optimal"] = out.pop("optimal_loss")
         return {
-            "model": dict(self.model),
-            "device": self.device,
-            "policy": self.policy,
-            "steps": self.steps,
-            "batch_size": self.batch_size,
+            **out,
             "tokens_per_step": self.tokens_per_step,
-            "lr": self.lr,
-            "seed": self.seed,
-            "losses": list(self.losses),
             "loss_first": self.losses[0] if self.losses else None,
             "loss_last": self.losses[-1] if self.losses else None,
-            "loss_optimal": self.optimal_loss,
-            "step_seconds": list(self.step_seconds),
             "median_step_s": self.median_step_s,
             "tokens_per_s": self.tokens_per_s,
-            "tiers": {name: dict(values) for name, values in self.tiers.items()},
-            "activations": dict(self.activations),
-            "model_states": None if self.model_states is None else dict(self.model_states),
-            "links": dict(self.links),
-            "nvme": dict(self.nvme),
-            "plan": None if self.plan is None else dict(self.plan),
         }
 
 
@@ -197,6 +187,7 @@ def train(
     on_step: Callable[[int, float, float], None] | None = None,
     manage_states: bool = True,
     states_plan: Any = "auto",
+    checkpoints: TrainCheckpoints | None = None,
 ) -> TrainSummary:
     """Train ``GPT(model_config)`` for ``steps`` AdamW steps on generated data.
 
@@ -207,34 +198,37 @@ def train(
     stderr. The caller's global RNG state is restored afterwards. ``manage_states`` puts the
     model's states in chunks (``states_plan``: ``"auto"`` asks the planner, with the first
     batch as its sample; anything else is what ``rt.manage(plan=)`` takes, a hand plan).
+    ``checkpoints`` saves the run and resumes one (``steps`` is then the total, counting the
+    saved steps; NOTE [ Resuming a train run ]); they need ``manage_states``.
     """
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
+    checkpoints = checkpoints or TrainCheckpoints()
+    if checkpoints.active and not manage_states:
+        raise ValueError("train: checkpoints save the managed states; they need manage_states=True (no --no-states)")
     # A signal stops the run at the next safe point (TRAPS 18): before planning, after it,
     # between steps; leaving ``with rt`` then removes every file the run made. Installed
     # before anything starts: planning's profiling step releases saved activations in
     # __del__ too, where a raised KeyboardInterrupt would be lost.
     with DeferredInterrupts() as stop, (contextlib.nullcontext() if rt.running else rt):
-        return _train(
-            rt, model_config, steps, batch_size, lr, policy, seed, progress, on_step, manage_states, states_plan, stop
-        )
+        run = (steps, batch_size, lr, policy, seed)
+        return _train(rt, model_config, run, progress, on_step, manage_states, states_plan, checkpoints, stop)
 
 
 def _train(
     rt: Runtime,
     model_config: GPTConfig,
-    steps: int,
-    batch_size: int,
-    lr: float,
-    policy: PolicyLike,
-    seed: int,
+    run: tuple[int, int, float, PolicyLike, int],
     progress: bool,
     on_step: Callable[[int, float, float], None] | None,
     manage_states: bool,
     states_plan: Any,
+    checkpoints: TrainCheckpoints,
     stop: DeferredInterrupts,
 ) -> TrainSummary:
-    """``train`` on a started ``rt``, stopping where ``stop`` was asked to at the next safe point."""
+    """``train`` on a started ``rt`` (``run``: steps, batch size, lr, policy, seed), stopping where
+    ``stop`` was asked to at the next safe point."""
+    steps, batch_size, lr, policy, seed = run
     stop.check()
     assert rt.resolved is not None  # set by start()
     device = torch.device(rt.resolved.device.device)
@@ -245,6 +239,7 @@ def _train(
         data = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed)
         optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         parameters = model.num_parameters()
+        checkpoints.check_before_planning(model)
         planned = manage_states and (states_plan is None or states_plan == "auto")
         fixed_fits = True
         if planned:
@@ -252,14 +247,24 @@ def _train(
             model, optimizer, fixed_fits = _manage_planned(rt, model, optimizer, policy, sample)
         elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
-        # After rt.manage: the profiling step's link probes and the chunks' first placement are
-        # not this run's steps; nor are they in the steps' peaks (NOTE [ Predicted and measured ]
-        # rule 2).
+        settings = run_settings(model_config, batch_size, lr, seed)
+        start = checkpoints.resume_from(rt, settings, data, steps)  # NOTE [ Resuming a train run ] rule 2
+
+        def after_step(done: int, losses: list[float]) -> None:
+            if checkpoints.saves_after(done, steps):
+                checkpoints.save(rt, settings, done, data, start.losses + losses)
+
+        # After rt.manage (and a resume's load): the profiling step's link probes and the chunks'
+        # first placement are not this run's steps; nor are they in the steps' peaks (NOTE
+        # [ Predicted and measured ] rule 2).
         stop.check()
         before = rt.stats().as_dict()
         for tier in rt.tiers.values():
             tier.reset_peak()
-        losses, seconds = _loop(rt, model, data, optimizer, device, steps, batch_size, policy, progress, on_step, stop)
+        steps_run = range(start.step, steps)
+        losses, seconds = _loop(
+            rt, model, data, optimizer, device, steps_run, batch_size, policy, progress, on_step, after_step, stop
+        )
         after = rt.stats().as_dict()
         step_peaks = _split_peaks(before, after)
         states = _states_summary(rt, parameters) if manage_states else None
@@ -269,7 +274,8 @@ def _train(
         model={**dataclasses.asdict(model_config), "parameters": parameters},
         device=str(device),
         policy=_policy_for_summary(policy, rt),
-        steps=steps,
+        steps=len(steps_run),
+        start_step=start.step,
         batch_size=batch_size,
         lr=lr,
         seed=seed,
@@ -284,7 +290,7 @@ def _train(
             name: int(link["bytes"] - before["links"].get(name, {}).get("bytes", 0))
             for name, link in after["links"].items()
         },
-        nvme=_nvme_summary(rt, before, after, seconds, steps),
+        nvme=_nvme_summary(rt, before, after, seconds, len(steps_run)),
         plan=plan_block,
     )
 
@@ -454,22 +460,24 @@ def _loop(
     data: MarkovChainData,
     optimizer: torch.optim.Optimizer,
     device: torch.device,
-    steps: int,
+    steps: range,
     batch_size: int,
     policy: PolicyLike,
     progress: bool,
     on_step: Callable[[int, float, float], None] | None,
+    after_step: Callable[[int, list[float]], None],
     stop: DeferredInterrupts,
 ) -> tuple[list[float], list[float]]:
-    """The steps themselves; returns the loss and the wall seconds of each."""
+    """The steps themselves (numbered from ``steps.start``); returns the loss and the wall seconds
+    of each. ``after_step(steps done, losses)`` runs outside the timed region (a checkpoint)."""
     losses: list[float] = []
     seconds: list[float] = []
     bar = _progress_bar() if progress else None
-    task = bar.add_task("train", total=steps, loss="-") if bar is not None else None
+    task = bar.add_task("train", total=steps.stop, completed=steps.start, loss="-") if bar is not None else None
     if bar is not None:
         bar.start()
     try:
-        for step in range(steps):
+        for step in steps:
             stop.check()
             # Data generation is outside the timed region: it is not what tiermem changes.
             x, y = data.batch(batch_size, device)
@@ -478,6 +486,7 @@ def _loop(
             seconds.append(elapsed)
             if on_step is not None:
                 on_step(step, value, elapsed)
+            after_step(step + 1, losses)
             if bar is not None and task is not None:
                 bar.update(task, advance=1, loss=f"{value:.4f}")
     finally:

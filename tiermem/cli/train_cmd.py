@@ -10,8 +10,10 @@ budget the planner (``rt.manage(plan="auto", sample=<the first batch>)``) choose
 persistent chunks, buffers, homes and each block's activation policy, and the summary puts
 its predicted step time and peak bytes next to the measured ones. ``--state-home host|nvme``
 or ``--plan FILE`` give a hand plan instead; ``--no-states`` leaves the states as ordinary
-tensors outside the tiers. The loop itself lives in :mod:`tiermem.train`; this module only
-parses, chooses the budget and prints.
+tensors outside the tiers. ``--checkpoint DIR`` saves the run there (``--save-every N``
+steps and at the end, each save atomic) and ``--resume DIR`` continues a saved run on its
+exact loss curve (NOTE [ Resuming a train run ] in :mod:`tiermem.train_resume`). The loop
+itself lives in :mod:`tiermem.train`; this module only parses, chooses the budget and prints.
 """
 
 from __future__ import annotations
@@ -110,6 +112,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="leave parameters, gradients and AdamW states as ordinary tensors outside the tiers",
     )
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="save the run to DIR (a tiermem checkpoint) at the end, and every --save-every steps",
+    )
+    parser.add_argument(
+        "--save-every", type=_positive_int, metavar="N", help="save to --checkpoint DIR every N steps (and at the end)"
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="DIR",
+        help="continue the run saved in DIR up to --steps in total (give the same model, batch, lr and seed flags)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, nothing else")
 
 
@@ -119,21 +134,16 @@ def run(args: argparse.Namespace) -> int:
     from tiermem.models.gpt import GPT, GPTConfig, measure_activations
     from tiermem.runtime import Runtime
     from tiermem.train import train
+    from tiermem.train_resume import TrainCheckpoints
 
-    if args.d_model % args.heads:
-        print(
-            f"tiermem train: --d-model {args.d_model} is not divisible by --heads {args.heads}; "
-            "every attention head needs the same width",
-            file=sys.stderr,
-        )
+    usage = _checkpoint_usage(args) or _model_usage(args)
+    if usage is not None:
+        print(f"tiermem train: {usage}", file=sys.stderr)
         return 2
+    checkpoints = TrainCheckpoints(path=args.checkpoint, save_every=args.save_every, resume=args.resume)
     try:  # the flags are checked above and by argparse; this catches what GPTConfig adds later
         model_config = GPTConfig(
-            n_layer=args.layers,
-            d_model=args.d_model,
-            n_head=args.heads,
-            vocab_size=args.vocab,
-            seq_len=args.seq_len,
+            n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq_len
         )
     except ValueError as exc:
         print(f"tiermem train: {exc}", file=sys.stderr)
@@ -176,10 +186,11 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.json,
             manage_states=args.states,
             states_plan=plan,
+            checkpoints=checkpoints,
         )
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
     budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
-    result = {**summary.as_dict(), "device_budget": budget}
+    result = {**summary.as_dict(), "device_budget": budget, "checkpoint": _checkpoint_block(args, summary.start_step)}
     try:
         if args.json:
             # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
@@ -190,6 +201,34 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return 0
+
+
+def _model_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with the model flags together, or None."""
+    if args.d_model % args.heads:
+        return (
+            f"--d-model {args.d_model} is not divisible by --heads {args.heads}; every attention head needs the same "
+            "width"
+        )
+    return None
+
+
+def _checkpoint_usage(args: argparse.Namespace) -> str | None:
+    """What is wrong with the checkpoint flags together, or None."""
+    if args.save_every is not None and args.checkpoint is None:
+        return f"--save-every {args.save_every} needs --checkpoint DIR, the directory to save to"
+    if not args.states and (args.checkpoint is not None or args.resume is not None):
+        return "--checkpoint and --resume save and load the managed model states; drop --no-states"
+    return None
+
+
+def _checkpoint_block(args: argparse.Namespace, start_step: int) -> dict[str, Any] | None:
+    """Where this run saved and what it resumed (the summary's ``checkpoint``; None: neither)."""
+    if args.checkpoint is None and args.resume is None:
+        return None
+    path = None if args.checkpoint is None else os.path.abspath(args.checkpoint)
+    resumed = None if args.resume is None else os.path.abspath(args.resume)
+    return {"path": path, "save_every": args.save_every, "resumed_from": resumed, "start_step": start_step}
 
 
 def _stdout_closed() -> int:
@@ -382,6 +421,7 @@ def _print_summary(result: dict[str, Any]) -> None:
     lines.append(("moved", ", ".join(f"{name} {format_size(value)}" for name, value in moved.items()) or "-"))
     if result.get("plan") is not None:
         lines += _plan_lines(result["plan"])
+    lines += _checkpoint_lines(result)
     if result["activations"].get("captured_bytes") == 0 and policy != "keep":
         lines.append(("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's"))
     per_step, per_s = format_size(nvme["bytes_written_per_step"]), format_size(nvme["bytes_written_per_s"])
@@ -404,3 +444,23 @@ def _print_summary(result: dict[str, Any]) -> None:
     for name, text in lines:
         rows.add_row(Text(name), Text(text))  # Text: "[device]" and paths are not rich markup
     console.print(rows)
+
+
+def _checkpoint_lines(result: dict[str, Any]) -> list[tuple[str, str]]:
+    """The summary's checkpoint lines: what was resumed, where it was saved."""
+    block = result.get("checkpoint")
+    if block is None:
+        return []
+    lines = []
+    if block["resumed_from"] is not None:
+        lines.append(
+            (
+                "resumed",
+                f"{block['resumed_from']} at step {block['start_step']}; losses above are steps "
+                f"{block['start_step'] + 1}-{block['start_step'] + result['steps']}",
+            )
+        )
+    if block["path"] is not None:
+        every = f"every {block['save_every']} steps and " if block["save_every"] else ""
+        lines.append(("checkpoint", f"saved to {block['path']} {every}at step {block['start_step'] + result['steps']}"))
+    return lines
