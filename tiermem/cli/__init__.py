@@ -44,6 +44,7 @@ COMMANDS: dict[str, Command] = {
     "train": Command("tiermem.cli.train_cmd", "train the built-in GPT under a tier configuration"),
     "plan": Command("tiermem.cli.plan_cmd", "show the plan the planner picks, with its predictions"),
     "rok": Command("tiermem.cli.rok_cmd", "the recompute-offload-keep curve (CSV and PNG)"),
+    "checkpoint": Command("tiermem.cli.checkpoint_cmd", "inspect a checkpoint: step, tensors, format, complete"),
 }
 """Subcommand name -> module. Add a line here and a ``<name>_cmd.py`` module to add a command."""
 
