@@ -1,8 +1,10 @@
 """Child processes of tests/test_checkpoint_crash.py: a training process that saves again and
 again until it is killed, and one that measures the RSS a save and a load add.
 
-    python -m tests.checkpoint_child kill DIR CHECKPOINT
-    python -m tests.checkpoint_child rss DIR CHECKPOINT
+    python -m tests.checkpoint_child kill DIR CHECKPOINT [FORMAT]
+    python -m tests.checkpoint_child rss DIR CHECKPOINT [FORMAT]
+
+FORMAT is rt.save's ``format=`` (``dcp`` or ``zarr``; the default format when left out).
 """
 
 from __future__ import annotations
@@ -50,18 +52,18 @@ def step(model: nn.Module, optimizer: torch.optim.Optimizer, width: int) -> None
     optimizer.zero_grad()
 
 
-def kill(directory: str, path: str) -> None:
+def kill(directory: str, path: str, fmt: str | None = None) -> None:
     """Save, say so, then save again forever: the parent kills it at a random moment."""
     with tiermem.Runtime(config(directory, **KILL_CONFIG)) as rt:
         model, optimizer = rt.manage(make_model(**KILL), torch.optim.AdamW, lr=1e-3, plan=KILL_PLAN)
         step(model, optimizer, KILL["width"])
         n = 0
-        rt.save(path, extra={"n": n})
+        rt.save(path, extra={"n": n}, format=fmt)
         print("ready", flush=True)
         while True:
             n += 1
             step(model, optimizer, KILL["width"])
-            rt.save(path, extra={"n": n})
+            rt.save(path, extra={"n": n}, format=fmt)
             print(f"saved {n}", flush=True)
 
 
@@ -84,7 +86,7 @@ def _added_peak(run: Any) -> int:
     return _status("VmHWM") - before
 
 
-def rss(directory: str, path: str) -> None:
+def rss(directory: str, path: str, fmt: str | None = None) -> None:
     with tiermem.Runtime(config(directory, **RSS_CONFIG)) as rt:
         # a declared loop that frees gradients as chunks step: the host holds only staged homes
         model, optimizer = rt.manage(
@@ -96,6 +98,9 @@ def rss(directory: str, path: str) -> None:
             keep_gradients=False,
         )
         step(model, optimizer, RSS["width"])
+        if fmt == "zarr":
+            # the library's code (17 MiB of RSS, once per process) is not the save's data
+            import tensorstore  # noqa: F401
         chunks = [c for states in rt._model_states for c in states.chunks]
         homes = {c.home_tier for c in chunks if not c.persistent}
         result = {
@@ -103,7 +108,7 @@ def rss(directory: str, path: str) -> None:
             "home_bytes": max(c.home_bytes for c in chunks),
             "state_bytes": sum(c.home_bytes for c in chunks),
             "host_capacity": rt.stats().as_dict()["tiers"]["host"]["capacity"],
-            "save_added": _added_peak(lambda: rt.save(path)),
+            "save_added": _added_peak(lambda: rt.save(path, format=fmt)),
         }
         result["load_added"] = _added_peak(lambda: rt.load(path))
         print(json.dumps(result), flush=True)
@@ -111,4 +116,4 @@ def rss(directory: str, path: str) -> None:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"kill": kill, "rss": rss}[sys.argv[1]](sys.argv[2], sys.argv[3])
+    {"kill": kill, "rss": rss}[sys.argv[1]](sys.argv[2], sys.argv[3], *sys.argv[4:])

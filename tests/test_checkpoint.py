@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import re
 import warnings
 from typing import Any
 
@@ -24,6 +25,10 @@ from tiermem.errors import CheckpointError
 from tiermem.states import StatesUsageError
 
 W = 64
+#: both storage formats (NOTE [ Checkpoint rules ] rule 7)
+FORMATS = pytest.mark.parametrize("fmt", ["dcp", "zarr"])
+#: a data file of each format: DCP's one file, a chunk of a zarr array
+DATA_FILE = {"dcp": "__0_0.distcp", "zarr": "model.layers.1.weight/c/0/0"}
 
 
 class Net(nn.Module):
@@ -113,8 +118,9 @@ def assert_bitwise(a: tuple[dict[str, Any], dict[str, Any]], b: tuple[dict[str, 
             assert torch.equal(value, opt_b["state"][i][key]), (i, key)
 
 
+@FORMATS
 @pytest.mark.parametrize("declared", [False, True], ids=["undeclared", "declared"])
-def test_resume_is_exact_with_states_on_nvme(tmp_path, declared):
+def test_resume_is_exact_with_states_on_nvme(tmp_path, declared, fmt):
     """Train N, save, train M == train N, save, fresh runtime and model (other seed), load, train M."""
     kwargs = {"grad_accumulation_steps": 2} if declared else {}
     micro = 2 if declared else 1
@@ -123,7 +129,8 @@ def test_resume_is_exact_with_states_on_nvme(tmp_path, declared):
         model, optimizer, schedule = manage(rt, **kwargs)
         train(model, optimizer, schedule, range(3), micro)
         assert {c["home"] for c in model_homes(rt)} == {"nvme"}
-        rt.save(path, extra={"schedule": schedule.state_dict(), "step": 3})
+        rt.save(path, extra={"schedule": schedule.state_dict(), "step": 3}, format=fmt)
+        assert tiermem.checkpoint.storage_reader(path).read_metadata().planner_data  # either format
         expected_losses = train(model, optimizer, schedule, range(3, 6), micro)
         expected = snapshot(model, optimizer)
     with tiermem.Runtime(config(tmp_path, host="1MiB")) as rt:
@@ -146,12 +153,13 @@ def model_homes(rt: tiermem.Runtime) -> list[dict[str, Any]]:
     return [c for states in rt._model_states for c in states.describe()["chunks"] if not c["persistent"]]
 
 
-def test_plain_pytorch_loads_the_weights_bitwise(tmp_path):
+@FORMATS
+def test_plain_pytorch_loads_the_weights_bitwise(tmp_path, fmt):
     path = tmp_path / "ckpt"
     with tiermem.Runtime(config(tmp_path)) as rt:
         model, optimizer, schedule = manage(rt)
         train(model, optimizer, schedule, range(2))
-        rt.save(path)
+        rt.save(path, format=fmt)
         managed = {k: v.clone() for k, v in model.state_dict().items()}
     plain = make_model(seed=7)
     with warnings.catch_warnings():
@@ -191,26 +199,23 @@ def test_a_checkpoint_pytorch_wrote_loads_into_a_managed_model(tmp_path):
             assert torch.equal(value, plain.state_dict()[name]), name
 
 
-def _ckpt_files(path: pathlib.Path) -> dict[str, pathlib.Path]:
-    return {p.name: p for p in path.iterdir()}
-
-
+@FORMATS
 @pytest.mark.parametrize("damage", ["corrupt", "truncate"])
-def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage):
+def test_a_damaged_checkpoint_is_refused_naming_the_file(tmp_path, damage, fmt):
     path = tmp_path / "ckpt"
     with tiermem.Runtime(config(tmp_path)) as rt:
         model, optimizer, schedule = manage(rt)
         train(model, optimizer, schedule, range(1))
-        rt.save(path)
+        rt.save(path, format=fmt)
         before = {k: v.clone() for k, v in model.state_dict().items()}
-        data = _ckpt_files(path)["__0_0.distcp"]
+        data = path / DATA_FILE[fmt]
         raw = bytearray(data.read_bytes())
         if damage == "corrupt":
             raw[len(raw) // 2] ^= 0x01
         else:
             del raw[-100:]
         data.write_bytes(bytes(raw))
-        with pytest.raises(CheckpointError, match=r"__0_0\.distcp") as info:
+        with pytest.raises(CheckpointError, match=re.escape(str(data))) as info:
             rt.load(path)
         assert ("truncated" if damage == "truncate" else "digest") in str(info.value)
         assert "load an earlier checkpoint" in str(info.value)
