@@ -34,8 +34,9 @@ from tiermem.layout.placement import Plan, PlanRequest
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
-from tiermem.states import ModelStates
+from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
+from tiermem.states.sharded import ShardedModelStates, is_sharded
 from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -264,6 +265,9 @@ class Runtime:
         the optimizer steps fp32 masters kept with its states (a master-weights loop, exactly);
         leaving ``with rt`` restores the fp32 masters.
         """
+        if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded
+            declared = (grad_accumulation_steps, clip_grad_norm, keep_gradients, param_dtype)
+            return self._manage_sharded(model, optimizer, plan, sample, optimizer_kwargs, declared)
         # plan={"block_policy": ...} with a sample: the planner searches the model states around
         # the activation policy the caller fixed (a name for every block, or one per block).
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
@@ -292,6 +296,41 @@ class Runtime:
         )
         self._model_states.append(states)
         return model, states.optimizer
+
+    def _manage_sharded(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any,
+        plan: Any,
+        sample: Any,
+        optimizer_kwargs: Mapping[str, Any],
+        declared: tuple[int | None, float | None, bool, torch.dtype | None],
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """``manage`` of a model whose parameters FSDP2's ``fully_shard`` made DTensors: each rank's
+        optimizer states in chunks, the parameters left to FSDP2 (NOTE [ Sharded model states ] in
+        ``tiermem.states.sharded``). Collective: every rank calls it for the same model."""
+        if sample is not None:
+            raise StatesUsageError(
+                "tiermem manage: sample= (profiling a step to plan) is not yet for FSDP2-sharded models; leave it "
+                "out: their optimizer states are placed from each rank's free bytes"
+            )
+        assert self.resolved is not None  # set whenever registry is reachable
+        grad_accumulation_steps, clip_grad_norm, keep_gradients, param_dtype = declared
+        sharded = ShardedModelStates(
+            self.registry,
+            model,
+            optimizer,
+            plan=None if plan == "auto" else plan,
+            optimizer_kwargs=optimizer_kwargs,
+            keep_gradients=keep_gradients,
+            param_dtype=param_dtype,
+            grad_accumulation_steps=grad_accumulation_steps,
+            clip_grad_norm=clip_grad_norm,
+            host_adopts_pageable=not self.resolved.host.pinned,
+        )
+        self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
+        self.plan = sharded.plan
+        return model, sharded.optimizer
 
     def _plan_request(
         self,
