@@ -16,6 +16,7 @@ from tiermem.states.errors import (
 )
 from tiermem.states.manager import ModelStates
 from tiermem.states.optimizer import SUPPORTED, ManagedOptimizer
+from tiermem.states.sharded import ShardedModelStates, ShardedOptimizer
 
 __all__ = [
     "SUPPORTED",
@@ -29,6 +30,8 @@ __all__ = [
     "Plan",
     "PlanError",
     "PlanRequest",
+    "ShardedModelStates",
+    "ShardedOptimizer",
     "Slot",
     "StatesClosedError",
     "StatesMemoryError",
