@@ -1,0 +1,183 @@
+"""``tiermem train --checkpoint/--save-every/--resume`` and ``tiermem checkpoint inspect`` through the
+real command: a run SIGKILLed after a save resumes on the uninterrupted run's exact loss curve and
+final parameters; bad resumes are one-line errors; inspect reports a complete checkpoint, and a
+damaged or partial one as not complete (exit 1). (NOTE [ Resuming a train run ], NOTE
+[ Inspecting a checkpoint ])"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tiermem.checkpoint import files, storage_reader
+from tiermem.cli import main
+from tiermem.models import GPT, GPTConfig
+
+TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=64, seq_len=32)
+TINY_ARGS = [
+    "--layers",
+    "2",
+    "--d-model",
+    "64",
+    "--heads",
+    "4",
+    "--vocab",
+    "64",
+    "--seq-len",
+    "32",
+    "--batch-size",
+    "4",
+]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("TIERMEM_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+
+
+def _config_file(tmp_path: Path) -> str:
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        f'[device]\ndevice = "cpu"\n[nvme]\npaths = ["{tmp_path / "nvme"}"]\n'
+        f'[scheduler]\nloop = "asyncio"\n[activations]\nmin_bytes = 0\n'
+    )
+    return str(path)
+
+
+def _train(capsys: pytest.CaptureFixture[str], tmp_path: Path, *args: str) -> dict[str, Any]:
+    assert main(["train", *TINY_ARGS, "--config", _config_file(tmp_path), "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _inspect(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, dict[str, Any]]:
+    status = main(["checkpoint", "inspect", str(path), "--json"])
+    return status, json.loads(capsys.readouterr().out)
+
+
+def _weights(path: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's model weights, read by plain PyTorch."""
+    model = GPT(TINY)
+    state = {"model": model.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), storage_reader=storage_reader(path), no_dist=True)
+    return state["model"]
+
+
+def _run_until_saved_then_kill(tmp_path: Path, path: Path) -> None:
+    """``tiermem train --save-every 2`` in a process of its own, SIGKILLed once a save is there."""
+    argv = [sys.executable, "-m", "tiermem", "train", *TINY_ARGS, "--config", _config_file(tmp_path)]
+    argv += ["--steps", "100000", "--save-every", "2", "--checkpoint", str(path), "--json"]
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (path / files.MANIFEST).exists():
+            assert child.poll() is None and time.monotonic() < deadline, child.stderr and child.stderr.read()
+            time.sleep(0.02)
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=30)
+        assert child.stderr is not None
+        child.stderr.close()
+
+
+def test_a_killed_train_resumes_on_the_exact_loss_curve(tmp_path, capsys):
+    saved = tmp_path / "ckpt"
+    _run_until_saved_then_kill(tmp_path, saved)
+    status, report = _inspect(capsys, saved)
+    assert status == 0 and report["complete"], report
+    step = report["step"]
+    assert step >= 2 and step % 2 == 0
+    resumed = _train(capsys, tmp_path, "--steps", str(step + 3), "--resume", str(saved), "--checkpoint", str(saved))
+    full = _train(capsys, tmp_path, "--steps", str(step + 3), "--checkpoint", str(tmp_path / "full"))
+    assert resumed["start_step"] == step and resumed["steps"] == 3
+    assert resumed["losses"] == full["losses"][step:]  # bitwise: floats compared exactly
+    assert resumed["checkpoint"]["resumed_from"] == str(saved)
+    ours, theirs = _weights(saved), _weights(tmp_path / "full")
+    for name, value in theirs.items():
+        assert torch.equal(ours[name], value), name
+
+
+def test_bad_resumes_and_flags_are_one_line_errors(tmp_path, capsys):
+    config = ["--config", _config_file(tmp_path)]
+    assert main(["train", *TINY_ARGS, *config, "--save-every", "2", "--json"]) == 2
+    assert "--save-every 2 needs --checkpoint DIR" in capsys.readouterr().err
+    assert main(["train", *TINY_ARGS, *config, "--no-states", "--resume", str(tmp_path), "--json"]) == 2
+    assert "drop --no-states" in capsys.readouterr().err
+    assert main(["train", *TINY_ARGS, *config, "--resume", str(tmp_path / "missing"), "--json"]) == 1
+    assert "no checkpoint there" in capsys.readouterr().err
+
+    saved = tmp_path / "ckpt"
+    _train(capsys, tmp_path, "--steps", "2", "--checkpoint", str(saved))
+    assert main(["train", *TINY_ARGS, *config, "--layers", "3", "--steps", "4", "--resume", str(saved)]) == 1
+    err = capsys.readouterr().err
+    assert "holds another model" in err and "blocks.2" in err and "Traceback" not in err
+    assert main(["train", *TINY_ARGS, *config, "--lr", "0.01", "--steps", "4", "--resume", str(saved), "--json"]) == 1
+    assert "lr 0.001 (this run: 0.01)" in capsys.readouterr().err
+    assert main(["train", *TINY_ARGS, *config, "--steps", "2", "--resume", str(saved), "--json"]) == 1
+    assert "is at step 2 and --steps 2 asks for no more" in capsys.readouterr().err
+
+    data = saved / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x01
+    data.write_bytes(bytes(raw))
+    assert main(["train", *TINY_ARGS, *config, "--steps", "4", "--resume", str(saved), "--json"]) == 1
+    err = capsys.readouterr().err
+    assert "__0_0.distcp does not match its digest" in err and "Traceback" not in err
+
+
+def test_inspect_a_complete_checkpoint(tmp_path, capsys):
+    saved = tmp_path / "ckpt"
+    _train(capsys, tmp_path, "--steps", "2", "--checkpoint", str(saved))
+    status, report = _inspect(capsys, saved)
+    assert status == 0
+    assert report["complete"] and report["verified"] and report["problem"] is None
+    assert report["format"] == files.FORMAT and report["step"] == 2
+    parameters = list(GPT(TINY).state_dict().values())
+    # the model's tensors, and AdamW's exp_avg, exp_avg_sq and step per parameter
+    assert report["sections"]["model"] == {"tensors": len(parameters), "bytes": sum(p.nbytes for p in parameters)}
+    assert report["sections"]["optimizer"]["tensors"] == 3 * len(list(GPT(TINY).parameters()))
+    assert report["tensors"] == sum(section["tensors"] for section in report["sections"].values())
+    largest = report["largest"][0]
+    assert largest["bytes"] == max(p.nbytes for p in parameters) and largest["dtype"] == "float32"
+    assert report["interrupted"] == [] and report["bytes_on_disk"] >= report["tensor_bytes"]
+    assert main(["checkpoint", "inspect", str(saved)]) == 0
+    out = capsys.readouterr().out
+    assert "every file matches its digest" in out and "largest 5 tensors" in out and largest["name"] in out
+
+
+def test_inspect_a_damaged_and_a_partial_checkpoint(tmp_path, capsys):
+    saved = tmp_path / "ckpt"
+    _train(capsys, tmp_path, "--steps", "2", "--checkpoint", str(saved))
+    (tmp_path / ".ckpt.tiermem-tmp-0123").mkdir()  # what a killed save leaves (its lock is free)
+    data = saved / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    status, report = _inspect(capsys, saved)
+    assert status == 1 and not report["complete"] and report["step"] is None
+    assert "__0_0.distcp is" in report["problem"] and "truncated" in report["problem"]
+    assert report["interrupted"] == [".ckpt.tiermem-tmp-0123"] and report["in_progress"] == []
+    assert main(["checkpoint", "inspect", str(saved)]) == 1
+    out = capsys.readouterr().out
+    assert "NOT complete" in out and "interrupted save" in out
+
+    (saved / files.MANIFEST).unlink()  # partial: killed before the manifest, the last file written
+    status, report = _inspect(capsys, saved)
+    assert status == 1 and "tiermem-manifest.json is missing" in report["problem"]
+    status, report = _inspect(capsys, tmp_path / "never")
+    assert status == 1 and not report["exists"] and "no checkpoint directory" in report["problem"]
