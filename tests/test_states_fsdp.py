@@ -18,7 +18,7 @@ from torch import nn
 
 import tiermem
 from tiermem.layout.placement import Budgets, PlanRequest
-from tiermem.states import PlanError, StatesMemoryError, StatesUsageError
+from tiermem.states import PlanError, StatesClosedError, StatesMemoryError, StatesUsageError
 from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, padded_shard_shape, signature
 
 WIDTH = 64
@@ -40,12 +40,15 @@ def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def reference(steps: int = STEPS) -> list[torch.Tensor]:
-    """Plain PyTorch in one process on the mean loss of both ranks' batches (exact with 2 ranks)."""
+def reference(steps: int = STEPS, accumulation: int = 1) -> list[torch.Tensor]:
+    """Plain PyTorch in one process on the mean loss of both ranks' batches (exact with 2 ranks);
+    rank r's batch of micro-batch m in step s has seed ``2 * (s * accumulation + m) + r``."""
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(steps):
-        ((loss_of(model, 2 * step) + loss_of(model, 2 * step + 1)) / 2).backward()
+        for micro in range(accumulation):
+            seed = 2 * (step * accumulation + micro)
+            ((loss_of(model, seed) + loss_of(model, seed + 1)) / 2).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return [p.detach().clone() for p in model.parameters()]
@@ -235,6 +238,36 @@ def _declared(rank: int, path: str) -> dict[str, Any]:
     }
 
 
+def _accumulated(rank: int, path: str) -> dict[str, Any]:
+    """Rule 6 over two backwards a step, gradients kept: chunks step in the second backward."""
+    model = _sharded()
+    with tiermem.Runtime(_config(path)) as rt:
+        model, optimizer = rt.manage(
+            model,
+            torch.optim.AdamW,
+            plan={"state_home": "nvme", "chunk_size": "16KiB"},
+            grad_accumulation_steps=2,
+            lr=LR,
+        )
+        for step in range(STEPS):
+            for micro in range(2):
+                loss_of(model, 2 * (step * 2 + micro) + rank).backward()
+            assert all(p.grad is not None for p in model.parameters())  # kept
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        stats = rt.stats().model_states
+        params = _gathered(model)
+        for micro in range(2):  # a declared window, then a hand edit of a gradient before the step
+            loss_of(model, 20 + micro).backward()
+        with torch.no_grad():
+            next(model.parameters()).grad.mul_(2)
+        with pytest.raises(StatesUsageError, match=r"gradients of 1 parameter\(s\) changed"):
+            optimizer.step()
+    with pytest.raises(StatesClosedError, match="closed and freed its optimizer states"):
+        optimizer.step()
+    return {"params": params, "early": stats.early_chunk_steps, "chunks": stats.chunks}
+
+
 def _clipped(rank: int, path: str) -> dict[str, Any]:
     """Declared clipping against plain FSDP2 + clip_grad_norm_ on the DTensor parameters, and
     ONE all-reduce for the norm."""
@@ -354,6 +387,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "nvme": _homes("nvme"),
     "activations": _with_activations,
     "declared": _declared,
+    "accumulated": _accumulated,
     "clipped": _clipped,
     "cpu_offload": _cpu_offload,
     "state_dict": _state_dict_round_trip,
@@ -408,6 +442,17 @@ def test_declared_loop_steps_chunks_during_backward(ranks):
         result = rank["declared"]
         assert result["early"] == STEPS * result["chunks"] and result["chunks"] > 1
         assert result["grads_after_backward"] == [False] * STEPS
+
+
+def test_declared_accumulation_steps_chunks_in_the_last_backward(ranks):
+    """Rule 6 with grad_accumulation_steps=2 and gradients kept; the optimizer refuses to step
+    once the runtime closed."""
+    assert ranks[0]["accumulated"]["params"] and len(ranks[0]["accumulated"]["params"]) == 12
+    for a, b in zip(ranks[0]["accumulated"]["params"], reference(accumulation=2), strict=True):
+        assert torch.equal(a, b)
+    for rank in ranks:
+        result = rank["accumulated"]
+        assert result["early"] == STEPS * result["chunks"] and result["chunks"] > 1
 
 
 def test_declared_clipping_matches_plain_fsdp2(ranks):

@@ -42,8 +42,10 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
    times, and with ``keep_gradients=False`` its ``.grad`` is dropped after (``zero_grad`` would).
    Guard: ``optimizer.step()`` raises :class:`StatesUsageError` when a chunk that stepped early saw
    its gradient change since (another arrival, a new tensor or an in-place edit): never a silently
-   different step. On CUDA the hook runs on FSDP2's post-reduce stream, so the step's kernels are
-   queued before the event FSDP2 makes the next forward wait on.
+   different step. A loop that turns FSDP2's gradient sync off for all but the last micro-batch
+   (``set_requires_gradient_sync(False)``) gets one arrival per window: its chunks step at
+   ``optimizer.step()``, exactly, without overlap. On CUDA the hook runs on FSDP2's post-reduce
+   stream, so the step's kernels are queued before the event FSDP2 makes the next forward wait on.
 7. Declared clipping: ``torch.nn.utils.clip_grad_norm_`` over the DTensor parameters, the call a
    plain FSDP2 loop makes, so the norm is bitwise plain FSDP2's: DTensor takes each rank's local
    norms, then their norm as a ``_NormPartial`` that ONE all-reduce (of the squared local norm)
@@ -295,7 +297,10 @@ class ShardedModelStates:
 
     def _reset_window(self) -> None:
         self._arrivals: dict[int, int] = {}
-        self._early: dict[int, dict[int, tuple[torch.Tensor | None, int]]] = {}
+        #: chunk -> parameter -> (its .grad when the chunk stepped, _versions of it)
+        self._early: dict[int, dict[int, tuple[torch.Tensor | None, tuple[int, int]]]] = {}
+        #: gradient storage -> parameters of stepped chunks whose gradient views it (rule 6)
+        self._stepped_grads: dict[int, list[int]] = {}
         self._overflow: set[int] = set()
 
     def _arrived(self, index: int) -> None:
@@ -305,13 +310,14 @@ class ShardedModelStates:
         accumulation = self.declared.accumulation
         assert accumulation is not None
         count = self._arrivals[index] = self._arrivals.get(index, 0) + 1
+        self._refresh_versions(index)
         chunk, _ = self.slots[index]
         if count > accumulation or chunk.index in self._early:
             self._overflow.add(index)
             return
         if self.declared.max_norm is not None or count < accumulation:
             return
-        members = [slot for slot in chunk.layout.slots]
+        members = list(chunk.layout.slots)
         if any(self._arrivals.get(slot.index, 0) < accumulation for slot in members):
             if sum(self._arrivals.get(slot.index, 0) == accumulation for slot in members) == 1:
                 self.steps.prefetch(chunk)  # its first final gradient: stage its home meanwhile
@@ -319,22 +325,35 @@ class ShardedModelStates:
         attributes = _step_attributes(self.optimizer)
         self.steps.step_chunk(chunk, members, self.optimizer, self.group_of, attributes)
         self.early_chunk_steps += 1
-        record: dict[int, tuple[torch.Tensor | None, int]] = {}
+        record: dict[int, tuple[torch.Tensor | None, tuple[int, int]]] = {}
         for slot in members:
             p = self.params[slot.index]
             if not self.declared.keep_gradients:
                 p.grad = None
-            grad = None if p.grad is None else local_of(p.grad)
-            record[slot.index] = (grad, -1 if grad is None else grad._version)
+            record[slot.index] = (p.grad, _versions(p.grad))
+            if p.grad is not None:
+                self._stepped_grads.setdefault(local_of(p.grad).untyped_storage().data_ptr(), []).append(slot.index)
         self._early[chunk.index] = record
+
+    def _refresh_versions(self, index: int) -> None:
+        """FSDP2's gradients of one group view one reduce-scatter output, so their version counter is
+        shared: accumulating into a later parameter's gradient (just before its hook, this call)
+        bumps the version of stepped ones. Those bumps are FSDP2's, not edits: take them in."""
+        grad = self.params[index].grad
+        if grad is None or not self._stepped_grads:
+            return
+        for i in self._stepped_grads.get(local_of(grad).untyped_storage().data_ptr(), ()):
+            record = self._early[self.slots[i][0].index]
+            seen, _ = record[i]
+            record[i] = (seen, _versions(seen))
 
     def _check_early_gradients(self) -> None:
         """Rule 6's guard."""
         changed = sorted(self._overflow)
         for record in self._early.values():
-            for i, (grad, version) in record.items():
-                now = None if self.params[i].grad is None else local_of(self.params[i].grad)
-                if now is not grad or (grad is not None and grad._version != version):
+            for i, (grad, versions) in record.items():
+                now = self.params[i].grad
+                if now is not grad or _versions(now) != versions:
                     changed.append(i)
         if changed:
             raise StatesUsageError(
@@ -360,7 +379,7 @@ class ShardedModelStates:
                 slots = [s for s in chunk.layout.slots if self.params[s.index].grad is not None]
                 if slots:
                     work.append((chunk, slots))
-            staged = [chunk for chunk, _ in work if not self.steps._in_place(chunk) and chunk.home is not None]
+            staged = [chunk for chunk, _ in work if not self.steps.in_place(chunk) and chunk.home is not None]
             for chunk, slots in work:
                 if chunk in staged and staged.index(chunk) + 1 < len(staged):
                     self.steps.prefetch(staged[staged.index(chunk) + 1])  # the next home while this one steps
@@ -380,6 +399,14 @@ class ShardedModelStates:
     def import_optimizer_state(self, optimizer: ManagedOptimizer, state: Mapping[torch.Tensor, Any]) -> None:
         self._check_open()
         self.steps.import_state(state)
+
+
+def _versions(grad: torch.Tensor | None) -> tuple[int, int]:
+    """Rule 6: a gradient's in-place changes show in its own version counter (a DTensor's ``mul_``
+    bumps the DTensor's) or its local tensor's (FSDP2's ``grad._local_tensor += new`` bumps that)."""
+    if grad is None:
+        return (-1, -1)
+    return (grad._version, local_of(grad)._version)
 
 
 def _step_attributes(optimizer: ManagedOptimizer) -> dict[str, Any]:

@@ -108,7 +108,7 @@ class ShardSteps:
         self.records.clear()
 
     # -- homes where the step reads and writes them (rule 5) ------------------------------------
-    def _in_place(self, chunk: StateChunk) -> bool:
+    def in_place(self, chunk: StateChunk) -> bool:
         """The home is in memory the parameters' device can address: stepped where it lives."""
         if chunk.home_tier == "nvme":
             return False
@@ -121,7 +121,7 @@ class ShardSteps:
         staging tier (DEMAND) and written back home after (WRITEBACK)."""
         handle = chunk.home
         assert handle is not None
-        if self._in_place(chunk):
+        if self.in_place(chunk):
             handle.wait()
             yield handle.tensor(chunk.home_tier)
             return
@@ -150,7 +150,7 @@ class ShardSteps:
 
     def prefetch(self, chunk: StateChunk) -> None:
         """Stage ``chunk``'s home ahead of its step while fewer than ``STAGED_HOMES`` are off home."""
-        if chunk.home is None or self._in_place(chunk):
+        if chunk.home is None or self.in_place(chunk):
             return
         away = sum(
             1
