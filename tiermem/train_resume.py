@@ -87,7 +87,7 @@ class TrainCheckpoints:
             "version": _VERSION,
             "step": done,
             # The generator is the stream's whole position (MarkovChainData draws only from it).
-            "data": {"batches": done, "generator": data._gen.get_state()},
+            "data": {"batches": done, "generator": data.stream_state()},
             "losses": list(losses),
             "run": settings,
         }
@@ -142,7 +142,7 @@ class TrainCheckpoints:
                 f"--steps above {step} (the total, not the steps to add).",
                 where,
             )
-        data._gen.set_state(extra["data"]["generator"])
+        data.set_stream_state(extra["data"]["generator"])
         return ResumePoint(step, [float(x) for x in extra["losses"]])
 
 

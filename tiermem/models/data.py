@@ -67,6 +67,14 @@ class MarkovChainData:
         # Separate contiguous tensors, as a DataLoader would give: no hidden sharing between x and y.
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
+    def stream_state(self) -> torch.Tensor:
+        """Where the batch stream is: ``set_stream_state`` of it makes the next ``batch`` the
+        one this stream would draw next (a resumed run continues the same data)."""
+        return self._gen.get_state()
+
+    def set_stream_state(self, state: torch.Tensor) -> None:
+        self._gen.set_state(state)
+
     def batches(
         self, batch_size: int, count: int, device: torch.device | str = "cpu"
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
