@@ -19,6 +19,7 @@ from tiermem.config import (
     Config,
     DeviceConfig,
     DiskSpace,
+    DistributedConfig,
     HostConfig,
     MachineProbe,
     ModelStatesConfig,
@@ -37,9 +38,9 @@ KiB, MiB, GiB = 1024, 1024**2, 1024**3
 
 @pytest.fixture(autouse=True)
 def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A developer's own TIERMEM_* or LOCAL_RANK must not change what these tests see."""
+    """A developer's own TIERMEM_* or torchrun's variables must not change what these tests see."""
     for name in list(os.environ):
-        if name.upper().startswith("TIERMEM_") or name == "LOCAL_RANK":
+        if name.upper().startswith("TIERMEM_") or name in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "RANK", "WORLD_SIZE"):
             monkeypatch.delenv(name)
 
 
@@ -87,6 +88,7 @@ def test_defaults_match_the_documented_values() -> None:
     assert c.scheduler == SchedulerConfig(loop="uvloop", max_inflight=512 * MiB)
     assert c.activations == ActivationsConfig(policy="auto", min_bytes=MiB)
     assert c.model_states == ModelStatesConfig(chunk_size="auto")
+    assert c.distributed == DistributedConfig(timeout_s=600.0, backend="auto")
 
 
 def test_empty_dict_and_empty_file_give_the_defaults(tmp_path: Path) -> None:
@@ -135,6 +137,10 @@ def test_empty_dict_and_empty_file_give_the_defaults(tmp_path: Path) -> None:
         ("activations", "min_bytes", 0, 0),
         ("model_states", "chunk_size", "32MiB", 32 * MiB),
         ("model_states", "chunk_size", "auto", "auto"),
+        ("distributed", "timeout_s", 30, 30.0),
+        ("distributed", "timeout_s", 0.5, 0.5),
+        ("distributed", "backend", "gloo", "gloo"),
+        ("distributed", "backend", "nccl", "nccl"),
     ],
 )
 def test_each_key_parses_to_its_stored_value(section: str, key: str, value: Any, stored: Any) -> None:
@@ -184,6 +190,18 @@ def test_each_key_parses_to_its_stored_value(section: str, key: str, value: Any,
         ("activations", "policy", "swap", 'activations.policy: "swap" is not a known policy'),
         ("activations", "min_bytes", "lots", 'activations.min_bytes: "lots" is not a size'),
         ("model_states", "chunk_size", 0, "model_states.chunk_size: 0 must be more than 0 bytes"),
+        (
+            "distributed",
+            "timeout_s",
+            0,
+            "distributed.timeout_s: 0 is out of range; use a number of seconds more than 0 and at most 604800",
+        ),
+        ("distributed", "timeout_s", -5, "distributed.timeout_s: -5 is out of range"),
+        ("distributed", "timeout_s", float("nan"), "distributed.timeout_s: NaN is out of range"),
+        ("distributed", "timeout_s", float("inf"), "distributed.timeout_s: Infinity is out of range"),
+        ("distributed", "timeout_s", "10m", 'distributed.timeout_s: "10m" is not a number of seconds'),
+        ("distributed", "timeout_s", True, "distributed.timeout_s: true is not a number of seconds"),
+        ("distributed", "backend", "mpi", 'distributed.backend: "mpi" is not a known backend; use one of "auto"'),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_accepted(section: str, key: str, value: Any, expected: str) -> None:
@@ -261,6 +279,8 @@ def test_environment_sets_what_the_file_leaves_out(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("TIERMEM_SCHEDULER_LOOP", "asyncio")
     monkeypatch.setenv("TIERMEM_MODEL_STATES_CHUNK_SIZE", "16MiB")
     monkeypatch.setenv("TIERMEM_ACTIVATIONS_MIN_BYTES", "")  # empty = unset
+    monkeypatch.setenv("TIERMEM_DISTRIBUTED_TIMEOUT_S", "90")
+    monkeypatch.setenv("TIERMEM_DISTRIBUTED_BACKEND", "gloo")
     monkeypatch.setenv("TIERMEM_LOG", "debug")  # not a section: not a setting, ignored
     c = Config.coerce(None)
     assert c.nvme.paths == ("/mnt/a", "/mnt/b")
@@ -273,6 +293,9 @@ def test_environment_sets_what_the_file_leaves_out(monkeypatch: pytest.MonkeyPat
     assert c.scheduler.loop == "asyncio"
     assert c.model_states.chunk_size == 16 * MiB
     assert c.activations.min_bytes == MiB
+    assert c.distributed == DistributedConfig(timeout_s=90.0, backend="gloo")
+    (problem,) = problems_of({}, env={"TIERMEM_DISTRIBUTED_TIMEOUT_S": "soon"})
+    assert problem.startswith('distributed.timeout_s: "soon" is not a number of seconds') and "TIMEOUT_S" in problem
 
 
 def test_file_values_win_over_the_environment(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,6 +373,30 @@ def test_cpu_machine_rejects_device_plus_host_beyond_ram() -> None:
         "host.capacity: device (10GiB) + host (7GiB) = 17GiB exceeds this machine's RAM (16GiB); "
         "on the CPU both tiers share one RAM"
     ]
+
+
+def test_auto_capacities_are_each_ranks_share_of_the_machine() -> None:
+    """NOTE [ Ranks ] rule 3: two ranks on this machine share its RAM and disks; explicit
+    capacities are per rank and must fit the machine twice."""
+    two = cpu_machine(local_world_size=2)
+    r = Config().resolve(two)
+    assert (r.device.capacity, r.host.capacity) == (2 * GiB, 2 * GiB)  # 40% of 10 GiB, halved
+    assert r.nvme.capacity == 45 * GiB  # 90% of 100 GiB, halved
+    r = Config.from_dict({"device": {"capacity": "1GiB"}}, env={}).resolve(two)
+    assert (r.device.capacity, r.host.capacity) == (GiB, 4 * GiB - GiB)  # what the rank's share leaves
+    config = Config.from_dict({"device": {"capacity": "5GiB"}, "host": {"capacity": "4GiB"}}, env={})
+    assert config.resolve(cpu_machine()).device.capacity == 5 * GiB  # fits once
+    with pytest.raises(ConfigError) as info:
+        config.resolve(two)
+    assert info.value.problems == [
+        "host.capacity: device (5GiB) + host (4GiB) x 2 ranks on this machine = 18GiB exceeds this machine's "
+        "RAM (16GiB); on the CPU both tiers share one RAM; capacities are per rank"
+    ]
+    cuda = cpu_machine(cuda_device_count=2, local_rank=1, local_world_size=2, cuda_free=lambda index: 20 * GiB)
+    r = Config().resolve(cuda)
+    assert (r.device.device, r.device.capacity, r.host.capacity) == ("cuda:1", 18 * GiB, 5 * GiB // 2)
+    with pytest.raises(ConfigError, match=r"host.capacity: 9GiB x 2 ranks on this machine exceeds this machine's RAM"):
+        Config.from_dict({"host": {"capacity": "9GiB"}}, env={}).resolve(cuda)
 
 
 def test_cuda_machine_uses_local_rank_device_memory_and_pinned_host() -> None:
@@ -430,7 +477,9 @@ def test_detect_reads_ram_and_local_rank(monkeypatch: pytest.MonkeyPatch) -> Non
 
     monkeypatch.setattr(tiermem.config, "_cuda_device_count", lambda: 0)  # keep torch out of this test
     probe = MachineProbe.detect({"LOCAL_RANK": "2"})
-    assert probe.local_rank == 2 and not probe.cuda_available
+    assert probe.local_rank == 2 and probe.local_world_size == 1 and not probe.cuda_available
+    probe = MachineProbe.detect({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert (probe.local_rank, probe.local_world_size) == (1, 2)
     assert 0 < probe.available_ram <= probe.total_ram
     with pytest.raises(ConfigError, match="LOCAL_RANK='x' is not a non-negative integer"):
         MachineProbe.detect({"LOCAL_RANK": "x"})

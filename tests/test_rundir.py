@@ -228,3 +228,68 @@ def test_parent_kept_while_another_run_uses_it(tmp_path: Path) -> None:
     with contextlib.suppress(OSError):
         parent.rmdir()
     assert not parent.exists() or list(parent.iterdir()) == []
+
+
+# -- rank directories (NOTE [ Run directory rules ] rule 5) ----------------------------------------
+
+
+def _dead_run_in(parent: Path) -> str:
+    """A run directory under ``parent`` whose owner died by SIGKILL."""
+    read_end, write_end = os.pipe()
+
+    def child() -> int:
+        os.close(read_end)
+        run = RunDirectory.create(parent, create_parent=True)
+        os.write(write_end, run.path.encode())
+        os.kill(os.getpid(), signal.SIGKILL)
+        return 3  # not reached
+
+    pid = fork(child)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as pipe:
+        dead = pipe.read().decode()
+    assert exit_code(pid) == -signal.SIGKILL and os.path.isdir(dead)
+    return dead
+
+
+def test_rank_directory_names() -> None:
+    assert rundir_module.rank_directory_name(0) == "rank0"
+    assert rundir_module.rank_directory_name(12) == "rank12"
+    for bad in (-1, True, "1"):
+        with pytest.raises(ValueError, match="a rank is a non-negative integer"):
+            rundir_module.rank_directory_name(bad)  # type: ignore[arg-type]
+
+
+def test_sweeping_a_parent_reclaims_dead_ranks_and_keeps_the_rest(tmp_path: Path) -> None:
+    live = RunDirectory.create(tmp_path / "rank1", create_parent=True)
+    dead = _dead_run_in(tmp_path / "rank3")
+    (tmp_path / "rank2").mkdir()  # empty, with no dead run in it: not the sweep's to remove
+    (tmp_path / "rank07").mkdir()  # not a rank directory's name
+    dead_in_other = _dead_run_in(tmp_path / "rank07")
+    try:
+        assert sweep_stale(tmp_path) == [dead]
+        assert not (tmp_path / "rank3").exists(), "the dead rank's emptied directory is removed"
+        assert os.path.isdir(live.path) and (tmp_path / "rank2").is_dir() and os.path.isdir(dead_in_other)
+    finally:
+        live.cleanup()
+    assert not (tmp_path / "rank1").exists(), "the rank directory its run made is removed when empty"
+
+
+def test_a_run_in_a_rank_directory_sweeps_its_sibling_ranks(tmp_path: Path) -> None:
+    dead_rank1 = _dead_run_in(tmp_path / "rank1")
+    dead_top = _dead_run_in(tmp_path)
+    run = RunDirectory.create(tmp_path / "rank0", create_parent=True)
+    try:
+        assert not os.path.exists(dead_rank1) and not (tmp_path / "rank1").exists()
+        assert not os.path.exists(dead_top), "a dead one-process run on the same path is reclaimed too"
+    finally:
+        run.cleanup()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_parents_made_on_demand_are_removed_innermost_first(tmp_path: Path) -> None:
+    (tmp_path / "a").mkdir()
+    run = RunDirectory.create(tmp_path / "a" / "b" / "rank0", create_parent=True)
+    assert (tmp_path / "a" / "b" / "rank0").is_dir()
+    run.cleanup()
+    assert (tmp_path / "a").is_dir() and list((tmp_path / "a").iterdir()) == [], "only what tiermem made goes"
