@@ -121,7 +121,7 @@ def zarr_dtype(dtype: torch.dtype) -> str:
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A NumPy view of a CPU tensor's memory (ml_dtypes' types for bf16 and fp8), by address:
-    ``Tensor.numpy()`` would make the storage unresizable for good, and tiermem frees storages
+    ``Tensor.numpy()`` would make the storage unresizable for good (TRAPS 32), and tiermem frees storages
     by resizing them (the save planner's copies, a model's streamed parameters). The view does
     not keep ``tensor`` alive: the caller holds it until tensorstore is done with the view."""
     name = _DTYPES[tensor.dtype][0]
