@@ -1,10 +1,11 @@
 """``rt.manage(model, optimizer)`` on a model sharded with FSDP2's ``fully_shard``: each rank's
 optimizer states in chunks across the tiers, FSDP2's parameters left where FSDP2 keeps them.
 
-:class:`ShardedModelStates` owns the agreement on one plan, the accounting of the shards it
+:class:`ShardedModelStates` owns the plan in force, the accounting of the shards it
 adopts, the declared loop's counters and the managed optimizer's backend; the chunks and the
 step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placement
-:mod:`tiermem.states.sharded_layout`'s.
+:mod:`tiermem.states.sharded_layout`'s, what is read of FSDP2 and the collective agreement
+:mod:`tiermem.states.sharded_fsdp`'s.
 
 # NOTE [ Sharded model states ]
 1. FSDP2 owns the parameters: the DTensor shards and their storage (on the device, or on the
@@ -72,9 +73,10 @@ from torch import nn
 
 from tiermem.layout.placement import Budgets, Plan, parse_plan
 from tiermem.registry import Handle, Registry
-from tiermem.states.errors import PlanError, StatesClosedError, StatesMemoryError, StatesUsageError
+from tiermem.states.errors import StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
-from tiermem.states.sharded_layout import ShardSpec, budgets_of_all, decide_homes, pack_shards, signature
+from tiermem.states.sharded_fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
+from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, signature
 from tiermem.states.sharded_step import ShardSteps, local_of
 from tiermem.states.stepping import Declarations
 
@@ -84,15 +86,6 @@ log = logging.getLogger("tiermem.states")
 
 #: Models under management, so one model is not managed twice.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ShardedModelStates] = weakref.WeakKeyDictionary()
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether ``model``'s parameters are DTensors (FSDP2's ``fully_shard``)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 class _ChunkStates(defaultdict):  # type: ignore[type-arg]
@@ -147,7 +140,7 @@ class ShardedModelStates:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
         self._model = model
-        self.params = _sharded_params(model)
+        self.params = sharded_params(model)
         base = coerce_optimizer(self.params, optimizer, optimizer_kwargs or {})
         self.declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         self.optimizer_class = type(base)
@@ -156,17 +149,17 @@ class ShardedModelStates:
         self.closed = False
         self._adopted: list[Handle] = []
         self._hooks: list[Any] = []
-        self.steps = ShardSteps(registry, self.params, names, self.optimizer_class, _staging_tier(self.params))
+        self.steps = ShardSteps(registry, self.params, names, self.optimizer_class, staging_tier(self.params))
         try:
             self._adopt_shards(host_adopts_pageable)
             specs = [
-                ShardSpec(_padded_shape(p), p.dtype, p.requires_grad and id(p) in self.group_of) for p in self.params
+                ShardSpec(padded_shape(p), p.dtype, p.requires_grad and id(p) in self.group_of) for p in self.params
             ]
             request = parse_plan(plan)
             chunk_size, layouts = pack_shards(specs, request.chunk_size)
             homes_bytes = [layout.nbytes * len(names) for layout in layouts]
             digest = signature(chunk_size, layouts, len(names))
-            self.plan: Plan = _agree(
+            self.plan: Plan = agree(
                 digest, self._budgets(), lambda b: decide_homes(homes_bytes, b, request, chunk_size, self.steps.staging)
             )
             self.steps.build(layouts, self.plan.state_home)
@@ -187,7 +180,7 @@ class ShardedModelStates:
     def _adopt_shards(self, host_adopts_pageable: bool) -> None:
         """Rule 1: account each local shard's storage where it is, without a copy."""
         device = self.registry.device
-        offloaded = _cpu_offloaded(self._model)
+        offloaded = cpu_offloaded(self._model)
         for p in self.params:
             local = local_of(p)
             if local.untyped_storage().nbytes() == 0:
@@ -411,97 +404,3 @@ def _versions(grad: torch.Tensor | None) -> tuple[int, int]:
 
 def _step_attributes(optimizer: ManagedOptimizer) -> dict[str, Any]:
     return {name: getattr(optimizer, name) for name in ("grad_scale", "found_inf") if hasattr(optimizer, name)}
-
-
-def _sharded_params(model: nn.Module) -> list[nn.Parameter]:
-    """The model's parameters, every one an FSDP2 shard (a DTensor of Shard/Replicate placements)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
-    params = list(model.parameters())
-    plain = [name for name, p in model.named_parameters() if not isinstance(p, DTensor)]
-    if plain:
-        raise StatesUsageError(
-            f"tiermem manage: {len(plain)} parameter(s) of this model are not sharded ({', '.join(plain[:3])}...) "
-            "while others are DTensors; apply fully_shard to the root module too, so FSDP2 shards every parameter"
-        )
-    for name, p in model.named_parameters():
-        odd = [pl for pl in p.placements if type(pl) not in (Shard, Replicate)]  # type: ignore[attr-defined]
-        if odd:
-            raise StatesUsageError(
-                f"tiermem manage: parameter {name} is placed {odd}; tiermem packs Shard and Replicate placements "
-                "(FSDP2 data parallel and HSDP) only"
-            )
-    devices = {local_of(p).device.type for p in params}
-    if len(devices) > 1:
-        raise StatesUsageError(
-            f"tiermem manage: the shards of this model live on {sorted(devices)}; apply the same offload_policy to "
-            "every fully_shard call of one managed model"
-        )
-    return params
-
-
-def _padded_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """Rule 2: the shard shape of ``p`` on every rank (``sharded_layout.padded_shard_shape``)."""
-    from tiermem.states.sharded_layout import padded_shard_shape
-
-    mesh = p.device_mesh  # type: ignore[attr-defined]
-    shards = [(pl.dim, mesh.size(m)) for m, pl in enumerate(p.placements) if pl.is_shard()]  # type: ignore[attr-defined]
-    return padded_shard_shape(tuple(p.shape), shards)
-
-
-def _staging_tier(params: list[nn.Parameter]) -> str:
-    """Rule 5: the memory tier the step runs in, where the shards are."""
-    device = local_of(params[0]).device if params else torch.device("cpu")
-    return "host" if device.type == "cpu" else "device"
-
-
-def _cpu_offloaded(model: nn.Module) -> set[int]:
-    """Rule 1: ids of the parameters FSDP2 keeps offloaded to the host (``CPUOffloadPolicy``).
-    FSDP2 has no public getter for it, so this reads its per-module state (``offload_to_cpu`` of
-    each ``FSDPParam``); where that is missing the answer is "none", which on a CPU device only
-    chooses the device tier's budget over the host's for counting a shard."""
-    found: set[int] = set()
-    for module in model.modules():
-        get_state = getattr(module, "_get_fsdp_state", None)
-        groups = getattr(get_state(), "_fsdp_param_groups", None) if callable(get_state) else None
-        for group in groups or ():
-            for fsdp_param in getattr(group, "fsdp_params", ()):
-                if getattr(fsdp_param, "offload_to_cpu", False):
-                    found.add(id(fsdp_param.sharded_param))
-    return found
-
-
-def _agree(digest: str, budgets: Budgets, decide: Any) -> Plan:
-    """Rules 2 and 3: one all_gather of (digest, free bytes), rank 0 decides, one broadcast."""
-    import torch.distributed as dist
-
-    if not dist.is_initialized():
-        raise StatesUsageError(
-            "tiermem manage: the model is FSDP2-sharded but torch.distributed has no process group; "
-            "call torch.distributed.init_process_group first (torchrun sets its environment)"
-        )
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (digest, budgets))
-    outcome: list[Any] = [None]
-    if dist.get_rank() == 0:
-        digests = [d for d, _ in gathered]
-        if len(set(digests)) > 1:
-            differ = [r for r, d in enumerate(digests) if d != digests[0]]
-            outcome[0] = (
-                "error",
-                f"tiermem manage: the optimizer-state packing of rank(s) {differ} differs from "
-                "rank 0's: every rank must manage the same model (same parameters, shapes, dtypes and "
-                "optimizer groups) with the same plan=",
-            )
-        else:
-            try:
-                outcome[0] = ("plan", decide(budgets_of_all([b for _, b in gathered])))
-            except (PlanError, StatesMemoryError) as exc:  # every rank raises it, none waits forever
-                outcome[0] = ("raise", exc)
-    dist.broadcast_object_list(outcome, src=0)
-    kind, value = outcome[0]
-    if kind == "error":
-        raise PlanError(value)
-    if kind == "raise":
-        raise value
-    return value  # type: ignore[no-any-return]
