@@ -347,7 +347,8 @@ class DistributedConfig(_Section):
     ``timeout_s`` bounds how long a rank waits in a collective for the others: a rank that died
     or hangs ends the job after at most that long, with an error naming the cause. It must also
     cover the longest stretch one rank works alone while the others wait (planning, a
-    checkpoint). ``backend``: ``auto`` is gloo without CUDA and ``cpu:gloo,cuda:nccl`` with
+    checkpoint), and it bounds the start too (``init_process_group`` waits that long for every
+    rank to arrive). ``backend``: ``auto`` is gloo without CUDA and ``cpu:gloo,cuda:nccl`` with
     it. A process group the program made itself (``init_process_group``) is used as it is.
     """
 
