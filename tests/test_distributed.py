@@ -46,7 +46,8 @@ def test_one_process_without_launcher_or_group() -> None:
     assert distributed.detect({}) == RankContext()
     assert RankContext().subdirectory is None and RankContext().rank_paths(("/a",)) == ("/a",)
     one = distributed.detect({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
-    assert not one.multi_process and one.subdirectory is None  # torchrun with one process: as before
+    assert one.source == "environment"  # torchrun with one process: a group is made (FSDP2 needs it) ...
+    assert not one.multi_process and one.subdirectory is None  # ... and the files are where they were
 
 
 def test_torchrun_environment_before_a_group_exists() -> None:
@@ -181,11 +182,33 @@ def test_backend_auto_is_gloo_without_cuda_and_nccl_needs_cuda() -> None:
         distributed.resolve_backend("nccl", cuda_available=False)
 
 
-def test_no_process_group_is_made_outside_a_multi_process_launch() -> None:
-    assert distributed.setup_process_group(DistributedConfig(), {}) is False
+def test_no_process_group_is_made_outside_a_torchrun_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert distributed.setup_process_group(DistributedConfig()) is False
+    for name, value in torchrun_env(0, 2).items():
+        monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match="MASTER_ADDR and MASTER_PORT unset; launch with torchrun"):
-        distributed.setup_process_group(DistributedConfig(), torchrun_env(0, 2))
+        distributed.setup_process_group(DistributedConfig())
     distributed.close_process_group(False)  # not ours: nothing to do
+
+
+def test_a_one_process_torchrun_launch_gets_a_group_and_keeps_its_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    for name, value in torchrun_env(0, 1, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(name, value)
+    owned = distributed.setup_process_group(DistributedConfig(timeout_s=30))
+    try:
+        assert owned and dist.get_world_size() == 1 and dist.get_backend() == "gloo"
+        assert distributed.detect().source == "process group"
+        with tiermem.Runtime(_config(tmp_path)) as rt:
+            assert rt.resolved is not None and rt.resolved.nvme.paths == (str(tmp_path),)
+    finally:
+        distributed.close_process_group(owned)
+    assert not dist.is_initialized()
 
 
 def test_one_process_errors_pass_through_unchanged() -> None:

@@ -151,13 +151,11 @@ def detect(environ: Mapping[str, str] | None = None) -> RankContext:
     if group is not None:
         rank, world = group
         source: Literal["process group", "environment", "single process"] = "process group"
-    elif world is not None and world > 1:
-        source = "environment"
+    elif world is not None:
+        source = "environment"  # torchrun, before the group exists (one process included)
     else:
         return RankContext(local_rank=local_rank or 0, local_world_size=local_world or 1)
-    assert rank is not None and world is not None
-    if world == 1:
-        return RankContext(local_rank=local_rank or 0, local_world_size=local_world or 1, source=source)
+    assert rank is not None
     return RankContext(
         rank=rank,
         world_size=world,
@@ -180,18 +178,20 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     return backend
 
 
-def setup_process_group(settings: DistributedConfig, environ: Mapping[str, str] | None = None) -> bool:
-    """Make the default process group from torchrun's environment (rule 4); True when it did (the
-    caller then calls :func:`close_process_group`). False, doing nothing, outside a multi-process
-    launch or when the program already made a group."""
+def setup_process_group(settings: DistributedConfig) -> bool:
+    """Make the default process group from torchrun's environment (rule 4), a one-process launch
+    included (FSDP2 needs a group even then); True when it did (the caller then calls
+    :func:`close_process_group`). False, doing nothing, without torchrun's environment or when
+    the program already made a group. Reads ``os.environ``: ``env://`` reuses the store torchrun's
+    agent serves at ``MASTER_ADDR:MASTER_PORT``."""
     global _owned_timeout_s
     import torch
     import torch.distributed as dist
 
-    environ = os.environ if environ is None else environ
+    environ = os.environ
     ranks = detect(environ)
     if ranks.source != "environment":
-        return False  # one process, or the program's own group (kept as it is)
+        return False  # not launched by torchrun, or the program's own group (kept as it is)
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
     if missing:
         raise ConfigError(
