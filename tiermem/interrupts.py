@@ -191,7 +191,18 @@ class RuntimeInterruptGuard:
 
 #: What in the ``tiermem`` package drives the runtime instead of being part of it: a Ctrl-C in
 #: these is raised at once, as in the user's own code. Everything else there is the runtime.
-DRIVERS = ("__main__.py", "benchio", "cli", "interrupts.py", "models", "rok.py", "train.py", "train_resume.py")
+DRIVERS = (
+    "__main__.py",
+    "benchio",
+    "cli",
+    "interrupts.py",
+    "models",
+    "rok.py",
+    "train.py",
+    "train_ranks.py",
+    "train_resume.py",
+    "train_summary.py",
+)
 
 
 def _internal_paths() -> tuple[str, ...]:

@@ -22,26 +22,8 @@ step leaves the RNG and the model as they were, NOTE [ Profiling step ]) and cho
 size, persistent chunks, buffers, homes and, under activation policy ``auto``, each block's
 policy; a fixed activation policy (``policy="nvme"``, or the configuration's) is planned
 around instead. The summary's ``plan`` block puts the plan's predictions next to what the run
-measured (NOTE [ Predicted and measured ]).
+measured (NOTE [ Predicted and measured ] in :mod:`tiermem.train_summary`).
 
-# NOTE [ Predicted and measured ]
-1. ``predicted``: the planner's step time and peak bytes per tier (``rt.plan.predicted``);
-   ``null`` for a hand plan (nothing predicted it).
-2. ``measured``: the median step time, and each tier's peak bytes over the training steps
-   alone, as the plan predicts them: the tiers' peaks are reset (``Tier.reset_peak``) once
-   ``rt.manage`` has placed the chunks. The ``tiers`` block keeps each tier's peak over the
-   Runtime's whole life, which includes the profiling step's link probes and the profile
-   cache's check (32 MiB, or a quarter of the least free tier when less): on a tier the plan
-   leaves empty that is the probes' bytes.
-3. ``ratios``: predicted / measured (1.0 is exact; ``null`` where either is missing or 0).
-   The planner predicts the plan's activation policy; with a per-block mapping given by hand
-   the loop runs another one, and ``activations_as_planned`` is false. So it is when a fixed
-   policy (``policy="nvme"``) fits no plan under the budget: the planner then plans around
-   what the offloader's own fallbacks will run (the fixed policy for as many leading blocks
-   as fit, recompute from there on, as NOTE [ Activation fallbacks ] does when the device is
-   full), or freely when not even one block fits; the loop runs the fixed policy, and those
-   fallbacks keep it within the capacity. (A free plan may keep every chunk persistent for a
-   policy that needs no device room, leaving none for the policy the loop runs.)
 """
 
 from __future__ import annotations
@@ -49,8 +31,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
-import shutil
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -59,12 +39,21 @@ from typing import Any
 
 import torch
 
+from tiermem import distributed, train_ranks
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner.errors import NoPlanFitsError
 from tiermem.runtime import Runtime
 from tiermem.train_resume import TrainCheckpoints, run_settings
+from tiermem.train_summary import (
+    ENDURANCE_ASSUMPTION,
+    drive_capacity,
+    nvme_summary,
+    plan_summary,
+    split_peaks,
+    states_summary,
+)
 
 __all__ = ["ENDURANCE_ASSUMPTION", "PolicyLike", "TrainSummary", "drive_capacity", "train"]
 
@@ -72,12 +61,6 @@ PolicyLike = str | Mapping[int | str, str] | None
 """What ``rt.offload_activations(policy=...)`` takes: a policy name, a per-block mapping, or
 None for the ``[activations] policy`` of the runtime's configuration."""
 
-ENDURANCE_ASSUMPTION = (
-    "drive writes per day = NVMe bytes written per second of training x 86400 / drive capacity; "
-    "drive capacity is the total size of the filesystem(s) holding the NVMe path(s), taken to be "
-    "one drive each; training runs around the clock at this run's pace; only bytes that reached "
-    "the NVMe tier count (cancelled writes do not), not filesystem or flash write amplification"
-)
 
 log = logging.getLogger("tiermem.train")
 
@@ -135,21 +118,6 @@ class TrainSummary:
         }
 
 
-def drive_capacity(paths: tuple[str, ...] | list[str]) -> int:
-    """Total bytes of the distinct filesystems holding ``paths`` (two paths on one count once).
-
-    A path that does not exist (any more) is measured at its nearest existing ancestor, which
-    is where its files would live.
-    """
-    totals: dict[int, int] = {}
-    for path in paths:
-        probe = os.path.abspath(path)
-        while not os.path.exists(probe) and os.path.dirname(probe) != probe:
-            probe = os.path.dirname(probe)
-        totals.setdefault(os.stat(probe).st_dev, shutil.disk_usage(probe).total)
-    return sum(totals.values())
-
-
 def _policy_for_summary(policy: PolicyLike, rt: Runtime) -> Any:
     """The policy as JSON can hold it: a name, or a mapping with string keys."""
     if policy is None:
@@ -204,6 +172,10 @@ def train(
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
     checkpoints = checkpoints or TrainCheckpoints()
+    if checkpoints.active and distributed.detect().multi_process:
+        raise ValueError(  # NOTE [ Training on ranks ] rule 5
+            "train: checkpoints (--checkpoint, --resume) are one process's for now; run without them under torchrun"
+        )
     if checkpoints.active and not manage_states:
         raise ValueError("train: checkpoints save the managed states; they need manage_states=True (no --no-states)")
     # A signal stops the run at the next safe point (TRAPS 18): before planning, after it,
@@ -233,14 +205,16 @@ def _train(
     assert rt.resolved is not None  # set by start()
     device = torch.device(rt.resolved.device.device)
     fork_devices = [device] if device.type == "cuda" else []
+    ranks = distributed.detect()  # NOTE [ Training on ranks ] in tiermem.train_ranks
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = GPT(model_config).to(device)
-        data = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed)
-        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         parameters = model.num_parameters()
+        sharded = train_ranks.shard(model, ranks)
+        data = MarkovChainData(model_config.vocab_size, model_config.seq_len, seed=seed, stream=ranks.rank)
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         checkpoints.check_before_planning(model)
-        planned = manage_states and (states_plan is None or states_plan == "auto")
+        planned = manage_states and (states_plan is None or states_plan == "auto") and not sharded
         fixed_fits = True
         if planned:
             sample = _first_batch(model_config, seed, batch_size, device)
@@ -266,10 +240,10 @@ def _train(
             rt, model, data, optimizer, device, steps_run, batch_size, policy, progress, on_step, after_step, stop
         )
         after = rt.stats().as_dict()
-        step_peaks = _split_peaks(before, after)
-        states = _states_summary(rt, parameters) if manage_states else None
+        step_peaks = split_peaks(before, after)
+        states = states_summary(rt, parameters) if manage_states else None
         as_planned = fixed_fits and not isinstance(policy, Mapping)
-        plan_block = _plan_summary(rt, after, step_peaks, seconds, planned, as_planned) if manage_states else None
+        plan_block = plan_summary(rt, after, step_peaks, seconds, planned, as_planned) if manage_states else None
     return TrainSummary(
         model={**dataclasses.asdict(model_config), "parameters": parameters},
         device=str(device),
@@ -290,7 +264,7 @@ def _train(
             name: int(link["bytes"] - before["links"].get(name, {}).get("bytes", 0))
             for name, link in after["links"].items()
         },
-        nvme=_nvme_summary(rt, before, after, seconds, len(steps_run)),
+        nvme=nvme_summary(rt, before, after, seconds, len(steps_run)),
         plan=plan_block,
     )
 
@@ -321,37 +295,6 @@ def _manage_planned(
         model, optimizer = _manage_around_fallbacks(rt, model, optimizer, fixed, sample)
         return model, optimizer, False
     return model, optimizer, True
-
-
-def _split_peaks(before: Mapping[str, Any], after: dict[str, Any]) -> dict[str, int]:
-    """Each tier's peak bytes over the training steps alone (the tiers were reset before them),
-    returned; ``after``'s tiers block gets back the Runtime's whole-life peak (NOTE [ Predicted
-    and measured ] rule 2)."""
-    step_peaks = {name: int(tier["peak_bytes"]) for name, tier in after["tiers"].items()}
-    for name, tier in after["tiers"].items():  # the tiers block keeps the Runtime's whole life
-        tier["peak_bytes"] = max(tier["peak_bytes"], before["tiers"][name]["peak_bytes"])
-    return step_peaks
-
-
-def _nvme_summary(
-    rt: Runtime, before: Mapping[str, Any], after: Mapping[str, Any], seconds: list[float], steps: int
-) -> dict[str, Any]:
-    """The NVMe tier's writes over this run's steps and what they mean for the drive's endurance."""
-    assert rt.resolved is not None
-    nvme_written = after["tiers"]["nvme"]["bytes_written"] - before["tiers"]["nvme"]["bytes_written"]
-    train_s = sum(seconds)
-    drive = drive_capacity(rt.resolved.nvme.paths)
-    per_s = nvme_written / train_s if train_s > 0 else 0.0
-    return {
-        "paths": list(rt.resolved.nvme.paths),
-        # Deltas over this run's steps, so a runtime used before does not inflate them.
-        "bytes_written": nvme_written,
-        "bytes_written_per_step": nvme_written / steps,
-        "bytes_written_per_s": per_s,
-        "drive_bytes": drive,
-        "drive_writes_per_day": per_s * 86400 / drive if drive else None,
-        "assumption": ENDURANCE_ASSUMPTION,
-    }
 
 
 def _manage_around_fallbacks(
@@ -386,59 +329,6 @@ def _fixed_policy(policy: PolicyLike, rt: Runtime) -> str | None:
     return name if isinstance(name, str) and name != "auto" else None
 
 
-def _ratio(predicted: float | None, measured: float | None) -> float | None:
-    return predicted / measured if predicted is not None and measured else None
-
-
-def _plan_summary(
-    rt: Runtime,
-    stats: Mapping[str, Any],
-    step_peaks: Mapping[str, int],
-    seconds: list[float],
-    planned: bool,
-    as_planned: bool,
-) -> dict[str, Any]:
-    """NOTE [ Predicted and measured ]: the plan's decisions, predictions, measurements, ratios.
-    ``step_peaks``: each tier's peak bytes over the training steps (rule 2)."""
-    assert rt.plan is not None  # rt.manage ran
-    plan = rt.plan.as_dict()
-    predicted = plan.pop("predicted")
-    decision = rt.__dict__.get("_decision") if planned else None  # what rt.manage's planner returned
-    measured_step = statistics.median(seconds) if seconds else None
-    measured_peaks = {tier: int(step_peaks[tier]) for tier in ("device", "host", "nvme")}
-    predicted_peaks = predicted.get("peak_bytes") or {}
-    return {
-        "source": "planner" if decision is not None else "hand",
-        **plan,
-        "activations_as_planned": as_planned,
-        "reasons": list(decision.reasons) if decision is not None else [],
-        "capacities": {tier: int(stats["tiers"][tier]["capacity"]) for tier in ("device", "host", "nvme")},
-        "predicted": predicted,
-        "measured": {"step_s": measured_step, "peak_bytes": measured_peaks},
-        "ratios": {
-            "step_s": _ratio(predicted.get("step_s"), measured_step),
-            "peak_bytes": {tier: _ratio(predicted_peaks.get(tier), measured_peaks[tier]) for tier in measured_peaks},
-        },
-    }
-
-
-def _states_summary(rt: Runtime, parameters: int) -> dict[str, Any]:
-    """Where the chunks lived: the plan in force and the homes of its chunks."""
-    plan = rt.plan.as_dict()
-    homes = plan["state_home"]
-    persistent = plan["persistent_chunks"]
-    return {
-        "parameters": parameters,
-        "state_bytes": parameters * 16,  # fp32 parameter, gradient, AdamW exp_avg and exp_avg_sq
-        "chunks": len(homes),
-        "chunk_size": plan["chunk_size"],
-        "persistent_chunks": persistent,
-        "buffers": plan["buffers"],
-        "homes": {tier: homes[persistent:].count(tier) for tier in ("host", "nvme") if tier in homes[persistent:]},
-        "peak_device_chunk_bytes": rt.registry.peak_resident_bytes("chunk", "device"),
-    }
-
-
 def train_step(
     rt: Runtime, model: GPT, optimizer: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor, policy: PolicyLike
 ) -> tuple[float, float]:
@@ -470,6 +360,7 @@ def _loop(
 ) -> tuple[list[float], list[float]]:
     """The steps themselves (numbered from ``steps.start``); returns the loss and the wall seconds
     of each. ``after_step(steps done, losses)`` runs outside the timed region (a checkpoint)."""
+    ranks = distributed.detect()
     losses: list[float] = []
     seconds: list[float] = []
     bar = _progress_bar() if progress else None
@@ -482,6 +373,7 @@ def _loop(
             # Data generation is outside the timed region: it is not what tiermem changes.
             x, y = data.batch(batch_size, device)
             value, elapsed = train_step(rt, model, optimizer, x, y, policy)
+            value = train_ranks.mean_over_ranks(value, ranks)
             losses.append(value)
             seconds.append(elapsed)
             if on_step is not None:

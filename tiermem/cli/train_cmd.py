@@ -131,9 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Choose the budget, train, print the summary. Bad configurations raise ConfigError."""
     # torch is imported here, not at module level, so `tiermem train --help` stays quick.
+    from tiermem import distributed
     from tiermem.models.gpt import GPT, GPTConfig, measure_activations
-    from tiermem.runtime import Runtime
-    from tiermem.train import train
     from tiermem.train_resume import TrainCheckpoints
 
     usage = _checkpoint_usage(args) or _model_usage(args)
@@ -168,29 +167,24 @@ def run(args: argparse.Namespace) -> int:
     if budget["source"] == "default":
         config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
 
-    if not args.json:
+    rank = distributed.detect().rank
+    if not args.json and rank == 0:
         try:
             _print_intro(model_config, args, device, budget)
             sys.stdout.flush()
         except BrokenPipeError:  # nobody reads the summary (`| head -1`): no run for it
             return _stdout_closed()
-    with Runtime(config) as rt:
-        summary = train(
-            rt,
-            model_config,
-            steps=args.steps,
-            batch_size=args.batch_size,
-            lr=args.lr,
-            policy=args.policy,
-            seed=args.seed,
-            progress=not args.json,
-            manage_states=args.states,
-            states_plan=plan,
-            checkpoints=checkpoints,
-        )
+    summary = _train_on_ranks(args, config, model_config, plan, checkpoints, rank)
+    if summary is None:
+        return 0  # rank 0 prints the summary (NOTE [ Training on ranks ] rule 6)
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
     budget["fraction_of_activations"] = budget["bytes"] / measured.total if measured.total else None
-    result = {**summary.as_dict(), "device_budget": budget, "checkpoint": _checkpoint_block(args, summary.start_step)}
+    result = {
+        **summary.as_dict(),
+        "world_size": distributed.detect().world_size,
+        "device_budget": budget,
+        "checkpoint": _checkpoint_block(args, summary.start_step),
+    }
     try:
         if args.json:
             # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
@@ -201,6 +195,41 @@ def run(args: argparse.Namespace) -> int:
     except BrokenPipeError:
         return _stdout_closed()
     return 0
+
+
+def _train_on_ranks(
+    args: argparse.Namespace, config: Config, model_config: Any, plan: Any, checkpoints: Any, rank: int
+) -> Any:
+    """Train in this process: the whole job, or, under torchrun, one rank of it with FSDP2 over
+    the ranks (NOTE [ Training on ranks ] in tiermem.train_ranks); the summary on rank 0, None
+    on the others."""
+    from tiermem import distributed
+    from tiermem.runtime import Runtime
+    from tiermem.train import train
+
+    owned = distributed.setup_process_group(config.resolve().distributed)
+    failed = False
+    try:
+        with distributed.peer_failures(), Runtime(config) as rt:
+            summary = train(
+                rt,
+                model_config,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                policy=args.policy,
+                seed=args.seed,
+                progress=not args.json and rank == 0,
+                manage_states=args.states,
+                states_plan=plan,
+                checkpoints=checkpoints,
+            )
+    except distributed.PeerFailureError:
+        failed = True  # no peer will meet this rank to close the group
+        raise
+    finally:
+        distributed.close_process_group(owned, wait_for_peers=not failed)
+    return summary if rank == 0 else None
 
 
 def _model_usage(args: argparse.Namespace) -> str | None:

@@ -23,7 +23,9 @@ class MarkovChainData:
 
     The chain and the batch stream both come from a private ``torch.Generator`` seeded with
     ``seed``, so the global RNG (model init, dropout) is never consumed and a run is
-    reproducible whatever else draws random numbers.
+    reproducible whatever else draws random numbers. ``stream`` picks one of several batch
+    streams over the same chain (one per rank of a multi-process run): stream 0 continues the
+    chain's generator, stream k > 0 has a generator of its own seeded from ``seed`` and k.
     """
 
     def __init__(
@@ -32,6 +34,7 @@ class MarkovChainData:
         seq_len: int,
         *,
         seed: int = 0,
+        stream: int = 0,
         min_successors: int = 2,
         max_successors: int = 4,
     ) -> None:
@@ -54,6 +57,10 @@ class MarkovChainData:
         weights = torch.rand(vocab_size, max_successors, generator=self._gen, dtype=torch.float64) + 0.25
         weights[torch.arange(max_successors) >= counts[:, None]] = 0.0
         self.probs = weights / weights.sum(dim=1, keepdim=True)
+        if stream < 0:
+            raise ValueError(f"MarkovChainData: stream must be >= 0, got {stream}")
+        if stream:  # the chain is seed's alone; the batches are this stream's (distinct from stream 0's)
+            self._gen = torch.Generator().manual_seed((seed * 1_000_003 + stream) % 2**63)
 
     def batch(self, batch_size: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """The next batch of the stream: ``x`` and ``y``, int64, ``(batch_size, seq_len)``."""

@@ -1,0 +1,61 @@
+"""``tiermem train`` on more than one process: torchrun starts one per rank, FSDP2 shards the
+model, and tiermem tiers what each rank holds.
+
+::
+
+    torchrun --nproc-per-node 2 -m tiermem train --state-home nvme
+
+# NOTE [ Training on ranks ]
+1. Every rank builds the same GPT from the same seed and shards it with FSDP2: ``fully_shard``
+   on each block and at the root, FSDP2's defaults (parameters resharded after forward). Then
+   ``rt.manage`` tiers each rank's optimizer states (NOTE [ Sharded model states ] in
+   ``tiermem.states.sharded``) and ``rt.offload_activations`` each rank's saved activations.
+2. Data: the same Markov chain on every rank (the seed's) and a batch stream of each rank's own
+   (``MarkovChainData(stream=rank)``). ``--batch-size`` is per rank, so a step trains
+   world size x batch size sequences; FSDP2 averages the ranks' gradients, which is plain
+   PyTorch trained on the mean loss of all ranks' batches.
+3. The loss a step reports is the mean of the ranks' losses (one all-reduce of the fp32 loss;
+   with 2 ranks exactly the mean loss plain PyTorch computes for both batches).
+4. Planning: the planner's profiling step is one process's (``sample=``), so the states are
+   placed by ``rt.manage``'s sharded plan (from every rank's free bytes, agreed on rank 0) or
+   the hand plan (``--state-home``, ``--plan``); each block's activation policy is the
+   configuration's (``auto`` falls back as the offloader does without a planned policy).
+5. Not yet on several processes: ``--checkpoint`` / ``--resume`` (refused before anything
+   runs) and ``--no-states`` with a planner-made activation policy.
+6. Rank 0 prints the summary; its tiers, links and NVMe blocks are rank 0's own, the numbers
+   every rank has for its own shards (the configuration's capacities are per rank, NOTE
+   [ Ranks ] in ``tiermem.distributed``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tiermem import distributed
+
+__all__ = ["mean_over_ranks", "shard"]
+
+
+def shard(model: nn.Module, ranks: distributed.RankContext) -> bool:
+    """Rule 1: ``fully_shard`` every block and the root when this is one rank of several; returns
+    whether it did (one process: the model stays as it is)."""
+    if not ranks.multi_process:
+        return False
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:  # type: ignore[union-attr]
+        fully_shard(block)
+    fully_shard(model)
+    return True
+
+
+def mean_over_ranks(loss: float, ranks: distributed.RankContext) -> float:
+    """Rule 3: the mean of every rank's ``loss`` (``loss`` itself in one process)."""
+    if not ranks.multi_process:
+        return loss
+    import torch.distributed as dist
+
+    total = torch.tensor([loss], dtype=torch.float32)
+    dist.all_reduce(total)
+    return float(total[0] / ranks.world_size)
