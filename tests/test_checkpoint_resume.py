@@ -59,6 +59,15 @@ class Net(nn.Module):
         return x
 
 
+@pytest.fixture(autouse=True)
+def _restore_threads() -> Iterator[None]:
+    """The tests run on one thread, as the children do; later tests get the thread count back
+    (a kernel's reduction order depends on it: TRAPS 3's kind of difference)."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 def config(nvme: pathlib.Path, host: str = "1MiB") -> dict[str, Any]:
     nvme.mkdir(parents=True, exist_ok=True)
     return {

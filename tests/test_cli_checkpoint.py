@@ -84,7 +84,10 @@ def _run_until_saved_then_kill(tmp_path: Path, path: Path) -> None:
     """``tiermem train --save-every 2`` in a process of its own, SIGKILLed once a save is there."""
     argv = [sys.executable, "-m", "tiermem", "train", *TINY_ARGS, "--config", _config_file(tmp_path)]
     argv += ["--steps", "100000", "--save-every", "2", "--checkpoint", str(path), "--json"]
-    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # The child computes the saved steps with this process's thread count, as the in-process runs
+    # compared with it do (an embedding's backward sums in a thread-dependent order).
+    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         deadline = time.monotonic() + 120
         while not (path / files.MANIFEST).exists():
