@@ -113,6 +113,23 @@ def test_show_without_a_file_uses_defaults_and_environment(
     assert shown["device"]["capacity"] == 4 * GiB
 
 
+def test_show_under_torchrun_says_the_capacities_and_directories_are_this_ranks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """NOTE [ Ranks ] rules 2 and 3: the shown paths are the configured ones; the header names
+    this rank's directories under them."""
+    (tmp_path / "nv").mkdir()
+    path = write(tmp_path, f'[nvme]\npaths = ["{tmp_path / "nv"}"]\n')
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["config", "show", path]) == 0
+    out = capsys.readouterr().out
+    header = out.splitlines()[1]
+    assert header.startswith("# rank 1 of 2") and header.endswith(str(tmp_path / "nv" / "rank1")), header
+    assert tomllib.loads(out)["nvme"]["paths"] == [str(tmp_path / "nv")]
+    assert not (tmp_path / "nv" / "rank1").exists()  # show creates nothing
+
+
 def test_show_reports_problems_like_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["config", "show", write(tmp_path, BAD_FILE)]) == 1
     out, err = capsys.readouterr()

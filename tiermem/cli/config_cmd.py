@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from tiermem import distributed
 from tiermem.config import Config
 from tiermem.errors import ConfigError
 
@@ -50,6 +51,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"OK: {args.file}")
         return 0
     print(f"# tiermem configuration from {config.source}, resolved for this machine")
+    ranks = distributed.detect()
+    if ranks.multi_process:  # NOTE [ Ranks ] rules 2 and 3
+        print(
+            f"# {ranks.describe()} ({ranks.local_world_size} on this machine): capacities are this rank's; "
+            f"its NVMe files go to {', '.join(ranks.rank_paths(config.resolve().nvme.paths))}"
+        )
     print(config.resolve().to_toml(), end="")
     return 0
 
