@@ -49,22 +49,25 @@ from __future__ import annotations
 import os
 import pickle
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
-from tiermem.checkpoint import files
+from tiermem.checkpoint import files, ranks
 from tiermem.checkpoint.content import LoadTree, rng_state, save_tree, set_rng_state
 from tiermem.checkpoint.planners import StreamingLoadPlanner, StreamingSavePlanner
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.states import ModelStates, StatesUsageError
+from tiermem.states.sharded import ShardedModelStates
 
 __all__ = ["CheckpointError", "load", "save", "storage_reader"]
+
+T = TypeVar("T")
 
 #: DCP warns at every single-process save and load; one process is what this step supports.
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
@@ -104,11 +107,49 @@ def _unwrap(exc: CheckpointException, path: Path, what: str) -> BaseException:
     return CheckpointError(f"tiermem checkpoint: {what} {path} failed: {first}", str(path))
 
 
+def _prepare(all_states: Sequence[ModelStates], extra: Any) -> tuple[dict[str, Any], dict[Any, Any], dict[str, Any]]:
+    """Rule 4's checks, then what a save writes: the tree to plan, each tensor's source, and this
+    process's own values (extra, RNG states, loop positions; checked picklable)."""
+    loops = [states.loop_position() for states in all_states]
+    if any(loop is not None and loop["counted"] for loop in loops):
+        raise StatesUsageError(
+            "tiermem checkpoint: rt.save() was called inside a declared accumulation window (backwards counted "
+            "since the last optimizer.step()); their gradients are not saved. Save after optimizer.step()."
+        )
+    if any(_gradients_unstepped(states) for states in all_states):
+        raise StatesUsageError(
+            "tiermem checkpoint: rt.save() was called with gradients accumulated since the last optimizer.step() "
+            "(a backward ended and .grad is set); a checkpoint does not hold gradients, so the resumed run would "
+            "step without them. Save after optimizer.step() and optimizer.zero_grad()."
+        )
+    own = {"extra": extra, "rng": rng_state(), "loops": loops}
+    try:
+        pickle.dumps(own)
+    except (pickle.PicklingError, TypeError, AttributeError) as exc:
+        raise CheckpointError(f"tiermem checkpoint: extra= cannot be pickled ({exc}); pass picklable values") from exc
+    tree, sources = save_tree(all_states)
+    return tree, sources, own
+
+
+def _gradients_unstepped(states: ModelStates) -> bool:
+    if isinstance(states, ShardedModelStates):
+        return states.gradients_unstepped()
+    return states.stepper.gradients_unstepped()
+
+
+def _write_state(directory: Path, state: dict[str, Any]) -> None:
+    with open(directory / files.STATE_FILE, "wb") as f:
+        f.write(pickle.dumps({"version": files.FORMAT_VERSION, **state}))
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def save(
     all_states: Sequence[ModelStates], path: str | os.PathLike[str], *, extra: Any = None, format: str | None = None
 ) -> None:
     """Rules 2, 4, 5 and 7: stream every managed model and optimizer to a new checkpoint at
-    ``path``, in ``format`` (``"dcp"`` or ``"zarr"``; None: :data:`DEFAULT_FORMAT`)."""
+    ``path``, in ``format`` (``"dcp"`` or ``"zarr"``; None: :data:`DEFAULT_FORMAT`); collective
+    over the ranks for FSDP2-sharded models (NOTE [ Checkpoints on ranks ])."""
     where = Path(os.path.abspath(os.fspath(path)))
     format = DEFAULT_FORMAT if format is None else format
     if format not in FORMATS:
@@ -117,23 +158,13 @@ def save(
             "(or None for the default). Nothing was written.",
             str(where),
         )
-    loops = [states.loop_position() for states in all_states]
-    if any(loop is not None and loop["counted"] for loop in loops):
-        raise StatesUsageError(
-            "tiermem checkpoint: rt.save() was called inside a declared accumulation window (backwards counted "
-            "since the last optimizer.step()); their gradients are not saved. Save after optimizer.step()."
-        )
-    if any(states.stepper.gradients_unstepped() for states in all_states):
-        raise StatesUsageError(
-            "tiermem checkpoint: rt.save() was called with gradients accumulated since the last optimizer.step() "
-            "(a backward ended and .grad is set); a checkpoint does not hold gradients, so the resumed run would "
-            "step without them. Save after optimizer.step() and optimizer.zero_grad()."
-        )
-    try:
-        payload = pickle.dumps({"version": files.FORMAT_VERSION, "extra": extra, "rng": rng_state(), "loops": loops})
-    except (pickle.PicklingError, TypeError, AttributeError) as exc:
-        raise CheckpointError(f"tiermem checkpoint: extra= cannot be pickled ({exc}); pass picklable values") from exc
-    tree, sources = save_tree(all_states)
+    group = ranks.group_of(all_states)
+    if group is not None:
+        if format == "zarr":
+            raise ranks.refuse_zarr("saving", where)
+        _save_on_ranks(group, all_states, where, extra)
+        return
+    tree, sources, own = _prepare(all_states, extra)
     with files.staged(where) as staging:
         staging.storage = format
         writer = _writer(staging.dir, format)
@@ -146,17 +177,54 @@ def save(
             raise _unwrap(exc, where, "saving") from None
         finally:
             planner.release()
-        with open(staging.dir / files.STATE_FILE, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
+        _write_state(staging.dir, own)
 
 
-def _read(tree: dict[str, Any], reader: StorageReader, planner: StreamingLoadPlanner, where: Path) -> None:
+def _save_on_ranks(group: ranks.Group, all_states: Sequence[ModelStates], where: Path, extra: Any) -> None:
+    """NOTE [ Checkpoints on ranks ] rules 2-5: every rank writes its shards into rank 0's
+    temporary sibling; rank 0 commits once all wrote; every step agreed."""
+    tree, sources, own = group.agreed(lambda: _prepare(all_states, extra))
+    staging: files.Staging | None = None
+
+    def stage() -> tuple[Path, str]:
+        nonlocal staging
+        staging = files.Staging(where)
+        return staging.dir, ranks.write_probe(staging.dir)
+
+    try:
+        directory, token = group.from_rank0(stage)
+        group.agreed(lambda: ranks.check_probe(directory, token, group.rank))
+        if staging is not None:
+            os.unlink(directory / ranks.PROBE)
+        planner = StreamingSavePlanner(sources)
+        try:
+            dcp.save(tree, storage_writer=_writer(directory, "dcp"), planner=planner)
+        except CheckpointException as exc:
+            raise _unwrap(exc, where, "saving") from None
+        finally:
+            planner.release()
+        every = group.gather(own)
+
+        def commit() -> None:
+            assert staging is not None
+            ranks.check_files_seen(directory, FileSystemReader(directory).read_metadata())
+            _write_state(directory, {**every[0], "world_size": group.world_size, "ranks": every})
+            staging.commit()
+
+        group.from_rank0(commit)
+    except BaseException:
+        if staging is not None:
+            staging.discard()
+        raise
+
+
+def _read(
+    tree: dict[str, Any], reader: StorageReader, planner: StreamingLoadPlanner, where: Path, collective: bool
+) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-            dcp.load(tree, storage_reader=reader, planner=planner, no_dist=True)
+            dcp.load(tree, storage_reader=reader, planner=planner, no_dist=not collective)
     except CheckpointException as exc:
         raise _unwrap(exc, where, "loading") from None
     finally:
@@ -183,31 +251,56 @@ def _read_state(where: Path) -> dict[str, Any]:
     return state
 
 
-def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any:
-    """Rules 3-6: verify the checkpoint at ``path``, check what can be checked before writing
-    (architecture, shapes and dtypes, param groups, the state file), stream it into the managed
-    models and optimizers, restore RNG states and loop positions; returns the ``extra`` it was
-    saved with (None for a plain DCP checkpoint)."""
-    where = Path(os.path.abspath(os.fspath(path)))
-    files.recover(where)
-    ours = files.verify(where)
-    reader = storage_reader(where)
+def _verify(where: Path, group: ranks.Group | None) -> bool:
+    """Rule 5 (NOTE [ Checkpoint commit rules ] rule 4): recover, verify every digest; True for a
+    tiermem checkpoint. On ranks rank 0 does it and every rank gets its verdict (NOTE
+    [ Checkpoints on ranks ] rule 6)."""
+
+    def verified() -> bool:
+        files.recover(where)
+        ours = files.verify(where)
+        if group is not None and files.storage_of(where) == "zarr":
+            raise ranks.refuse_zarr("loading", where)
+        return ours
+
+    return verified() if group is None else group.from_rank0(verified)
+
+
+def _metadata(reader: StorageReader, where: Path) -> Any:
     try:
-        metadata = reader.read_metadata()
+        return reader.read_metadata()
     except (OSError, pickle.UnpicklingError, EOFError, AttributeError) as exc:
         raise CheckpointError(
             f"tiermem checkpoint: cannot read the DCP metadata of {where}: {exc}; the checkpoint is damaged",
             str(where),
         ) from exc
-    tree = LoadTree(all_states, metadata, str(where))
+
+
+def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any:
+    """Rules 3-6: verify the checkpoint at ``path``, check what can be checked before writing
+    (architecture, shapes and dtypes, param groups, the state file), stream it into the managed
+    models and optimizers, restore RNG states and loop positions; returns the ``extra`` it was
+    saved with (None for a plain DCP checkpoint). Collective over the ranks for FSDP2-sharded
+    models, every check agreed (NOTE [ Checkpoints on ranks ])."""
+    where = Path(os.path.abspath(os.fspath(path)))
+    group = ranks.group_of(all_states)
+
+    def every(step: Callable[[], T]) -> T:
+        return step() if group is None else group.agreed(step)
+
+    ours = _verify(where, group)
+    reader = storage_reader(where)
+    metadata = every(lambda: _metadata(reader, where))
+    tree = every(lambda: LoadTree(all_states, metadata, str(where)))
     groups = StreamingLoadPlanner({}, _no_writes)
-    _read(tree.groups_tree(), reader, groups, where)
-    tree.check_groups(groups.loaded)
-    state = _read_state(where) if ours else None
+    _read(tree.groups_tree(), reader, groups, where, group is not None)
+    every(lambda: tree.check_groups(groups.loaded))
+    state = every(lambda: _read_state(where)) if ours else None
     planner = StreamingLoadPlanner(tree.targets, lambda key: tree.stateios[key[0]].chunk_writer(key[1]))
+    planner.written = group is not None  # FSDP2's shards are loaded in place from the first read
     try:
-        _read(tree.tree, reader, planner, where)
-        tree.finish(planner.loaded)
+        _read(tree.tree, reader, planner, where, group is not None)
+        every(lambda: tree.finish(planner.loaded))
     except Exception as exc:
         if not planner.written:
             raise
@@ -218,8 +311,9 @@ def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any
         ) from exc
     if state is None:
         return None
-    set_rng_state(state["rng"])
-    for states, loop in zip(all_states, state["loops"], strict=False):
+    own = ranks.own_state(state, 0 if group is None else group.rank)
+    set_rng_state(own["rng"])
+    for states, loop in zip(all_states, own["loops"], strict=False):
         if loop is not None and states.loop_position() is not None:
             states.restore_loop_position(loop)
-    return state["extra"]
+    return own["extra"]

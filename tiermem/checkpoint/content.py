@@ -3,7 +3,10 @@ state dict ``{"model": <model.state_dict() names>, "optimizer": <get_optimizer_s
 form: FQN-keyed state and param groups>}`` (later models under ``model_1``/``optimizer_1``, ...),
 the sources a save reads each tensor from, and the targets a load writes each one into; plus
 the RNG states. Bytes are reached only through each model's
-:class:`~tiermem.states.stateio.StateIO` (NOTE [ Checkpoint rules ] rule 1).
+:class:`~tiermem.states.stateio.StateIO` (NOTE [ Checkpoint rules ] rule 1), or, for an
+FSDP2-sharded model, its :class:`~tiermem.states.sharded_io.ShardedStateIO`: its parameters are
+FSDP2's DTensors, saved and loaded in place, and its optimizer states stand in as DTensors placed
+like their parameters, each rank streaming its local shards (NOTE [ Checkpoints on ranks ]).
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from tiermem.checkpoint.planners import ObjPath, Source, Target, stand_in
 from tiermem.errors import CheckpointError
 from tiermem.states import ModelStates
+from tiermem.states.sharded_io import ShardedStateIO
+from tiermem.states.sharded_step import as_like
 from tiermem.states.stateio import StateIO, StateTensor
 
 
@@ -60,14 +65,14 @@ def save_tree(all_states: Sequence[ModelStates]) -> tuple[dict[str, Any], dict[O
         index = {id(p): i for i, p in enumerate(states.params)}
         values = {t.index: t for t in stateio.checkpoint_tensors() if t.key is None}
 
-        def source(t: StateTensor, m: int = m, stateio: StateIO = stateio) -> Source:
+        def source(t: StateTensor, m: int = m, stateio: StateIO | ShardedStateIO = stateio) -> Source:
             return Source((m, t.chunk), lambda: stateio.read_tensor(t))
 
         model: dict[str, Any] = {}
         for name, value in states.model.state_dict(keep_vars=True).items():
             i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
-            if i is None:
-                model[name] = value.detach() if isinstance(value, torch.Tensor) else value  # buffers, extra state
+            if i is None or i not in values:  # buffers, extra state, FSDP2's shards: as they are
+                model[name] = value.detach() if isinstance(value, torch.Tensor) else value
                 continue
             model[name] = stand_in(values[i].shape, values[i].dtype)
             sources[(model_key, name)] = source(values[i])
@@ -78,8 +83,8 @@ def save_tree(all_states: Sequence[ModelStates]) -> tuple[dict[str, Any], dict[O
                 continue
             state[fqn] = {}
             for key, value in entries.items():
-                if isinstance(value, StateTensor):
-                    state[fqn][key] = stand_in(value.shape, value.dtype)
+                if isinstance(value, StateTensor):  # a DTensor like its parameter's for a sharded model
+                    state[fqn][key] = as_like(states.params[i], stand_in(value.shape, value.dtype))
                     sources[(optim_key, "state", fqn, key)] = source(value)
                 else:
                     state[fqn][key] = value
@@ -117,13 +122,29 @@ class LoadTree:
             self.where,
         )
 
-    def _check_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, into: StateTensor) -> None:
-        """A saved tensor is written into its chunk as it is: no broadcast, no cast."""
+    def _check_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, into: Any) -> None:
+        """A saved tensor is written into its chunk (or in place) as it is: no broadcast, no cast.
+        ``into``: a :class:`StateTensor` or a tensor (a DTensor's global shape)."""
         if shape != tuple(into.shape) or dtype != into.dtype:
             raise self._error(
                 f"holds {name} with shape {list(shape)} and dtype {dtype}, but this model's is shape "
                 f"{list(into.shape)} and dtype {into.dtype}; nothing was loaded"
             )
+
+    def _section(
+        self, m: int, states: ModelStates, i: int, key: str, values: dict[int, StateTensor]
+    ) -> StateTensor | None:
+        """Where optimizer state ``key`` of parameter ``i`` goes in its chunk (None: kept as a
+        record's value, as ``step`` is); a sharded model's is this rank's local shard."""
+        stateio = self.stateios[m]
+        if isinstance(stateio, ShardedStateIO):
+            return stateio.section(i, key) if stateio.has_section(i, key) else None
+        if key not in states.state_names:
+            return None
+        entry = stateio.state_entries(i).get(key)
+        if isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections:
+            return StateTensor(i, key, values[i].shape, values[i].dtype, values[i].chunk)
+        return None
 
     # long: one pass over the checkpoint's entries of one model, each kind of entry a few lines
     def _model(self, m: int, states: ModelStates, paths: dict[str, ObjPath], metadata: Metadata) -> None:
@@ -136,11 +157,13 @@ class LoadTree:
         model: dict[str, Any] = {}
         for name, value in states.model.state_dict(keep_vars=True).items():
             i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
-            if i is None:
+            md = metadata.state_dict_metadata.get(flat_of.get((model_key, name), ""))
+            if i is None or i not in values:  # buffers, extra state, FSDP2's shards: loaded in place
+                if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata):
+                    self._check_tensor(f"{model_key}.{name}", tuple(md.size), md.properties.dtype, value)
                 model[name] = value.detach() if isinstance(value, torch.Tensor) else value
                 continue
             t = values[i]
-            md = metadata.state_dict_metadata.get(flat_of.get((model_key, name), ""))
             if isinstance(md, TensorStorageMetadata):
                 self._check_tensor(f"{model_key}.{name}", tuple(md.size), md.properties.dtype, t)
             model[name] = stand_in(t.shape, t.dtype)
@@ -150,7 +173,6 @@ class LoadTree:
             raise self._error(f"holds model entries this model does not have: {extra[:5]}")
         state: dict[str, dict[str, Any]] = {}
         groups: dict[int, dict[str, Any]] = {}
-        names = states.state_names
         for flat, path in paths.items():
             if path[0] != optim_key:
                 continue
@@ -168,14 +190,16 @@ class LoadTree:
                 continue
             assert isinstance(md, TensorStorageMetadata)
             shape, dtype = tuple(md.size), md.properties.dtype
-            state.setdefault(fqn, {})[key] = stand_in(shape, dtype)
-            entry = stateio.state_entries(i).get(key) if key in names else None
-            chunk = values[i].chunk
-            if key in names and (isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections):
-                section = StateTensor(i, key, values[i].shape, values[i].dtype, chunk)
-                self._check_tensor(flat, shape, dtype, section)
-                self.targets[(optim_key, "state", fqn, key)] = Target(shape, dtype, (m, chunk), section)
+            section = self._section(m, states, i, key, values)
+            if section is not None:
+                p = states.params[i]
+                self._check_tensor(flat, shape, dtype, p if hasattr(p, "placements") else section)
+                local = stand_in(section.shape, dtype)
+                state.setdefault(fqn, {})[key] = as_like(p, local)  # a DTensor for a sharded model
+                target = Target(section.shape, dtype, (m, section.chunk), section)
+                self.targets[(optim_key, "state", fqn, key)] = target
             else:
+                state.setdefault(fqn, {})[key] = stand_in(shape, dtype)
                 self.targets[(optim_key, "state", fqn, key)] = Target(
                     shape, dtype, commit=lambda v, r=record, k=key: r.__setitem__(k, v)
                 )

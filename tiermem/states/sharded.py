@@ -55,9 +55,15 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
    DTensors placed like their parameters (plain FSDP2's), so DCP's ``get_optimizer_state_dict``
    / ``set_optimizer_state_dict`` work; ``optimizer.state`` is truthy while chunks hold states,
    so DCP never runs its zero-gradient initialising step over trained states.
-9. Not yet: ``param_dtype=`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=)`` keeps fp32 shards as
-   masters and gathers in low precision), ``sample=`` profiling, ``rt.save``/``rt.load`` (DCP's
-   ``dcp.save`` with ``get_state_dict`` does it), parameters resting on NVMe (docs/ARCHITECTURE.md).
+9. Checkpoints (``rt.save`` / ``rt.load``, NOTE [ Checkpoints on ranks ] in
+   ``tiermem.checkpoint.ranks``): the parameters are FSDP2's DTensors, saved and loaded in place
+   as DCP does them; the optimizer states are read from and written into this rank's chunks
+   through :class:`~tiermem.states.sharded_io.ShardedStateIO` (local shards, one home read per
+   chunk), in ``get_state_dict``'s layout. Only between steps: a declared window with arrivals
+   counted, or any ``.grad`` still set, is refused by the save (gradients are not saved).
+10. Not yet: ``param_dtype=`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=)`` keeps fp32 shards as
+   masters and gathers in low precision), ``sample=`` profiling, parameters resting on NVMe
+   (docs/ARCHITECTURE.md).
 """
 
 from __future__ import annotations
@@ -66,7 +72,7 @@ import logging
 import weakref
 from collections import defaultdict
 from collections.abc import Mapping
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 from torch import nn
@@ -76,6 +82,7 @@ from tiermem.registry import Handle, Registry
 from tiermem.states.errors import StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
 from tiermem.states.sharded_fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
+from tiermem.states.sharded_io import ShardedStateIO
 from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, signature
 from tiermem.states.sharded_step import ShardSteps, local_of
 from tiermem.states.stepping import Declarations
@@ -172,6 +179,8 @@ class ShardedModelStates:
             self._release()
             raise
         self._reset_window()
+        #: optimizer steps taken (a declared loop's windows, rule 9)
+        self.windows = 0
         self.chunk_steps = 0
         self.early_chunk_steps = 0
         _MANAGED[model] = self
@@ -233,18 +242,26 @@ class ShardedModelStates:
             ],
         }
 
-    def checkpoint_io(self, what: str) -> NoReturn:
-        raise StatesUsageError(
-            f"tiermem checkpoint: rt.{what}() is not yet for FSDP2-sharded models; save with "
-            "torch.distributed.checkpoint (dcp.save / dcp.load) of torch.distributed.checkpoint.state_dict."
-            "get_state_dict(model, optimizer), which reads the managed optimizer's states"
-        )
+    def checkpoint_io(self, what: str) -> ShardedStateIO:
+        """Rule 9: this rank's optimizer-state chunks as a checkpoint ``what`` ("save"/"load") streams them."""
+        self._check_open()
+        return ShardedStateIO(self.steps)
 
-    def loop_position(self) -> NoReturn:
-        self.checkpoint_io("save")
+    def gradients_unstepped(self) -> bool:
+        """Rule 9: a save would lose gradients: some parameter still has a ``.grad`` (FSDP2's
+        reduce-scatter set it since the last ``zero_grad()``)."""
+        return any(p.grad is not None for p in self.params)
 
-    def restore_loop_position(self, position: Mapping[str, Any]) -> NoReturn:
-        self.checkpoint_io("load")
+    def loop_position(self) -> dict[str, int] | None:
+        """The declared loop's position: windows stepped, arrivals counted in the current one."""
+        if self.declared.accumulation is None:
+            return None
+        return {"windows": self.windows, "counted": sum(self._arrivals.values())}
+
+    def restore_loop_position(self, position: Mapping[str, Any]) -> None:
+        """A checkpoint's position, taken at a window boundary: nothing counted yet."""
+        self.windows = int(position.get("windows", 0))
+        self._reset_window()
 
     def close(self) -> None:
         """Free every chunk and the shards' accounting; FSDP2's parameters stay as they are. Never raises."""
@@ -378,6 +395,7 @@ class ShardedModelStates:
                     self.steps.prefetch(staged[staged.index(chunk) + 1])  # the next home while this one steps
                 self.steps.step_chunk(chunk, slots, optimizer, self.group_of, attributes)
                 self.chunk_steps += 1
+            self.windows += 1
         finally:
             self._reset_window()
 

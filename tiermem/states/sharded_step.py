@@ -253,7 +253,7 @@ class ShardSteps:
                 if record is None:
                     continue
                 if data is None and chunk.home is not None:
-                    data = self._readable(chunk)
+                    data = self.readable(chunk)
                 p = self.params[slot.index]
                 local = local_of(p)
                 entry: dict[str, Any] = {}
@@ -268,7 +268,8 @@ class ShardSteps:
                 out[p] = entry
         return out
 
-    def _readable(self, chunk: StateChunk) -> torch.Tensor:
+    def readable(self, chunk: StateChunk) -> torch.Tensor:
+        """The chunk's home bytes for reading: in place in memory, or read out of NVMe (a fresh tensor)."""
         handle = chunk.home
         assert handle is not None
         handle.wait()

@@ -1,0 +1,290 @@
+"""rt.save / rt.load of FSDP2-sharded models on 2 gloo ranks (NOTE [ Checkpoints on ranks ] in
+tiermem.checkpoint.ranks): resume in a new pair of processes is bitwise the uninterrupted run,
+and checkpoints cross world sizes through DCP's resharding (2 ranks -> one process under
+rt.manage or plain PyTorch, one process -> 2 ranks); a damaged checkpoint gives every rank the
+same CheckpointError; nothing is left beside the checkpoint."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tiermem.errors import CheckpointError
+from tiermem.states import StatesUsageError
+
+WIDTH = 64
+BATCH = 16
+LR = 1e-2
+SAVED_AT = 2  # steps before the save
+MORE = 2  # steps after it
+PLAN = {"state_home": "nvme", "chunk_size": "16KiB"}
+
+pytestmark = pytest.mark.skipif(
+    not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),
+    reason="torch.distributed with gloo is not available",
+)
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)) for _ in range(3))
+    )
+
+
+def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(BATCH, WIDTH, generator=generator), torch.randn(BATCH, WIDTH, generator=generator)
+    return nn.functional.mse_loss(model(x), y)
+
+
+def train(model: nn.Module, optimizer: Any, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        loss = loss_of(model, 2 * step + rank)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses
+
+
+def config(path: str) -> dict[str, Any]:
+    os.makedirs(path, exist_ok=True)
+    return {
+        "device": {"capacity": "64MiB", "device": "cpu"},
+        "host": {"capacity": "64MiB"},
+        "nvme": {"paths": [path], "capacity": "64MiB", "block_size": "64KiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+
+
+def full_states(model: nn.Module, optimizer: Any) -> dict[str, torch.Tensor]:
+    """Parameters and optimizer states as full tensors by name (DTensors gathered), as DCP names them."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def full(v: torch.Tensor) -> torch.Tensor:
+        return (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+
+    out = {f"model.{name}": full(p) for name, p in model.named_parameters()}
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        state = get_optimizer_state_dict(model, optimizer)["state"]
+    else:  # one process: DCP's getter would run its initialising step on a managed optimizer
+        names = [name for name, _ in model.named_parameters()]
+        state = {names[i]: entry for i, entry in optimizer.state_dict()["state"].items()}
+    out.update({f"optimizer.{fqn}.{key}": full(v) for fqn, entry in state.items() for key, v in entry.items()})
+    return out
+
+
+def stray(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if ".tiermem-" in p.name)
+
+
+# -- the ranks ---------------------------------------------------------------------------------
+
+
+def _sharded() -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = mlp()
+    for block in model:
+        fully_shard(block)
+    fully_shard(model)
+    return model
+
+
+def _first(rank: int, root: Path) -> dict[str, Any]:
+    """Train, save (states on NVMe), train more; a damaged copy and the refusals."""
+    import shutil
+
+    import torch.distributed as dist
+
+    model = _sharded()
+    with tiermem.Runtime(config(str(root / f"nvme{rank}"))) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=PLAN, lr=LR)
+        losses = train(model, optimizer, range(SAVED_AT), rank)
+        loss_of(model, 99).backward()  # gradients not stepped: refused on every rank
+        with pytest.raises(StatesUsageError, match="gradients accumulated"):
+            rt.save(root / "ckpt")
+        optimizer.zero_grad(set_to_none=True)
+        with pytest.raises(CheckpointError, match="zarr format on several ranks"):
+            rt.save(root / "ckpt", format="zarr")
+        torch.manual_seed(100 + rank)  # each rank's own RNG
+        rt.save(root / "ckpt", extra={"rank": rank, "step": SAVED_AT})
+        saved = full_states(model, optimizer)
+        draws = torch.rand(3)
+        losses += train(model, optimizer, range(SAVED_AT, SAVED_AT + MORE), rank)
+        final = full_states(model, optimizer)
+        rt.save(root / "ckpt2", extra={"rank": rank})  # a second checkpoint, damaged below
+        if rank == 0:
+            data = root / "ckpt2" / "__1_0.distcp"  # rank 1's data file
+            blob = bytearray(data.read_bytes())
+            blob[len(blob) // 2] ^= 0xFF
+            data.write_bytes(bytes(blob))
+        dist.barrier()
+        with pytest.raises(CheckpointError) as damaged:
+            rt.load(root / "ckpt2")
+        after_damage = full_states(model, optimizer)
+        nvme_used = rt.stats().tiers["nvme"].bytes_written
+    if rank == 0:
+        shutil.rmtree(root / "ckpt2")
+    return {
+        "losses": losses,
+        "saved": saved,
+        "draws": draws,
+        "final": final,
+        "damaged": str(damaged.value),
+        "unchanged_by_damage": all(torch.equal(final[k], after_damage[k]) for k in final),
+        "nvme_used": nvme_used,
+    }
+
+
+def _from_one_process(rank: int, root: Path) -> dict[str, Any]:
+    """A checkpoint one process saved (plain model under rt.manage) loads on 2 ranks."""
+    model = _sharded()
+    with tiermem.Runtime(config(str(root / f"nvme{rank}"))) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=PLAN, lr=LR)
+        extra = rt.load(root / "one")
+        return {"extra": extra, "loaded": full_states(model, optimizer)}
+
+
+def _resumed(rank: int, root: Path) -> dict[str, Any]:
+    """New processes: build, manage, load, train the rest."""
+    model = _sharded()
+    with tiermem.Runtime(config(str(root / f"nvme{rank}"))) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=PLAN, lr=LR)
+        extra = rt.load(root / "ckpt")
+        draws = torch.rand(3)
+        losses = train(model, optimizer, range(SAVED_AT, SAVED_AT + MORE), rank)
+        return {"extra": extra, "draws": draws, "losses": losses, "final": full_states(model, optimizer)}
+
+
+SPAWNS: dict[str, list[Callable[[int, Path], dict[str, Any]]]] = {
+    "first": [_first, _from_one_process],
+    "resumed": [_resumed],
+}
+
+
+def _rank(rank: int, world: int, port: int, root: str, spawn: str) -> None:
+    import torch.distributed as dist
+
+    warnings.simplefilter("ignore", FutureWarning)  # FSDP2/gloo deprecations (issue 18's trap)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {scenario.__name__: scenario(rank, Path(root)) for scenario in SPAWNS[spawn]}
+        with open(os.path.join(root, f"{spawn}{rank}.pt"), "wb") as f:
+            pickle.dump(results, f)
+        dist.barrier()  # both ranks leave together (gloo aborts a rank whose peer tore down first)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawn(root: Path, spawn: str) -> list[dict[str, Any]]:
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(2, port, str(root), spawn), nprocs=2, join=True)
+    out = []
+    for rank in range(2):
+        with open(root / f"{spawn}{rank}.pt", "rb") as f:
+            out.append(pickle.load(f))
+    return out
+
+
+def _one_process_checkpoint(root: Path) -> dict[str, torch.Tensor]:
+    """One process, plain model under rt.manage, states on NVMe: trained, saved at root/one."""
+    with tiermem.Runtime(config(str(root / "nvme_one"))) as rt:
+        model, optimizer = rt.manage(mlp(), torch.optim.AdamW, plan=PLAN, lr=LR)
+        for step in range(SAVED_AT):
+            ((loss_of(model, 2 * step) + loss_of(model, 2 * step + 1)) / 2).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        rt.save(root / "one", extra={"from": "one process"})
+        return full_states(model, optimizer)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    pytest.importorskip("torch.distributed.fsdp")
+    root = tmp_path_factory.mktemp("checkpoint_ranks")
+    one = _one_process_checkpoint(root)
+    first = _spawn(root, "first")
+    resumed = _spawn(root, "resumed")
+    return {"root": root, "one": one, "first": first, "resumed": resumed}
+
+
+def _equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert sorted(a) == sorted(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resume_on_two_ranks_is_bitwise_the_uninterrupted_run(runs):
+    """2 ranks train N, save (states on NVMe), train M == new processes load and train M: the
+    losses, parameters and AdamW states bitwise; each rank gets its own extra and RNG back."""
+    for rank, (first, resumed) in enumerate(zip(runs["first"], runs["resumed"], strict=True)):
+        run, again = first["_first"], resumed["_resumed"]
+        assert again["losses"] == run["losses"][SAVED_AT:]
+        _equal(again["final"], run["final"])
+        assert again["extra"] == {"rank": rank, "step": SAVED_AT}
+        assert torch.equal(again["draws"], run["draws"])
+        assert run["nvme_used"] > 0
+    assert not torch.equal(runs["first"][0]["_first"]["draws"], runs["first"][1]["_first"]["draws"])
+    assert stray(runs["root"]) == []
+    assert sorted(p.name for p in (runs["root"] / "ckpt").iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "tiermem-manifest.json", "tiermem-state.pkl",
+    ]  # fmt: skip
+
+
+def test_two_ranks_to_one_process_under_rt_manage_and_plain_pytorch(runs):
+    """DCP's resharding: the 2-rank checkpoint loads bitwise (parameters and AdamW states) into
+    a plain model managed in one process (extra and RNG: rank 0's), and into plain PyTorch."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = runs["first"][0]["_first"]["saved"]
+    path = runs["root"] / "ckpt"
+    with tiermem.Runtime(config(str(runs["root"] / "nvme_load"))) as rt:
+        model, optimizer = rt.manage(mlp(), torch.optim.AdamW, plan=PLAN, lr=LR)
+        assert rt.load(path) == {"rank": 0, "step": SAVED_AT}
+        _equal(full_states(model, optimizer), saved)
+        assert torch.equal(torch.rand(3), runs["first"][0]["_first"]["draws"])
+    plain = mlp()
+    state = {"model": plain.state_dict()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, storage_reader=tiermem.checkpoint.storage_reader(path))
+    plain.load_state_dict(state["model"])
+    for name, p in plain.named_parameters():
+        assert torch.equal(p.detach(), saved[f"model.{name}"]), name
+
+
+def test_one_process_to_two_ranks(runs):
+    """A one-process checkpoint loads on 2 ranks (FSDP2 + rt.manage) bitwise, both ranks
+    getting its extra."""
+    for rank in runs["first"]:
+        result = rank["_from_one_process"]
+        assert result["extra"] == {"from": "one process"}
+        _equal(result["loaded"], runs["one"])
+
+
+def test_a_damaged_checkpoint_is_the_same_clear_error_on_every_rank(runs):
+    """Rank 0 verifies the digests and every rank raises its CheckpointError naming the file,
+    before anything was loaded."""
+    messages = [rank["_first"]["damaged"] for rank in runs["first"]]
+    assert messages[0] == messages[1]
+    assert "__1_0.distcp does not match its digest" in messages[0]
+    assert all(rank["_first"]["unchanged_by_damage"] for rank in runs["first"])
