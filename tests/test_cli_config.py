@@ -23,6 +23,7 @@ else:  # pragma: no cover
     import tomli as tomllib
 
 GiB = 1024**3
+MiB = 1024**2
 PROJECT_ROOT = Path(__file__).resolve().parent.parent
 FAKE_MACHINE = MachineProbe(available_ram=10 * GiB, total_ram=16 * GiB, disk_space=lambda path: DiskSpace(1, 100 * GiB))
 
@@ -95,8 +96,9 @@ def test_show_prints_the_resolved_configuration(tmp_path: Path, capsys: pytest.C
     out = capsys.readouterr().out
     assert out.startswith(f"# tiermem configuration from {path}, resolved for this machine\n")
     shown = tomllib.loads(out)
-    assert shown["device"] == {"capacity": 8 * GiB - GiB, "device": "cpu"}  # 80% of 10 GiB minus host
-    assert shown["host"] == {"capacity": GiB, "pinned": False}
+    # 80% of 10 GiB minus host; a tier's max_inflight left out is the scheduler's
+    assert shown["device"] == {"capacity": 8 * GiB - GiB, "device": "cpu", "max_inflight": 512 * MiB}
+    assert shown["host"] == {"capacity": GiB, "pinned": False, "max_inflight": 512 * MiB}
     assert shown["nvme"]["capacity"] == 90 * GiB
     assert shown["nvme"]["checksum"] is True
     assert shown["nvme"]["paths"] and all(os.path.isabs(p) for p in shown["nvme"]["paths"])
@@ -197,3 +199,120 @@ def test_check_refuses_nvme_paths_that_cannot_be_used(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing' does not exist" in err and "a-file' is not a directory" in err
     assert str(tmp_path) + "' " not in err  # the usable one is not reported
+
+
+# -- config show: what the machine decides, and why (tiermem/config_explain.py) -------------------
+
+MACHINE_KEYS = [
+    ("device", "device"), ("device", "capacity"), ("device", "max_inflight"),
+    ("host", "capacity"), ("host", "pinned"), ("host", "max_inflight"),
+    ("nvme", "paths"), ("nvme", "backend"), ("nvme", "capacity"), ("nvme", "direct"), ("nvme", "max_inflight"),
+    ("scheduler", "loop"), ("distributed", "backend"),
+]  # fmt: skip
+
+
+def comments(out: str) -> dict[str, str]:
+    """``section.key`` -> the comment on the line that sets it."""
+    found, section = {}, ""
+    for line in out.splitlines():
+        if line.startswith("["):
+            section = line.strip("[]")
+        elif " = " in line and "  # " in line:
+            key, comment = line.split(" = ", 1)[0], line.split("  # ", 1)[1]
+            found[f"{section}.{key}"] = comment
+    return found
+
+
+def test_show_makes_every_machine_setting_concrete_with_a_reason(tmp_path: Path, capsys) -> None:
+    """Issue 21 item 4: backend and O_DIRECT as the NVMe tier decides them here (a real tier on the same
+    path, opened the way a run opens it, agrees), the loop that will run, every tier's in-flight bound;
+    each with why. Nothing is left behind in the NVMe directory."""
+    from tiermem.tiers.nvme import NvmeTier
+
+    (tmp_path / "nv").mkdir()
+    path = write(tmp_path, f'[nvme]\npaths = ["{tmp_path / "nv"}"]\n')
+    assert main(["config", "show", path]) == 0
+    out = capsys.readouterr().out
+    shown, why = tomllib.loads(out), comments(out)
+    for section, key in MACHINE_KEYS:
+        assert shown[section][key] != "auto", (section, key)
+        assert why.get(f"{section}.{key}"), f"{section}.{key} has no reason: {out}"
+    tier = NvmeTier([str(tmp_path / "nv")], 0)
+    try:
+        facts = tier.describe()
+    finally:
+        tier.close()
+    assert (shown["nvme"]["backend"], shown["nvme"]["direct"]) == (facts["backend"], facts["direct"])
+    assert why["nvme.backend"].startswith(facts["backend_reason"])
+    assert why["nvme.direct"].startswith("auto: ")
+    assert shown["scheduler"]["loop"] in ("uvloop", "asyncio")
+    assert list((tmp_path / "nv").iterdir()) == []  # the probing tier removed what it made
+    # What show prints is a configuration that reads back as what a run uses.
+    from tiermem.config import Config
+
+    Config.from_dict(shown, env={}).resolve(FAKE_MACHINE)
+
+
+def test_show_says_when_the_default_nvme_directory_is_used_and_makes_no_rank_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert comments(out)["nvme.paths"].startswith("default: ")
+    assert tomllib.loads(out)["nvme"]["paths"] == [str(tmp_path / "tiermem-nvme")]
+    assert list(tmp_path.iterdir()) == []  # neither the default directory nor rank1 in it stays
+
+
+def test_show_falls_back_to_asyncio_where_uvloop_is_missing(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # `import uvloop` fails, as in the scheduler
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert tomllib.loads(out)["scheduler"]["loop"] == "asyncio"
+    assert "not installed" in comments(out)["scheduler.loop"]
+
+
+def test_show_names_a_backend_asked_for_by_name_that_cannot_run_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    from tiermem.tiers.backends import kvikio_backend
+
+    monkeypatch.setattr(kvikio_backend, "probe", lambda directory: (False, "kvikio is not installed"))
+    (tmp_path / "nv").mkdir()
+    assert (
+        main(["config", "show", write(tmp_path, f'[nvme]\nbackend = "kvikio"\npaths = ["{tmp_path / "nv"}"]\n')]) == 0
+    )
+    out = capsys.readouterr().out
+    assert tomllib.loads(out)["nvme"]["backend"] == "kvikio"
+    why = comments(out)["nvme.backend"]
+    assert why.startswith("CANNOT RUN HERE") and "kvikio is not installed" in why
+    assert list((tmp_path / "nv").iterdir()) == []
+
+
+def test_explain_on_a_cuda_machine_pins_and_uses_nccl(tmp_path: Path) -> None:
+    """A faked CUDA machine and NVMe tier (explain's machine facts are injected): the capacities,
+    pinning and distributed backend auto means there, each with why, and the result reads back."""
+    from tiermem.config import Config
+    from tiermem.config_explain import StorageFacts, explain
+
+    cuda = MachineProbe(
+        available_ram=10 * GiB,
+        total_ram=16 * GiB,
+        cuda_device_count=2,
+        local_rank=1,
+        cuda_free=lambda index: 20 * GiB,
+        disk_space=lambda path: DiskSpace(1, 100 * GiB),
+    )
+    facts = StorageFacts("kvikio", "kvikio chosen by auto: probe I/O succeeded", True, "kvikio manages O_DIRECT itself")
+    explained = explain(Config.from_dict({}, env={}), cuda, storage=lambda nvme, sub: facts)
+    shown, why = tomllib.loads(explained.to_toml()), comments(explained.to_toml())
+    assert shown["device"]["device"] == "cuda:1" and "LOCAL_RANK=1" in why["device.device"]
+    assert shown["device"]["capacity"] == 18 * GiB and "90% of the memory free on cuda:1" in why["device.capacity"]
+    assert shown["host"] == {"capacity": 5 * GiB, "pinned": True, "max_inflight": 512 * MiB}
+    assert "page-locked" in why["host.pinned"]
+    assert (shown["nvme"]["backend"], shown["nvme"]["direct"]) == ("kvikio", True)
+    assert shown["distributed"]["backend"] == "cpu:gloo,cuda:nccl"
+    assert Config.from_dict(shown, env={}) == explained.config

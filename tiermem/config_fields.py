@@ -354,7 +354,10 @@ class DistributedConfig(_Section):
 
     NAME: ClassVar[str] = "distributed"
     timeout_s: float = _setting(600.0, _seconds_rule(0, 7 * 24 * 3600))
-    backend: Literal["auto", "gloo", "nccl"] = _setting(AUTO, _choice_rule("backend", AUTO, "gloo", "nccl"))
+    # "cpu:gloo,cuda:nccl" is what auto means with CUDA (``tiermem config show`` writes it out).
+    backend: Literal["auto", "gloo", "nccl", "cpu:gloo,cuda:nccl"] = _setting(
+        AUTO, _choice_rule("backend", AUTO, "gloo", "nccl", "cpu:gloo,cuda:nccl")
+    )
 
 
 _SECTIONS: dict[str, type[_Section]] = {

@@ -66,6 +66,14 @@ def _backend_for(backend: str | StorageBackend, probe_dir: str) -> tuple[Storage
     raise TypeError(f"tiermem nvme tier: backend must be a name or a StorageBackend, got {backend!r}")
 
 
+def _existing_ancestor(path: str) -> str:
+    """``path`` or its nearest existing ancestor: on the same filesystem, unless a mount point
+    lies in between, which a directory made on demand never has."""
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _check_arguments(block_size: int, queue_depth: int, direct: bool | str, capacity: int) -> None:
     if block_size <= 0 or block_size % ALIGNMENT:
         raise ValueError(f"tiermem nvme tier: block_size must be a positive multiple of {ALIGNMENT}, got {block_size}")
@@ -125,8 +133,9 @@ class NvmeTier(Tier):
                     TiermemWarning,
                     stacklevel=2,
                 )
-        # Probed where the files will be: the path itself (a rank directory does not exist yet).
-        probe_dir = os.path.dirname(parents[0]) if subdirectory is not None else parents[0]
+        # Probed where the files will be: the nearest directory that exists (a rank directory and
+        # the default directory are made only below, by the store).
+        probe_dir = _existing_ancestor(parents[0])
         self._backend, self._backend_reason = _backend_for(backend, probe_dir)
         # One bounce buffer per worker is all that can be in use at once (each segment holds at most one).
         self._bounces = BouncePool(self.block_size, self.queue_depth)

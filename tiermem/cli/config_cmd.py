@@ -4,7 +4,9 @@
 environment as a run would, and resolves it for this machine (RAM, CUDA, disks), printing
 ``OK: FILE`` or every problem at once. ``--static`` skips the machine, for checking a file
 meant for another one. ``show`` prints what a run would use: the configuration as TOML with
-every machine-dependent ``auto`` replaced by its value.
+every machine-dependent ``auto`` replaced by its value and a comment saying why, including the
+NVMe backend and O_DIRECT, which it learns by opening the NVMe tier as a run would
+(:mod:`tiermem.config_explain`).
 
 Problems surface as a ConfigError, which ``tiermem.cli.main`` prints without a traceback.
 """
@@ -15,7 +17,7 @@ import argparse
 import os
 
 from tiermem import distributed
-from tiermem.config import Config
+from tiermem.config import Config, MachineProbe
 from tiermem.errors import ConfigError
 
 
@@ -50,14 +52,17 @@ def run(args: argparse.Namespace) -> int:
             _check_paths(config)
         print(f"OK: {args.file}")
         return 0
-    print(f"# tiermem configuration from {config.source}, resolved for this machine")
+    from tiermem.config_explain import explain  # opens an NVMe tier: imports torch
+
     ranks = distributed.detect()
+    explained = explain(config, MachineProbe.detect(), ranks)
+    print(f"# tiermem configuration from {config.source}, resolved for this machine")
     if ranks.multi_process:  # NOTE [ Ranks ] rules 2 and 3
         print(
             f"# {ranks.describe()} ({ranks.local_world_size} on this machine): capacities are this rank's; "
-            f"its NVMe files go to {', '.join(ranks.rank_paths(config.resolve().nvme.paths))}"
+            f"its NVMe files go to {', '.join(ranks.rank_paths(explained.config.nvme.paths))}"
         )
-    print(config.resolve().to_toml(), end="")
+    print(explained.to_toml(), end="")
     return 0
 
 

@@ -18,7 +18,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from tiermem.errors import BackendUnavailableError
 
-__all__ = ["BACKEND_NAMES", "IoOp", "IoQueue", "StorageBackend", "open_queue", "select_backend"]
+__all__ = ["BACKEND_NAMES", "IoOp", "IoQueue", "StorageBackend", "decide_backend", "open_queue", "select_backend"]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -106,18 +106,36 @@ def open_queue(backend: StorageBackend, depth: int) -> IoQueue | None:
 
 
 def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[StorageBackend, str]:
-    """The backend for ``name`` ("auto" | "kvikio" | "aio" | "posix") and why it was chosen.
+    """The backend for ``name`` ("auto" | "kvikio" | "aio" | "posix") and why it was chosen:
+    :func:`decide_backend`'s choice, constructed. It logs why."""
+    chosen, why = decide_backend(name, probe_dir)
+    if name != "posix":
+        logger.info("tiermem nvme: %s", why)
+    if chosen == "posix":
+        from tiermem.tiers.backends.posix import PosixBackend
+
+        return PosixBackend(), why
+    if chosen == "aio":
+        from tiermem.tiers.backends import aio
+
+        return aio.AioBackend(), why
+    from tiermem.tiers.backends import kvikio_backend
+
+    return kvikio_backend.KvikioBackend(), why
+
+
+def decide_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[str, str]:
+    """Which backend ``name`` ("auto" | "kvikio" | "aio" | "posix") means here, and why, without
+    making one (``tiermem config show`` asks this too).
 
     "kvikio" and "aio" raise :class:`BackendUnavailableError` with the probe's reason when
     they cannot actually do I/O here. "auto" tries, in order: kvikio, when its probe — a real
     small write and read under ``probe_dir`` — succeeded (TRAPS 13: importing kvikio proves
     nothing, it loads the CUDA driver at first I/O); aio, when Linux AIO with O_DIRECT did a
-    real write and read under ``probe_dir``; otherwise posix. It logs why.
+    real write and read under ``probe_dir``; otherwise posix.
     """
-    from tiermem.tiers.backends.posix import PosixBackend
-
     if name == "posix":
-        return PosixBackend(), "posix requested"
+        return "posix", "posix requested"
     if name not in BACKEND_NAMES:
         raise ValueError(f"tiermem nvme tier: unknown backend {name!r}; expected one of {BACKEND_NAMES}")
     from tiermem.tiers.backends import aio, kvikio_backend
@@ -130,12 +148,10 @@ def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[Storag
                 "Point [nvme] paths at a filesystem with O_DIRECT (ext4, xfs, ...), "
                 "or set [nvme] backend = 'posix' or 'auto'."
             )
-        return aio.AioBackend(), f"aio requested: {reason}"
+        return "aio", f"aio requested: {reason}"
     kvikio_ok, kvikio_reason = kvikio_backend.probe(probe_dir)
     if kvikio_ok:
-        why = f"kvikio {'requested' if name == 'kvikio' else 'chosen by auto'}: {kvikio_reason}"
-        logger.info("tiermem nvme: %s", why)
-        return kvikio_backend.KvikioBackend(), why
+        return "kvikio", f"kvikio {'requested' if name == 'kvikio' else 'chosen by auto'}: {kvikio_reason}"
     if name == "kvikio":
         raise BackendUnavailableError(
             f"tiermem nvme tier: backend 'kvikio' cannot run here: {kvikio_reason}. "
@@ -144,9 +160,5 @@ def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[Storag
         )
     aio_ok, aio_reason = aio.probe(probe_dir)
     if aio_ok:
-        why = f"aio chosen by auto: {aio_reason} (kvikio unusable: {kvikio_reason})"
-        logger.info("tiermem nvme: %s", why)
-        return aio.AioBackend(), why
-    why = f"posix chosen by auto: kvikio unusable ({kvikio_reason}); aio unusable ({aio_reason})"
-    logger.info("tiermem nvme: %s", why)
-    return PosixBackend(), why
+        return "aio", f"aio chosen by auto: {aio_reason} (kvikio unusable: {kvikio_reason})"
+    return "posix", f"posix chosen by auto: kvikio unusable ({kvikio_reason}); aio unusable ({aio_reason})"
