@@ -58,22 +58,39 @@ def _reference_losses(steps: int, batch_size: int, lr: float, seed: int = 0) -> 
     return losses
 
 
-def test_torchrun_trains_the_gpt_on_two_processes_with_nvme_states_exactly(tmp_path: Path) -> None:
-    """The README's command: each rank's AdamW states on NVMe (its own rank<R> directory) and its
-    activations offloaded to NVMe; the losses are bitwise plain PyTorch's on both ranks' batches."""
+STEPS, BATCH = 4, 2
+
+
+def _nvme_config(tmp_path: Path) -> tuple[Path, Path]:
     nvme = tmp_path / "nvme"
     nvme.mkdir()
     config = tmp_path / "tiers.toml"
     config.write_text(f'[nvme]\npaths = ["{nvme}"]\n[activations]\nmin_bytes = 1024\n')
-    steps, batch = 3, 2
+    return nvme, config
+
+
+def _run(tmp_path: Path, config: Path, steps: int, *args: str) -> dict:
     done = _torchrun(
-        tmp_path, "--config", str(config), *FLAGS, "--batch-size", str(batch), "--steps", str(steps),
-        "--state-home", "nvme", "--policy", "nvme", "--json",
+        tmp_path, "--config", str(config), *FLAGS, "--batch-size", str(BATCH), "--steps", str(steps),
+        "--state-home", "nvme", "--policy", "nvme", "--json", *args,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.strip().splitlines()[-1])  # rank 0's; rank 1 prints nothing
+    return json.loads(done.stdout.strip().splitlines()[-1])  # rank 0's; rank 1 prints nothing
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    nvme, config = _nvme_config(tmp_path)
+    return _run(tmp_path, config, STEPS), nvme
+
+
+def test_torchrun_trains_the_gpt_on_two_processes_with_nvme_states_exactly(uninterrupted) -> None:
+    """The README's command: each rank's AdamW states on NVMe (its own rank<R> directory) and its
+    activations offloaded to NVMe; the losses are bitwise plain PyTorch's on both ranks' batches."""
+    summary, nvme = uninterrupted
     assert summary["world_size"] == 2
-    assert summary["losses"] == _reference_losses(steps, batch, lr=1e-3)
+    assert summary["losses"] == _reference_losses(STEPS, BATCH, lr=1e-3)
     assert summary["nvme"]["paths"] == [str(nvme / "rank0")]
     assert summary["model_states"]["homes"] == {"nvme": summary["model_states"]["chunks"]}
     assert summary["tiers"]["nvme"]["bytes_written"] > 0
@@ -81,8 +98,22 @@ def test_torchrun_trains_the_gpt_on_two_processes_with_nvme_states_exactly(tmp_p
     assert list(nvme.iterdir()) == []  # every rank's directory removed
 
 
-def test_torchrun_refuses_checkpoints_clearly(tmp_path: Path) -> None:
-    done = _torchrun(tmp_path, *FLAGS, "--steps", "2", "--checkpoint", str(tmp_path / "ckpt"), "--json", timeout=120)
-    assert done.returncode != 0
-    assert "checkpoints (--checkpoint, --resume) are one process's for now" in done.stderr
-    assert not (tmp_path / "ckpt").exists()
+def test_torchrun_checkpoint_then_resume_continues_the_uninterrupted_losses(uninterrupted, tmp_path: Path) -> None:
+    """--checkpoint --save-every 1 on 2 processes, then --resume in a new torchrun: each rank's
+    data stream goes on where it stood, so the losses are bitwise the uninterrupted run's; a
+    resume on another world size is refused."""
+    nvme, config = _nvme_config(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    saved = _run(tmp_path, config, 2, "--checkpoint", str(ckpt), "--save-every", "1")
+    assert saved["losses"] == uninterrupted[0]["losses"][:2]
+    resumed = _run(tmp_path, config, STEPS, "--resume", str(ckpt))
+    assert resumed["start_step"] == 2
+    assert resumed["losses"] == uninterrupted[0]["losses"][2:]
+    assert sorted(p.name for p in tmp_path.iterdir() if ".tiermem-" in p.name) == []  # no temporary siblings
+    assert list(nvme.iterdir()) == []
+    one = subprocess.run(
+        [sys.executable, "-m", "tiermem", "train", *FLAGS, "--steps", str(STEPS), "--resume", str(ckpt)],
+        capture_output=True, text=True, timeout=120, env=_environment(tmp_path), cwd=tmp_path,
+    )  # fmt: skip
+    assert one.returncode != 0
+    assert "world_size 2 (this run: 1)" in one.stderr

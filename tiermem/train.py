@@ -172,10 +172,6 @@ def train(
     if steps < 1 or batch_size < 1:
         raise ValueError(f"train: steps and batch_size must be at least 1, got {steps} and {batch_size}")
     checkpoints = checkpoints or TrainCheckpoints()
-    if checkpoints.active and distributed.detect().multi_process:
-        raise ValueError(  # NOTE [ Training on ranks ] rule 5
-            "train: checkpoints (--checkpoint, --resume) are one process's for now; run without them under torchrun"
-        )
     if checkpoints.active and not manage_states:
         raise ValueError("train: checkpoints save the managed states; they need manage_states=True (no --no-states)")
     # A signal stops the run at the next safe point (TRAPS 18): before planning, after it,

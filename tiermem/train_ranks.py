@@ -20,8 +20,13 @@ model, and tiermem tiers what each rank holds.
    placed by ``rt.manage``'s sharded plan (from every rank's free bytes, agreed on rank 0) or
    the hand plan (``--state-home``, ``--plan``); each block's activation policy is the
    configuration's (``auto`` falls back as the offloader does without a planned policy).
-5. Not yet on several processes: ``--checkpoint`` / ``--resume`` (refused before anything
-   runs) and ``--no-states`` with a planner-made activation policy.
+5. Checkpoints: ``--checkpoint`` / ``--save-every`` / ``--resume`` work on several processes;
+   every rank saves and loads together (NOTE [ Checkpoints on ranks ] in
+   ``tiermem.checkpoint.ranks``: one DCP checkpoint, each rank writing its own shards, rank 0
+   committing), the directory on a filesystem every rank sees. Each rank's data stream position
+   and RNG are its own in the checkpoint (NOTE [ Resuming a train run ] rule 4); a resume needs
+   the world size that saved it. Not yet on several processes: ``--no-states`` with a
+   planner-made activation policy.
 6. Rank 0 prints the summary; its tiers, links and NVMe blocks are rank 0's own, the numbers
    every rank has for its own shards (the configuration's capacities are per rank, NOTE
    [ Ranks ] in ``tiermem.distributed``).

@@ -22,6 +22,13 @@
    checkpoint, with this run's batch size, learning rate, seed and model, and ``steps`` is
    beyond its step. Each failure is a :class:`~tiermem.errors.CheckpointError` naming both
    values and what to do.
+4. On several ranks (torchrun, NOTE [ Training on ranks ] rule 5) every rank saves and loads
+   together; each rank's ``extra`` is its own (``rt.save`` keeps every rank's, ``rt.load``
+   returns the rank's own, NOTE [ Checkpoints on ranks ] rule 5), so each rank's data stream
+   continues where it stood; the losses are the mean over ranks, the same on every rank. The
+   world size is one of the run's settings: the per-rank streams and the mean loss are another
+   curve on another world size, so a resume on another one is refused (the weights themselves
+   load on any world size with ``rt.load``).
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from typing import Any
 
 import torch
 
+from tiermem import distributed
 from tiermem.errors import CheckpointError
 from tiermem.models.data import MarkovChainData
 
@@ -146,9 +154,20 @@ class TrainCheckpoints:
         return ResumePoint(step, [float(x) for x in extra["losses"]])
 
 
+#: settings a checkpoint saved before they were recorded had these values
+_SETTING_DEFAULTS = {"world_size": 1}
+
+
 def run_settings(model_config: Any, batch_size: int, lr: float, seed: int) -> dict[str, Any]:
-    """What a resumed run must share with the saved one for its curve to be the same."""
-    return {"model": dataclasses.asdict(model_config), "batch_size": batch_size, "lr": lr, "seed": seed}
+    """What a resumed run must share with the saved one for its curve to be the same (rule 4:
+    the world size too)."""
+    return {
+        "model": dataclasses.asdict(model_config),
+        "batch_size": batch_size,
+        "lr": lr,
+        "seed": seed,
+        "world_size": distributed.detect().world_size,
+    }
 
 
 def _check_architecture(where: Path, metadata: Any, model: torch.nn.Module) -> None:
@@ -181,6 +200,7 @@ def _check_architecture(where: Path, metadata: Any, model: torch.nn.Module) -> N
 
 def _check_settings(where: str, saved: dict[str, Any], ours: dict[str, Any]) -> None:
     """Rule 3: the same batch size, learning rate, seed and model, or a curve that is not the saved run's."""
+    saved = {**_SETTING_DEFAULTS, **saved}
     differ = [f"{key} {saved.get(key)!r} (this run: {ours[key]!r})" for key in ours if saved.get(key) != ours[key]]
     if differ:
         raise CheckpointError(
