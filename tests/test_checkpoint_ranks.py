@@ -119,6 +119,7 @@ def _first(rank: int, root: Path) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         with pytest.raises(CheckpointError, match="zarr format on several ranks"):
             rt.save(root / "ckpt", format="zarr")
+        refusals = _failing_saves(rt, rank, root)
         torch.manual_seed(100 + rank)  # each rank's own RNG
         rt.save(root / "ckpt", extra={"rank": rank, "step": SAVED_AT})
         saved = full_states(model, optimizer)
@@ -146,7 +147,37 @@ def _first(rank: int, root: Path) -> dict[str, Any]:
         "damaged": str(damaged.value),
         "unchanged_by_damage": all(torch.equal(final[k], after_damage[k]) for k in final),
         "nvme_used": nvme_used,
+        "refusals": refusals,
     }
+
+
+def _failing_saves(rt: Any, rank: int, root: Path) -> list[str]:
+    """A rank that cannot see rank 0's directory (rank 1 looks for another probe file: the view
+    of another filesystem), and a rank whose write fails: every rank raises, nothing is left."""
+    from tiermem.checkpoint import ranks
+    from tiermem.states.sharded_io import ShardedStateIO
+
+    messages = []
+    probe, read = ranks.PROBE, ShardedStateIO.read_tensor
+    try:
+        if rank == 1:
+            ranks.PROBE = "elsewhere"
+        with pytest.raises(CheckpointError, match="needs a path on a filesystem every rank sees") as blind:
+            rt.save(root / "failed")
+        messages.append(str(blind.value))
+        ranks.PROBE = probe
+        if rank == 1:
+
+            def broken(self: Any, tensor: Any) -> torch.Tensor:
+                raise OSError(5, "Input/output error (injected)")
+
+            ShardedStateIO.read_tensor = broken  # type: ignore[method-assign]
+        with pytest.raises(CheckpointError, match="injected") as failed:
+            rt.save(root / "failed")
+        messages.append(str(failed.value))
+    finally:
+        ranks.PROBE, ShardedStateIO.read_tensor = probe, read  # type: ignore[method-assign]
+    return messages
 
 
 def _from_one_process(rank: int, root: Path) -> dict[str, Any]:
@@ -244,7 +275,7 @@ def test_resume_on_two_ranks_is_bitwise_the_uninterrupted_run(runs):
         assert torch.equal(again["draws"], run["draws"])
         assert run["nvme_used"] > 0
     assert not torch.equal(runs["first"][0]["_first"]["draws"], runs["first"][1]["_first"]["draws"])
-    assert stray(runs["root"]) == []
+    assert stray(runs["root"]) == [] and not (runs["root"] / "failed").exists()
     assert sorted(p.name for p in (runs["root"] / "ckpt").iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "tiermem-manifest.json", "tiermem-state.pkl",
     ]  # fmt: skip
@@ -279,6 +310,14 @@ def test_one_process_to_two_ranks(runs):
         result = rank["_from_one_process"]
         assert result["extra"] == {"from": "one process"}
         _equal(result["loaded"], runs["one"])
+
+
+def test_a_failing_rank_fails_the_save_on_every_rank(runs):
+    """NOTE [ Checkpoints on ranks ] rules 3 and 4: rank 1 not seeing rank 0's directory, and a
+    write failing on rank 1, raise on both ranks (none hangs) and leave nothing (checked above)."""
+    on_rank0, on_rank1 = (rank["_first"]["refusals"] for rank in runs["first"])
+    assert on_rank0 == on_rank1  # the same errors on both ranks
+    assert "rank 1 cannot see" in on_rank0[0] and "injected" in on_rank0[1]
 
 
 def test_a_damaged_checkpoint_is_the_same_clear_error_on_every_rank(runs):
