@@ -8,6 +8,8 @@ bitwise plain PyTorch with every host gradient behind a HostGradient, as on CUDA
 
 from __future__ import annotations
 
+import copy
+import warnings
 from typing import Any
 
 import pytest
@@ -179,3 +181,94 @@ def test_a_grad_kept_across_a_backward_refuses_ops_with_a_clear_error(tmp_path, 
         fresh = next(p.grad for p in model.parameters() if isinstance(p.grad, HostGradient))
         assert torch.isfinite(fresh.sum()) and not torch.equal(fresh.sum(), before)
         optimizer.zero_grad()
+
+
+# -- rule 6: metadata ops and deep copies; rule 7: clipping by hand takes plain's path -----------
+
+METADATA_OPS = {
+    "t_": lambda g: g.t_(),
+    "transpose_": lambda g: g.transpose_(0, 1),
+    "swapdims_": lambda g: g.swapdims_(0, 1),
+    "unsqueeze_": lambda g: g.unsqueeze_(1),
+    "unsqueeze_squeeze_": lambda g: g.unsqueeze_(0).squeeze_(0),
+    "as_strided_": lambda g: g.as_strided_((4, 3), (1, 4)),
+    "detach_": lambda g: g.detach_(),
+}
+
+
+@pytest.mark.parametrize("op", sorted(METADATA_OPS))
+def test_in_place_metadata_ops_change_the_gradient_as_they_change_a_plain_tensor(op):
+    """Rule 6: the op changes the HostGradient's shape and strides like a plain tensor's; a later
+    write lands in the right host bytes; another HostGradient of the same bytes keeps its shape."""
+    p, host, q = pair(3, 3, 4)
+    other = p.grad.detach()  # a view: shares the bytes, not the metadata
+    got, want = METADATA_OPS[op](p.grad), METADATA_OPS[op](q.grad)
+    assert got is p.grad and isinstance(got, HostGradient)
+    assert (got.shape, got.stride()) == (want.shape, want.stride())
+    assert (got.host.shape, got.host.stride()) == (want.shape, want.stride())
+    got.mul_(torch.arange(got.numel(), dtype=got.dtype).reshape(got.shape))
+    want.mul_(torch.arange(want.numel(), dtype=want.dtype).reshape(want.shape))
+    assert torch.equal(got.host, want) and torch.equal(got, want)
+    assert host.shape == (3, 4) and other.shape == (3, 4)
+    assert torch.equal(other, host)
+
+
+def test_ops_that_would_rebind_or_reshape_the_bytes_raise_before_writing_back():
+    """Rule 6: resize_ to another size, set_, and an out= op whose result has another shape are
+    clear errors, and the host bytes are as they were."""
+    p, host, _ = pair(4, 3, 4)
+    before = host.clone()
+    for edit in (
+        lambda g: g.resize_(6, 2),
+        lambda g: g.set_(torch.zeros(3)),
+        lambda g: torch.sum(torch.ones(3, 4), dim=0, out=g),
+    ):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's "output ... was resized", on the copy
+            with pytest.raises(StatesUsageError, match=r"rule 6"):
+                edit(p.grad)
+        assert torch.equal(host, before) and p.grad.shape == (3, 4)
+    assert p.grad.resize_(3, 4) is p.grad  # to the size it has: nothing to refuse
+
+
+def test_deepcopy_copies_the_host_bytes():
+    """Rule 6: a deep copy is a HostGradient over its own copy of the bytes; a tensor holding one as
+    .grad and a model deep-copy as they do with plain gradients; a retired one refuses."""
+    p, host, q = pair(5, 3, 4)
+    copied = copy.deepcopy(p.grad)
+    assert isinstance(copied, HostGradient) and torch.equal(copied, q.grad)
+    copied.mul_(2.0)
+    assert torch.equal(host, q.grad)  # the original's bytes are untouched
+    leaf = torch.zeros(3, 4, requires_grad=True)
+    leaf.grad = p.grad
+    assert torch.equal(copy.deepcopy(leaf).grad, q.grad)
+    model, twin = nn.Linear(4, 3), nn.Linear(4, 3)
+    model.weight.grad, twin.weight.grad = p.grad, q.grad
+    got, want = copy.deepcopy(model).weight.grad, copy.deepcopy(twin).weight.grad
+    assert (got is None) == (want is None) and (got is None or torch.equal(got, want))
+    p.grad.lease[0] = False
+    with pytest.raises(StatesUsageError, match=r"rule 5"):
+        copy.deepcopy(p.grad)
+
+
+def test_clip_grad_norm_by_hand_takes_the_path_plain_gradients_take(monkeypatch):
+    """Rule 7: torch takes the foreach path (not the per-tensor fallback it keeps for subclasses)
+    for HostGradients exactly where it takes it for plain gradients, and the result is bitwise."""
+    calls: list[str] = []
+    for name in ("_foreach_norm", "_foreach_mul_"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(
+            torch, name, lambda *a, _real=real, _name=name, **k: (calls.append(_name), _real(*a, **k))[1]
+        )
+    real_norm = torch.linalg.vector_norm
+    monkeypatch.setattr(
+        torch.linalg, "vector_norm", lambda *a, **k: (calls.append("vector_norm"), real_norm(*a, **k))[1]
+    )
+    pairs = [pair(seed, 5, 7) for seed in range(3)]
+    want = torch.nn.utils.clip_grad_norm_([q for _, _, q in pairs], 0.5)
+    plain_calls, calls[:] = list(calls), []
+    got = torch.nn.utils.clip_grad_norm_([p for p, _, _ in pairs], 0.5)
+    assert calls == plain_calls and "_foreach_norm" in calls
+    assert torch.equal(got, want)
+    for _, host, q in pairs:
+        assert torch.equal(host, q.grad)

@@ -27,12 +27,24 @@
    then; an op on a retired one raises :class:`StatesUsageError` (the pinned pool hands
    freed bytes to other objects, so a kept ``g = p.grad`` must not read or write them).
    Read ``p.grad`` again after backward.
-6. Cost: an op moves the gradient's bytes to the device, and back when it writes them.
+6. Metadata: in-place view ops (``t_``, ``transpose_``, ``unsqueeze_``, ``squeeze_``,
+   ``as_strided_``, ``swapdims_``, ``detach_``: torch's ``inplace_view`` tag) change the
+   HostGradient's own shape and strides and those of a fresh alias of its host view, as
+   they do a plain tensor's, and move no bytes. Ops that would change which bytes it stands
+   for (``resize_`` to another size, ``set_``), or any op that leaves a written gradient with
+   another shape than its host bytes, raise :class:`StatesUsageError` before anything is
+   written back. ``copy.deepcopy`` gives a HostGradient over a copy of the host bytes (a
+   copied model's gradients stay on the host; the copy is nobody's lease).
+7. ``clip_grad_norm_`` by hand takes the path it takes for plain gradients: HostGradient is
+   listed in torch's foreach-supported types, so ``_foreach_norm`` and ``_foreach_mul_`` run
+   (split per tensor, rule 3) wherever plain gradients would run them, not the per-tensor
+   ``vector_norm`` fallback torch takes for tensor subclasses.
+8. Cost: an op moves the gradient's bytes to the device, and back when it writes them.
    Declared clipping (``rt.manage(clip_grad_norm=)``) therefore reads the host gradients in
    place instead, with torch's own norm functions (``stepping.py``).
-7. The class works on any device: on the CPU device the tests run the manager with host
+9. The class works on any device: on the CPU device the tests run the manager with host
    gradients behind HostGradients (``ModelStates.proxy_host_gradients``) to check rules
-   2-5 bitwise against plain PyTorch.
+   2-7 bitwise against plain PyTorch.
 """
 
 from __future__ import annotations
@@ -41,8 +53,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils import _foreach_utils
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_leaves, tree_map, tree_map_only
 
+from tiermem.errors import internal_error
 from tiermem.states.errors import StatesUsageError
 
 
@@ -116,6 +131,17 @@ class HostGradient(torch.Tensor):
         out.lease = lease if lease is not None else [True]
         return out
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> HostGradient:
+        """Rule 6: a HostGradient over a copy of the host bytes, with a lease of its own."""
+        if not self.lease[0]:
+            raise StatesUsageError(
+                "tiermem: copy.deepcopy of a .grad kept from before its gradient moved; read p.grad again "
+                "(NOTE [ Host gradients ] rule 5)"
+            )
+        if id(self) not in memo:
+            memo[id(self)] = HostGradient(self.host.clone(), self.device)
+        return memo[id(self)]
+
     # Every torch function reaches __torch_dispatch__ as aten ops (the usual wrapper subclass setup).
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -142,6 +168,11 @@ class HostGradient(torch.Tensor):
                 "(NOTE [ Host gradients ] rule 5)."
             )
         device = mine[0].device
+        if func in _REFUSED:  # rule 6 (resize_ is tagged inplace_view too)
+            _refuse_rebinding(func, args, kwargs)
+            return args[0]
+        if torch.Tag.inplace_view in func.tags:
+            return _change_metadata(func, args, kwargs)
         if _is_view(func):  # rule 4
             lease = mine[0].lease
             unwrapped = tree_map_only(HostGradient, lambda t: t.host, (args, kwargs))
@@ -157,12 +188,62 @@ class HostGradient(torch.Tensor):
         on_device = tree_map_only(HostGradient, to_device, (args, kwargs))
         out = func(*on_device[0], **on_device[1])
         written = _written(func, args, kwargs)
+        for t in written:  # rule 6: never a shape mismatch at write-back
+            if copies[id(t)].shape != t.host.shape:
+                raise StatesUsageError(
+                    f"tiermem: {func} would change a HostGradient's shape from {tuple(t.host.shape)} to "
+                    f"{tuple(copies[id(t)].shape)}: its bytes are a parameter's gradient on the host, which keeps "
+                    "its shape; use an out-of-place op (NOTE [ Host gradients ] rule 6)"
+                )
         for t in written:
             t.host.copy_(copies[id(t)])
         # An in-place op returns the tensor it wrote: the HostGradient, not its transient copy.
         back: dict[int, HostGradient] = {id(copies[id(t)]): t for t in written}
         swap: Callable[[Any], Any] = lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r  # noqa: E731
         return tree_map(swap, out)
+
+
+#: Ops that would make a HostGradient stand for other bytes (rule 6).
+_REFUSED = (torch.ops.aten.resize_.default, torch.ops.aten.set_.source_Tensor, torch.ops.aten.set_.source_Storage,
+            torch.ops.aten.set_.source_Storage_storage_offset, torch.ops.aten.set_.default)  # fmt: skip
+
+
+def _refuse_rebinding(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """``resize_`` to the size it has is a no-op (and allowed); anything else of ``_REFUSED`` raises."""
+    target = args[0]
+    if func is torch.ops.aten.resize_.default and tuple(args[1]) == tuple(target.shape):
+        return
+    raise StatesUsageError(
+        f"tiermem: {func} on a HostGradient of shape {tuple(target.shape)}: its bytes are a parameter's gradient "
+        "on the host and cannot be resized or replaced; assign a new tensor to p.grad instead "
+        "(NOTE [ Host gradients ] rule 6)"
+    )
+
+
+def _change_metadata(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Rule 6: an in-place view op (``t_``...) on a HostGradient: the same op on a fresh alias of
+    its host view (other HostGradients of those bytes keep theirs), and on the wrapper's own
+    metadata without dispatching (what ``return_and_correct_aliasing`` does for wrapper subclasses)."""
+    target = args[0]
+    host = target.host
+    alias = host.as_strided(host.size(), host.stride(), host.storage_offset())
+    func(alias, *args[1:], **kwargs)
+    with no_dispatch():
+        func(target, *args[1:], **kwargs)
+    if alias.shape != target.shape or alias.stride() != target.stride():
+        raise internal_error(f"HostGradient {func}: wrapper {target.shape} and host {alias.shape} disagree")
+    target.host = alias
+    return target
+
+
+def _list_in_foreach_types() -> None:
+    """Rule 7: torch's clipping (and any foreach user) treats HostGradients as it treats plain tensors."""
+    supported = getattr(_foreach_utils, "_foreach_supported_types", None)
+    if isinstance(supported, list) and HostGradient not in supported:
+        supported.append(HostGradient)
+
+
+_list_in_foreach_types()
 
 
 def host_bytes(grad: torch.Tensor) -> torch.Tensor:
