@@ -327,3 +327,32 @@ def test_a_damaged_checkpoint_is_the_same_clear_error_on_every_rank(runs):
     assert messages[0] == messages[1]
     assert "__1_0.distcp does not match its digest" in messages[0]
     assert all(rank["_first"]["unchanged_by_damage"] for rank in runs["first"])
+
+
+def test_rank_0_not_seeing_a_rank_s_data_file_is_refused(tmp_path: Path):
+    """NOTE [ Checkpoints on ranks ] rule 3, rank 0's half: a data file DCP's metadata names that
+    rank 0 cannot see (another rank wrote it on a filesystem of its own) fails the save."""
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from tiermem.checkpoint import ranks
+
+    (tmp_path / "__0_0.distcp").write_bytes(b"0")
+    storage = {
+        MetadataIndex("model.w", (0,)): _StorageInfo("__0_0.distcp", 0, 1),
+        MetadataIndex("model.w", (1,)): _StorageInfo("__1_0.distcp", 0, 1),
+    }
+    with pytest.raises(CheckpointError, match=r"rank 0 cannot see \['__1_0.distcp'\]"):
+        ranks.check_files_seen(tmp_path, Metadata({}, storage_data=storage))
+    (tmp_path / "__1_0.distcp").write_bytes(b"1")
+    ranks.check_files_seen(tmp_path, Metadata({}, storage_data=storage))
+
+
+def test_each_rank_gets_its_own_values_or_rank_0_s():
+    """Rule 5: rank r's extra, RNG and loops where saved; rank 0's (the top level) beyond."""
+    from tiermem.checkpoint import ranks
+
+    by_rank = [{"extra": r, "rng": None, "loops": []} for r in range(2)]
+    state = {**by_rank[0], "world_size": 2, "ranks": by_rank}
+    assert [ranks.own_state(state, r)["extra"] for r in range(3)] == [0, 1, 0]
+    assert ranks.own_state({"extra": "one process", "rng": None, "loops": []}, 1)["extra"] == "one process"
