@@ -189,6 +189,34 @@ def _from_one_process(rank: int, root: Path) -> dict[str, Any]:
         return {"extra": extra, "loaded": full_states(model, optimizer)}
 
 
+def _plain_fsdp2(rank: int, root: Path) -> dict[str, Any]:
+    """Plain FSDP2 (no tiermem) loads the checkpoint rt.save wrote on the ranks with dcp.load and
+    set_state_dict; and one plain FSDP2 saved with dcp.save(get_state_dict) loads with rt.load."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    plain = _sharded()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=LR)
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer)
+    dcp.load({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=root / "ckpt")
+    set_state_dict(plain, plain_optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    read_plainly = full_states(plain, plain_optimizer)
+    train(plain, plain_optimizer, range(SAVED_AT, SAVED_AT + 1), rank)
+    model_sd, optim_sd = get_state_dict(plain, plain_optimizer)
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=root / "plain")
+    model = _sharded()
+    with tiermem.Runtime(config(str(root / f"nvme{rank}"))) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=PLAN, lr=LR)
+        extra = rt.load(root / "plain")
+        loaded = full_states(model, optimizer)
+    return {
+        "read_plainly": read_plainly,
+        "plain_saved": full_states(plain, plain_optimizer),
+        "loaded": loaded,
+        "extra": extra,
+    }
+
+
 def _resumed(rank: int, root: Path) -> dict[str, Any]:
     """New processes: build, manage, load, train the rest."""
     model = _sharded()
@@ -201,7 +229,7 @@ def _resumed(rank: int, root: Path) -> dict[str, Any]:
 
 
 SPAWNS: dict[str, list[Callable[[int, Path], dict[str, Any]]]] = {
-    "first": [_first, _from_one_process],
+    "first": [_first, _from_one_process, _plain_fsdp2],
     "resumed": [_resumed],
 }
 
@@ -356,3 +384,14 @@ def test_each_rank_gets_its_own_values_or_rank_0_s():
     state = {**by_rank[0], "world_size": 2, "ranks": by_rank}
     assert [ranks.own_state(state, r)["extra"] for r in range(3)] == [0, 1, 0]
     assert ranks.own_state({"extra": "one process", "rng": None, "loops": []}, 1)["extra"] == "one process"
+
+
+def test_plain_fsdp2_reads_it_and_writes_what_rt_load_reads(runs):
+    """The layout is get_state_dict's for plain FSDP2: dcp.load + set_state_dict of plain FSDP2
+    reads rt.save's checkpoint bitwise, and rt.load reads plain FSDP2's dcp.save bitwise."""
+    saved = runs["first"][0]["_first"]["saved"]
+    for rank in runs["first"]:
+        result = rank["_plain_fsdp2"]
+        _equal(result["read_plainly"], saved)
+        _equal(result["loaded"], result["plain_saved"])
+        assert result["extra"] is None
