@@ -29,6 +29,11 @@
    checksums, CUDA tensors, buffered files) runs on the worker pool as before, so the
    submitting thread — often the scheduler's event loop — never copies or hashes.
    Both kinds of segment of one request count down the same ``remaining``.
+7. CUDA tensors: a request holds the event :meth:`NvmeTier.fence` recorded last on the
+   submitting thread's stream (the scheduler fences on the thread that submits a move) and its
+   workers wait for it before they read or write the tensor. Staged through page-locked bounce
+   buffers; a backend that ``takes_device_memory`` (kvikio) gets the tensor's device memory
+   itself, segment by segment, where no bounce is needed (no checksum, no partial page).
 
 The tier composes two parts: :class:`~tiermem.tiers.nvme_store.NvmeStore`, what is stored
 where (run directories, data files, extents, checksum records: rules 1, 3, 4), and
@@ -139,6 +144,8 @@ class NvmeTier(Tier):
         self._backend, self._backend_reason = _backend_for(backend, probe_dir)
         # One bounce buffer per worker is all that can be in use at once (each segment holds at most one).
         self._bounces = BouncePool(self.block_size, self.queue_depth)
+        # CUDA tensors stage through page-locked ones (rule 3), made on a CUDA request's first need.
+        self._pinned_bounces = BouncePool(self.block_size, self.queue_depth, pinned=True)
         self._store = NvmeStore(
             parents,
             create,
@@ -150,7 +157,7 @@ class NvmeTier(Tier):
             bounces=self._bounces,
         )
         try:
-            self._requests = NvmeRequests(self._store, self.queue_depth, self._bounces)
+            self._requests = NvmeRequests(self._store, self.queue_depth, self._bounces, self._pinned_bounces)
         except BaseException:
             self._store.close()
             raise
@@ -173,6 +180,13 @@ class NvmeTier(Tier):
     def _read(self, allocation: Allocation, offset: int, dst: torch.Tensor) -> Future[None]:
         return self._requests.submit("read", allocation, offset, dst)
 
+    def fence(self) -> None:
+        """Order the CUDA tensors' I/O of requests submitted from now on after the device work the
+        calling thread has queued (TRAPS 28): the bytes of a device->NVMe move may come from a
+        kernel on the caller's stream, and an NVMe->device move may land where a kernel still
+        reads. Workers wait on the recorded event before they touch the tensor (rule 7)."""
+        self._requests.fence()
+
     def sync(self) -> Future[None]:
         """fdatasync every data file: the writes completed so far become durable (TRAPS 5)."""
         self._check_open()
@@ -188,6 +202,7 @@ class NvmeTier(Tier):
         self._requests.close()
         self._store.close()  # waits for the submission queue, then closes the files
         self._bounces.clear()
+        self._pinned_bounces.clear()
 
     def segment_counts(self) -> dict[str, int]:
         """How segments were served so far: ``zero_copy``, ``staged`` (bounce buffer) and

@@ -22,6 +22,7 @@ from tiermem.errors import ShortReadError, internal_error
 from tiermem.tiers.backends.base import IoOp, IoQueue, open_queue
 from tiermem.tiers.base import ALIGNMENT, Allocation
 from tiermem.tiers.nvme_checksums import ChecksumRecord, digest_of
+from tiermem.tiers.nvme_request import Request as _Request
 from tiermem.tiers.nvme_store import NvmeStore, Segment
 from tiermem.tiers.staging import BounceBuffer, BouncePool, is_aligned, memview
 from tiermem.units import round_up
@@ -45,40 +46,6 @@ class _WritePlan(NamedTuple):
     io_lo: int
     io_hi: int
     need_read: bool
-
-
-class _Request:
-    """One read or write in flight. Holds the caller's tensor only until it completes (TRAPS 14).
-
-    A plain class with slots, not a dataclass: one is made per request, and small requests
-    are counted in tens of thousands a second (TRAPS 15)."""
-
-    __slots__ = (
-        "address", "allocation_id", "cuda", "data_end", "error", "future", "lock", "op", "queued", "remaining", "tensor"
-    )  # fmt: skip
-
-    def __init__(
-        self,
-        op: str,
-        allocation_id: int,
-        data_end: int,
-        tensor: torch.Tensor | None,
-        address: int,
-        cuda: bool,
-        future: Future[None] | None,
-        remaining: int,
-    ) -> None:
-        self.op = op
-        self.allocation_id = allocation_id
-        self.data_end = data_end  # logical end of the allocation's meaningful bytes (location + nbytes)
-        self.tensor = tensor
-        self.address = address  # host address of the buffer, 0 for CUDA tensors
-        self.cuda = cuda
-        self.future = future
-        self.remaining = remaining
-        self.error: BaseException | None = None
-        self.queued = 0  # segments the submission queue completed (counted as zero-copy at the end)
-        self.lock = threading.Lock()
 
 
 def gather(futures: list[Future[None]]) -> Future[None]:
@@ -115,7 +82,9 @@ class NvmeRequests:
     while I/O still lands on it is handed back only when that I/O ends.
     """
 
-    def __init__(self, store: NvmeStore, queue_depth: int, bounces: BouncePool) -> None:
+    def __init__(
+        self, store: NvmeStore, queue_depth: int, bounces: BouncePool, pinned_bounces: BouncePool | None = None
+    ) -> None:
         self._store = store
         self._owner_pid = store.owner_pid
         # The store's own lists and methods, bound once: the request path is per-request
@@ -125,6 +94,11 @@ class NvmeRequests:
         self._sums = store.sums
         self._segments = store.segments
         self._bounces = bounces
+        # Rule 7: CUDA tensors stage through page-locked buffers, and reach a backend that takes
+        # device memory (kvikio) directly.
+        self._pinned_bounces = pinned_bounces or bounces
+        self._device_direct = bool(getattr(store.backend, "takes_device_memory", False))
+        self._fence_event: Any = None
         self._state_lock = threading.Lock()  # in-flight counts, deferred frees, counters
         self._rmw_lock = threading.Lock()  # serialises read-modify-write of partial pages
         self._inflight: dict[int, int] = {}
@@ -189,6 +163,14 @@ class NvmeRequests:
         """In a forked child: the pool's threads do not exist here; drop what is queued."""
         self._pool.shutdown(wait=False, cancel_futures=True)
 
+    def fence(self) -> None:
+        """Rule 7: record an event on the calling thread's current CUDA stream for the CUDA requests
+        submitted from now on (nothing to order before CUDA was ever used in this process)."""
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream())
+            self._fence_event = event
+
     # -- requests ----------------------------------------------------------------------------
     def check_owner(self) -> None:
         """Raise in a forked child: tiers belong to the process that made them."""
@@ -223,6 +205,8 @@ class NvmeRequests:
             future,
             len(segments),
         )
+        if cuda:
+            request.fence = self._fence_event
         with self._state_lock:
             self._inflight[allocation.id] = self._inflight.get(allocation.id, 0) + 1
         queued: list[IoOp] = []
@@ -324,7 +308,9 @@ class NvmeRequests:
         address = request.address + seg.buf_offset
         fast = not request.cuda and (not self._aligned[seg.file] or is_aligned(address, seg.length, seg.file_offset))
         try:
-            if fast and not (sums is not None and self._plan_write(request, seg).partial):
+            if self._takes_device(request, seg):
+                self._write_device(request, seg)
+            elif fast and not (sums is not None and self._plan_write(request, seg).partial):
                 # Zero-copy: straight from the caller's memory. Records inside [lo, hi) are
                 # simply replaced; any other writer of those bytes would be racing this one.
                 view = memview(address, seg.length)
@@ -339,6 +325,31 @@ class NvmeRequests:
             if sums is not None:
                 sums.discard(lo, hi)  # the stored bytes are now unknown: never verify stale sums
             raise
+
+    def _takes_device(self, request: _Request, seg: Segment) -> bool:
+        """Rule 7: does ``seg`` of a CUDA request go to the backend as device memory? Only when the
+        backend takes it, no checksum is kept (hashing needs the bytes on the host) and the file
+        needs no page padding (a backend that takes device memory handles alignment itself)."""
+        return request.cuda and self._device_direct and self._sums is None and not self._aligned[seg.file]
+
+    def _device_slice(self, request: _Request, seg: Segment) -> torch.Tensor:
+        tensor = request.tensor
+        if tensor is None:
+            raise internal_error("nvme segment ran after its request finished")
+        return tensor[seg.buf_offset : seg.buf_offset + seg.length]
+
+    def _write_device(self, request: _Request, seg: Segment) -> None:
+        request.wait_fence()  # the bytes may come from a kernel on the submitter's stream
+        self._store.pwrite(seg.file, self._device_slice(request, seg), seg.file_offset)
+        self._bump("zero_copy")
+
+    def _read_device(self, request: _Request, seg: Segment) -> None:
+        request.wait_fence()  # a kernel queued before the move may still read these bytes
+        self._store.pread_exact(seg.file, self._device_slice(request, seg), seg.file_offset)
+        self._bump("zero_copy")
+
+    def _bounce_pool(self, request: _Request) -> BouncePool:
+        return self._pinned_bounces if request.cuda else self._bounces
 
     def _plan_write(self, request: _Request, seg: Segment) -> _WritePlan:
         """What a staged write of ``seg`` must read, verify, write and record (rules 3, 4)."""
@@ -363,7 +374,7 @@ class NvmeRequests:
         return _WritePlan(partial, rec_lo, rec_hi, io_lo, io_hi, need_read)
 
     def _write_staged(self, request: _Request, seg: Segment) -> None:
-        with self._bounces.get() as bounce:
+        with self._bounce_pool(request).get() as bounce:
             plan = self._plan_write(request, seg)
             if not plan.need_read:
                 self._write_through(request, seg, plan, bounce)
@@ -388,11 +399,8 @@ class NvmeRequests:
             ctypes.memset(bounce.address + (hi - plan.io_lo), 0, plan.io_hi - hi)
         at = lo - plan.io_lo
         if request.cuda:
-            source = request.tensor
-            if source is None:
-                raise internal_error("nvme write segment ran after its request finished")
-            bounce.tensor[at : at + seg.length].copy_(source[seg.buf_offset : seg.buf_offset + seg.length])
-            del source
+            request.wait_fence()  # rule 7; the copy into host memory returns once it has landed
+            bounce.tensor[at : at + seg.length].copy_(self._device_slice(request, seg))
         else:
             ctypes.memmove(bounce.address + at, request.address + seg.buf_offset, seg.length)
         sums = self._sums
@@ -408,6 +416,9 @@ class NvmeRequests:
         lo, hi = seg.logical, seg.logical + seg.length
         address = request.address + seg.buf_offset
         sums = self._sums
+        if self._takes_device(request, seg):
+            self._read_device(request, seg)
+            return
         if sums is None:
             records: list[ChecksumRecord] = []
         else:
@@ -417,7 +428,7 @@ class NvmeRequests:
                 # concurrent (disjoint, legitimate) write may be merging into that record:
                 # do it under the read-modify-write lock, with the records as they are then.
                 # Lock order everywhere: bounce buffer, then the lock.
-                with self._bounces.get() as bounce, self._rmw_lock:
+                with self._bounce_pool(request).get() as bounce, self._rmw_lock:
                     records = sums.overlapping(lo, hi)
                     self._store.check_covered(seg, records, min(hi, request.data_end))
                     self._read_staged(request, seg, records, bounce)
@@ -435,7 +446,7 @@ class NvmeRequests:
                 self._store.verify(seg.file, records[0], view, seg.file_offset)
             self._bump("zero_copy")
             return
-        with self._bounces.get() as bounce:
+        with self._bounce_pool(request).get() as bounce:
             self._read_staged(request, seg, records, bounce)
 
     def _read_staged(
@@ -454,10 +465,8 @@ class NvmeRequests:
             self._store.verify(seg.file, r, bounce.view(r.length, at_record), io_file_offset + at_record)
         at = lo - io_lo
         if request.cuda:
-            target = request.tensor
-            if target is None:
-                raise internal_error("nvme read segment ran after its request finished")
-            target = target[seg.buf_offset : seg.buf_offset + seg.length]
+            target = self._device_slice(request, seg)
+            request.wait_fence()  # rule 7: a kernel queued before the move may still read these bytes
             target.copy_(bounce.tensor[at : at + seg.length])
             # The bounce is reused as soon as this returns: wait for the copy to land.
             torch.cuda.current_stream(target.device).synchronize()

@@ -35,12 +35,15 @@ def is_aligned(*values: int) -> bool:
 
 
 class BounceBuffer:
-    """A page-aligned host buffer of ``size`` bytes for staging (O_DIRECT padding, CUDA tensors, checksums)."""
+    """A page-aligned host buffer of ``size`` bytes for staging (O_DIRECT padding, CUDA tensors, checksums).
+
+    ``pinned``: page-locked, for staging CUDA tensors: a copy between the device and pageable
+    memory goes through a driver buffer of its own, one more copy and no overlap."""
 
     __slots__ = ("address", "size", "tensor")
 
-    def __init__(self, size: int) -> None:
-        raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8)
+    def __init__(self, size: int, *, pinned: bool = False) -> None:
+        raw = torch.empty(size + ALIGNMENT, dtype=torch.uint8, pin_memory=pinned)
         start = (-raw.data_ptr()) % ALIGNMENT
         self.tensor = raw[start : start + size]
         self.address = self.tensor.data_ptr()
@@ -51,9 +54,11 @@ class BounceBuffer:
 
 
 class BouncePool:
-    """Bounce buffers made on first need, at most ``limit`` (one per worker), then reused."""
+    """Bounce buffers made on first need, at most ``limit`` (one per worker), then reused;
+    page-locked ones when ``pinned`` (made only when a CUDA tensor needs staging)."""
 
-    def __init__(self, size: int, limit: int) -> None:
+    def __init__(self, size: int, limit: int, *, pinned: bool = False) -> None:
+        self._pinned = pinned
         self._size = size
         self._limit = limit
         self._free: list[BounceBuffer] = []
@@ -73,7 +78,7 @@ class BouncePool:
                 bounce = None
         if bounce is None:
             try:
-                bounce = BounceBuffer(self._size)
+                bounce = BounceBuffer(self._size, pinned=self._pinned)
             except BaseException:
                 with self._cond:
                     self._made -= 1

@@ -239,8 +239,18 @@ class AioQueue:
             slot = batch[sent]
             sent += 1
             op = self._op(slot)
-            self._finished([(slot, OSError(code, f"io_submit refused a {op.nbytes}-byte "
-                                                 f"{'write' if op.write else 'read'}: {os.strerror(code)}"))])
+            self._finished(
+                [
+                    (
+                        slot,
+                        OSError(
+                            code,
+                            f"io_submit refused a {op.nbytes}-byte "
+                            f"{'write' if op.write else 'read'}: {os.strerror(code)}",
+                        ),
+                    )
+                ]
+            )
         del pointers
 
     def _op(self, slot: int) -> IoOp:

@@ -39,6 +39,8 @@ class StorageBackend(Protocol):
     name: str
     #: True when the backend accepts unaligned buffers/offsets even for direct I/O.
     handles_alignment: bool
+    # Optional, read with getattr (default False): ``takes_device_memory``, True when ``pread`` and
+    # ``pwrite`` also take CUDA tensors (device memory) as ``buffer`` (kvikio).
 
     def open(self, path: str, *, direct: bool) -> Any:
         """Open (creating if missing, mode 0600) ``path`` for reading and writing; returns a

@@ -50,6 +50,7 @@ class FaultyBackend:
         self.inner = inner
         self.name = f"faulty({inner.name})"
         self.handles_alignment = inner.handles_alignment
+        self.takes_device_memory = bool(getattr(inner, "takes_device_memory", False))
         self.enospc_after = enospc_after
         self.fallocate_limit = fallocate_limit
         self.eio_on_read = eio_on_read

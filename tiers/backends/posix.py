@@ -27,6 +27,8 @@ class PosixBackend:
 
     name = "posix"
     handles_alignment = False
+    #: Host memory only: the NVMe tier stages CUDA tensors for it (NOTE [ NVMe tier layout and I/O ] rule 7).
+    takes_device_memory = False
 
     def open(self, path: str, *, direct: bool) -> int:
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
