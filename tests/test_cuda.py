@@ -225,3 +225,186 @@ def test_offloaded_states_on_cuda_with_fp16_grad_scaler_and_declared_clipping(tm
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-3, atol=1e-4)
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
+
+
+# -- issue 21: fences on every CUDA move, pinned bounces, device memory to kvikio, CPU steps ------
+
+
+def _nvme_registry(tmp_path, **nvme_kwargs):
+    device = DeviceTier(64 << 20, "cuda")
+    nvme = NvmeTier([str(tmp_path)], 64 << 20, **nvme_kwargs)
+    scheduler = AsyncioScheduler(loop="asyncio")
+    return Registry({"device": device, "nvme": nvme}, scheduler), (scheduler, device, nvme)
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_a_device_to_nvme_move_is_ordered_after_the_submitting_threads_stream(tmp_path, checksum):
+    """Rule 7 of NOTE [ NVMe tier layout and I/O ]: the NVMe tier's workers wait for the event its
+    fence recorded on the submitter's side stream, so the file gets what that stream's kernels wrote."""
+    registry, parts = _nvme_registry(tmp_path, checksum=checksum)
+    try:
+        buffer = torch.zeros(3 << 20, dtype=torch.uint8, device="cuda")
+        handle = registry.register(buffer, "device")
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            torch.cuda._sleep(200_000_000)
+            buffer.fill_(9)
+            handle.move_to("nvme", Priority.WRITEBACK)
+        handle.wait()
+        assert handle.tier == "nvme"
+        handle.move_to("device", Priority.DEMAND)
+        handle.wait()
+        assert bool((handle.tensor("device") == 9).all())
+        handle.free()
+    finally:
+        registry.free_all()
+        for part in parts:
+            part.close()
+
+
+def test_registering_a_side_stream_tensor_on_the_host_copies_what_the_stream_wrote():
+    """Tier.take fences: the host tier's worker copies a CUDA tensor only after the caller's stream ran."""
+    host = HostTier(64 << 20, pinned=True)
+    scheduler = AsyncioScheduler(loop="asyncio")
+    registry = Registry({"host": host}, scheduler)
+    try:
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            data = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+            torch.cuda._sleep(200_000_000)
+            data.fill_(5)
+            handle = registry.register(data, "host")
+        assert bool((handle.tensor("host") == 5).all())
+        handle.free()
+    finally:
+        registry.free_all()
+        scheduler.close()
+        host.close()
+
+
+def test_cuda_tensors_stage_through_page_locked_bounce_buffers(tmp_path):
+    tier = NvmeTier([str(tmp_path)], 8 << 20, backend="posix", checksum=True)
+    try:
+        allocation = tier.allocate(5000)  # unaligned: staged
+        source = torch.randint(0, 256, (5000,), dtype=torch.uint8, device="cuda")
+        tier.write(allocation, 0, source).result(timeout=30)
+        back = torch.empty(5000, dtype=torch.uint8, device="cuda")
+        tier.read(allocation, 0, back).result(timeout=30)
+        assert torch.equal(back, source)
+        with tier._pinned_bounces.get() as bounce:
+            assert bounce.tensor.is_pinned()
+        tier.free(allocation)
+    finally:
+        tier.close()
+
+
+def test_kvikio_gets_device_memory_and_round_trips_unaligned_spans(tmp_path):
+    """Issue 21 item 1: with kvikio the tier hands CUDA tensors over as they are (no host bounce)."""
+    from tiermem.tiers.backends import kvikio_backend
+
+    ok, why = kvikio_backend.probe(str(tmp_path))
+    if not ok:
+        pytest.skip(f"kvikio unusable: {why}")
+    tier = NvmeTier([str(tmp_path)], 64 << 20, backend="kvikio", block_size=1 << 20)
+    try:
+        nbytes = (3 << 20) + 1234
+        allocation = tier.allocate(nbytes)
+        source = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        tier.write(allocation, 0, source).result(timeout=60)
+        back = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+        tier.read(allocation, 0, back).result(timeout=60)
+        assert torch.equal(back, source)
+        assert tier.segment_counts()["staged"] == 0
+        tier.free(allocation)
+    finally:
+        tier.close()
+
+
+def test_a_copy_stream_copy_does_not_wait_for_compute_queued_on_the_default_stream():
+    """CudaStreamCopier.copy no longer waits on the issuing thread's stream: a copy issued while the
+    default stream sleeps finishes long before the sleep does (the fence orders what must be)."""
+    from tiermem.tiers.memory import CudaStreamCopier
+
+    copier = CudaStreamCopier(torch.device("cuda", 0))
+    try:
+        src = torch.ones(1 << 20, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # about a second on the default stream
+        copier.copy(dst, src).result(timeout=30)
+        busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert busy and bool((dst == 1).all())
+    finally:
+        copier.close()
+
+
+def test_host_gradient_clipping_by_hand_is_bitwise_plain_cuda():
+    """NOTE [ Host gradients ] rule 7 on CUDA: clip_grad_norm_ over HostGradients takes the foreach path
+    plain CUDA gradients take, with the same result bit for bit."""
+    generator = torch.Generator().manual_seed(0)
+    grads = [torch.randn(257, 129, generator=generator) for _ in range(4)]
+    plain = [torch.nn.Parameter(torch.zeros(g.shape, device="cuda")) for g in grads]
+    proxied = [torch.nn.Parameter(torch.zeros(g.shape, device="cuda")) for g in grads]
+    hosts = [g.clone().pin_memory() for g in grads]
+    for p, q, g, h in zip(plain, proxied, grads, hosts, strict=True):
+        p.grad = g.cuda()
+        q.grad = HostGradient(h, "cuda")
+    want = torch.nn.utils.clip_grad_norm_(plain, 0.1)
+    got = torch.nn.utils.clip_grad_norm_(proxied, 0.1)
+    assert torch.equal(got, want)
+    for p, h in zip(plain, hosts, strict=True):
+        assert torch.equal(p.grad.cpu(), h)
+
+
+def test_host_gradient_metadata_ops_and_deepcopy_on_cuda():
+    import copy
+
+    host = torch.arange(12.0).reshape(3, 4).pin_memory()
+    grad = HostGradient(host, "cuda")
+    grad.t_().mul_(2)
+    assert grad.shape == (4, 3) and torch.equal(host, torch.arange(12.0).reshape(3, 4) * 2)
+    copied = copy.deepcopy(grad)
+    assert isinstance(copied, HostGradient) and torch.equal(copied, grad)
+
+
+def test_cpu_step_settings_move_cuda_values_to_the_cpu():
+    """NOTE [ CPU steps of offloaded chunks ] rule 3 on CUDA: a CUDA lr, CUDA step scalars and
+    capturable=True step an offloaded chunk like torch's CPU step with those values on the CPU."""
+    from tiermem.states.cpu_step import for_cpu_step
+    from tiermem.states.optimizer import run_step
+
+    def run(lr, step, capturable, device):
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 20))
+        param.grad = torch.linspace(0.5, -0.5, 20)
+        group = {**torch.optim.Adam([torch.zeros(1)], lr=lr, capturable=capturable).defaults}
+        state = {param: {"step": step, "exp_avg": torch.zeros(20), "exp_avg_sq": torch.zeros(20)}}
+        groups, state, attributes = for_cpu_step(
+            device, [(group, [param])], state, {}, optimizer_class=torch.optim.Adam
+        )
+        after = run_step(torch.optim.Adam, group, groups, state, attributes)
+        return param.detach(), after[param]["step"]
+
+    got, step = run(torch.tensor(0.01, device="cuda"), torch.tensor(4.0, device="cuda"), True, torch.device("cuda"))
+    want, _ = run(torch.tensor(0.01), torch.tensor(4.0), False, torch.device("cpu"))
+    assert torch.equal(got, want) and step.device.type == "cpu" and float(step) == 5.0
+
+
+def test_offloaded_states_with_capturable_adam_train_on_cuda(tmp_path):
+    """An optimizer made for CUDA graphs (capturable=True) trains with offloaded chunks, their CPU
+    steps cleaned (NOTE [ CPU steps of offloaded chunks ]), close to plain PyTorch. Needs
+    tiermem/states/stepping.py to call for_cpu_step before run_step."""
+
+    def adamw(model):
+        return torch.optim.AdamW(test_states.param_groups(model), lr=1e-3, capturable=True)
+
+    plain = cuda_model()
+    want = cuda_loop(plain, adamw(plain), 2)
+    model = cuda_model()
+    with tiermem.Runtime(cuda_config(tmp_path, int(test_states.state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, adamw(model))
+        got = cuda_loop(model, optimizer, 2)
+    torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)

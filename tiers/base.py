@@ -110,6 +110,13 @@ class Tier(AccountedTier):
         """
         allocation = self.allocate(data.numel())
         try:
+            # The copy runs on another thread (a copier, a worker), whose current stream is not the
+            # caller's: order it after the device work that produced ``data`` (TRAPS 28). The fence
+            # orders this tier's own copy stream; a CUDA source read elsewhere (the host tier's
+            # worker, ``.cpu()``) waits for the caller's stream here, as the copy is waited for anyway.
+            self.fence()
+            if data.is_cuda:
+                torch.cuda.current_stream(data.device).synchronize()
             self.write(allocation, 0, data.cpu() if not self.is_memory else data).result()
         except BaseException:
             self.free(allocation)

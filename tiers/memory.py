@@ -5,8 +5,8 @@ Two copy engines sit behind one small interface:
 - :class:`WorkerCopier` (CPU): ``dst.copy_(src)`` on a worker thread. Even on the CPU
   the copy is asynchronous, so code that forgets to wait on a future fails in CPU tests
   the way it would fail on a GPU.
-- :class:`CudaStreamCopier` (CUDA): a dedicated copy stream ordered after the
-  producer's stream, an event per copy, and a waiter thread that completes the future
+- :class:`CudaStreamCopier` (CUDA): a dedicated copy stream, ordered after the
+  producer's stream by :meth:`~CudaStreamCopier.fence` on the submitting thread, an event per copy, and a waiter thread that completes the future
   when the event fires. Written against PyTorch's documented stream semantics
   (``wait_stream``, ``record_stream``, ``non_blocking``); skipped in tests without CUDA.
 """
@@ -87,11 +87,11 @@ class CudaStreamCopier:
         future: Future[None] = Future()
         future.set_running_or_notify_cancel()
         try:
-            producer = torch.cuda.current_stream(self._device)
-            # Order the copy after work already queued on the caller's stream (which may
-            # still be writing ``src``), and tell the caching allocator that these
-            # tensors are in use on the copy stream so it does not recycle them early.
-            self._stream.wait_stream(producer)
+            # No wait on the issuing thread's stream here: copies are issued on the scheduler's
+            # thread, whose current stream is the default one, and waiting on it would hold every
+            # copy behind all compute queued there. The ordering after the producer is fence()'s,
+            # called on the submitting thread (the scheduler's submit, Tier.take). The caching
+            # allocator is told the tensors are in use on the copy stream, so it does not recycle them early.
             with torch.cuda.stream(self._stream):
                 dst.copy_(src, non_blocking=True)
                 for tensor in (dst, src):
