@@ -180,6 +180,9 @@ def test_backend_auto_is_gloo_without_cuda_and_nccl_needs_cuda() -> None:
     assert distributed.resolve_backend("gloo", cuda_available=True) == "gloo"
     with pytest.raises(ConfigError, match=r'distributed\.backend: "nccl" needs CUDA'):
         distributed.resolve_backend("nccl", cuda_available=False)
+    with pytest.raises(ConfigError, match=r'distributed\.backend: "cpu:gloo,cuda:nccl" needs CUDA'):
+        distributed.resolve_backend("cpu:gloo,cuda:nccl", cuda_available=False)
+    assert distributed.resolve_backend("cpu:gloo,cuda:nccl", cuda_available=True) == "cpu:gloo,cuda:nccl"
 
 
 def test_no_process_group_is_made_outside_a_torchrun_launch(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -170,9 +170,9 @@ def resolve_backend(backend: str, cuda_available: bool) -> str:
     CPU tensors such as offloaded gradient norms through gloo). ``nccl`` needs CUDA."""
     if backend == "auto":
         return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
-    if backend == "nccl" and not cuda_available:
+    if "nccl" in backend and not cuda_available:
         raise ConfigError(
-            ['distributed.backend: "nccl" needs CUDA and torch sees no CUDA device here; use "auto" or "gloo"'],
+            [f'distributed.backend: "{backend}" needs CUDA and torch sees no CUDA device here; use "auto" or "gloo"'],
             "[distributed]",
         )
     return backend

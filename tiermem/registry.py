@@ -374,6 +374,7 @@ class Registry:
             self._check_live(obj)
             home = obj.home
         data = torch.empty(home.reserved, dtype=torch.uint8)
+        home.tier.fence()  # a device-resident object is read after the caller's stream's work (TRAPS 28)
         home.tier.read(home, 0, data).result()
         return data
 
