@@ -1,5 +1,5 @@
-"""NOTE [ Plan search ] rule 2: the activation candidates' front is over device, host and NVMe
-bytes and time, so a host too small for offloading to the host still gets the NVMe plans."""
+"""NOTE [ Plan search ] rule 2: the activation candidates' front is over device (forward's end and
+backward's), host and NVMe bytes and time, so a host too small for offloading to the host still gets the NVMe plans."""
 
 from __future__ import annotations
 
@@ -21,8 +21,9 @@ def test_a_small_host_takes_the_nvme_policy_that_host_offload_beats_on_device_an
     assert nvme_all.host < host_all.host
     front = search_module.pareto(acts)
     assert any("nvme" in a.policies for a in front)
-    def point(a):
-        return (a.device, a.host, a.nvme, a.time)
+
+    def point(a):  # backward's device bytes too: they sit beside the gradients in flight
+        return (a.device, a.host, a.nvme, a.time, a.backward)
 
     for a in front:  # nothing on the front is beaten everywhere by another candidate
         assert not any(

@@ -46,6 +46,10 @@ class ActivationCost:
     offloaded: int = 0
     #: saved tensors (in the profile's forward) of recomputed blocks
     recomputed: int = 0
+    #: ``forward_peak`` and ``head_live`` without earlier blocks' writes in flight, which
+    #: forward and backward wait for when the device is full (rule 2)
+    forward_demand: int = 0
+    head_demand: int = 0
 
 
 def link_share(busy_s: float, pass_s: float) -> float:
@@ -73,6 +77,10 @@ class _Forward:
     pending_bytes: int
     #: the device peak at forward's end (outside blocks included)
     peak: int
+    #: the same without earlier blocks' writes in flight: forward waits for them to land when
+    #: the device is full (NOTE [ Activation fallbacks ] rules 4, 5), so only a block's own
+    #: bytes must fit beside what stays (rule 2)
+    demand: int
     recompute: float
     host: int
     nvme: int
@@ -88,7 +96,7 @@ def _forward(profile: Profile, policies: Sequence[str], write_bw: float) -> _For
     clock = outside.forward_s / 2  # embeddings run before the first block
     write_free = 0.0
     ends, write_end = [0.0] * count, [0.0] * count
-    kept_prefix, peak, recompute, host, nvme, ram, memcpy = 0, 0, 0.0, 0, 0, 0, 0
+    kept_prefix, peak, demand, recompute, host, nvme, ram, memcpy = 0, 0, 0, 0.0, 0, 0, 0, 0
     # Writes land in issue order (one queue), so the ones still in flight are a window.
     pending: list[int] = []
     pending_bytes, landed = 0, 0
@@ -119,6 +127,7 @@ def _forward(profile: Profile, policies: Sequence[str], write_bw: float) -> _For
         # start as they are saved), plus the earlier writes that have not landed.
         # A recomputed block's tensors never reach the tier (rule 2).
         peak = max(peak, kept_prefix + pending_bytes + (block.saved_bytes if policy == "host" else 0))
+        demand = max(demand, kept_prefix + (block.saved_bytes if policy in ("host", "nvme") else 0))
         while landed < len(pending) and write_end[pending[landed]] <= clock:
             pending_bytes -= blocks[pending[landed]].saved_bytes
             landed += 1
@@ -127,8 +136,9 @@ def _forward(profile: Profile, policies: Sequence[str], write_bw: float) -> _For
         pending_bytes -= blocks[pending[landed]].saved_bytes
         landed += 1
     peak = max(peak, kept_prefix + pending_bytes) + outside.saved_bytes
+    demand = max(demand, kept_prefix) + outside.saved_bytes
     return _Forward(
-        forward_end, write_free, write_end, kept_prefix, pending_bytes, peak, recompute, host, nvme, ram, memcpy
+        forward_end, write_free, write_end, kept_prefix, pending_bytes, peak, demand, recompute, host, nvme, ram, memcpy
     )
 
 
@@ -200,7 +210,7 @@ def activation_cost(
     registered, offloaded, recomputed = saved_counts(profile, policies)
     return ActivationCost(
         device_peak=max([peak, head_live, *stage_live]),
-        device_demand=max([peak, head_live, *stage_demand]),
+        device_demand=max([forward.demand, forward.kept, *stage_demand]),
         forward_peak=peak,
         head_live=head_live,
         stage_live=tuple(stage_live),
@@ -215,6 +225,8 @@ def activation_cost(
         registered=registered,
         offloaded=offloaded,
         recomputed=recomputed,
+        forward_demand=forward.demand,
+        head_demand=forward.kept,
     )
 
 

@@ -33,6 +33,9 @@ class ActivationCandidate:
     host: int
     nvme: int
     time: float
+    #: device bytes backward needs (its stages, without prefetches): beside the streamed
+    #: gradients in flight, which forward's end never sees (NOTE [ Cost model ] rule 1)
+    backward: int = 0
 
 
 def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_stream: bool = False) -> list[Packing]:
@@ -55,12 +58,12 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_s
             needs.append(ChunkNeeds(layout.nbytes, layout.trainable, sections))
         where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
         span = max((len({where[i] for i in module}) for module in profile.modules if module), default=1)
-        shared = len({where[i] for i in profile.shared})
+        shared = {where[i] for i in profile.shared}
         stages = None
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
             stages = [max(profile.param_block[s.index] for s in layout.slots) for layout in layouts]
-        result.append(Packing(size, needs, span + shared, shared, stages, grads_stream))
+        result.append(Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream))
     return result
 
 
@@ -117,7 +120,10 @@ def activation_candidates(
         if profile.cpu:
             time += cost.nvme_bytes_moved / memcpy_bw  # staging copies share the cores (TRAPS 7)
         time += activation_overhead_s(profile, cost)
-        result.append(ActivationCandidate(policies, family, cost.device_demand, cost.host_bytes, cost.nvme_bytes, time))
+        backward = max([cost.head_demand, *cost.stage_demand])
+        result.append(
+            ActivationCandidate(policies, family, cost.device_demand, cost.host_bytes, cost.nvme_bytes, time, backward)
+        )
     return result
 
 
@@ -126,10 +132,10 @@ def pareto(acts: Sequence[ActivationCandidate]) -> list[ActivationCandidate]:
     ascending (rule 2). Not on device and time alone: an entry offloading to the host beats one
     offloading to NVMe there, yet only the NVMe one fits a small host (measured: a 200M GPT at
     10% device and host found no plan while the mechanism's own rule ran it)."""
-    ordered = sorted(acts, key=lambda a: (a.device, a.time, a.host, a.nvme))
+    ordered = sorted(acts, key=lambda a: (a.device, a.time, a.host, a.nvme, a.backward))
     if not ordered:
         return []
-    points = np.array([(a.device, a.host, a.nvme, a.time) for a in ordered], dtype=np.float64)
+    points = np.array([(a.device, a.host, a.nvme, a.time, a.backward) for a in ordered], dtype=np.float64)
     keep = np.ones(len(ordered), dtype=bool)
     for i, point in enumerate(points):
         # Beaten: another entry no worse anywhere and better somewhere (duplicates keep the first).

@@ -11,15 +11,24 @@ combines them (rules 1, 3-5) and re-exports their names.
    allocated during backward, as activations are freed: a persistent chunk's gradient chunk
    appears when backward reaches the block that first used its last parameter (NOTE
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
-   write-back lands (one being filled, plus the chunks of shared, tied parameters, whose
-   gradients complete only at the end of backward). The device peak is the largest sum
-   over that backward timeline and the end of forward.
+   write-back lands (one being filled, plus the streamed chunks of shared, tied parameters,
+   whose gradients complete only at the end of backward; a persistent tied chunk's gradient is
+   a persistent one). The device peak is the largest sum over that backward timeline and the
+   end of forward, where no gradient exists yet: counting the streamed gradients in flight
+   there too, and a persistent tied chunk twice, overestimated the 200M GPT of issue 20 at
+   device and host 10% by 48 MiB (288 MiB predicted, 236-244 MiB measured; now 240 MiB) and
+   refused plans that fit.
 2. Activations on the device: the part outside blocks, kept blocks, offloaded blocks whose
    write has not landed yet (the offloader keeps a tensor readable at its source until its
    write lands) and, in backward, the block being fetched back plus the prefetch window
    ahead of it (NOTE [ Prefetch window ]: a quarter of the largest block, up to ``LOOKAHEAD``
    blocks once reads stall; prefetches only take room that is free: the offloader drops
-   one that does not fit). A
+   one that does not fit). Earlier blocks' writes in flight are opportunistic too: a block
+   that meets a full device waits for them to land (NOTE [ Activation fallbacks ] rules 4
+   and 5), so what must fit (``device_demand``) holds each offloaded block's own bytes
+   beside what stays, not the queue (a timing the link probes decide: on a 16 x 128 GPT at
+   device 10% the queued writes of a slower probe refused every plan while the default
+   placement peaked at 81%); the predicted peak keeps them, capped at the capacity. A
    recomputed block's checkpoint keeps only its input until the block's backward; the
    offloader registers that input like a kept tensor (measured: 4 x 1 MiB on the device tier
    at the end of forward on the 4x256 GPT, all blocks recomputed), so it counts on the device
@@ -145,17 +154,19 @@ class Estimate:
 
 
 def device_peak(states: StatesCost, acts: ActivationCost, *, prefetch: bool = True) -> int:
-    """Rule 1: the largest device total over forward's end and backward's stages (with the
-    prefetched blocks, or only what each stage needs)."""
+    """Rule 1: the largest device total over forward's end (no gradient yet) and backward's
+    stages, where streamed gradients are in flight (with the prefetched blocks, or only what
+    each stage needs)."""
     count = len(acts.stage_live)
     stages = acts.stage_live if prefetch else acts.stage_demand
+    forward, head = (acts.forward_peak, acts.head_live) if prefetch else (acts.forward_demand, acts.head_demand)
 
     def grads_by(stage: int) -> int:
         return sum(nbytes for at, nbytes in states.grad_stages if at >= stage)
 
-    moments = [acts.forward_peak, acts.head_live + grads_by(count), states.grad_total]
+    moments = [head + grads_by(count), states.grad_total]
     moments += [live + grads_by(i) for i, live in enumerate(stages)]
-    return states.static_device + states.grad_in_flight + max(moments)
+    return states.static_device + max(forward, states.grad_in_flight + max(moments))
 
 
 def transient_peak(profile: Profile) -> int:

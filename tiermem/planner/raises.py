@@ -55,7 +55,11 @@ def _lower_bounds(space: Space, rows: Sequence[Row], caps: Mapping[str, int], ti
             while lo < hi:
                 mid = (lo + hi) // 2
                 lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
-            need = states.static_device + states.grad_in_flight + max(states.grad_total, front[lo].device)
+            # Any entry from ``lo`` on fits the host and NVMe; forward's end holds no gradient
+            # (NOTE [ Cost model ] rule 1), so the least need is over all of them.
+            need = states.static_device + min(
+                max(act.device, states.grad_in_flight + max(states.grad_total, act.backward)) for act in front[lo:]
+            )
             bounds.append(max(capacity_for(need, margin), states.reserve_device_bytes))
             continue
         # The device is as scanned: the row takes a front entry within its room.

@@ -41,9 +41,12 @@ class Row:
     choice: StatesChoice
     states: StatesCost
     time: float
-    #: device bytes left for activations under the separable bound; -1: the gradients do not fit
+    #: device bytes left for activations at forward's end under the separable bound; -1: the
+    #: gradients do not fit
     room: float
     fits_reserve: bool
+    #: of ``room``, what backward leaves beside the streamed gradients in flight (NOTE [ Cost model ] rule 1)
+    backward_room: float = -1.0
 
 
 @dataclass
@@ -81,8 +84,9 @@ class Space:
         by_time = sorted(range(len(self.front)), key=lambda i: (self.front[i].time, self.front[i].device))
         self._by_time = np.array(by_time, dtype=np.int64)
         self._by_time_bytes = np.array(
-            [(self.front[i].device, self.front[i].host, self.front[i].nvme) for i in by_time], dtype=np.float64
-        ).reshape(-1, 3)
+            [(self.front[i].device, self.front[i].host, self.front[i].nvme, self.front[i].backward) for i in by_time],
+            dtype=np.float64,
+        ).reshape(-1, 4)
         self.packings = packings(profile, chunk_sizes, grads_stream)
         self._memcpy_bw = profile.memcpy_bw or math.inf
         self._read_bw = profile.links.get("nvme->device") or math.inf
@@ -148,19 +152,23 @@ class Space:
         feasible: list[tuple[float, int, Row, int]] = []
         closest: tuple[float, StatesChoice, ActivationCandidate] | None = None
         for key, choice, states, states_time in self.choices(int(usable["host"])):
-            # The separable bound: gradients coexist with activations' peak or come after it.
-            room = usable["device"] - states.static_device - states.grad_in_flight
-            room = room if states.grad_total <= room else -1
+            # The separable bound (NOTE [ Cost model ] rule 1): no gradient exists at forward's
+            # end; in backward the streamed ones in flight coexist with the activations' stages.
+            room = usable["device"] - states.static_device
+            backward_room = room - states.grad_in_flight
+            room = room if states.grad_total <= backward_room else -1
             fits_reserve = states.reserve_device_bytes <= caps["device"]
-            row = Row(key, choice, states, states_time, room, fits_reserve)
+            row = Row(key, choice, states, states_time, room, fits_reserve, backward_room)
             rows.append(row)
-            index = self._fastest_fitting(room, usable, states) if fits_reserve else -1
+            index = self._fastest_fitting(room, usable, states, backward_room) if fits_reserve else -1
             if index >= 0:
                 feasible.append((states_time + front[index].time, len(feasible), row, index))
             else:
                 least = front[0]
+                backward = states.grad_in_flight + max(least.backward, states.grad_total)
+                device = states.static_device + max(least.device, backward)
                 over = overshoot(
-                    states.static_device + states.grad_in_flight + max(least.device, states.grad_total),
+                    device,
                     states.host_bytes + least.host,
                     states.nvme_bytes + least.nvme,
                     usable,
@@ -170,13 +178,16 @@ class Space:
                     closest = (over, choice, least)
         return Scan(caps, rows, feasible, closest)
 
-    def _fastest_fitting(self, room: float, usable: Mapping[str, float], states: StatesCost) -> int:
-        """The front index of the fastest entry within ``room`` whose host and NVMe bytes fit
-        beside ``states``'; -1 when none does."""
+    def _fastest_fitting(
+        self, room: float, usable: Mapping[str, float], states: StatesCost, backward_room: float
+    ) -> int:
+        """The front index of the fastest entry within ``room`` (its backward within
+        ``backward_room``) whose host and NVMe bytes fit beside ``states``'; -1 when none does."""
         if not len(self._by_time):
             return -1
         limits = np.array(
-            [int(room), usable["host"] - states.host_bytes, usable["nvme"] - states.nvme_bytes], dtype=np.float64
+            [int(room), usable["host"] - states.host_bytes, usable["nvme"] - states.nvme_bytes, int(backward_room)],
+            dtype=np.float64,
         )
         fitting = np.all(self._by_time_bytes <= limits, axis=1)
         first = int(np.argmax(fitting))

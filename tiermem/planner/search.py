@@ -14,9 +14,11 @@ runs them and explains the plan (and re-exports their public names).
    I/O hides and recompute for the rest; TBA's adaptive-keep rule gives one more candidate.
    Their costs do not depend on the states' choice except through the device room left, the
    host and NVMe bytes beside the states' and the shared NVMe link, so they are reduced once
-   to a Pareto front over device, host and NVMe bytes and time (by device bytes ascending),
-   and each states choice takes the fastest front entry that fits its device room and the
-   host and NVMe its states leave.
+   to a Pareto front over device bytes (the most at any moment, and the most in backward,
+   which the streamed gradients in flight join), host and NVMe bytes and time (by device
+   bytes ascending), and each states choice takes the fastest front entry that fits its
+   device room (backward's beside the gradients in flight) and the host and NVMe its states
+   leave.
 3. Candidates are then predicted again in full (the backward timeline of gradients and
    activations, the shared NVMe link: NOTE [ Cost model ] rules 1 and 6), fastest separable
    estimate first, until ``FINALISTS`` fit (or ``MAX_EXACT`` were tried); the fastest of those

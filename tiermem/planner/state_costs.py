@@ -22,7 +22,7 @@ class Packing:
         chunk_size: int,
         needs: Sequence[ChunkNeeds],
         min_buffers: int,
-        shared_chunks: int,
+        shared: Sequence[int],
         stages: Sequence[int] | None = None,
         grads_stream: bool = False,
     ) -> None:
@@ -34,7 +34,7 @@ class Packing:
         self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
         self.min_buffers = min_buffers
         #: chunks holding tied parameters (their gradients stay on the device all backward)
-        self.shared_chunks = shared_chunks
+        self.shared = tuple(sorted(set(shared)))
         acc = itertools.accumulate
         self._nbytes = [0, *acc(n.nbytes for n in needs)]
         self._device = [0, *acc(n.device_bytes for n in needs)]
@@ -56,6 +56,15 @@ class Packing:
     @property
     def chunks(self) -> int:
         return len(self.needs)
+
+    @property
+    def shared_chunks(self) -> int:
+        return len(self.shared)
+
+    def streamed_shared(self, persistent: int) -> int:
+        """Trainable chunks holding tied parameters among the streamed ones (rule 1: a persistent
+        one's gradient is among the persistent gradients already)."""
+        return sum(1 for c in self.shared if c >= persistent and self.needs[c].trainable)
 
     @staticmethod
     def _sum(prefix: list[int], start: int, stop: int) -> int:
@@ -141,7 +150,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     s = Packing._sum
     chunk = pk._max_nbytes_from[p]
     streamed_trainable = sum(1 for need in pk.needs[p:] if need.trainable)
-    in_flight = min(streamed_trainable, 1 + pk.shared_chunks) if streamed_trainable else 0
+    in_flight = min(streamed_trainable, 1 + pk.streamed_shared(p)) if streamed_trainable else 0
     grad_total = s(pk._grad, 0, p)
     persistent_bytes = s(pk._device, 0, p) - grad_total
     pool = b * chunk

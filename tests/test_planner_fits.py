@@ -1,0 +1,123 @@
+"""``plan="auto"`` never refuses a placement that fits (issue 20 item 5): the device-peak model
+counts no gradient at forward's end, a persistent tied chunk's gradient once, and earlier
+blocks' activation writes in flight as something forward waits for, not room it must have
+(NOTE [ Cost model ] rules 1 and 2)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+import tiermem
+import tiermem.planner.auto as auto
+from tests.test_planner import MiB, bits, synthetic
+from tiermem.models.data import MarkovChainData
+from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.planner.candidates import packings
+from tiermem.planner.costmodel import StatesChoice, activation_cost, device_peak, states_cost
+
+#: deep and narrow, like the 200M GPT of issue 20 scaled down: the blocks, not the tied
+#: embedding, make up the states, and a block's activations are about a chunk
+CONFIG = GPTConfig(n_layer=16, d_model=128, n_head=2, vocab_size=1024, seq_len=64)
+BATCH = 2
+
+
+def test_no_gradient_is_in_flight_at_forwards_end_and_a_persistent_tied_chunk_counts_once():
+    profile = dataclasses.replace(synthetic(8, saved=4 * MiB), shared=(0,))  # the embedding is tied
+    packing = packings(profile, [2 * MiB])[0]
+    assert packing.shared == (0,)
+    streamed = states_cost(profile, StatesChoice(packing, 0, 3, packing.chunks))
+    persistent = states_cost(profile, StatesChoice(packing, 1, 3, packing.chunks))
+    chunk = packing.needs[1].nbytes
+    # streamed, the tied chunk's gradient waits all backward beside the one being filled
+    assert streamed.grad_in_flight == 2 * chunk
+    # persistent, it is one of the persistent gradients, not also one in flight
+    assert persistent.grad_in_flight == chunk and persistent.grad_total == packing.needs[0].grad_bytes
+    keep = activation_cost(profile, ("keep",) * 8)
+    # all blocks kept: forward's end holds every block and no gradient; backward's first stage
+    # holds every block but the head's tensors, beside the gradients in flight
+    peak = device_peak(streamed, keep, prefetch=False)
+    backward = streamed.grad_in_flight + max(keep.head_demand, *keep.stage_demand)
+    assert peak == streamed.static_device + max(keep.forward_demand, backward)
+    assert peak < streamed.static_device + streamed.grad_in_flight + keep.forward_demand  # the old sum
+
+
+def test_earlier_blocks_writes_in_flight_are_waited_for_not_demanded():
+    profile = synthetic(8, saved=16 * MiB, forward_s=0.01, nvme=16 * MiB / 0.05)  # a write takes 5 blocks
+    slow = activation_cost(profile, ("nvme",) * 8)
+    assert slow.forward_peak >= profile.outside.saved_bytes + 4 * 16 * MiB  # the queue the timeline sees
+    assert slow.forward_demand == profile.outside.saved_bytes + 16 * MiB  # one block's own bytes must fit
+    assert slow.device_demand < slow.device_peak
+
+
+def plain(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for x, y in steps:
+        _, loss = model(x, y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_a_slow_link_probe_no_longer_refuses_the_first_step_plan_and_the_plan_holds(tmp_path, monkeypatch, caplog):
+    """The issue's case, small: first-step planning at device and host 10% of the state bytes.
+    With the links probed slow (as a loaded disk measures), the old model queued every block's
+    write on the device and refused every plan (device short by ~12 MiB of 5 MiB) while the
+    default placement ran at 81% of the device. Now it plans, the run stays within the device,
+    its peak within the prediction (and its fragmentation margin), bitwise plain PyTorch."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    torch.set_num_threads(1)
+    probe = auto.probe_links
+
+    def slow_links(registry, size):  # the real probe, then a disk five times slower
+        return {k: v / 5 if "nvme" in k else v for k, v in probe(registry, size).items()}
+
+    monkeypatch.setattr(auto, "probe_links", slow_links)
+    data = MarkovChainData(CONFIG.vocab_size, CONFIG.seq_len, seed=0)
+    steps = [data.batch(BATCH, torch.device("cpu")) for _ in range(3)]
+    want_losses, want_params = plain(steps)
+    torch.manual_seed(0)
+    model = GPT(CONFIG)
+    state = 16 * model.num_parameters()
+    config = {
+        "device": {"device": "cpu", "capacity": state // 10},
+        "host": {"capacity": state // 10},
+        "nvme": {"paths": [str(tmp_path)], "capacity": 4 * state},
+        "activations": {"min_bytes": "64KiB"},
+    }
+    caplog.set_level(logging.WARNING, "tiermem")
+    with tiermem.Runtime(config) as rt:
+        model, optimizer = rt.manage(
+            model,
+            torch.optim.AdamW,
+            plan={"block_policy": "nvme"},
+            lr=1e-3,
+            grad_accumulation_steps=1,
+            keep_gradients=False,  # as bench/states.py: the host holds only gradients on their way
+        )
+        losses = []
+        for i, (x, y) in enumerate(steps):
+            if i == 1:  # the first step profiles and re-packs: the plan's steps start now
+                rt.tiers["device"].reset_peak()
+            with rt.offload_activations(model, policy="nvme"):
+                _, loss = model(x, y)
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        plan = rt.plan
+        device = rt.tiers["device"].statistics()
+    assert not [r for r in caplog.records if "planning from the first step failed" in r.getMessage()]
+    assert plan.predicted.step_s is not None  # planned, not the default rule's fallback
+    assert device.peak_bytes <= device.capacity
+    assert device.peak_bytes <= plan.predicted.peak_bytes["device"] * (1 + plan.predicted.fragmentation_margin)
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(losses, want_losses, strict=True))
+    assert all(torch.equal(bits(a), bits(b)) for a, b in zip(model.parameters(), want_params, strict=True))
+    assert list(tmp_path.glob("tiermem-*")) == []
