@@ -26,6 +26,7 @@ import torch
 from tiermem import distributed
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
+from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
 from tiermem.config import Config
 from tiermem.errors import RuntimeClosedError
 from tiermem.interrupts import RuntimeInterruptGuard
@@ -176,24 +177,27 @@ class Runtime:
         model: torch.nn.Module,
         policy: PolicySpec = None,
         blocks: BlockSpec = None,
-    ) -> ActivationOffloader:
+    ) -> contextlib.AbstractContextManager[ActivationOffloader]:
         """Context manager around forward and backward: the saved activations of ``model``'s
         blocks are kept, recomputed, or offloaded to host or NVMe.
 
         ``policy``: ``auto | keep | recompute | host | nvme`` or a mapping from block (index
         or qualified name) to one of the last four; default ``[activations] policy``.
         ``blocks``: module types or qualified names; default the model's repeated layers.
+
+        On a model whose activations ``rt.manage`` applies, it holds the model for its body
+        (NOTE [ Managed activations ] rule 5).
         """
         settings = (self.resolved or self.config).activations
-        registry = self.registry  # raises a clear error outside `with rt`
+        self.registry  # noqa: B018  (raises a clear error outside `with rt`)
         if (settings.policy if policy is None else policy) == "auto":
             # A planned model's per-block policy is what "auto" means for it.
             for states in self._model_states:
                 planned = states.plan.block_policy
                 if states.model is model and planned is not None and len(planned) == len(find_blocks(model, blocks)):
                     policy = dict(enumerate(planned))
-        return ActivationOffloader(
-            registry,
+        offloader = ActivationOffloader(
+            self.registry,
             model,
             self._activation_counters,
             policy=policy,
@@ -201,6 +205,7 @@ class Runtime:
             blocks=blocks,
             min_bytes=settings.min_bytes,
         )
+        return held_if_managed(offloader, blocks is None, settings.policy)
 
     def init(self, min_bytes: int | None = None) -> contextlib.AbstractContextManager[Any]:
         """Build a model inside ``with rt.init():`` and its large parameters live on file-backed
@@ -228,9 +233,11 @@ class Runtime:
         clip_grad_norm: float | None = None,
         keep_gradients: bool = True,
         param_dtype: torch.dtype | None = None,
+        activations: Any = "auto",
         **optimizer_kwargs: Any,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers.
+        """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers,
+        and apply an activation policy to its forwards with grad from now on.
 
         ``optimizer``: a constructed ``torch.optim`` AdamW, Adam or SGD over the model's
         parameters (param groups and hyper-parameters kept), or one of those classes plus
@@ -240,38 +247,35 @@ class Runtime:
         now on; ``rt.plan`` is the plan in force.
 
         ``sample``: what the planner profiles (NOTE [ Profiling step ] in
-        ``tiermem.planner.profiler``): a tuple of the model's positional arguments for one
-        training batch, or a callable ``sample(model) -> loss``. The profiling step leaves the
-        RNG, buffers (BatchNorm statistics) and ``.grad`` as they were, and its profile is
-        cached in the user's cache directory. The plan then carries a per-block activation
-        policy that ``rt.offload_activations(model)`` applies under policy ``auto``, and its
-        predictions (``rt.plan.predicted``). Without a sample, ``"auto"`` profiles the first
-        real step instead: the default placement rule carries it, and the first
-        ``optimizer.step()`` plans from the arguments of the model's first forward with grad
-        and re-packs the chunks under that plan before stepping (NOTE [ Model-state rules ] rule 9
-        in ``tiermem.states.manager``); training is exactly the same either way.
-        ``plan={"block_policy": "nvme"}`` (or a list, one policy per block) plans everything
-        else around that activation policy.
+        ``tiermem.planner.profiler``): the model's positional arguments for one training batch
+        (a tuple), or a callable ``sample(model) -> loss``; RNG, buffers and ``.grad`` are left
+        as they were, and the profile is cached. The plan carries a per-block activation policy
+        and its predictions (``rt.plan.predicted``). Without a sample, the first step runs under
+        the default placement rule and the first ``optimizer.step()`` plans from that step's
+        forward and re-packs the chunks (NOTE [ Model-state rules ] rule 9), exactly alike.
+        ``plan={"block_policy": "nvme"}`` (or one policy per block) plans around that policy.
+
+        ``activations`` (NOTE [ Managed activations ] in ``tiermem.activations.managed``): ``"auto"``
+        (the plan's per-block policy, else ``[activations] policy``), a policy name or per-block
+        mapping planned around, or None (``rt.offload_activations`` only).
 
         ``grad_accumulation_steps`` / ``clip_grad_norm`` (max L2 norm) declare the loop: step
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
         edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
         of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
-        ``keep_gradients=False`` (declared loops) frees each offloaded chunk's gradients once
-        it has stepped during backward, as ``zero_grad()`` would next: their ``.grad`` is
-        None after backward, and the host holds no gradient bytes between steps.
-        ``param_dtype`` (``torch.bfloat16``/``torch.float16``): mixed precision, the model's
-        parameters (and floating buffers) become working copies in that dtype on the device,
-        the optimizer steps fp32 masters kept with its states (a master-weights loop, exactly);
-        leaving ``with rt`` restores the fp32 masters.
+        ``keep_gradients=False`` (declared loops): ``.grad`` of offloaded chunks is None after backward.
+        ``param_dtype`` (``torch.bfloat16``/``torch.float16``): working copies in that dtype on
+        the device, fp32 masters stepped with the optimizer states (exactly), restored at the end.
         """
         if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded
+            refuse_sharded(activations)
             declared = (grad_accumulation_steps, clip_grad_norm, keep_gradients, param_dtype)
             return self._manage_sharded(model, optimizer, plan, sample, optimizer_kwargs, declared)
-        # plan={"block_policy": ...} with a sample: the planner searches the model states around
-        # the activation policy the caller fixed (a name for every block, or one per block).
+        # plan={"block_policy": ...} or activations=<policy>: the planner plans around that policy.
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
         planned = plan is None or plan == "auto" or fixed is not None
+        managed_activations = ManagedRequest(model, activations, (self.resolved or self.config).activations, fixed)
+        fixed = fixed if fixed is not None or not planned else managed_activations.fixed
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)
         planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams)
@@ -295,6 +299,7 @@ class Runtime:
             first_step_planner=first_step_planner,
         )
         self._model_states.append(states)
+        managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
 
     def _manage_sharded(

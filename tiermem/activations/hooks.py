@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -55,6 +55,9 @@ class SavedTensorHooks:
         self.protected = ProtectedStorages()
         #: Storages under a write-back in flight (rule 9).
         self.watch = StorageWatch()
+        #: Called at every unpack of a captured tensor (in backward): how ``rt.manage``'s capture
+        #: learns a backward reached it (NOTE [ Managed activations ] rule 4).
+        self.on_unpack: Callable[[], None] | None = None
 
     def protect(self, model: nn.Module, blocks: Sequence[nn.Module]) -> list[Any]:
         """Rule 3: parameters and buffers (and views of them) stay where they are; the forward
@@ -117,6 +120,8 @@ class SavedTensorHooks:
     def unpack(self, saved: Any) -> torch.Tensor:
         if isinstance(saved, torch.Tensor):
             return saved
+        if self.on_unpack is not None:
+            self.on_unpack()
         if saved.modified is not None:
             raise saved.modified  # rule 5, TRAPS 1
         original = saved.tensor_ref()

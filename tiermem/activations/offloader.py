@@ -116,6 +116,8 @@ class ActivationOffloader:
         self.model = model
         self.counters = counters
         self.blocks = find_blocks(model, blocks)
+        #: the policy asked for (None: ``default_policy``), as given
+        self.requested = policy
         self.names = [name for name, _ in self.blocks]
         self.policies, self.adaptive = resolve_policies(policy, self.names, default_policy)
         self.flexible = flexible_blocks(policy if policy is not None else default_policy, self.policies, self.adaptive)
@@ -152,6 +154,26 @@ class ActivationOffloader:
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
+        self.install()
+        self.prefetcher.context_entered()
+        try:
+            self.push_saved_hooks()
+        except BaseException:
+            self._undo_module_changes()  # __exit__ never runs for a context whose __enter__ raised
+            raise
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        try:
+            self.pop_saved_hooks()
+        finally:
+            self._undo_module_changes()
+            self.finish()
+
+    # -- the context's parts (rt.manage applies them per forward: NOTE [ Managed activations ]) --
+    def install(self) -> None:
+        """Rules 1 and 3: the block hooks, the protecting pre-hooks and the recompute wrappers;
+        on failure the model is left as it was."""
         try:
             self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))  # rule 3
             for index, (_name, block) in enumerate(self.blocks):
@@ -161,26 +183,47 @@ class ActivationOffloader:
                 if always or self.flexible[index]:
                     self._wrapped.append((block, block.__dict__.get("forward")))
                     self._wrap_recompute(block, index, always)
-            self.prefetcher.context_entered()
-            saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
-            saved_hooks.__enter__()
         except BaseException:
-            # __exit__ never runs for a context whose __enter__ raised: leave the model as it was.
             self._undo_module_changes()
             raise
-        self._saved_hooks = saved_hooks  # only once pushed: __exit__ pops exactly what was pushed
-        return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        try:
-            if self._saved_hooks is not None:
-                self._saved_hooks.__exit__(*exc_info)
-        finally:
-            self._saved_hooks = None
-            self._undo_module_changes()
-            self.forwards.current = None
-            self.prefetcher.settle()
-            self.fallbacks.drain()  # failures reported by now are warned about at the end of the step
+    def uninstall(self) -> None:
+        """Undo :meth:`install`: a block that runs afterwards is not tracked (a recomputation in
+        backward calls the block's forward it captured, never these hooks)."""
+        self._undo_module_changes()
+        self.forwards.current = None
+
+    def push_saved_hooks(self) -> None:
+        """Rule 1: push this offloader's saved-tensor hooks on this thread's stack."""
+        saved_hooks = torch.autograd.graph.saved_tensors_hooks(self.hooks.pack, self.hooks.unpack)
+        saved_hooks.__enter__()
+        self._saved_hooks = saved_hooks  # only once pushed: the pop pops exactly what was pushed
+
+    def pop_saved_hooks(self) -> None:
+        """Pop what :meth:`push_saved_hooks` pushed (nothing when nothing was pushed)."""
+        saved_hooks, self._saved_hooks = self._saved_hooks, None
+        if saved_hooks is not None:
+            saved_hooks.__exit__(None, None, None)
+
+    def abandon_saved_hooks(self) -> None:
+        """Forget a push without popping (the stack's top is someone else's)."""
+        self._saved_hooks = None
+
+    @property
+    def pushed(self) -> bool:
+        return self._saved_hooks is not None
+
+    def on_top(self) -> bool:
+        """Whether this offloader's hooks are the innermost saved-tensor hooks of this thread."""
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        return top is not None and top[0] == self.hooks.pack
+
+    def finish(self) -> None:
+        """The end of a step (rules 5 and 7): the prefetch window learns from the backward, and
+        write-back failures reported by now are acted on (and warned about)."""
+        self.forwards.current = None
+        self.prefetcher.settle()
+        self.fallbacks.drain()
 
     def _undo_module_changes(self) -> None:
         """Remove the module hooks and undo ``_wrap_recompute``, restoring what was there."""

@@ -107,7 +107,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -127,6 +127,9 @@ from tiermem.states.relayout import FirstStepPlanner, Relayout
 from tiermem.states.stateio import StateIO
 from tiermem.states.stepping import Declarations, Stepper
 from tiermem.states.store import ChunkStore
+
+if TYPE_CHECKING:
+    from tiermem.activations.managed import ManagedActivations
 
 __all__ = ["FirstStepPlanner", "ModelStates"]
 
@@ -203,6 +206,8 @@ class ModelStates:
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int]] = []
         self._hooks: list[RemovableHandle] = []
+        #: the activation policy rt.manage applies (NOTE [ Managed activations ]); None: not applied
+        self.activations: ManagedActivations | None = None
 
         snapshot = Snapshot(
             data=[p.detach() for p in facts.params],
@@ -293,10 +298,14 @@ class ModelStates:
 
     def step(self, optimizer: ManagedOptimizer) -> None:
         self._outside_backward("step")
+        if self.activations is not None:
+            self.activations.close_step()  # NOTE [ Managed activations ] rules 4, 6
         self.stepper.step(optimizer)
 
     def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
         self._outside_backward("zero_grad")
+        if self.activations is not None:
+            self.activations.close_step()
         self.gradients.zero_grad(optimizer, set_to_none)
 
     def export_optimizer_state(self, optimizer: ManagedOptimizer) -> dict[torch.Tensor, dict[str, Any]]:
@@ -328,6 +337,12 @@ class ModelStates:
     def restore_loop_position(self, position: Mapping[str, Any]) -> None:
         self.stepper.restore_loop_position(position)
 
+    def apply_activations(self, activations: ManagedActivations) -> None:
+        """Apply ``activations`` from the next forward on, as long as the model is managed; its hooks
+        are off with the manager's (a first-step plan's profiling step runs uncaptured)."""
+        self.activations = activations
+        activations.install()
+
     # -- forward hooks (rules 1, 2, 3) ---------------------------------------------------------
     def _register_hooks(self) -> None:
         model, stateio = self.facts.model, self.stateio
@@ -345,8 +360,12 @@ class ModelStates:
                 self._hooks.append(
                     p.register_post_accumulate_grad_hook(functools.partial(self.backward.accumulated, i))
                 )
+        if self.activations is not None:  # after the manager's root hooks: they fetch first
+            self.activations.install()
 
     def _remove_hooks(self) -> None:
+        if self.activations is not None:
+            self.activations.remove()
         for handle in self._hooks:
             handle.remove()
         self._hooks.clear()
