@@ -1,13 +1,18 @@
 """``plan="auto"`` never refuses a placement that fits (issue 20 item 5): the device-peak model
 counts no gradient at forward's end, a persistent tied chunk's gradient once, and earlier
 blocks' activation writes in flight as something forward waits for, not room it must have
-(NOTE [ Cost model ] rules 1 and 2)."""
+(NOTE [ Cost model ] rules 1 and 2). Before any plan, the default placement adapts to the device
+budget before it refuses (NOTE [ Default placement rule ] rule 4): a Hugging Face GPT-2 whose tied
+embedding sets the chunk size drops the prefetch buffer instead of refusing, trains bitwise plain
+PyTorch, and a refusal names the smallest capacities that work, which do."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 
+import pytest
 import torch
 
 import tiermem
@@ -17,6 +22,7 @@ from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner.candidates import packings
 from tiermem.planner.costmodel import StatesChoice, activation_cost, device_peak, states_cost
+from tiermem.states import StatesMemoryError
 
 #: deep and narrow, like the 200M GPT of issue 20 scaled down: the blocks, not the tied
 #: embedding, make up the states, and a block's activations are about a chunk
@@ -120,4 +126,101 @@ def test_a_slow_link_probe_no_longer_refuses_the_first_step_plan_and_the_plan_ho
     assert device.peak_bytes <= plan.predicted.peak_bytes["device"] * (1 + plan.predicted.fragmentation_margin)
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(losses, want_losses, strict=True))
     assert all(torch.equal(bits(a), bits(b)) for a, b in zip(model.parameters(), want_params, strict=True))
+    assert list(tmp_path.glob("tiermem-*")) == []
+
+
+# -- the default placement, before any plan ------------------------------------------------------
+
+
+def gpt2() -> torch.nn.Module:
+    transformers = pytest.importorskip("transformers")
+    """The issue's 4 x 512, vocab 8192 GPT-2 scaled by 8 in width (the embedding a third larger
+    than a block, as there): 4 x 64, vocab 1024."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4,
+        n_embd=64,
+        n_head=2,
+        vocab_size=1024,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
+    return transformers.GPT2LMHeadModel(config)
+
+
+def batches() -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 1024, (2, 16), generator=generator) for _ in range(3)]
+
+
+def train(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    losses = []
+    for ids in batches():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def size_of(text: str) -> int:
+    number, unit = re.fullmatch(r"([\d.]+)(B|KiB|MiB|GiB)", text).groups()  # type: ignore[union-attr]
+    return int(float(number) * {"B": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}[unit])
+
+
+def bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(bits(x), bits(y)) for x, y in zip(a, b, strict=True))
+
+
+def settings(tmp_path, device: int, host: int | str = "64MiB", nvme: int | str = "64MiB") -> dict:
+    return {
+        "device": {"device": "cpu", "capacity": device},
+        "host": {"capacity": host},
+        "nvme": {"paths": [str(tmp_path)], "capacity": nvme},
+    }
+
+
+def test_hf_gpt2_default_placement_drops_the_prefetch_buffer_before_refusing(tmp_path):
+    plain = gpt2()
+    want_losses = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    want_params = [p.detach().clone() for p in plain.parameters()]
+    model = gpt2()
+    state = 16 * sum(p.numel() for p in model.parameters())
+    embedding = model.transformer.wte.weight.nbytes
+    with tiermem.Runtime(settings(tmp_path, state // 4)) as rt:
+        # three buffers of the embedding's chunk (a module's, the tied one's, a prefetch) do not
+        # fit a quarter of the state bytes; two do
+        assert 2 * 3 * embedding > state // 4 >= 2 * 2 * embedding
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3)
+        assert rt.plan.buffers == 2 and rt.plan.persistent_chunks == 0
+        losses = train(model, optimizer)
+    assert bitwise(losses, want_losses) and bitwise(list(model.parameters()), want_params)
+    assert list(tmp_path.glob("tiermem-*")) == []
+
+
+def test_a_refusal_names_the_smallest_capacities_and_they_fit(tmp_path):
+    model = gpt2()
+    with tiermem.Runtime(settings(tmp_path, 64 << 10, "64KiB")) as rt, pytest.raises(StatesMemoryError) as refused:
+        rt.manage(model, torch.optim.AdamW, lr=1e-3)
+    message = str(refused.value)
+    found = re.search(r"\[device\] (\S+), \[host\] (\S+) and \[nvme\] (\S+) free", message)
+    assert found, message
+    device, host, nvme = (size_of(text) for text in found.groups())
+    assert device > 64 << 10 and host > 64 << 10
+    plain = gpt2()
+    want_losses = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    model = gpt2()
+    with tiermem.Runtime(settings(tmp_path, device, host, nvme)) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3)
+        assert rt.plan.persistent_chunks == 0
+        assert bitwise(train(model, optimizer), want_losses)
+    # a little less device and it is refused again
+    smaller = settings(tmp_path, device - (64 << 10), host, nvme)
+    with tiermem.Runtime(smaller) as rt, pytest.raises(StatesMemoryError, match="smallest capacities"):
+        rt.manage(gpt2(), torch.optim.AdamW, lr=1e-3)
     assert list(tmp_path.glob("tiermem-*")) == []

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from tiermem.errors import PlanError, StatesMemoryError
+from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import ParamInfo, pack, size_candidates, waste
-from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest, choose_layout, chunk_sizes
+from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest
 
 ROOMY = Budgets(device=1 << 40, host=1 << 40, nvme=1 << 40)
 

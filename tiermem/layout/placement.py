@@ -27,18 +27,22 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    at once: the one stepping and the one on its way.
 4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
    parameters shared by several modules (tied weights stay pinned through backward), plus
-   one slot to prefetch into; never more than the non-persistent chunks.
+   one slot to prefetch into; never more than the non-persistent chunks. When that reserve
+   leaves the device short and buffers were not asked for, the prefetch slot goes before a
+   refusal (a chunk is then fetched on demand as its module starts). A refusal of the rule
+   alone names the smallest free bytes per tier with which it fits (``choose.py``).
 5. A hand-written field overrides the rule; the whole plan is then checked against the free
    capacities and rejected with the numbers when it cannot fit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.units import ALIGNMENT, format_size, parse_size, round_up
@@ -258,6 +262,14 @@ def decide(
     persistent = request.persistent_chunks
     if persistent is not None and persistent > total:
         raise PlanError(f"tiermem plan: persistent_chunks={persistent} but the model packs into {total} chunks")
+    if request.buffers is None and _device_short(needs, chunk_size, min_buffers, budgets, None, persistent):
+        # Rule 4: the prefetch slot goes before a refusal; then the persistent prefix is the
+        # longest one beside that smaller reserve.
+        fewer = default_buffers(min_buffers, total) - 1
+        if fewer >= max(min_buffers, 1) and not _device_short(
+            needs, chunk_size, min_buffers, budgets, fewer, persistent
+        ):
+            request = dataclasses.replace(request, buffers=fewer)
     if persistent is None:
         persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, request.buffers)
     streamed = total - persistent
@@ -278,6 +290,24 @@ def decide(
         block_policy=request.block_policy,
         predicted=request.predicted,
     )
+
+
+def _device_short(
+    needs: Sequence[ChunkNeeds],
+    chunk_size: int,
+    min_buffers: int,
+    budgets: Budgets,
+    buffers: int | None,
+    persistent: int | None,
+) -> bool:
+    """Rule 4: whether ``persistent`` chunks (None: the default prefix) and ``buffers`` (None:
+    the default) leave the device short."""
+    if persistent is None:
+        persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, buffers)
+    streamed = len(needs) - persistent
+    slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
+    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(min(slots, streamed), chunk_size)
+    return device > budgets.device
 
 
 def _default_persistent(
@@ -394,58 +424,3 @@ def _check_fits(
 
 def normalize_chunk_size(size: int) -> int:
     return round_up(size, ALIGNMENT)
-
-
-def chunk_sizes(request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]]) -> list[int]:
-    """The chunk sizes to try: the requested one (at least ``largest``, the largest parameter's
-    bytes; rounded up to ``ALIGNMENT``), else ``candidates()`` (NOTE [ Chunk layout rules ] rule 5)."""
-    if request.chunk_size is None:
-        return list(candidates())
-    if request.chunk_size < largest:
-        raise PlanError(
-            f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
-        )
-    return [normalize_chunk_size(request.chunk_size)]
-
-
-Layouts = TypeVar("Layouts")
-
-
-def choose_layout(
-    sizes: Sequence[int],
-    pack: Callable[[int], Layouts],
-    needs: Callable[[Layouts], tuple[Sequence[ChunkNeeds], int]],
-    waste: Callable[[Layouts, int], int],
-    *,
-    budgets: Budgets,
-    request: PlanRequest,
-    grads_stream: bool = False,
-) -> tuple[Layouts, Plan]:
-    """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
-    :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
-    buffers); of the sizes whose plan fits, the one that ``waste`` s least, the larger on a
-    tie (fewer, larger transfers). Raises the first size's error when none fits."""
-    best: tuple[int, int, Layouts, Plan] | None = None
-    first_error: Exception | None = None
-    for size in sizes:
-        layouts = pack(size)
-        chunk_needs, min_buffers = needs(layouts)
-        try:
-            plan = decide(
-                chunk_needs,
-                chunk_size=size,
-                min_buffers=min_buffers,
-                budgets=budgets,
-                request=request,
-                grads_stream=grads_stream,
-            )
-        except (StatesMemoryError, PlanError) as exc:
-            first_error = first_error or exc
-            continue
-        lost = waste(layouts, size)
-        if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
-            best = (lost, size, layouts, plan)
-    if best is None:
-        assert first_error is not None
-        raise first_error
-    return best[2], best[3]

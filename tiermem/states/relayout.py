@@ -25,8 +25,9 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from tiermem.errors import TierCapacityError
+from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import ChunkLayout, pack, size_candidates, waste
-from tiermem.layout.placement import Budgets, Plan, PlanRequest, choose_layout, chunk_sizes
+from tiermem.layout.placement import Budgets, Plan, PlanRequest
 from tiermem.registry import Registry
 from tiermem.states import core
 from tiermem.states.core import ModelFacts, Snapshot

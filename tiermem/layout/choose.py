@@ -1,0 +1,130 @@
+"""The chunk size a model packs with under the default rule (NOTE [ Chunk layout rules ] rule 5),
+and the least free bytes with which that rule fits (named when nothing does). Pure: no I/O, no
+torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+from tiermem.errors import PlanError, StatesMemoryError
+from tiermem.layout.placement import (
+    STAGED_HOMES,
+    Budgets,
+    ChunkNeeds,
+    Plan,
+    PlanRequest,
+    decide,
+    normalize_chunk_size,
+    nvme_grad_bytes,
+    reserve_bytes,
+)
+
+Layouts = TypeVar("Layouts")
+
+
+def size_up(nbytes: int) -> str:
+    """A size shown never below ``nbytes`` (rounded up in its last digit): a capacity to raise
+    to. (``tiermem.planner.errors.format_size_up``, which the leaf vocabulary cannot import.)"""
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if nbytes < 1024 ** (power + 1) or unit == "TiB":
+            break
+    hundredths = -(-nbytes * 100 // 1024**power)
+    text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
+    return f"{text}{unit}"
+
+
+def chunk_sizes(request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]]) -> list[int]:
+    """The chunk sizes to try: the requested one (at least ``largest``, the largest parameter's
+    bytes; rounded up to ``ALIGNMENT``), else ``candidates()`` (NOTE [ Chunk layout rules ] rule 5)."""
+    if request.chunk_size is None:
+        return list(candidates())
+    if request.chunk_size < largest:
+        raise PlanError(
+            f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
+        )
+    return [normalize_chunk_size(request.chunk_size)]
+
+
+def choose_layout(
+    sizes: Sequence[int],
+    pack: Callable[[int], Layouts],
+    needs: Callable[[Layouts], tuple[Sequence[ChunkNeeds], int]],
+    waste: Callable[[Layouts, int], int],
+    *,
+    budgets: Budgets,
+    request: PlanRequest,
+    grads_stream: bool = False,
+) -> tuple[Layouts, Plan]:
+    """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
+    :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
+    buffers); of the sizes whose plan fits, the one that ``waste`` s least, the larger on a
+    tie (fewer, larger transfers). Raises the first size's error when none fits."""
+    best: tuple[int, int, Layouts, Plan] | None = None
+    first_error: Exception | None = None
+    smallest: Budgets | None = None
+    for size in sizes:
+        layouts = pack(size)
+        chunk_needs, min_buffers = needs(layouts)
+        if request == PlanRequest(order=request.order, predicted=request.predicted):  # the rule alone
+            least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream)
+            if least is not None and (
+                smallest is None or (least.device, least.host) < (smallest.device, smallest.host)
+            ):
+                smallest = least
+        try:
+            plan = decide(
+                chunk_needs,
+                chunk_size=size,
+                min_buffers=min_buffers,
+                budgets=budgets,
+                request=request,
+                grads_stream=grads_stream,
+            )
+        except (StatesMemoryError, PlanError) as exc:
+            first_error = first_error or exc
+            continue
+        lost = waste(layouts, size)
+        if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
+            best = (lost, size, layouts, plan)
+    if best is None:
+        assert first_error is not None
+        if smallest is not None and isinstance(first_error, StatesMemoryError):
+            raise StatesMemoryError(
+                f"{first_error} The smallest capacities with which the default placement fits: "
+                f"[device] {size_up(smallest.device)}, [host] {size_up(smallest.host)} and [nvme] "
+                f"{size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
+                "where it has room)."
+            ) from first_error
+        raise first_error
+    return best[2], best[3]
+
+
+def smallest_budgets(
+    needs: Sequence[ChunkNeeds], chunk_size: int, min_buffers: int, budgets: Budgets, grads_stream: bool
+) -> Budgets | None:
+    """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
+    streamed through the fewest buffers; homes on NVMe when ``budgets.nvme`` holds them all,
+    else on the host), checked by deciding again; None when that does not fit either."""
+    if not needs:
+        return None
+    total = len(needs)
+    device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size)
+    homes = sum(n.home_bytes for n in needs)
+    if homes <= budgets.nvme:
+        host = nvme_grad_bytes(needs, grads_stream) + STAGED_HOMES * max(n.home_bytes for n in needs)
+        least = Budgets(device=device, host=host, nvme=homes)
+    else:
+        least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)
+    try:
+        decide(
+            needs,
+            chunk_size=chunk_size,
+            min_buffers=min_buffers,
+            budgets=least,
+            request=PlanRequest(),
+            grads_stream=grads_stream,
+        )
+    except (StatesMemoryError, PlanError):
+        return None
+    return least
