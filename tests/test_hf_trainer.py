@@ -1,0 +1,177 @@
+"""Hugging Face Trainer and Accelerate over a managed model (issue 22 item 2): a model and
+optimizer from ``rt.manage`` train in Trainer's own loop (gradient accumulation, ``max_grad_norm``
+clipping, its linear LR schedule) and through ``accelerator.prepare`` bitwise like plain
+PyTorch with the same seed, with the activation policy in force (saved activations written to
+NVMe), evaluation and ``generate`` working; Trainer's checkpoints go through ``rt.save`` or are
+refused clearly. Models are built from configs (no downloads)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiermem
+from tests.test_activations_hf import MODELS
+from tiermem.states import StatesUsageError
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer needs it
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    def __init__(self, count: int, seed: int) -> None:
+        self.ids = torch.randint(0, 128, (count, 12), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def runtime(tmp_path: Path) -> tiermem.Runtime:
+    (tmp_path / "nvme").mkdir(parents=True, exist_ok=True)
+    return tiermem.Runtime(
+        {
+            "device": {"capacity": "3MiB", "device": "cpu"},  # below the model's states: chunks stream
+            "nvme": {"paths": [str(tmp_path / "nvme")], "capacity": "64MiB", "block_size": "64KiB"},
+            "scheduler": {"loop": "asyncio"},
+            "activations": {"min_bytes": "1KiB"},  # the tiny model's saved tensors are a few KiB
+        }
+    )
+
+
+def arguments(out: Path, **overrides: Any) -> Any:
+    values = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 2,
+        "per_device_eval_batch_size": 2,
+        "gradient_accumulation_steps": 2,
+        "max_grad_norm": 0.5,
+        "learning_rate": 1e-2,
+        "lr_scheduler_type": "linear",
+        "max_steps": 3,
+        "seed": 0,
+        "report_to": [],
+        "save_strategy": "no",
+        "logging_steps": 1,
+        "use_cpu": True,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+    }
+    return transformers.TrainingArguments(**(values | overrides))
+
+
+def generate(model: torch.nn.Module) -> torch.Tensor:
+    model.eval()
+    prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        return model.generate(input_ids=prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)
+
+
+def trainer_run(tmp_path: Path, managed: bool) -> tuple[list[Any], dict[str, float], torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data, held_out = Tokens(16, 0), Tokens(4, 1)
+
+    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[list[Any], dict[str, float]]:
+        trainer = transformers.Trainer(
+            model=model, args=arguments(tmp_path / "out"), train_dataset=data, eval_dataset=held_out,
+            optimizers=(optimizer, None),
+        )  # fmt: skip
+        trainer.train()
+        losses = [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+        return losses, {"eval_loss": trainer.evaluate()["eval_loss"]}
+
+    if not managed:
+        losses, evaluation = run(model, optimizer)
+        return losses, evaluation, generate(model), [p.detach().clone() for p in model.parameters()]
+    with runtime(tmp_path) as rt:
+        model, optimizer = rt.manage(model, optimizer, plan={"persistent_chunks": 0}, activations="nvme")
+        losses, evaluation = run(model, optimizer)
+        assert rt.stats().activations.bytes_written["nvme"] > 0  # the policy was in force in Trainer's loop
+        tokens = generate(model)
+    return losses, evaluation, tokens, [p.detach().clone() for p in model.parameters()]
+
+
+def test_trainer_over_a_managed_model_is_bitwise_plain_trainer(tmp_path):
+    want = trainer_run(tmp_path / "plain", managed=False)
+    got = trainer_run(tmp_path / "managed", managed=True)
+    assert len(got[0]) == 3 and got[0] == want[0]  # losses, clipped norms, the linear schedule's LRs
+    assert got[1] == want[1]  # evaluation
+    assert torch.equal(got[2], want[2])  # generate
+    assert all(torch.equal(a, b) for a, b in zip(got[3], want[3], strict=True))
+    assert list((tmp_path / "managed" / "nvme").iterdir()) == []  # no file left
+
+
+def test_trainer_checkpoints_go_through_rt_save_or_are_refused(tmp_path):
+    from tiermem.integrations.hf import RuntimeCheckpoints, check_trainer
+
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    with runtime(tmp_path) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-2), activations="nvme")
+        args = arguments(tmp_path / "out", save_strategy="steps", save_steps=2)
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None),
+            callbacks=[RuntimeCheckpoints(rt)],
+        )  # fmt: skip
+        check_trainer(trainer).train()
+        saved = tmp_path / "out" / "checkpoint-2"
+        assert (saved / "tiermem-manifest.json").exists()  # rt.save's, not Trainer's own files
+        assert not any(p.name.endswith((".safetensors", ".pt", ".bin")) for p in saved.iterdir())
+        refusing = check_trainer(
+            transformers.Trainer(model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None))
+        )
+        with pytest.raises(StatesUsageError, match=r"RuntimeCheckpoints\(rt\)"):
+            refusing.train()
+
+
+def test_accelerate_prepare_of_a_managed_model_is_bitwise_plain(tmp_path):
+    from accelerate import Accelerator
+
+    def run(managed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = MODELS["gpt2"]()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.utils.data.DataLoader(Tokens(8, 0), batch_size=2)
+        losses: list[torch.Tensor] = []
+
+        def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+            model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        losses.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).detach())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                losses.append(loss.detach())
+
+        if not managed:
+            loop(model, optimizer)
+        else:
+            with runtime(tmp_path) as rt:
+                loop(*rt.manage(model, optimizer, plan={"persistent_chunks": 0}, activations="nvme"))
+                assert rt.stats().activations.bytes_written["nvme"] > 0
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    want_losses, want_params = run(managed=False)
+    got_losses, got_params = run(managed=True)
+    assert len(got_losses) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))

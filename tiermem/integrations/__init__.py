@@ -1,0 +1,1 @@
+"""Glue for training loops tiermem does not own (Hugging Face Trainer and Accelerate)."""
