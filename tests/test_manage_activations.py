@@ -149,8 +149,9 @@ def test_an_exception_in_forward_leaves_no_hooks_and_training_goes_on(tmp_path):
         assert (len(block._forward_pre_hooks), len(block._forward_hooks)) == hooks_before
         handle.remove()
         optimizer.zero_grad()
-        train(model, optimizer, range(1))
-        assert written(rt).get("nvme", 0) > 0 and top_hooks() is None
+        train(model, optimizer, range(2))
+        activations = rt.stats().activations  # writes started: landed, or forwarded when backward came first
+        assert (written(rt).get("nvme", 0) > 0 or activations.forwarded > 0) and top_hooks() is None
 
 
 def test_an_interrupted_forward_is_closed_at_the_next_step(tmp_path):
