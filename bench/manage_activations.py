@@ -9,7 +9,7 @@ not touch the next; the first measured step is a warm-up and left out of the ste
 
 Usage::
 
-    .venv/bin/python bench/manage_activations.py                    # 150, 300, 600 MiB, 5 steps
+    .venv/bin/python bench/manage_activations.py                    # 450, 600, 900 MiB, 5 steps
     .venv/bin/python bench/manage_activations.py --capacities 300 --steps 3
 """
 
@@ -72,7 +72,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--capacities", type=int, nargs="+", default=[150, 300, 600], help="device MiB")
+    parser.add_argument("--capacities", type=int, nargs="+", default=[450, 600, 900], help="device MiB")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--seq", type=int, default=256)
