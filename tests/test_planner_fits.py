@@ -9,7 +9,6 @@ PyTorch, and a refusal names the smallest capacities that work, which do."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 import re
 
 import pytest
@@ -72,12 +71,14 @@ def plain(steps: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[list[torch.Te
     return losses, [p.detach().clone() for p in model.parameters()]
 
 
-def test_a_slow_link_probe_no_longer_refuses_the_first_step_plan_and_the_plan_holds(tmp_path, monkeypatch, caplog):
-    """The issue's case, small: first-step planning at device and host 10% of the state bytes.
-    With the links probed slow (as a loaded disk measures), the old model queued every block's
-    write on the device and refused every plan (device short by ~12 MiB of 5 MiB) while the
-    default placement ran at 81% of the device. Now it plans, the run stays within the device,
-    its peak within the prediction (and its fragmentation margin), bitwise plain PyTorch."""
+def test_a_slow_link_probe_no_longer_refuses_the_plan_and_the_plan_holds(tmp_path, monkeypatch):
+    """The issue's case, small: planning at device and host 10% of the state bytes. With the
+    links probed slow (as a loaded disk measures), the old model queued every block's write on
+    the device and refused every plan (device short by ~12 MiB of 5 MiB) while the default
+    placement ran at 81% of the device. Now it plans, the run stays within the device, its peak
+    within the prediction (and its fragmentation margin), bitwise plain PyTorch. Planned from a
+    ``sample=``: at these capacities the first step does not profile (NOTE [ Model-state rules ]
+    rule 9: its plain copy of the states would break them); the search is the same."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     torch.set_num_threads(1)
     probe = auto.probe_links
@@ -98,19 +99,19 @@ def test_a_slow_link_probe_no_longer_refuses_the_first_step_plan_and_the_plan_ho
         "nvme": {"paths": [str(tmp_path)], "capacity": 4 * state},
         "activations": {"min_bytes": "64KiB"},
     }
-    caplog.set_level(logging.WARNING, "tiermem")
     with tiermem.Runtime(config) as rt:
         model, optimizer = rt.manage(
             model,
             torch.optim.AdamW,
             plan={"block_policy": "nvme"},
+            sample=steps[0],
             lr=1e-3,
             grad_accumulation_steps=1,
             keep_gradients=False,  # as bench/states.py: the host holds only gradients on their way
         )
         losses = []
         for i, (x, y) in enumerate(steps):
-            if i == 1:  # the first step profiles and re-packs: the plan's steps start now
+            if i == 0:  # the planner's link probes are not the plan's steps
                 rt.tiers["device"].reset_peak()
             with rt.offload_activations(model, policy="nvme"):
                 _, loss = model(x, y)
@@ -120,7 +121,6 @@ def test_a_slow_link_probe_no_longer_refuses_the_first_step_plan_and_the_plan_ho
             losses.append(loss.detach())
         plan = rt.plan
         device = rt.tiers["device"].statistics()
-    assert not [r for r in caplog.records if "planning from the first step failed" in r.getMessage()]
     assert plan.predicted.step_s is not None  # planned, not the default rule's fallback
     assert device.peak_bytes <= device.capacity
     assert device.peak_bytes <= plan.predicted.peak_bytes["device"] * (1 + plan.predicted.fragmentation_margin)
