@@ -19,7 +19,7 @@ import functools
 import logging
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -46,6 +46,9 @@ from tiermem.tiers.fsinfo import filesystem_of
 from tiermem.tiers.host import HostTier
 from tiermem.tiers.rundir import RunDirectory
 
+if TYPE_CHECKING:
+    from tiermem.checkpoint.background import PendingSave
+
 log = logging.getLogger("tiermem")
 
 ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str] | None
@@ -64,6 +67,7 @@ class Runtime:
         self._activation_counters = ActivationCounters()
         self._model_states: list[ModelStates] = []
         self._interrupt_guard: RuntimeInterruptGuard | None = None
+        self._pending_save: PendingSave | None = None  # rt.save(blocking=False) in progress
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -125,6 +129,7 @@ class Runtime:
             # A forked child shares the parent's files and locks; it must not clean up.
             self._scheduler = None
             return
+        save_error = self._finish_save(raising=False)  # NOTE [ Asynchronous saves ] rule 6
         try:
             states, self._model_states = self._model_states, []
             for managed in states:
@@ -141,11 +146,15 @@ class Runtime:
                 guard, self._interrupt_guard = self._interrupt_guard, None
                 if guard is not None:
                     guard.uninstall()  # a Ctrl-C held until now is raised here, the files gone
+        if save_error is not None:
+            raise save_error
 
     def __enter__(self) -> Runtime:
         return self.start()
 
     def __exit__(self, *exc_info: object) -> None:
+        if exc_info[0] is not None and (error := self._finish_save(raising=False)) is not None:
+            log.error("tiermem checkpoint: the pending save failed (the block's error goes on): %s", error)
         self.close()
 
     @property
@@ -385,17 +394,33 @@ class Runtime:
         return planner(model, Batch(args, kwargs) if kwargs else args)
 
     # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
-    def save(self, path: str | os.PathLike[str], *, extra: Any = None, format: str | None = None) -> None:
+    def save(
+        self, path: str | os.PathLike[str], *, extra: Any = None, format: str | None = None, blocking: bool = True
+    ) -> PendingSave | None:
         """Save every model and optimizer this runtime manages, the RNG states, the declared
         loop's position and ``extra`` (picklable: an LR scheduler's state_dict, the data position)
         as a DCP checkpoint at ``path``, streamed from the tier that holds each chunk; written
         beside ``path`` and committed atomically, so a crash keeps the previous one. ``format``:
         ``"dcp"`` (DCP's filesystem format) or ``"zarr"`` (a zarr v3 array per tensor, through
-        tensorstore); None is ``tiermem.checkpoint.DEFAULT_FORMAT``. ``rt.load`` reads either."""
-        from tiermem import checkpoint  # DCP only when asked
+        tensorstore); None is ``tiermem.checkpoint.DEFAULT_FORMAT``. ``rt.load`` reads either.
 
-        self.registry  # noqa: B018  (raises a clear error outside `with rt`)
-        checkpoint.save(self._model_states, path, extra=extra, format=format)
+        ``blocking=False`` returns a ``PendingSave`` (``wait()``, ``done()``) at once; training goes on
+        while the states of this call are written (NOTE [ Asynchronous saves ])."""
+        from tiermem import checkpoint  # DCP only when asked
+        from tiermem.checkpoint import background
+
+        registry = self.registry  # raises a clear error outside `with rt`
+        self._finish_save()
+        if blocking:
+            checkpoint.save(self._model_states, path, extra=extra, format=format)
+            return None
+        self._pending_save = background.start(self._model_states, registry, path, extra=extra, format=format)
+        return self._pending_save
+
+    def _finish_save(self, *, raising: bool = True) -> BaseException | None:
+        """Wait for a pending asynchronous save: its error nobody was told of, raised or returned."""
+        pending, self._pending_save = self._pending_save, None
+        return None if pending is None else pending.finish(raising=raising)
 
     def load(self, path: str | os.PathLike[str]) -> Any:
         """Load a checkpoint ``rt.save`` wrote (or a plain DCP one) into the models managed so far
@@ -403,6 +428,7 @@ class Runtime:
         from tiermem import checkpoint
 
         self.registry  # noqa: B018
+        self._finish_save()
         return checkpoint.load(self._model_states, path)
 
     # -- introspection ----------------------------------------------------------------------

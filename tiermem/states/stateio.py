@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from tiermem.errors import internal_error
-from tiermem.registry import Priority
+from tiermem.registry import Handle, Priority
 from tiermem.states import core
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import Lifecycle, ModelFacts, ParamState, Snapshot
@@ -45,6 +45,27 @@ class StateTensor:
     chunk: int
 
 
+class SaveGuard(Protocol):
+    """An asynchronous checkpoint in progress (NOTE [ Asynchronous saves ] in
+    :mod:`tiermem.checkpoint.background`), told on the training thread before chunk bytes change."""
+
+    def pump(self) -> None:
+        """A safe point: copy more chunks for the writer."""
+
+    def before_step(self, chunk: Chunk) -> None:
+        """``chunk``'s home (or persistent device copy) is about to be stepped: copy it first."""
+
+    def before_move(self, chunk: Chunk) -> None:
+        """``chunk``'s home is about to move: let a copy reading it land first."""
+
+    def before_rewrite(self) -> None:
+        """Every chunk may change (a re-pack, a state-dict load, closing): copy all left."""
+
+
+#: where a checkpointed tensor is in copies of its chunk's regions (see :meth:`StateIO.capture_layout`)
+CapturedView = Callable[["StateTensor", Sequence[torch.Tensor]], torch.Tensor]
+
+
 class StateIO:
     """State dicts, snapshots and the restore at close of ``store``'s chunks."""
 
@@ -59,6 +80,14 @@ class StateIO:
         #: chunks a load_state_dict in progress pinned
         self._loading: list[Chunk] = []
         self._keep_vars = False
+        #: a pending asynchronous checkpoint, told before chunks are rewritten; its copies answer
+        #: :meth:`read_tensor` on its writer thread (the only reader while it is pending)
+        self.save_guard: SaveGuard | None = None
+        self.copied: Callable[[StateTensor], torch.Tensor] | None = None
+
+    def _settle_save(self) -> None:
+        if self.save_guard is not None:
+            self.save_guard.before_rewrite()
 
     # -- the optimizer's state -----------------------------------------------------------------
     def export_optimizer_state(self) -> dict[torch.Tensor, dict[str, Any]]:
@@ -89,6 +118,7 @@ class StateIO:
 
     def import_states(self, states: Mapping[int, dict[str, Any]]) -> None:
         """Write per-parameter optimizer states (keyed by parameter index) into the chunks."""
+        self._settle_save()
         names = self.facts.state_names
         pstate = self.store.pstate
         for chunk in self.store.chunks:
@@ -172,6 +202,7 @@ class StateIO:
             raise StatesUsageError(
                 "tiermem: load_state_dict(assign=True) would replace managed parameters; load without assign"
             )
+        self._settle_save()
         self.unpin_loading()
         names = self.facts.module_names[module]
         chunks = tuple(
@@ -222,6 +253,7 @@ class StateIO:
 
     def restore(self) -> bool:
         """Copy every parameter (and gradient) into an ordinary tensor, chunk by chunk."""
+        self._settle_save()
         facts, store = self.facts, self.store
         needed = sum(info.nbytes for info in facts.info)
         needed += sum(info.nbytes for info, has in zip(facts.info, store.has_grad, strict=True) if has)
@@ -293,7 +325,10 @@ class StateIO:
     def read_tensor(self, tensor: StateTensor) -> torch.Tensor:
         """``tensor``'s bytes where they live, without a copy where they are in memory: valid until
         the next read (an NVMe home is read once per chunk and version, NOTE [ Managed object
-        rules ] rule 9, so reading a chunk's tensors together reads its home once)."""
+        rules ] rule 9, so reading a chunk's tensors together reads its home once); an asynchronous
+        save's copies while one is pending."""
+        if self.copied is not None:
+            return self.copied(tensor)
         if tensor.key is None:
             return self._master_source(tensor.index)
         chunk, slot = self.store.slots[tensor.index]
@@ -305,6 +340,7 @@ class StateIO:
         """Write checkpointed values into chunk ``index``: ``put(tensor, value)`` copies into its
         home (an NVMe home staged on the host, written back at exit) and, for a persistent chunk,
         its device copy; a streamed chunk's device copy is released first (it would go stale)."""
+        self._settle_save()
         chunk = self.store.chunks[index]
         if not chunk.persistent and not chunk.offloaded:
             raise internal_error(f"{chunk!r}: a streamed chunk is always offloaded")
@@ -331,6 +367,31 @@ class StateIO:
         finally:
             self.store.generation += 1
             self.homes.forget()
+
+    def capture_layout(self, index: int) -> tuple[list[tuple[Handle, int]], CapturedView]:
+        """What an asynchronous checkpoint copies of chunk ``index``: ``(handle, nbytes)`` regions
+        read from offset 0 (its home, then, for a device-homed chunk at full precision, its device
+        copy, which is the master), and where each of its :class:`StateTensor` is in copies of
+        them. Bound now: a later re-pack does not change the answer."""
+        chunk = self.store.chunks[index]
+        device_master = not chunk.offloaded and chunk.master_scale == 1
+        regions = [(chunk.home, chunk.home_bytes)] if chunk.home is not None else []
+        if device_master:
+            assert chunk.dev is not None
+            regions.append((chunk.dev, chunk.nbytes))
+        slots = {slot.index: slot for slot in chunk.layout.slots}
+        bases = {key: chunk.section_base(k) for k, key in enumerate(self.facts.state_names)}
+        scale, working = chunk.master_scale, chunk.working_base
+
+        def view(tensor: StateTensor, copies: Sequence[torch.Tensor]) -> torch.Tensor:
+            slot = slots[tensor.index]
+            if tensor.key is not None:
+                return slot.master_view(copies[0], bases[tensor.key], scale)
+            if device_master:
+                return slot.view(copies[-1])
+            return slot.master_view(copies[0], 0, scale) if scale > 1 else slot.view(copies[0], working)
+
+        return regions, view
 
     def set_scalars(self, i: int, state: Mapping[str, Any] | None) -> None:
         """Parameter ``i``'s optimizer record after a checkpoint load: its keys in order, each a

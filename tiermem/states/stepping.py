@@ -78,6 +78,7 @@ from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer, run_step
+from tiermem.states.stateio import SaveGuard
 from tiermem.states.store import ChunkStore
 
 log = logging.getLogger("tiermem.states")
@@ -191,10 +192,14 @@ class Stepper:
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
         self.chunk_steps = 0
+        #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
+        self.save_guard: SaveGuard | None = None
 
     # -- rule 2 and 3: told from forward and backward ------------------------------------------
     def forward_with_grad(self) -> None:
         self._grad_forwards += 1
+        if self.save_guard is not None:
+            self.save_guard.pump()
 
     def arm_early_steps(self) -> None:
         """At the start of a backward: will it step chunks early (rule 3)?"""
@@ -219,6 +224,8 @@ class Stepper:
         for homes 9% of a 100M step when a prefetch also waited for the write-back). Never the
         home of a chunk holding shared parameters (tied weights: it steps only once the whole
         backward is over, and would hold the room)."""
+        if self.save_guard is not None:
+            self.save_guard.pump()
         if not (self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None):
             return
         waiting, off_nvme = self._homes_off_nvme()
@@ -226,6 +233,8 @@ class Stepper:
             return  # the step stages it on demand once earlier write-backs landed
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return
+        if self.save_guard is not None:
+            self.save_guard.before_move(chunk)
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
             chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
 
@@ -313,6 +322,8 @@ class Stepper:
         if self.declared.max_norm is not None:
             optimizer.grad_norm = self._clip(self.declared.max_norm)
         if self.repacker.pending:
+            if self.save_guard is not None:
+                self.save_guard.before_rewrite()
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
             # parameters hold no gradient now, so the new chunks step exactly the others.
             self.repacker.run()
@@ -333,6 +344,8 @@ class Stepper:
             if chunk.home_tier == "nvme":
                 after = staged.index(chunk) + 1
                 if after < len(staged):  # stage the next NVMe home while this one steps
+                    if self.save_guard is not None:
+                        self.save_guard.before_move(staged[after])
                     with contextlib.suppress(TierCapacityError):
                         staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
@@ -398,6 +411,8 @@ class Stepper:
         attributes: Mapping[str, Any],
         known: KnownBytes | None = None,
     ) -> None:
+        if self.save_guard is not None:
+            self.save_guard.before_step(chunk)
         if chunk.home_tier != "nvme":
             self._step_chunk(chunk, slots, optimizer, group_of, attributes)
             return
