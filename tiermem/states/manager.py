@@ -80,8 +80,10 @@ backend, ``describe``, ``close``) and the wiring:
    meant to be driven from two threads.
 8. CUDA: everything above holds; the device tier copies on its own stream, fenced after the
    stream that produced the bytes (TRAPS 28), host homes live in the pinned pool, and
-   offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward,
-   ``model.to()`` after managing. ``torch.compile`` of a managed model raises
+   offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward.
+   ``model.to()``, ``.half()`` and the like work where they change nothing and are refused
+   before anything changes otherwise; freezing works (NOTE [ Moving a managed model ] in
+   ``moves.py``). ``torch.compile`` of a managed model raises
    :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
    are then brought back and added, exactly).
@@ -103,6 +105,7 @@ backend, ``describe``, ``close``) and the wiring:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import weakref
@@ -121,6 +124,7 @@ from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
+from tiermem.states.moves import ParameterMoves, Training
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.pool import ChunkPool
 from tiermem.states.relayout import FirstStepPlanner, Relayout
@@ -202,7 +206,11 @@ class ModelStates:
             hooks=(self._remove_hooks, self._register_hooks),
         )
         self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared)
-        self.backward = BackwardTracker(facts, self.store, self.gradients, self.stepper, self.lifecycle)
+        #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
+        self.training = Training(facts)
+        tracked = dataclasses.replace(facts, trainable=self.training.now)
+        self.backward = BackwardTracker(tracked, self.store, self.gradients, self.stepper, self.lifecycle)
+        self.moves = ParameterMoves(facts)
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int]] = []
         self._hooks: list[RemovableHandle] = []
@@ -227,6 +235,7 @@ class ModelStates:
         self.optimizer = ManagedOptimizer(self, base)
         self.stepper.optimizer = self.optimizer
         self._register_hooks()
+        self.moves.install()
         _MANAGED[model] = self
 
     def _move_buffers(self) -> None:
@@ -373,6 +382,7 @@ class ModelStates:
     def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.lifecycle.check_usable()
         _refuse_compile()
+        self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)
         self.backward.new_forward()
@@ -441,6 +451,7 @@ class ModelStates:
         except Exception:
             log.exception("tiermem model states: releasing the chunks failed")
         finally:
+            self.moves.remove()
             self.store.pstate.clear()
             _MANAGED.pop(self.facts.model, None)
 
