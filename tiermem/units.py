@@ -5,6 +5,7 @@ A leaf module (no tiermem imports) so tiers, schedulers and the core share it.
 
 from __future__ import annotations
 
+import math
 import re
 
 #: The I/O page: every tier allocation is reserved (and, in memory tiers, aligned) in multiples
@@ -65,6 +66,18 @@ def format_size(nbytes: int | float) -> str:
             return f"{text}{unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+def format_size_up(nbytes: int | float) -> str:
+    """Like ``format_size``, but rounded up in its last shown digit (``format_size`` rounds to
+    nearest), so that the size shown is never below ``nbytes``: for a capacity to raise to."""
+    whole = math.ceil(nbytes)
+    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
+        if abs(whole) < 1024 ** (power + 1) or unit == "TiB":
+            break
+    hundredths = -(-whole * 100 // 1024**power)
+    text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
+    return f"{text}{unit}"
 
 
 def round_up(n: int, multiple: int) -> int:

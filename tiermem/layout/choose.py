@@ -19,19 +19,9 @@ from tiermem.layout.placement import (
     nvme_grad_bytes,
     reserve_bytes,
 )
+from tiermem.units import format_size_up
 
 Layouts = TypeVar("Layouts")
-
-
-def size_up(nbytes: int) -> str:
-    """A size shown never below ``nbytes`` (rounded up in its last digit): a capacity to raise
-    to. (``tiermem.planner.errors.format_size_up``, which the leaf vocabulary cannot import.)"""
-    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
-        if nbytes < 1024 ** (power + 1) or unit == "TiB":
-            break
-    hundredths = -(-nbytes * 100 // 1024**power)
-    text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
-    return f"{text}{unit}"
 
 
 def chunk_sizes(request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]]) -> list[int]:
@@ -92,8 +82,8 @@ def choose_layout(
         if smallest is not None and isinstance(first_error, StatesMemoryError):
             raise StatesMemoryError(
                 f"{first_error} The smallest capacities with which the default placement fits: "
-                f"[device] {size_up(smallest.device)}, [host] {size_up(smallest.host)} and [nvme] "
-                f"{size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
+                f"[device] {format_size_up(smallest.device)}, [host] {format_size_up(smallest.host)} and [nvme] "
+                f"{format_size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
                 "where it has room)."
             ) from first_error
         raise first_error

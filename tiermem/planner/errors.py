@@ -2,23 +2,10 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 from tiermem.errors import PlanError
-from tiermem.units import format_size
-
-
-def format_size_up(nbytes: int | float) -> str:
-    """Like ``format_size``, but rounded up in its last shown digit (``format_size`` rounds to
-    nearest), so that the size shown is never below ``nbytes``: for a capacity to raise to."""
-    whole = math.ceil(nbytes)
-    for power, unit in enumerate(("B", "KiB", "MiB", "GiB", "TiB")):
-        if abs(whole) < 1024 ** (power + 1) or unit == "TiB":
-            break
-    hundredths = -(-whole * 100 // 1024**power)
-    text = f"{hundredths // 100}.{hundredths % 100:02d}".rstrip("0").rstrip(".")
-    return f"{text}{unit}"
+from tiermem.units import format_size, format_size_up
 
 
 class NoPlanFitsError(PlanError, MemoryError):
