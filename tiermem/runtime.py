@@ -18,12 +18,12 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiermem import distributed
+from tiermem import distributed, runtime_manage
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
@@ -35,9 +35,9 @@ from tiermem.layout.placement import Plan, PlanRequest
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
-from tiermem.states import ModelStates, StatesUsageError
+from tiermem.states import ModelStates
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
-from tiermem.states.sharded import ShardedModelStates, is_sharded
+from tiermem.states.sharded import is_sharded
 from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -293,7 +293,7 @@ class Runtime:
             plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
         elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
             plan = None
-            first_step_planner = functools.partial(self._plan_first_step, planner)
+            first_step_planner = functools.partial(runtime_manage.plan_first_step, planner)
         states = ModelStates(
             self.registry,
             model,
@@ -320,27 +320,10 @@ class Runtime:
         optimizer_kwargs: Mapping[str, Any],
         declared: tuple[int | None, float | None, bool, torch.dtype | None],
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """``manage`` of a model whose parameters FSDP2's ``fully_shard`` made DTensors: each rank's
-        optimizer states in chunks, the parameters left to FSDP2 (NOTE [ Sharded model states ] in
-        ``tiermem.states.sharded``). Collective: every rank calls it for the same model."""
-        if sample is not None:
-            raise StatesUsageError(
-                "tiermem manage: sample= (profiling a step to plan) is not yet for FSDP2-sharded models; leave it "
-                "out: their optimizer states are placed from each rank's free bytes"
-            )
+        """``manage`` of an FSDP2-sharded model (NOTE [ Sharded model states ]); collective."""
         assert self.resolved is not None  # set whenever registry is reachable
-        grad_accumulation_steps, clip_grad_norm, keep_gradients, param_dtype = declared
-        sharded = ShardedModelStates(
-            self.registry,
-            model,
-            optimizer,
-            plan=None if plan == "auto" else plan,
-            optimizer_kwargs=optimizer_kwargs,
-            keep_gradients=keep_gradients,
-            param_dtype=param_dtype,
-            grad_accumulation_steps=grad_accumulation_steps,
-            clip_grad_norm=clip_grad_norm,
-            host_adopts_pageable=not self.resolved.host.pinned,
+        sharded = runtime_manage.manage_sharded(
+            self.registry, self.resolved, model, optimizer, plan, sample, optimizer_kwargs, declared
         )
         self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
         self.plan = sharded.plan
@@ -356,42 +339,12 @@ class Runtime:
         sample: Any,
     ) -> PlanRequest:
         """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build."""
-        from tiermem.planner.auto import plan_model  # the planner only when asked
-
         assert self.resolved is not None  # set whenever registry is reachable
-        decision, profile = plan_model(
-            self.registry,
-            self.resolved,
-            model,
-            optimizer,
-            optimizer_kwargs,
-            sample,
-            block_policy=block_policy,
-            grads_stream=streams,
+        request, decision = runtime_manage.plan_request(
+            self.registry, self.resolved, optimizer, optimizer_kwargs, block_policy, streams, model, sample
         )
-        chosen = decision.plan
-        self.__dict__["_decision"] = decision
-        return PlanRequest(
-            chosen.chunk_size,
-            chosen.persistent_chunks,
-            chosen.buffers,
-            chosen.state_home,
-            chosen.block_policy,
-            chosen.predicted,
-            order=profile.order,
-        )
-
-    @staticmethod
-    def _plan_first_step(
-        planner: Callable[[torch.nn.Module, Any], PlanRequest],
-        model: torch.nn.Module,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> PlanRequest:
-        """NOTE [ Model-state rules ] rule 9: the first forward's arguments as the sample."""
-        from tiermem.planner.profiler import Batch
-
-        return planner(model, Batch(args, kwargs) if kwargs else args)
+        self.__dict__["_decision"] = decision  # the summary of tiermem train reads the planner's reasons
+        return request
 
     # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
     def save(
