@@ -358,7 +358,9 @@ class Runtime:
         tensorstore); None is ``tiermem.checkpoint.DEFAULT_FORMAT``. ``rt.load`` reads either.
 
         ``blocking=False`` returns a ``PendingSave`` (``wait()``, ``done()``) at once; training goes on
-        while the states of this call are written (NOTE [ Asynchronous saves ])."""
+        while the states of this call are written (NOTE [ Asynchronous saves ]). With FSDP2-sharded
+        models it is collective: every rank calls it, each writes its own shards into one DCP
+        checkpoint on a filesystem every rank sees (NOTE [ Checkpoints on ranks ]; blocking only)."""
         from tiermem import checkpoint  # DCP only when asked
         from tiermem.checkpoint import background
 
@@ -377,7 +379,8 @@ class Runtime:
 
     def load(self, path: str | os.PathLike[str]) -> Any:
         """Load a checkpoint ``rt.save`` wrote (or a plain DCP one) into the models managed so far
-        (``rt.manage`` of the same architecture, in the same order); returns its ``extra``."""
+        (``rt.manage`` of the same architecture, in the same order); returns its ``extra``.
+        Collective on ranks for FSDP2-sharded models, across world sizes (DCP reshards)."""
         from tiermem import checkpoint
 
         self.registry  # noqa: B018
