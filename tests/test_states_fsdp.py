@@ -380,9 +380,30 @@ def _agreement(rank: int, path: str) -> dict[str, Any]:
     return {"plan": plan, "params": _gathered(model)}
 
 
+def _hsdp(rank: int, path: str) -> dict[str, Any]:
+    """HSDP: a 2-D mesh (replicate x shard) with the ranks replicating; states on NVMe."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
+    model = mlp()
+    for block in model:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with tiermem.Runtime(_config(path)) as rt:
+        model, optimizer = rt.manage(
+            model, torch.optim.AdamW, plan={"state_home": "nvme", "chunk_size": "16KiB"}, lr=LR
+        )
+        _train(rt, model, optimizer, rank)
+        written = rt.stats().tiers["nvme"].bytes_written
+    placements = {str(tuple(p.placements)) for p in model.parameters()}  # type: ignore[attr-defined]
+    return {"params": _gathered(model), "nvme_written": written, "placements": placements}
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "host": _homes("host"),
     "nvme": _homes("nvme"),
+    "hsdp": _hsdp,
     "activations": _with_activations,
     "declared": _declared,
     "accumulated": _accumulated,
@@ -485,3 +506,11 @@ def test_one_plan_for_every_rank(ranks):
     assert plans[0] == plans[1]
     assert "device" in plans[0]["state_home"] and set(plans[0]["state_home"]) != {"device"}
     _assert_reference(ranks[0]["agreement"]["params"])
+
+
+def test_hsdp_on_a_2d_mesh_matches_one_process(ranks):
+    """FSDP2's HSDP (replicate x shard mesh): each rank's states on NVMe, bitwise one process."""
+    _assert_reference(ranks[0]["hsdp"]["params"])
+    for rank in ranks:
+        assert rank["hsdp"]["nvme_written"] > 0
+        assert rank["hsdp"]["placements"] == {"(Replicate(), Shard(dim=0))"}
