@@ -6,9 +6,10 @@ Two copy engines sit behind one small interface:
   the copy is asynchronous, so code that forgets to wait on a future fails in CPU tests
   the way it would fail on a GPU.
 - :class:`CudaStreamCopier` (CUDA): a dedicated copy stream, ordered after the
-  producer's stream by :meth:`~CudaStreamCopier.fence` on the submitting thread, an event per copy, and a waiter thread that completes the future
-  when the event fires. Written against PyTorch's documented stream semantics
-  (``wait_stream``, ``record_stream``, ``non_blocking``); skipped in tests without CUDA.
+  producer's stream by :meth:`~CudaStreamCopier.fence` on the submitting thread, an event
+  per copy, and a waiter thread that completes the future when the event fires. Written
+  against PyTorch's documented stream semantics (``wait_stream``, ``record_stream``,
+  ``non_blocking``); skipped in tests without CUDA.
 """
 
 from __future__ import annotations
