@@ -17,6 +17,7 @@ from tiermem.layout.placement import (
     decide,
     normalize_chunk_size,
     nvme_grad_bytes,
+    oversized_chunks,
     reserve_bytes,
 )
 from tiermem.units import format_size_up
@@ -24,15 +25,23 @@ from tiermem.units import format_size_up
 Layouts = TypeVar("Layouts")
 
 
-def chunk_sizes(request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]]) -> list[int]:
-    """The chunk sizes to try: the requested one (at least ``largest``, the largest parameter's
-    bytes; rounded up to ``ALIGNMENT``), else ``candidates()`` (NOTE [ Chunk layout rules ] rule 5)."""
+def chunk_sizes(
+    request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]], floor: int | None = None
+) -> list[int]:
+    """The chunk sizes to try: the requested one (at least ``floor``, the largest parameter's
+    bytes, or the floor below which even outliers' own chunks do not help (NOTE [ Chunk
+    layout rules ] rule 4); rounded up to ``ALIGNMENT``), else ``candidates()`` (rule 5)."""
     if request.chunk_size is None:
         return list(candidates())
-    if request.chunk_size < largest:
-        raise PlanError(
-            f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter ({largest} bytes)"
+    floor = largest if floor is None else floor
+    if request.chunk_size < floor:
+        outliers = (
+            f" that is no outlier ({floor} bytes; only parameters more than twice the largest of the others, "
+            f"the largest {largest} bytes, get a chunk of their own)"
+            if floor < largest
+            else f" ({largest} bytes)"
         )
+        raise PlanError(f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter{outliers}")
     return [normalize_chunk_size(request.chunk_size)]
 
 
@@ -45,15 +54,21 @@ def choose_layout(
     budgets: Budgets,
     request: PlanRequest,
     grads_stream: bool = False,
+    fallback: Sequence[int] = (),
 ) -> tuple[Layouts, Plan]:
     """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
     :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
     buffers); of the sizes whose plan fits, the one that ``waste`` s least, the larger on a
-    tie (fewer, larger transfers). Raises the first size's error when none fits."""
+    tie (fewer, larger transfers). The ``fallback`` sizes (outliers in chunks of their own,
+    rule 4) are tried the same way when none of ``sizes`` fits. Raises the first size's error
+    when none fits."""
     best: tuple[int, int, Layouts, Plan] | None = None
     first_error: Exception | None = None
     smallest: Budgets | None = None
-    for size in sizes:
+    tries = [(size, False) for size in sizes] + [(size, True) for size in fallback]
+    for size, outliers in tries:
+        if outliers and best is not None:
+            break  # an ordinary size fits: no parameter needs a chunk of its own
         layouts = pack(size)
         chunk_needs, min_buffers = needs(layouts)
         if request == PlanRequest(order=request.order, predicted=request.predicted):  # the rule alone
@@ -99,7 +114,7 @@ def smallest_budgets(
     if not needs:
         return None
     total = len(needs)
-    device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size)
+    device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size, oversized_chunks(needs, chunk_size))
     homes = sum(n.home_bytes for n in needs)
     if homes <= budgets.nvme:
         host = nvme_grad_bytes(needs, grads_stream) + STAGED_HOMES * max(n.home_bytes for n in needs)

@@ -12,8 +12,10 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
 # NOTE [ Default placement rule ]
 1. Device bytes of a persistent chunk: its parameters, gradients and optimizer states
    (``(1 + 1 + sections) * nbytes``, 16 bytes a parameter for fp32 Adam); a frozen chunk
-   only its parameters. Streaming reserve: ``2 * buffers * chunk_size`` (a parameter and a
-   gradient buffer per pool slot).
+   only its parameters. Streaming reserve: a parameter and a gradient buffer per pool slot,
+   ``2 * buffers * chunk_size``; a streamed chunk larger than the chunk size (an outlier's own,
+   NOTE [ Chunk layout rules ] rule 4) takes a slot of its own bytes, and the reserve counts
+   the ``buffers`` largest slots (``reserve_bytes``).
 2. Persistent chunks: the longest prefix, in execution order, whose device bytes fit in half
    the device's free capacity and leave the streaming reserve free beside them; every chunk
    when all of them fit in that half.
@@ -242,9 +244,18 @@ def default_buffers(min_buffers: int, streamed: int) -> int:
     return max(1, min(min_buffers + 1, streamed)) if streamed else 0
 
 
-def reserve_bytes(buffers: int, chunk_size: int) -> int:
-    """Rule 1: device bytes the buffer pool may use (parameters and gradients)."""
-    return 2 * buffers * chunk_size
+def oversized_chunks(needs: Sequence[ChunkNeeds], chunk_size: int) -> list[int]:
+    """Rule 1: the bytes of the chunks in ``needs`` larger than ``chunk_size`` (outliers' own
+    chunks, NOTE [ Chunk layout rules ] rule 4)."""
+    return [n.nbytes for n in needs if n.nbytes > chunk_size]
+
+
+def reserve_bytes(buffers: int, chunk_size: int, oversized: Sequence[int] = ()) -> int:
+    """Rule 1: device bytes the buffer pool may use (parameters and gradients): ``buffers``
+    slots, the largest streamed chunks' (``oversized``: the streamed chunks larger than
+    ``chunk_size``, each a slot of its own bytes; every other slot ``chunk_size``)."""
+    largest = sorted(oversized, reverse=True)[: max(buffers, 0)]
+    return 2 * (sum(largest) + (buffers - len(largest)) * chunk_size)
 
 
 def decide(
@@ -306,8 +317,8 @@ def _device_short(
         persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, buffers)
     streamed = len(needs) - persistent
     slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(min(slots, streamed), chunk_size)
-    return device > budgets.device
+    reserve = reserve_bytes(min(slots, streamed), chunk_size, oversized_chunks(needs[persistent:], chunk_size))
+    return sum(n.device_bytes for n in needs[:persistent]) + reserve > budgets.device
 
 
 def _default_persistent(
@@ -317,10 +328,11 @@ def _default_persistent(
     if sum(n.device_bytes for n in needs) <= half:
         return len(needs)
     used = 0
+    large = [(i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size]  # rule 1's own slots
     for count, need in enumerate(needs):
         streamed = len(needs) - count - 1
         slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-        reserve = reserve_bytes(min(slots, streamed), chunk_size)
+        reserve = reserve_bytes(min(slots, streamed), chunk_size, [b for i, b in large if i > count])
         if used + need.device_bytes > half or used + need.device_bytes + reserve > budgets.device:
             return count
         used += need.device_bytes
@@ -393,7 +405,8 @@ def _check_fits(
     budgets: Budgets,
     grads_stream: bool = False,
 ) -> None:
-    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size)
+    large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
+    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size, large)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
     staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
@@ -403,8 +416,8 @@ def _check_fits(
     if device > budgets.device:
         problems.append(
             f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
-            f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)} for parameters and "
-            f"gradients) but has {format_size(budgets.device)} free"
+            f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)}{_own_slots(large)} for "
+            f"parameters and gradients) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
         problems.append(
@@ -420,6 +433,14 @@ def _check_fits(
             + ". Raise the tier capacities, give plan= a smaller chunk_size or fewer persistent_chunks/buffers, "
             "or move states to 'nvme'."
         )
+
+
+def _own_slots(large: Sequence[int]) -> str:
+    """Rule 1's slots sized to an outlier's own chunk, for a refusal."""
+    if not large:
+        return ""
+    sizes = ", ".join(format_size(b) for b in large)
+    return f" ({len(large)} of them sized to a parameter in a chunk of its own: {sizes})"
 
 
 def normalize_chunk_size(size: int) -> int:

@@ -13,13 +13,15 @@ import torch
 
 from tiermem.errors import PlanError
 from tiermem.layout.activation_policy import BlockProfile, adaptive_keep
-from tiermem.layout.chunks import ParamInfo, pack, size_candidates
+from tiermem.layout.chunks import ParamInfo, outlier_candidates, pack, size_candidates
 from tiermem.layout.placement import BLOCK_POLICIES, ChunkNeeds, normalize_chunk_size
 from tiermem.planner.costmodel import Packing, activation_cost, activation_overhead_s
 from tiermem.planner.profile import Profile
 
 MAX_SIZES = 12
-"""Rule 1: chunk sizes tried at most (spread over the candidates)."""
+"""Rule 1: chunk sizes tried at most (spread over the candidates)..."""
+MAX_OUTLIER_SIZES = 6
+"""...and at most this many more below the largest parameter, its outliers in chunks of their own."""
 
 
 @dataclass(frozen=True)
@@ -43,15 +45,13 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_s
     NOTE [ Default placement rule ] rule 3)."""
     infos = [ParamInfo(p.nbytes, (p.nbytes,), torch.uint8, p.trainable) for p in profile.params]
     if chunk_sizes is None:
-        sizes = size_candidates(infos)
-        if len(sizes) > MAX_SIZES:
-            step = (len(sizes) - 1) / (MAX_SIZES - 1)
-            sizes = sorted({sizes[round(i * step)] for i in range(MAX_SIZES)})
+        sizes = _thinned(outlier_candidates(infos), MAX_OUTLIER_SIZES) + _thinned(size_candidates(infos), MAX_SIZES)
     else:
         sizes = [normalize_chunk_size(s) for s in chunk_sizes]
     result = []
     for size in sizes:
-        layouts = pack(infos, profile.order, size)
+        # NOTE [ Chunk layout rules ] rule 4: parameters above the size get chunks of their own
+        layouts = pack(infos, profile.order, size, oversized=True)
         needs = []
         for layout in layouts:
             sections = max((profile.params[s.index].sections for s in layout.slots), default=0)
@@ -65,6 +65,14 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_s
             stages = [max(profile.param_block[s.index] for s in layout.slots) for layout in layouts]
         result.append(Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream))
     return result
+
+
+def _thinned(sizes: list[int], most: int) -> list[int]:
+    """At most ``most`` of ``sizes`` (ascending), spread over them, the first and last kept."""
+    if len(sizes) <= most:
+        return sizes
+    step = (len(sizes) - 1) / (most - 1)
+    return sorted({sizes[round(i * step)] for i in range(most)})
 
 
 def fixed_policies(profile: Profile, block_policy: str | Sequence[str]) -> tuple[str, ...]:

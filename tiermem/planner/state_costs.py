@@ -49,9 +49,21 @@ class Packing:
         self._max_grad_from = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
             self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
-        self._max_nbytes_from = [0] * (len(needs) + 1)
+        # NOTE [ Chunk layout rules ] rule 4: chunks above the chunk size (outliers' own) take
+        # pool slots of their own bytes, the others the largest of theirs (NOTE [ Spare chunk
+        # storage ] rule 1)
+        self.oversized = tuple((i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size)
+        self._max_regular_from = [0] * (len(needs) + 1)
+        self._regular_from = [0] * (len(needs) + 1)
+        # the largest gradient among chunks of untied parameters (one is filled at a time)
+        self._max_untied_grad_from = [0] * (len(needs) + 1)
+        shared_set = set(self.shared)
         for i in range(len(needs) - 1, -1, -1):
-            self._max_nbytes_from[i] = max(self._max_nbytes_from[i + 1], needs[i].nbytes)
+            regular = needs[i].nbytes <= chunk_size
+            self._max_regular_from[i] = max(self._max_regular_from[i + 1], needs[i].nbytes if regular else 0)
+            self._regular_from[i] = self._regular_from[i + 1] + regular
+            untied = needs[i].grad_bytes if i not in shared_set else 0
+            self._max_untied_grad_from[i] = max(self._max_untied_grad_from[i + 1], untied)
 
     @property
     def chunks(self) -> int:
@@ -61,14 +73,26 @@ class Packing:
     def shared_chunks(self) -> int:
         return len(self.shared)
 
-    def streamed_shared(self, persistent: int) -> int:
-        """Trainable chunks holding tied parameters among the streamed ones (rule 1: a persistent
-        one's gradient is among the persistent gradients already)."""
-        return sum(1 for c in self.shared if c >= persistent and self.needs[c].trainable)
-
     @staticmethod
     def _sum(prefix: list[int], start: int, stop: int) -> int:
         return prefix[stop] - prefix[start] if stop > start else 0
+
+    def streamed_oversized(self, persistent: int) -> list[int]:
+        """The bytes of the streamed chunks larger than the chunk size, largest first."""
+        return sorted((nbytes for i, nbytes in self.oversized if i >= persistent), reverse=True)
+
+    def pool_bytes(self, persistent: int, buffers: int) -> int:
+        """Rule 1: the device pool's parameter bytes at most: the ``buffers`` largest streamed
+        chunks' slots (each outlier's own bytes; every other one the largest other's)."""
+        large = self.streamed_oversized(persistent)[:buffers]
+        regular = min(buffers - len(large), self._regular_from[persistent])
+        return sum(large) + regular * self._max_regular_from[persistent]
+
+    def grads_in_flight(self, persistent: int) -> int:
+        """Rule 1: streamed gradient chunks on the device at once: the streamed trainable chunks
+        of tied parameters (complete only at backward's end) and the largest other one (filled)."""
+        tied = sum(self.needs[c].grad_bytes for c in self.shared if c >= persistent)
+        return tied + self._max_untied_grad_from[persistent]
 
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
@@ -148,13 +172,10 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
     n = pk.chunks
     s = Packing._sum
-    chunk = pk._max_nbytes_from[p]
-    streamed_trainable = sum(1 for need in pk.needs[p:] if need.trainable)
-    in_flight = min(streamed_trainable, 1 + pk.streamed_shared(p)) if streamed_trainable else 0
     grad_total = s(pk._grad, 0, p)
     persistent_bytes = s(pk._device, 0, p) - grad_total
-    pool = b * chunk
-    grads = in_flight * chunk
+    pool = pk.pool_bytes(p, b)
+    grads = pk.grads_in_flight(p)
     stages: tuple[tuple[int, int], ...] = ()
     if timeline:
         stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in range(p) if pk.needs[c].grad_bytes)
@@ -182,7 +203,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
         # gradients, and the pool's reserve
-        reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size),
+        reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size, pk.streamed_oversized(p)),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
         nvme_bytes=s(pk._home, h, n),
         memcpy_bytes=memcpy,

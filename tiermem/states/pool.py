@@ -16,14 +16,23 @@ write-backs; bytes move through the registry alone (NOTE [ Managed object rules 
    objects, so each chunk keeps its own storage and its parameters' views, TRAPS 2). A
    fresh buffer costs the kernel a zeroed page for every page the NVMe read touches first,
    on the cores that compute, inside ``io_submit`` on the I/O thread (TRAPS 27; measured
-   on the 200M GPT of issue 5: 84% of that thread's samples). So that any spare fits any
-   chunk, every streamed chunk's storage holds ``slot_bytes``, the largest streamed chunk's
-   bytes (a chunk's own bytes are a prefix; the device tier accounts the whole storage):
-   the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1). On CUDA the
-   caching allocator already reuses blocks: no spares.
+   on the 200M GPT of issue 5: 84% of that thread's samples). So that a spare fits many
+   chunks, every streamed chunk of at most the plan's chunk size holds ``slot_bytes``, the
+   largest such chunk's bytes (a chunk's own bytes are a prefix; the device tier accounts the
+   whole storage): the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1).
+   A chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
+   holds its own bytes. Spares are kept per size and a fetch takes one of its chunk's size
+   only; sizing every storage to the largest chunk instead would make each buffer an
+   embedding's (16 MiB beside 2 MiB chunks on the 8 x 512 GPT of issue 20), and the CPU
+   device would gain nothing from the outlier's own chunk. On CUDA the caching allocator
+   already reuses blocks: no spares.
 2. A spare is real memory, so it is accounted on the device tier (adopted) while it waits;
    resident streamed chunks and spares together stay within ``buffers``, the pool the plan
-   budgets, so spares never take room the plan gave to anything else.
+   budgets (a fetch finding no spare of its size drops another spare before it allocates),
+   and there are never more storages of one size than streamed chunks of that size. So the
+   pool holds at most the ``buffers`` largest streamed chunks' slots, what the plan reserves
+   (NOTE [ Default placement rule ] rule 1): spares never take room the plan gave to
+   anything else.
 3. A spare takes over a chunk's storage only where its bytes no longer matter: after
    ``empty_storage`` waited for every copy that read them (TRAPS 24); the fetch overwrites
    all of them before anything reads the chunk.
@@ -54,8 +63,11 @@ class ChunkPool:
     """``buffers`` streamed chunks resident on the device (one more while all are pinned and the
     device tier has room); persistent ones always are."""
 
-    def __init__(self, registry: Registry, chunks: Sequence[Chunk], buffers: int) -> None:
-        """``chunks``: all of the model's chunks, built."""
+    def __init__(
+        self, registry: Registry, chunks: Sequence[Chunk], buffers: int, chunk_size: int | None = None
+    ) -> None:
+        """``chunks``: all of the model's chunks, built; ``chunk_size``: the plan's (chunks above
+        it hold their own bytes, rule 1; None: every chunk a slot of the largest)."""
         self.registry = registry
         self.chunks = chunks
         self.buffers = buffers
@@ -70,12 +82,16 @@ class ChunkPool:
             and registry.device == torch.device("cpu")
             and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         )
-        #: NOTE [ Spare chunk storage ] rule 1: the bytes every streamed chunk's storage holds
-        #: on the CPU device (the largest streamed chunk's); 0 where spares are not kept
-        self.slot_bytes = max((c.nbytes for c in chunks if not c.persistent), default=0) if keeps_spares else 0
+        streamed = [c.nbytes for c in chunks if not c.persistent]
+        regular = [n for n in streamed if chunk_size is None or n <= chunk_size]
+        #: NOTE [ Spare chunk storage ] rule 1: the bytes a streamed chunk's storage holds on the
+        #: CPU device (the largest streamed chunk's of at most the chunk size; a larger chunk's
+        #: own); 0 where spares are not kept
+        self.slot_bytes = max(regular, default=0) if keeps_spares else 0
+        self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
-        if self.slot_bytes:
+        if self._keeps_spares:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
@@ -225,7 +241,7 @@ class ChunkPool:
         chunk.dirty = False
         dev, chunk.dev = chunk.dev, None
         self.resident.pop(chunk.index, None)
-        spare = chunk.empty_storage(keep=self.slot_bytes > 0 and len(self.resident) + len(self._spares) < self.buffers)
+        spare = chunk.empty_storage(keep=self._keeps_spares and len(self.resident) + len(self._spares) < self.buffers)
         dev.free()  # real memory goes first, then the accounting
         if spare is not None:
             self._keep_spare(spare)
@@ -240,13 +256,24 @@ class ChunkPool:
         self.drop_spares()
 
     # -- NOTE [ Spare chunk storage ] ------------------------------------------------------
+    def slot_of(self, chunk: Chunk) -> int:
+        """The bytes ``chunk``'s storage holds while resident (rule 1)."""
+        if not self._keeps_spares or chunk.nbytes > self.slot_bytes:
+            return chunk.nbytes
+        return self.slot_bytes
+
     def _fill_storage(self, chunk: Chunk) -> None:
-        """Give ``chunk``'s empty storage its bytes: a spare (rule 1), else new ones."""
+        """Give ``chunk``'s empty storage its bytes: a spare of its size (rule 1), else new ones,
+        dropping another spare first when the pool would hold more than ``buffers`` (rule 2)."""
         storage = chunk.data.untyped_storage()
-        if not self._spares:
-            storage.resize_(self.slot_bytes or chunk.nbytes)
+        size = self.slot_of(chunk)
+        match = next((i for i, s in enumerate(self._spares) if s.tensor.untyped_storage().nbytes() == size), None)
+        if match is None:
+            while self._spares and len(self.resident) + 1 + len(self._spares) > self.buffers:
+                self._spares.pop(0).free()
+            storage.resize_(size)
             return
-        spare = self._spares.pop()
+        spare = self._spares.pop(match)
         storage._swap_data_ptr_(spare.tensor.untyped_storage())
         spare.free()  # its bytes are the chunk's now; the chunk's own accounting follows
 

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_map_only
 
 from tiermem.errors import TierCapacityError
 from tiermem.layout.choose import choose_layout, chunk_sizes
-from tiermem.layout.chunks import ChunkLayout, pack, size_candidates, waste
+from tiermem.layout.chunks import ChunkLayout, outlier_candidates, pack, packing_floor, size_candidates, waste
 from tiermem.layout.placement import Budgets, Plan, PlanRequest
 from tiermem.registry import Registry
 from tiermem.states import core
@@ -104,13 +104,16 @@ class Relayout:
         info = self.facts.info
         largest = max(i.nbytes for i in info)
         return choose_layout(
-            chunk_sizes(self.request, largest, lambda: size_candidates(info)),
-            lambda size: pack(info, order, size),
+            chunk_sizes(self.request, largest, lambda: size_candidates(info), packing_floor(info)),
+            # NOTE [ Chunk layout rules ] rule 4: a parameter above the chunk size is an outlier
+            # (the sizes tried are at least the floor) and gets a chunk of its own
+            lambda size: pack(info, order, size, oversized=True),
             lambda layouts: (self.facts.needs(layouts), self.facts.min_buffers(layouts)),
             waste,
             budgets=budgets,
             request=self.request,
             grads_stream=self._grads_stream,
+            fallback=outlier_candidates(info) if self.request.chunk_size is None else (),
         )
 
     # -- building ------------------------------------------------------------------------------

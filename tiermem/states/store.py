@@ -85,7 +85,7 @@ class ChunkStore:
             chunk = self._build_chunk(layout, plan, snapshot)
             for slot in layout.slots:
                 slots[slot.index] = (chunk, slot)
-        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers)
+        self.pool = ChunkPool(self.registry, self.chunks, plan.buffers, plan.chunk_size)
         self.slots = [s for s in slots if s is not None]
         if len(self.slots) != len(facts.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
