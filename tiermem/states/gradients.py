@@ -5,10 +5,14 @@ of NOTE [ Model-state rules ] in ``manager.py``; NOTE [ Host gradients ] in ``ho
 :class:`Gradients` owns the leases of the HostGradients it exposed. It may touch: each chunk's
 gradient buffer (``chunk.grad``, through its handle and the registry), ``p.grad`` of the managed
 parameters, the store's ``has_grad`` flags, and the device tier's room through the pool's retry
-ladder. It never touches parameter values or homes.
+ladder. It never touches parameter values or homes. Before it moves, reads, brings back or frees a
+chunk's gradient buffer it calls ``fence`` with the chunk, so a step of that chunk still in flight
+finishes first (NOTE [ Step threads ] rule 4).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -38,10 +42,13 @@ class Gradients:
         self.proxy_host_gradients = proxy_host_gradients
         #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
         self._leases: dict[int, list[bool]] = {}
+        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (the stepper sets it)
+        self.fence: Callable[[Chunk], None] = homes.fence
 
     # -- in backward ---------------------------------------------------------------------------
     def device_grads(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's gradient buffer on the device (allocated, or brought back to accumulate)."""
+        self.fence(chunk)
         handle = chunk.grad
         pool = self.store.pool
         if handle is None:
@@ -102,6 +109,7 @@ class Gradients:
 
     def flush(self, chunk: Chunk) -> None:
         """Send an offloaded chunk's gradients home (rule 4)."""
+        self.fence(chunk)
         handle = chunk.grad
         if handle is None or handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
             return
@@ -126,6 +134,7 @@ class Gradients:
     # -- what p.grad is ------------------------------------------------------------------------
     def grad_bytes(self, chunk: Chunk) -> torch.Tensor:
         """The chunk's gradient buffer where it is resident now (host or device)."""
+        self.fence(chunk)
         assert chunk.grad is not None
         chunk.grad.wait()
         return chunk.grad.tensor(chunk.grad.tier)
@@ -158,6 +167,7 @@ class Gradients:
 
     def drop(self, chunk: Chunk) -> None:
         """Free ``chunk``'s gradient buffer (no parameter of it has a gradient any more)."""
+        self.fence(chunk)
         assert chunk.grad is not None
         self.retire(chunk)
         chunk.grad.free()

@@ -3,13 +3,15 @@
 :class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
 valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`). It may
 touch chunk homes through their handles only (``move_to``, ``wait``, ``tensor``, ``read_out``:
-NOTE [ Managed object rules ]), never a chunk's device storage or gradients.
+NOTE [ Managed object rules ]), never a chunk's device storage or gradients. Before it stages,
+reads or writes a chunk's home it calls ``fence`` with the chunk, so a step of that chunk still
+in flight finishes first (NOTE [ Step threads ] rule 4).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -27,6 +29,8 @@ class Homes:
     def __init__(self, store: ChunkStore) -> None:
         self.store = store
         self._read_cache: tuple[int, tuple[int, int], torch.Tensor] | None = None
+        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (the stepper sets it)
+        self.fence: Callable[[Chunk], None] = _no_step_in_flight
 
     def forget(self) -> None:
         """Drop the cached home read (its chunk changed, or the chunks were rebuilt)."""
@@ -39,16 +43,20 @@ class Homes:
             if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
                 other.home.wait()
 
-    @contextlib.contextmanager
-    def on_host(self, chunk: Chunk, known: KnownBytes | None = None) -> Iterator[torch.Tensor]:
-        """An NVMe home staged on the host for writing, and written back after (WRITEBACK);
-        ``known``: what memory holds of it already (NOTE [ Managed object rules ] rule 6)."""
+    def stage(self, chunk: Chunk, known: KnownBytes | None = None, make_room: Callable[[], None] | None = None) -> None:
+        """Bring an NVMe home to the host for writing (DEMAND) and wait for it; ``known``: what
+        memory holds of it already (NOTE [ Managed object rules ] rule 6). With no room, first
+        ``make_room`` (a step in flight sends its home back: NOTE [ Step threads ] rule 2), then
+        the write-backs in flight land."""
+        self.fence(chunk)
         handle = chunk.home
         assert handle is not None
         try:
             handle.move_to("host", Priority.DEMAND, known)
         except TierCapacityError:
             # Earlier homes' write-backs free host memory when they land (the plan stages two).
+            if make_room is not None:
+                make_room()
             self.wait_moves(skip=chunk)
             try:
                 handle.move_to("host", Priority.DEMAND, known)
@@ -59,16 +67,28 @@ class Homes:
                     "raise [host] capacity"
                 ) from exc
         handle.wait()
+
+    def send_back(self, chunk: Chunk) -> None:
+        """Write a staged NVMe home back (WRITEBACK)."""
+        assert chunk.home is not None
+        chunk.home.move_to("nvme", Priority.WRITEBACK)
+        self._read_cache = None
+
+    @contextlib.contextmanager
+    def on_host(self, chunk: Chunk, known: KnownBytes | None = None) -> Iterator[torch.Tensor]:
+        """An NVMe home staged on the host for writing (:meth:`stage`), and written back after."""
+        self.stage(chunk, known)
+        assert chunk.home is not None
         try:
-            yield handle.tensor("host")
+            yield chunk.home.tensor("host")
         finally:
-            handle.move_to("nvme", Priority.WRITEBACK)
-            self._read_cache = None
+            self.send_back(chunk)
 
     @contextlib.contextmanager
     def writable(self, chunk: Chunk) -> Iterator[torch.Tensor]:
         """A chunk's home bytes to write in place (an NVMe home staged, then written back)."""
         assert chunk.home is not None
+        self.fence(chunk)
         if chunk.home_tier == "nvme":
             with self.on_host(chunk) as data:
                 yield data
@@ -78,6 +98,7 @@ class Homes:
 
     def readable(self, chunk: Chunk) -> torch.Tensor:
         """A chunk's home bytes to read: in place in memory, or read from NVMe (cached per version)."""
+        self.fence(chunk)
         handle = chunk.home
         assert handle is not None
         handle.wait()
@@ -89,3 +110,7 @@ class Homes:
         data = handle.read_out()
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
+
+
+def _no_step_in_flight(_chunk: Chunk) -> None:
+    """The fence before a stepper is bound: nothing can be in flight."""

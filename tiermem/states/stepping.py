@@ -2,8 +2,10 @@
 accumulation window the user declared (rule 5 of NOTE [ Model-state rules ] in ``manager.py``).
 
 :class:`Stepper` owns the declarations and the counters of NOTE [ Declared steps ] (backwards
-counted, chunks stepped early, gradient versions) and runs chunk steps. It may touch: chunk homes
-(staged through :class:`~tiermem.states.homes.Homes`), the store's optimizer records and
+counted, chunks stepped early, gradient versions) and runs chunk steps: each is prepared and
+finished here, on the training thread, and computed by :class:`~tiermem.states.chunk_step.ChunkStep`
+inline or on the step thread (NOTE [ Step threads ] in ``step_thread.py``). It may touch: chunk
+homes (staged through :class:`~tiermem.states.homes.Homes`), the store's optimizer records and
 generation, the pool's residency (releases), and gradients through
 :class:`~tiermem.states.gradients.Gradients`; a pending re-pack it hands to the relayout.
 
@@ -60,6 +62,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Mapping
@@ -71,14 +74,16 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
+from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, ParamState, same
+from tiermem.states.core import ModelFacts
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import HostGradient, host_bytes
-from tiermem.states.optimizer import ManagedOptimizer, run_step
+from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
+from tiermem.states.step_thread import StepThread, step_thread_wanted
 from tiermem.states.store import ChunkStore
 
 log = logging.getLogger("tiermem.states")
@@ -194,6 +199,19 @@ class Stepper:
         self.chunk_steps = 0
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
+        #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on it
+        self.steps = StepThread(step_thread_wanted(self.step_thread))
+        homes.fence = gradients.fence = self._fence
+
+    #: NOTE [ Step threads ] rule 6: "on", "off" or "auto"; None reads TIERMEM_STEP_THREAD
+    step_thread: str | None = None
+
+    def _fence(self, chunk: Chunk) -> None:
+        self.steps.wait_for(chunk.index)
+
+    def close(self) -> None:
+        """Finish the step in flight and stop the step thread."""
+        self.steps.close()
 
     # -- rule 2 and 3: told from forward and backward ------------------------------------------
     def forward_with_grad(self) -> None:
@@ -226,6 +244,7 @@ class Stepper:
         backward is over, and would hold the room)."""
         if self.save_guard is not None:
             self.save_guard.pump()
+        self.steps.poll()  # a finished step's write-back starts now (NOTE [ Step threads ] rule 4)
         if not (self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None):
             return
         waiting, off_nvme = self._homes_off_nvme()
@@ -263,17 +282,12 @@ class Stepper:
             return
         known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
-        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)
+        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)  # rule 6 when it finishes
         self.early_chunk_steps += 1
-        if not keep and chunk.grad is not None:
-            # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
-            for slot in chunk.layout.slots:
-                self.store.has_grad[slot.index] = False
-                self.facts.params[slot.index].grad = None
-            self.gradients.drop(chunk)
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
+        self.steps.finish_all()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
             if chunk.pins == 0:
@@ -310,6 +324,7 @@ class Stepper:
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
+        self.steps.finish_all()
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._backward_since_step = False
@@ -350,6 +365,7 @@ class Stepper:
                         staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
             self.chunk_steps += 1
+        self.steps.finish_all()  # NOTE [ Step threads ] rule 4
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
             home = self.store.chunks[index].home
             if home is not None:
@@ -411,13 +427,39 @@ class Stepper:
         attributes: Mapping[str, Any],
         known: KnownBytes | None = None,
     ) -> None:
+        """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
+        :meth:`_finish_chunk_step` follows on this thread."""
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
-        if chunk.home_tier != "nvme":
-            self._step_chunk(chunk, slots, optimizer, group_of, attributes)
-            return
-        with self.homes.on_host(chunk, known):
-            self._step_chunk(chunk, slots, optimizer, group_of, attributes)
+        staged = chunk.home_tier == "nvme"
+        if staged:
+            self.homes.stage(chunk, known, make_room=self.steps.finish_all)
+        handle = chunk.home
+        home = None if handle is None else handle.tensor(handle.tier if chunk.has_master else "device")
+        try:
+            job = ChunkStep.prepare(
+                self.facts, self.store, self.gradients, (chunk, slots, home), optimizer, group_of, attributes
+            )
+        except BaseException:
+            if staged:
+                self.homes.send_back(chunk)
+            raise
+        self.steps.run(chunk.index, job.compute, functools.partial(self._finish_chunk_step, chunk, job, staged))
+
+    def _finish_chunk_step(self, chunk: Chunk, job: ChunkStep, staged: bool, ok: bool) -> None:
+        """NOTE [ Step threads ] rule 3, on the training thread once ``job`` computed."""
+        try:
+            if ok:
+                job.commit(self.store)
+        finally:
+            if staged:
+                self.homes.send_back(chunk)
+        if ok and chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:
+            # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
+            for slot in chunk.layout.slots:
+                self.store.has_grad[slot.index] = False
+                self.facts.params[slot.index].grad = None
+            self.gradients.drop(chunk)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's
@@ -428,68 +470,3 @@ class Stepper:
         if dev is None or chunk.fetching is not None or chunk.dirty or chunk.index in self._stepped:
             return None
         return dev.known_bytes(chunk.working_base, chunk.nbytes)
-
-    def _step_chunk(
-        self,
-        chunk: Chunk,
-        slots: list[Slot],
-        optimizer: ManagedOptimizer,
-        group_of: Mapping[int, int],
-        attributes: Mapping[str, Any],
-    ) -> None:
-        names = self.facts.state_names
-        scale = chunk.master_scale
-        objects: dict[int, torch.Tensor] = {}
-        if chunk.has_master:
-            # The optimizer steps the master (an offloaded home's, or the fp32 master of a working
-            # chunk, chunk layout rule 6) with the gradient in its dtype, as a master-weights loop does.
-            assert chunk.home is not None and chunk.grad is not None
-            home = chunk.home.tensor(chunk.home.tier)
-            grads = self.gradients.grad_bytes(chunk)
-            for slot in slots:
-                master = slot.master_view(home, 0, scale)
-                grad = slot.view(grads)
-                master.grad = grad.float() if scale > 1 else grad
-                objects[slot.index] = master
-        else:
-            home = chunk.home.tensor("device") if chunk.home is not None else None  # type: ignore[assignment]
-            objects = {slot.index: self.facts.params[slot.index] for slot in slots}
-        state: dict[torch.Tensor, dict[str, Any]] = {}
-        for slot in slots:
-            record = self.store.pstate.get(slot.index)
-            if record is not None:
-                state[objects[slot.index]] = {
-                    key: slot.master_view(home, chunk.section_base(names.index(key)), scale)
-                    if key in names
-                    else record.scalars[key]
-                    for key in record.keys
-                }
-        by_group: dict[int, list[torch.Tensor]] = {}
-        for slot in slots:
-            by_group.setdefault(group_of[id(self.facts.params[slot.index])], []).append(objects[slot.index])
-        groups = [(optimizer.param_groups[g], params) for g, params in sorted(by_group.items())]
-        after = run_step(self.facts.optimizer_class, optimizer.defaults, groups, state, attributes)
-        for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]
-            obj = objects[slot.index]
-            entry = after.get(obj)
-            if not entry:
-                continue
-            record = ParamState(list(entry))
-            for key, value in entry.items():
-                if key in names and isinstance(value, torch.Tensor) and value.shape == obj.shape:
-                    target = slot.master_view(home, chunk.section_base(names.index(key)), scale)
-                    if not same(value, target):
-                        target.copy_(value)
-                else:
-                    record.scalars[key] = value
-            self.store.pstate[slot.index] = record
-        if scale > 1:  # refresh the working copy from the stepped masters (chunk layout rule 6)
-            for slot in slots:
-                master = objects[slot.index]
-                if chunk.offloaded:
-                    slot.view(home, chunk.working_base).copy_(master)
-                else:
-                    slot.view(chunk.data).copy_(master)
-        if chunk.has_master:
-            for slot in slots:
-                objects[slot.index].grad = None

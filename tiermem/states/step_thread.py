@@ -1,0 +1,146 @@
+"""Where chunk steps compute: inline on the training thread, or on one step thread that overlaps
+backward and the state I/O.
+
+# NOTE [ Step threads ]
+1. A chunk step is split (``chunk_step.py``): staging its home, waiting for its gradients,
+   gathering views and cleaning settings run on the training thread (the thread that runs
+   forward and backward and makes every registry call: NOTE [ Model-state rules ] rule 7);
+   only :meth:`ChunkStep.compute` may run on the step thread. It reads and writes tensors already
+   in memory (the staged home, the gradient bytes) and nothing else: no registry handle, no chunk
+   record, no ``p.grad`` of a managed parameter.
+2. At most one step is in flight. Starting the next one first finishes the one in flight, so two
+   homes at most are held for steps (one computing, one staged), as the plan's host room
+   (``STAGED_HOMES``) allows. A staging that finds no room finishes the step in flight, whose
+   write-back frees it, before it waits for write-backs (``Homes.stage``).
+3. Finishing a step runs on the training thread: it waits for the compute, records the optimizer
+   state, writes the home back and frees what the step was lent (gradients given up under
+   ``keep_gradients=False``). An error of the compute is raised there, after the home was sent
+   back as it is.
+4. A step finishes before anything reads or moves the chunk's bytes again: ``Homes`` and
+   ``Gradients`` call the fence (:meth:`StepThread.wait_for`) before they stage, read or write a
+   home, or move, bring back or free a gradient buffer; the end of every backward and every
+   ``optimizer.step()`` finish all steps, so the next forward's fetches, state dicts, checkpoints
+   and re-packs see stepped chunks. Hooks poll between (a finished step's write-back starts at
+   the next chunk's backward).
+5. Exactness: the step thread runs torch's step with as many intra-op threads as the training
+   thread had when the step was handed over (``torch.set_num_threads`` on the step thread when
+   they differ), so kernels split their work as plain PyTorch does. Element-wise steps (Adam,
+   AdamW, SGD, single-tensor, ``foreach`` and ``fused``) give bitwise the same values on any
+   thread; the tests compare each flag with plain PyTorch, with and without the step thread.
+6. Policy: ``TIERMEM_STEP_THREAD`` = ``on``, ``off`` or ``auto`` (the default). ``auto`` runs the
+   step thread when the process may use at least :data:`AUTO_MIN_CORES` cores: below that, the
+   step thread's kernels compete with backward's for the same cores and the GIL (measured in
+   ``bench/optimizer_step.py``; numbers in ``bench/README.md``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["AUTO_MIN_CORES", "ENV_VAR", "StepThread", "step_thread_wanted"]
+
+ENV_VAR = "TIERMEM_STEP_THREAD"
+SETTINGS = ("auto", "on", "off")
+#: rule 6: cores from which ``auto`` runs chunk steps on the step thread
+AUTO_MIN_CORES = 4
+
+
+def usable_cores() -> int:
+    """Cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def step_thread_wanted(setting: str | None = None, cores: int | None = None) -> bool:
+    """Rule 6: whether chunk steps run on the step thread; ``setting`` defaults to the environment."""
+    value = (os.environ.get(ENV_VAR, "") if setting is None else setting).strip().lower() or "auto"
+    if value not in SETTINGS:
+        raise ValueError(
+            f"tiermem model states: {ENV_VAR}={value!r} is not a step-thread setting; use one of "
+            f"{', '.join(SETTINGS)} (NOTE [ Step threads ] rule 6)"
+        )
+    if value == "auto":
+        return (usable_cores() if cores is None else cores) >= AUTO_MIN_CORES
+    return value == "on"
+
+
+def _compute_with(compute: Callable[[], None], threads: int) -> None:
+    """Rule 5, on the step thread."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    compute()
+
+
+class StepThread:
+    """Chunk steps in flight: at most one (rule 2), computed on the step thread or inline."""
+
+    def __init__(self, threaded: bool) -> None:
+        self.threaded = threaded
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        #: the step in flight: its chunk index, the compute's future and the training-thread finish
+        self._in_flight: tuple[int, concurrent.futures.Future[None], Callable[[bool], None]] | None = None
+
+    @property
+    def busy(self) -> bool:
+        return self._in_flight is not None
+
+    def run(self, chunk: int, compute: Callable[[], None], finish: Callable[[bool], None]) -> None:
+        """Step ``chunk``: ``compute`` (rule 1), then ``finish(ok)`` on the training thread (rule 3),
+        now when inline, else when the step is waited for or polled."""
+        self.finish_all()
+        if not self.threaded:
+            ok = False
+            try:
+                compute()
+                ok = True
+            finally:
+                finish(ok)
+            return
+        if self._executor is None:
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiermem-step")
+        future = self._executor.submit(_compute_with, compute, torch.get_num_threads())
+        self._in_flight = (chunk, future, finish)
+
+    def wait_for(self, chunk: int) -> None:
+        """Rule 4: ``chunk``'s step, if in flight, is finished when this returns."""
+        if self._in_flight is not None and self._in_flight[0] == chunk:
+            self.finish_all()
+
+    def poll(self) -> None:
+        """Finish the step in flight if its compute is done (rule 4)."""
+        if self._in_flight is not None and self._in_flight[1].done():
+            self.finish_all()
+
+    def finish_all(self) -> None:
+        """Wait for the step in flight and finish it (rule 3); its compute's error is raised here."""
+        entry, self._in_flight = self._in_flight, None
+        if entry is None:
+            return
+        _, future, finish = entry
+        try:
+            future.result()
+        except BaseException:
+            finish(False)  # the home goes back as it is; the compute's error follows
+            raise
+        finish(True)
+
+    def close(self) -> None:
+        """Finish what is in flight and stop the step thread (a later step starts a new one)."""
+        try:
+            self.finish_all()
+        finally:
+            executor, self._executor = self._executor, None
+            if executor is not None:
+                executor.shutdown(wait=True)
+
+    def __del__(self) -> None:
+        executor: Any = getattr(self, "_executor", None)
+        if executor is not None:
+            executor.shutdown(wait=False)
