@@ -1,0 +1,106 @@
+"""The examples (issue 22 item 5; README "Your training loop"): two loops a user already has, a
+nanoGPT ``train.py`` (fp16 autocast, ``GradScaler("cpu")``, accumulation, clipping after
+``unscale_``, dropout, tied weights) and a torchtune full fine-tune (bf16 autocast, token-summed
+loss, hand-scaled gradients, clipping, ``LambdaLR``), each with a tiermem version 3 lines away.
+Each runs in a subprocess as a user would run it; the tiermem version prints bitwise the plain
+version's losses and final-weight digest, with its model states streamed through a device budget
+smaller than they are and activations offloaded (the runtime's statistics say so)."""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+NAMES = ["nanogpt_train", "torchtune_finetune"]
+
+#: Runs an example as ``python examples/<name>.py`` would, printing the statistics of every
+#: Runtime as it leaves ``with`` (the examples themselves print only losses and a digest).
+RUNNER = """
+import json, runpy, sys
+import tiermem
+leave = tiermem.Runtime.__exit__
+def report_then_leave(self, *exc_info):
+    print("TIERMEM-STATS " + json.dumps(self.stats().as_dict()), file=sys.stderr)
+    return leave(self, *exc_info)
+tiermem.Runtime.__exit__ = report_then_leave
+path = sys.argv[1]
+sys.argv = sys.argv[1:]
+sys.path.insert(0, str(__import__("pathlib").Path(path).parent))
+runpy.run_path(path, run_name="__main__")
+"""
+
+#: Tier settings per example (environment variables: the examples construct tiermem.Runtime()):
+#: a 3 MiB device for ~3.4 (nanoGPT) and ~5 MiB (torchtune) of model states, which stream through
+#: it (the budget is enforced: running at all proves they do), and saved tensors of 256 / 64 KiB
+#: and more captured, so the plan's activation policy offloads some.
+TIERS = {
+    "nanogpt_train": {"TIERMEM_DEVICE_CAPACITY": "3MiB", "TIERMEM_ACTIVATIONS_MIN_BYTES": "256KiB"},
+    "torchtune_finetune": {"TIERMEM_DEVICE_CAPACITY": "3MiB", "TIERMEM_ACTIVATIONS_MIN_BYTES": "64KiB"},
+}
+
+
+def run(name: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
+    out = subprocess.run(
+        [sys.executable, "-c", RUNNER, str(EXAMPLES / f"{name}.py")],
+        cwd=ROOT,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    return out
+
+
+def changed_lines(name: str) -> tuple[list[str], list[str]]:
+    plain = (EXAMPLES / f"{name}.py").read_text().splitlines()
+    tiered = (EXAMPLES / f"{name}_tiermem.py").read_text().splitlines()
+    diff = list(difflib.unified_diff(plain, tiered, lineterm="", n=0))[2:]
+    return [d[1:] for d in diff if d.startswith("-")], [d[1:] for d in diff if d.startswith("+")]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_tiermem_version_is_three_lines_from_the_plain_one(name):
+    removed, added = changed_lines(name)
+    assert len(added) <= 3 and len(removed) <= 1, (removed, added)
+    assert any("rt.manage(model, optimizer)" in line for line in added)
+    readme = (ROOT / "README.md").read_text()
+    for line in removed:  # the README shows this diff
+        assert f"-{line}\n" in readme
+    for line in added:
+        assert f"+{line}\n" in readme
+
+
+@pytest.mark.slow  # two processes of 3-5 s each
+@pytest.mark.parametrize("name", NAMES)
+def test_the_example_trains_bitwise_like_the_plain_one(tmp_path, name):
+    env = {
+        **TIERS[name],
+        "TIERMEM_HOST_CAPACITY": "16MiB",
+        "TIERMEM_NVME_PATHS": str(tmp_path),
+        "TIERMEM_SCHEDULER_LOOP": "asyncio",
+        "XDG_CACHE_HOME": str(tmp_path / "cache"),  # the planner's profile cache
+    }
+    (tmp_path / "cache").mkdir()
+    out = run(f"{name}_tiermem", env)
+    want = run(name, {}).stdout
+    assert want.count("loss") >= 6 and "weights " in want
+    assert out.stdout == want  # every loss printed exactly, and the final weights' digest
+    reports = [line for line in out.stderr.splitlines() if line.startswith("TIERMEM-STATS ")]
+    assert len(reports) == 1
+    stats = json.loads(reports[0].removeprefix("TIERMEM-STATS "))
+    device = stats["tiers"]["device"]
+    assert device["peak_bytes"] <= device["capacity"]
+    assert stats["model_states"]["persistent_chunks"] < stats["model_states"]["chunks"]
+    assert stats["links"]["host->device"]["bytes"] > 0  # chunks streamed in from their homes
+    assert sum(stats["activations"]["bytes_written"].values()) > 0  # saved activations offloaded
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # the runtime's files are gone
