@@ -90,7 +90,7 @@ def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     else:
         runtime = tiermem.Runtime(_config(args.dir, param_bytes, mode.split("-")[0])).__enter__()
         declared = {"grad_accumulation_steps": 1, "keep_gradients": False} if "declared" in mode else {}
-        chunk = max(1 << 20, param_bytes // (4 * args.layers))
+        chunk = max(p.numel() * 4 for p in model.parameters()) + (1 << 20)  # a layer a chunk
         plan = {"state_home": mode.split("-")[0], "chunk_size": chunk}
         model, optimizer = runtime.manage(model, torch.optim.AdamW, plan=plan, **declared, **kwargs)
     steps, totals = [], []
