@@ -1,0 +1,180 @@
+"""Chunk steps on the step thread (NOTE [ Step threads ]): the compute runs there while backward goes
+on, with the training thread's intra-op thread count, every AdamW flag stays bitwise plain PyTorch,
+a compute's error is raised on the training thread with the home sent back, and the setting is
+checked."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import (
+    assert_bitwise,
+    config,
+    make_model,
+    one_thread,  # noqa: F401  (autouse fixture)
+    param_groups,
+    state_bytes,
+)
+from tests.test_states_declared import managed, plain_loop
+from tests.test_states_optimizer_flags import FLAGS, adamw
+from tiermem.registry import ObjectState
+from tiermem.states import chunk_step
+from tiermem.states.chunk_step import ChunkStep
+from tiermem.states.step_thread import AUTO_MIN_CORES, ENV_VAR, step_thread_wanted
+
+
+class Watch:
+    """What each chunk compute saw: its thread, intra-op threads, whether the training thread was in
+    backward (of ``states``, once set)."""
+
+    def __init__(self) -> None:
+        self.states: Any = None
+        self.seen: list[dict[str, Any]] = []
+
+    def of(self, rt: tiermem.Runtime) -> list[dict[str, Any]]:
+        self.states = managed(rt)
+        return self.seen
+
+
+@pytest.fixture
+def step_thread(monkeypatch: pytest.MonkeyPatch) -> Watch:
+    """The step thread on, every chunk compute watched."""
+    monkeypatch.setenv(ENV_VAR, "on")
+    watch = Watch()
+    compute = ChunkStep.compute
+
+    def watched(self: ChunkStep) -> None:
+        states = watch.states
+        in_backward = states is not None and states.backward.in_backward
+        watch.seen.append(
+            {"thread": threading.current_thread().name, "intra_op": torch.get_num_threads(), "in_backward": in_backward}
+        )
+        compute(self)
+
+    monkeypatch.setattr(ChunkStep, "compute", watched)
+    return watch
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_early_steps_compute_on_the_step_thread_bitwise(tmp_path, step_thread, flag):
+    """Rules 1, 5: NVMe-homed chunks step during backward on the step thread; every flag is plain."""
+    plain = make_model()
+    want = plain_loop(plain, adamw(param_groups(plain), flag), 3, 1, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, adamw(param_groups(model), flag), plan={"state_home": "nvme"}, grad_accumulation_steps=1
+        )
+        seen = step_thread.of(rt)
+        got = plain_loop(model, optimizer, 3, 1, None)
+        assert managed(rt).early_chunk_steps > 0
+        assert not managed(rt).stepper.steps.busy  # rule 4: none in flight after optimizer.step()
+    early = [s for s in seen if s["in_backward"]]
+    assert early and all(s["thread"].startswith("tiermem-step") for s in seen)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+class Wide(nn.Module):
+    """Parameters above torch's grain size (32768 elements), so two intra-op threads split them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(192, 331), nn.Linear(331, 192)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(nn.functional.gelu(self.a(x)))
+
+
+def wide_loop(model: nn.Module, optimizer: torch.optim.Optimizer, threads: tuple[int, ...]) -> list[torch.Tensor]:
+    """A step per entry of ``threads``, run with that many intra-op threads."""
+    out = []
+    for step, count in enumerate(threads):
+        torch.set_num_threads(count)  # the autouse fixture restores it
+        x = torch.randn(8, 192, generator=torch.Generator().manual_seed(step))
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.detach())
+    return out
+
+
+@pytest.mark.parametrize("flag", sorted(FLAGS))
+def test_two_intra_op_threads_on_the_step_thread_bitwise(tmp_path, step_thread, flag):
+    """Rule 5: the step thread splits kernels as the training thread would, following it from one
+    intra-op thread to two, in a plain loop (steps at optimizer.step()) from host homes."""
+    threads = (1, 2, 2)
+    torch.manual_seed(0)
+    plain = Wide()
+    model = Wide()
+    model.load_state_dict(plain.state_dict())
+    want = wide_loop(plain, adamw(plain.parameters(), flag), threads)
+    nbytes = 4 * sum(p.numel() for p in model.parameters())
+    with tiermem.Runtime(config(tmp_path, 2 * nbytes + (64 << 10), host="16MiB")) as rt:
+        plan = {"state_home": "host", "persistent_chunks": 0}
+        model, optimizer = rt.manage(model, adamw(model.parameters(), flag), plan=plan)
+        seen = step_thread.of(rt)
+        got = wide_loop(model, optimizer, threads)
+        assert all(c["home"] == "host" for c in managed(rt).describe()["chunks"])
+    assert all(s["thread"].startswith("tiermem-step") for s in seen)
+    per_step = len(seen) // len(threads)
+    assert [s["intra_op"] for s in seen] == [count for count in threads for _ in range(per_step)]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_a_compute_error_is_raised_on_the_training_thread_with_homes_sent_back(tmp_path, step_thread, monkeypatch):
+    """Rule 3: the second chunk compute fails; backward raises it, and no home stays staged."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            adamw(param_groups(model), "default"),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        plain_loop(model, optimizer, 1, 1, None)
+        run_step = chunk_step.run_step
+        calls = []
+
+        def failing(*args: Any) -> Any:
+            calls.append(threading.current_thread().name)
+            if len(calls) == 2:
+                raise RuntimeError("boom in the step")
+            return run_step(*args)
+
+        monkeypatch.setattr(chunk_step, "run_step", failing)
+        with pytest.raises(RuntimeError, match="boom in the step"):
+            plain_loop(model, optimizer, 1, 1, None)
+        assert calls[1].startswith("tiermem-step")
+        states = managed(rt)
+        states.backward.settle()
+        assert not states.stepper.steps.busy
+        for chunk in states.chunks:
+            if chunk.home_tier == "nvme":
+                chunk.home.wait()
+                assert chunk.home.tier == "nvme" and chunk.home.state is ObjectState.RESIDENT
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_setting_is_checked_and_auto_follows_the_cores(monkeypatch):
+    """Rule 6."""
+    assert step_thread_wanted("on", cores=1) and not step_thread_wanted("off", cores=64)
+    assert step_thread_wanted("auto", cores=AUTO_MIN_CORES)
+    assert not step_thread_wanted("auto", cores=AUTO_MIN_CORES - 1)
+    monkeypatch.setenv(ENV_VAR, " ON ")
+    assert step_thread_wanted(cores=1)
+    monkeypatch.setenv(ENV_VAR, "")
+    assert step_thread_wanted(cores=AUTO_MIN_CORES)
+    monkeypatch.setenv(ENV_VAR, "yes")
+    with pytest.raises(ValueError, match=r"TIERMEM_STEP_THREAD='yes' is not a step-thread setting; use one of auto"):
+        step_thread_wanted()
