@@ -54,7 +54,7 @@ MODES = (
 
 def _config(directory: Path, param_bytes: int, home: str) -> dict[str, Any]:
     (directory / "nvme").mkdir(exist_ok=True)
-    host = 4 * param_bytes if home == "host" else param_bytes  # NVMe homes: room to stage and for gradients
+    host = 4 * param_bytes if home == "host" else 2 * param_bytes  # NVMe homes: gradients and two staged homes
     return {
         "device": {"capacity": param_bytes // 4 + (8 << 20), "device": "cpu"},
         "host": {"capacity": host + (16 << 20)},
@@ -174,10 +174,11 @@ def main() -> None:
                 try:
                     out = subprocess.run(
                         [sys.executable, __file__, "--child", flag, mode, f"--dir={directory}", *passthrough],
-                        check=True,
                         capture_output=True,
                         text=True,
                     )
+                    if out.returncode:
+                        sys.exit(f"bench optimizer_step: {flag} {mode} failed:\n{out.stderr[-3000:]}")
                 finally:
                     shutil.rmtree(directory, ignore_errors=True)
                 result = json.loads(out.stdout.strip().splitlines()[-1])
