@@ -83,8 +83,8 @@ backend, ``describe``, ``close``) and the wiring:
    offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward.
    ``model.to()``, ``.half()`` and the like work where they change nothing and are refused
    before anything changes otherwise; freezing works (NOTE [ Moving a managed model ] in
-   ``moves.py``). ``torch.compile`` of a managed model raises
-   :class:`StatesUsageError` (dynamo would trace the hooks that refill chunk storage).
+   ``moves.py``). ``torch.compile`` of a managed model or of its blocks raises
+   :class:`StatesUsageError` (NOTE [ Compiling a managed model ] in ``compile.py``).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
    are then brought back and added, exactly).
 9. Planning on the first real step (``rt.manage(plan="auto")`` without ``sample=``): the
@@ -120,6 +120,7 @@ from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
 from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
+from tiermem.states.compile import refuse_compile, refuse_compiled_modules
 from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
@@ -141,20 +142,6 @@ log = logging.getLogger("tiermem.states")
 
 #: Models under management, so one model is not managed twice.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
-
-
-def _refuse_compile() -> None:
-    """Rule 8: dynamo would trace the hooks that fetch, release and refill chunk storage into graphs."""
-    eval_frame = getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None)
-    callback = getattr(eval_frame, "get_eval_frame_callback", None)
-    # A hook dynamo cannot trace runs eagerly inside the compiled call, where is_compiling() is
-    # False but dynamo's frame callback is set.
-    if torch.compiler.is_compiling() or (callback is not None and callback() not in (None, False)):
-        raise StatesUsageError(
-            "tiermem: torch.compile of a model whose states rt.manage() manages is not supported yet: its hooks "
-            "fetch, release and refill chunk storage, which compiled graphs must not capture. Run the managed model "
-            "eagerly."
-        )
 
 
 class ModelStates:
@@ -381,7 +368,8 @@ class ModelStates:
 
     def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.lifecycle.check_usable()
-        _refuse_compile()
+        refuse_compile()
+        refuse_compiled_modules(self.facts.model)  # NOTE [ Compiling a managed model ] rule 2
         self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)
@@ -395,7 +383,7 @@ class ModelStates:
 
     def _forward_started(self, module: nn.Module, _args: Any) -> None:
         self.lifecycle.check_usable()
-        _refuse_compile()
+        refuse_compile()
         names = self.facts.module_names[module]
         self.relayout.record(names)
         if torch.is_grad_enabled():
