@@ -1,6 +1,7 @@
 """The placement plan of model states, and the simple default rule (pure: no I/O, no torch).
 
-A plan says how big chunks are, how many of the first chunks stay on the device, how many
+A plan says how big chunks are (a parameter larger than that, an outlier, has a chunk of its
+own: NOTE [ Chunk layout rules ] rule 4), how many of the first chunks stay on the device, how many
 non-persistent chunks the device buffer pool holds, and where each chunk's master parameters
 and optimizer states live. ``rt.manage(..., plan=)`` takes a hand-written plan (a dict in
 the shape of :meth:`Plan.as_dict`, a :class:`Plan`, or the path of a JSON file saved by
@@ -31,8 +32,11 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    parameters shared by several modules (tied weights stay pinned through backward), plus
    one slot to prefetch into; never more than the non-persistent chunks. When that reserve
    leaves the device short and buffers were not asked for, the prefetch slot goes before a
-   refusal (a chunk is then fetched on demand as its module starts). A refusal of the rule
-   alone names the smallest free bytes per tier with which it fits (``choose.py``).
+   refusal (a chunk is then fetched on demand as its module starts). When no chunk size of
+   at least the largest parameter fits, the sizes that give outliers chunks of their own are
+   tried (NOTE [ Chunk layout rules ] rules 4 and 5). A refusal of the rule alone names the
+   smallest free bytes per tier with which it fits (``choose.py``), outliers' own chunks
+   included.
 5. A hand-written field overrides the rule; the whole plan is then checked against the free
    capacities and rejected with the numbers when it cannot fit.
 """

@@ -6,14 +6,16 @@ combines them (rules 1, 3-5) and re-exports their names.
 # NOTE [ Cost model ]
 1. Device bytes (what the device tier accounts, NOTE [ Model-state rules ] rule 6):
    persistent chunks (parameters and optimizer states), ``buffers`` streamed chunks'
-   parameters, gradient chunks, and the saved activations the offloader manages (rule 4).
+   parameters (the largest streamed chunks' slots: an outlier's own chunk its own bytes, every
+   other the largest other's, NOTE [ Spare chunk storage ]), gradient chunks, and the saved
+   activations the offloader manages (rule 4).
    Gradients (``zero_grad(set_to_none=True)``, the default, drops them between steps) are
    allocated during backward, as activations are freed: a persistent chunk's gradient chunk
    appears when backward reaches the block that first used its last parameter (NOTE
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
-   write-back lands (one being filled, plus the streamed chunks of shared, tied parameters,
-   whose gradients complete only at the end of backward; a persistent tied chunk's gradient is
-   a persistent one). The device peak is the largest sum over that backward timeline and the
+   write-back lands (one being filled, counted at the largest untied streamed chunk's bytes,
+   plus the streamed chunks of shared, tied parameters, whose gradients complete only at the
+   end of backward; a persistent tied chunk's gradient is a persistent one). The device peak is the largest sum over that backward timeline and the
    end of forward, where no gradient exists yet: counting the streamed gradients in flight
    there too, and a persistent tied chunk twice, overestimated the 200M GPT of issue 20 at
    device and host 10% by 48 MiB (288 MiB predicted, 236-244 MiB measured; now 240 MiB) and

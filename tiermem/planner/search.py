@@ -5,7 +5,8 @@ runs them and explains the plan (and re-exports their public names).
 
 # NOTE [ Plan search ]
 1. Dimensions: chunk size (the chunk-size candidates of NOTE [ Chunk layout rules ] rule 5,
-   thinned to ``MAX_SIZES``), persistent chunks (every prefix), buffers (the fewest one module
+   thinned to ``MAX_SIZES``, and those below the largest parameter that give outliers chunks
+   of their own, thinned to ``MAX_OUTLIER_SIZES``), persistent chunks (every prefix), buffers (the fewest one module
    needs, one more to prefetch into, or every streamed chunk), where each streamed chunk's
    states live (the longest host prefix the host holds, then NVMe), and the per-block
    activation policy (or the one the caller fixed: ``block_policy=``, searched around).
