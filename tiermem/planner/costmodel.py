@@ -15,11 +15,11 @@ combines them (rules 1, 3-5) and re-exports their names.
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
    write-back lands (one being filled, counted at the largest untied streamed chunk's bytes,
    plus the streamed chunks of shared, tied parameters, whose gradients complete only at the
-   end of backward; a persistent tied chunk's gradient is a persistent one). The device peak is the largest sum over that backward timeline and the
-   end of forward, where no gradient exists yet: counting the streamed gradients in flight
-   there too, and a persistent tied chunk twice, overestimated the 200M GPT of issue 20 at
-   device and host 10% by 48 MiB (288 MiB predicted, 236-244 MiB measured; now 240 MiB) and
-   refused plans that fit.
+   end of backward; a persistent tied chunk's gradient is a persistent one). The device peak
+   is the largest sum over that backward timeline and the end of forward, where no gradient
+   exists yet: counting the streamed gradients in flight there too, and a persistent tied
+   chunk twice, overestimated the 200M GPT of issue 20 at device and host 10% by 48 MiB
+   (288 MiB predicted, 236-244 MiB measured; now 240 MiB) and refused plans that fit.
 2. Activations on the device: the part outside blocks, kept blocks, offloaded blocks whose
    write has not landed yet (the offloader keeps a tensor readable at its source until its
    write lands) and, in backward, the block being fetched back plus the prefetch window
