@@ -238,3 +238,16 @@ def test_every_runtime_module_is_internal_and_the_drivers_are_not() -> None:
     for module in (tiermem.checkpoint, tiermem.objects, tiermem.registry, tiermem.states.manager):
         assert module.__file__ is not None and module.__file__.startswith(internal), module.__name__
     assert tiermem.train.__file__ is not None and not tiermem.train.__file__.startswith(internal)
+
+
+@pytest.mark.parametrize("close_order", ["opened", "reverse"])
+def test_runtimes_closed_in_any_order_leave_the_original_handler(tmp_path: Path, close_order: str) -> None:
+    """Two runtimes open at once, closed in the order they opened (not nested) or the reverse:
+    the process ends with the handlers it had before either, not a closed runtime's."""
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    first, second = _runtime(tmp_path / "a").start(), _runtime(tmp_path / "b").start()
+    for rt in (first, second) if close_order == "opened" else (second, first):
+        rt.close()
+    assert {sig: signal.getsignal(sig) for sig in before} == before

@@ -63,6 +63,17 @@ class DeferredInterrupts:
             raise KeyboardInterrupt
 
 
+def _skip_closed_guards(sig: int, handler: Any) -> Any:
+    """What a guard being uninstalled restores: ``handler``, or, when that is the handler of a
+    guard closed already (two runtimes closed in the order they were opened), what that guard
+    replaced, and so on; so the process ends with the handler it had before any runtime."""
+    guard = getattr(handler, "__self__", None)
+    while isinstance(guard, RuntimeInterruptGuard) and guard._closed and sig in guard._previous:
+        handler = guard._previous[sig]
+        guard = getattr(handler, "__self__", None)
+    return handler
+
+
 class RuntimeInterruptGuard:
     """While a :class:`~tiermem.Runtime` is open: Ctrl-C where the runtime cannot be cut short.
 
@@ -123,7 +134,7 @@ class RuntimeInterruptGuard:
         # reaches the replaced one through us (closed, we pass every signal on).
         for sig, previous in self._previous.items():
             if signal.getsignal(sig) is self._handler:
-                signal.signal(sig, previous)
+                signal.signal(sig, _skip_closed_guards(sig, previous))
         previous = self._previous.get(held) if held is not None else None
         if previous is not None:
             previous(held, None)
