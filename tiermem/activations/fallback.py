@@ -160,10 +160,12 @@ class Fallbacks:
             why = f"{planned.value} is out ({outage.message})" if outage else "the device budget is short"
             if policy is BlockPolicy.RECOMPUTE:
                 later = "now" if planned is BlockPolicy.KEEP or outage else "when backward brings them back"
-                why += (
-                    f"; its ~{expected} saved bytes would not fit {later}: {room} bytes of the device budget "
-                    "are not held by what stays resident"
+                free = (
+                    f"{room} bytes of the device budget are not held by what stays resident"
+                    if room >= 0
+                    else f"what stays resident already holds {-room} bytes more than the device budget"
                 )
+                why += f"; its ~{expected} saved bytes would not fit {later}: {free}"
             self.report(group.forward_id, group.index, fallback, why)
         return policy
 
