@@ -37,7 +37,7 @@ checkpoint_id=path, storage_reader=storage_reader(path))`` in either format.
    one tensor in flight) and ``"zarr"`` (:class:`~tiermem.checkpoint.zarr_storage.ZarrWriter`: an
    array per tensor, readable by any zarr v3 reader without torch). Same planners, same commit
    and digests; a load and :func:`storage_reader` find the format on disk (a root ``zarr.json``).
-   The default is ``"dcp"``, from bench/checkpoint.py (bench/README.md, "Checkpoint formats"): on
+   The default is ``"dcp"``, from bench/checkpoint.py (bench/README.md, "Checkpoints"): on
    192 MiB of NVMe-homed states DCP saved 1.6-7x and loaded 1.9-4x faster than zarr in every
    pair, added half the RSS on a save (one tensor in flight against zarr's bounded writes in
    flight) and wrote 4 files against 284, for the same bytes. Choose zarr to read the states
