@@ -19,7 +19,14 @@ from torch import nn
 import tiermem
 from tiermem.layout.placement import Budgets, PlanRequest
 from tiermem.states import PlanError, StatesClosedError, StatesMemoryError, StatesUsageError
-from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, padded_shard_shape, signature
+from tiermem.states.sharded_layout import (
+    DEFAULT_CHUNK_SIZE,
+    ShardSpec,
+    decide_homes,
+    pack_shards,
+    padded_shard_shape,
+    signature,
+)
 
 WIDTH = 64
 BATCH = 32
@@ -74,6 +81,19 @@ def test_every_rank_packs_the_same_chunks_whatever_its_shard():
     assert signature(size, layouts, 2) != signature(*pack_shards(specs, 8192), 2)
     with pytest.raises(PlanError, match="below the largest parameter shard"):
         pack_shards([ShardSpec((4096,), torch.float32, True)], 4096)
+
+
+def test_an_outlier_shard_gets_a_chunk_of_its_own():
+    """Rule 4: an embedding-sized shard (over twice every other) no longer sets every chunk's size."""
+    specs = [ShardSpec((300_000, 64), torch.float32, True)] + [ShardSpec((64, 64), torch.float32, True)] * 4
+    size, layouts = pack_shards(specs, None)  # 73 MiB of embedding: the default 64 MiB size stays
+    assert size == DEFAULT_CHUNK_SIZE
+    assert [[s.index for s in c.slots] for c in layouts] == [[0], [1, 2, 3, 4]]
+    assert layouts[0].nbytes == 300_000 * 64 * 4
+    size, layouts = pack_shards(specs, 64 * 64 * 4)
+    assert [len(c.slots) for c in layouts] == [1, 1, 1, 1, 1]
+    with pytest.raises(PlanError, match="does not get a chunk of its own"):
+        pack_shards(specs, 1024)
 
 
 def test_default_rule_places_device_then_host_then_nvme():

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from tiermem.errors import PlanError, StatesMemoryError
-from tiermem.layout.chunks import ChunkLayout, ParamInfo, pack
+from tiermem.layout.chunks import ChunkLayout, ParamInfo, pack, packing_floor
 from tiermem.layout.placement import STAGED_HOMES, STATE_HOMES, Budgets, Plan, PlanRequest
 from tiermem.units import ALIGNMENT, format_size, round_up
 
@@ -53,20 +53,23 @@ class ShardSpec:
 
 def pack_shards(specs: Sequence[ShardSpec], chunk_size: int | None) -> tuple[int, list[ChunkLayout]]:
     """Rule 4: the chunk size in force and the chunks of the optimized shards, in parameter
-    order; a frozen (not optimized) parameter has no state and no slot."""
+    order; a frozen (not optimized) parameter has no state and no slot. A shard more than twice
+    every other's (an embedding's: NOTE [ Chunk layout rules ] rule 4) gets a chunk of its own,
+    so it does not set every chunk's size (and with it the memory that stages one)."""
     optimized = [i for i, s in enumerate(specs) if s.optimized and s.nbytes > 0]
-    largest = max((specs[i].nbytes for i in optimized), default=0)
+    infos = [ParamInfo(s.nbytes, s.padded_shape, s.dtype, True) for s in specs]
+    floor = packing_floor([infos[i] for i in optimized])
     if chunk_size is None:
         total = sum(round_up(specs[i].nbytes, 64) for i in optimized)
-        size = max(round_up(max(largest, 1), ALIGNMENT), min(round_up(max(total, 1), ALIGNMENT), DEFAULT_CHUNK_SIZE))
-    elif chunk_size < largest:
+        size = max(round_up(max(floor, 1), ALIGNMENT), min(round_up(max(total, 1), ALIGNMENT), DEFAULT_CHUNK_SIZE))
+    elif chunk_size < floor:
         raise PlanError(
-            f"tiermem plan: chunk_size={chunk_size} is below the largest parameter shard ({largest} bytes per rank)"
+            f"tiermem plan: chunk_size={chunk_size} is below the largest parameter shard that does not get a chunk "
+            f"of its own ({floor} bytes per rank); give at least that"
         )
     else:
         size = round_up(chunk_size, ALIGNMENT)
-    infos = [ParamInfo(s.nbytes, s.padded_shape, s.dtype, True) for s in specs]
-    return size, pack(infos, optimized, size)
+    return size, pack(infos, optimized, size, oversized=True)
 
 
 def signature(chunk_size: int, layouts: Sequence[ChunkLayout], sections: int) -> str:
