@@ -18,8 +18,8 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
    adopt pageable shards: they are then not counted, and that is logged).
 2. Packing is the same on every rank: each optimized parameter gets a slot of its *padded* shard
    shape (FSDP2 pads every rank's shard to ``ceil(size / mesh size)`` along each sharded dim),
-   packed in parameter order (NOTE [ Chunk layout rules ]; an outlier, rule 4, alone); a rank's own shard fills the first
-   elements of its slot. At ``rt.manage`` every rank sends its packing digest and free bytes
+   packed in parameter order (NOTE [ Chunk layout rules ]; an outlier, rule 4, alone); a rank's own
+   shard fills the first elements of its slot. At ``rt.manage`` every rank sends its packing digest and free bytes
    (one ``all_gather_object`` on the default group); rank 0 checks that the digests are equal.
 3. One plan: rank 0 decides it (a hand plan's ``chunk_size``, ``state_home`` and
    ``persistent_chunks`` are honoured; ``"auto"`` places chunks by the default rule of
