@@ -67,6 +67,8 @@ def _config(directory: Path, param_bytes: int, home: str) -> dict[str, Any]:
 def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if mode.endswith(("-on", "-off")):
         os.environ["TIERMEM_STEP_THREAD"] = mode.rsplit("-", 1)[1]
+    import resource
+
     import torch
     from torch import nn
 
@@ -94,11 +96,12 @@ def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         plan = {"state_home": mode.split("-")[0], "chunk_size": chunk}
         model, optimizer = runtime.manage(model, torch.optim.AdamW, plan=plan, **declared, **kwargs)
     steps, totals = [], []
-    cpu_start = 0.0
+    cpu_start, faults_start = 0.0, 0
     try:
         for i, x in enumerate(batches):
             if i == args.warmup:
                 cpu_start = time.process_time()
+                faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start = time.perf_counter()
             model(x).pow(2).mean().backward()
             before_step = time.perf_counter()
@@ -109,6 +112,7 @@ def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 steps.append(stepped - before_step)
                 totals.append(time.perf_counter() - start)
         cpu = (time.process_time() - cpu_start) / args.steps
+        faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start) / args.steps
     finally:
         if runtime is not None:
             runtime.__exit__(None, None, None)
@@ -122,6 +126,7 @@ def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
         "step_ns_per_param": statistics.median(steps) / params * 1e9,
         "train_step_s": statistics.median(totals),
         "cpu_s_per_step": cpu,
+        "page_faults_per_step": faults,
         "sha256": digest.hexdigest(),
     }
 
