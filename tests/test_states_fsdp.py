@@ -400,6 +400,34 @@ def _agreement(rank: int, path: str) -> dict[str, Any]:
     return {"plan": plan, "params": _gathered(model)}
 
 
+def _mixed_precision(rank: int, path: str) -> dict[str, Any]:
+    """FSDP2's MixedPrecisionPolicy (bf16 gathers and compute, fp32 shards as the masters) with
+    each rank's AdamW states on NVMe, against plain FSDP2 with the same policy."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def sharded() -> nn.Module:
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = mlp()
+        for block in model:
+            fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        return model
+
+    plain = sharded()
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=LR)
+    _train(None, plain, plain_optimizer, rank)
+    model = sharded()
+    with tiermem.Runtime(_config(path)) as rt:
+        model, optimizer = rt.manage(
+            model, torch.optim.AdamW, plan={"state_home": "nvme", "chunk_size": "16KiB"}, lr=LR
+        )
+        _train(rt, model, optimizer, rank)
+        written = rt.stats().tiers["nvme"].bytes_written
+    same = all(torch.equal(a, b) for a, b in zip(_gathered(model), _gathered(plain), strict=True))
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    return {"same_params": same, "nvme_written": written, "dtypes": dtypes}
+
+
 def _hsdp(rank: int, path: str) -> dict[str, Any]:
     """HSDP: a 2-D mesh (replicate x shard) with the ranks replicating; states on NVMe."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -424,6 +452,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "host": _homes("host"),
     "nvme": _homes("nvme"),
     "hsdp": _hsdp,
+    "mixed_precision": _mixed_precision,
     "activations": _with_activations,
     "declared": _declared,
     "accumulated": _accumulated,
@@ -534,3 +563,12 @@ def test_hsdp_on_a_2d_mesh_matches_one_process(ranks):
     for rank in ranks:
         assert rank["hsdp"]["nvme_written"] > 0
         assert rank["hsdp"]["placements"] == {"(Replicate(), Shard(dim=0))"}
+
+
+def test_fsdp2_mixed_precision_policy_composes(ranks):
+    """fp32 masters under mixed precision on FSDP2 are FSDP2's own sharded parameters
+    (MixedPrecisionPolicy gathers bf16): with the states on NVMe, bitwise plain FSDP2 + the policy."""
+    for rank in ranks:
+        result = rank["mixed_precision"]
+        assert result["same_params"] and result["nvme_written"] > 0
+        assert result["dtypes"] == {"torch.float32"}

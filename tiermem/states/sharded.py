@@ -61,8 +61,10 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
    through :class:`~tiermem.states.sharded_io.ShardedStateIO` (local shards, one home read per
    chunk), in ``get_state_dict``'s layout. Only between steps: a declared window with arrivals
    counted, or any ``.grad`` still set, is refused by the save (gradients are not saved).
-10. Not yet: ``param_dtype=`` (FSDP2's ``MixedPrecisionPolicy(param_dtype=)`` keeps fp32 shards as
-   masters and gathers in low precision), ``sample=`` profiling, parameters resting on NVMe
+10. Mixed precision is FSDP2's ``MixedPrecisionPolicy(param_dtype=)``: its fp32 shards are the
+   masters the step updates (tiered states beside them, bitwise plain FSDP2 with the policy,
+   ``tests/test_states_fsdp.py``) and it gathers in low precision; ``rt.manage(param_dtype=)`` is
+   refused with that pointer. Not yet: ``sample=`` profiling, parameters resting on NVMe
    (docs/ARCHITECTURE.md).
 """
 
