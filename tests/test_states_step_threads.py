@@ -25,6 +25,7 @@ from tests.test_states_declared import managed, plain_loop
 from tests.test_states_optimizer_flags import FLAGS, adamw
 from tiermem.registry import ObjectState
 from tiermem.states import chunk_step
+from tiermem.states import step_thread as step_thread_module
 from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.step_thread import AUTO_MIN_CORES, ENV_VAR, step_thread_wanted
 
@@ -178,3 +179,23 @@ def test_the_setting_is_checked_and_auto_follows_the_cores(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "yes")
     with pytest.raises(ValueError, match=r"TIERMEM_STEP_THREAD='yes' is not a step-thread setting; use one of auto"):
         step_thread_wanted()
+
+
+@pytest.mark.parametrize(("flag", "home", "on_step_thread"), [("fused", "host", False), ("fused", "nvme", True)])
+def test_auto_steps_fused_host_homes_inline(tmp_path, step_thread, monkeypatch, flag, home, on_step_thread):
+    """Rule 6: under ``auto`` (with cores to spare) fused steps over host homes stay on the training
+    thread, other steps go to the step thread; both bitwise plain."""
+    monkeypatch.setenv(ENV_VAR, "auto")
+    monkeypatch.setattr(step_thread_module, "usable_cores", lambda: AUTO_MIN_CORES)
+    plain = make_model()
+    want = plain_loop(plain, adamw(param_groups(plain), flag), 2, 1, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, adamw(param_groups(model), flag), plan={"state_home": home}, grad_accumulation_steps=1
+        )
+        seen = step_thread.of(rt)
+        got = plain_loop(model, optimizer, 2, 1, None)
+    threads = {s["thread"].startswith("tiermem-step") for s in seen}
+    assert threads == {on_step_thread}
+    assert_bitwise(got, want)

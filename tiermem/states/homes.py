@@ -43,11 +43,10 @@ class Homes:
             if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
                 other.home.wait()
 
-    def stage(self, chunk: Chunk, known: KnownBytes | None = None, make_room: Callable[[], None] | None = None) -> None:
+    def stage(self, chunk: Chunk, known: KnownBytes | None = None) -> None:
         """Bring an NVMe home to the host for writing (DEMAND) and wait for it; ``known``: what
-        memory holds of it already (NOTE [ Managed object rules ] rule 6). With no room, first
-        ``make_room`` (a step in flight sends its home back: NOTE [ Step threads ] rule 2), then
-        the write-backs in flight land."""
+        memory holds of it already (NOTE [ Managed object rules ] rule 6). With no room, the
+        write-backs in flight land first."""
         self.fence(chunk)
         handle = chunk.home
         assert handle is not None
@@ -55,8 +54,6 @@ class Homes:
             handle.move_to("host", Priority.DEMAND, known)
         except TierCapacityError:
             # Earlier homes' write-backs free host memory when they land (the plan stages two).
-            if make_room is not None:
-                make_room()
             self.wait_moves(skip=chunk)
             try:
                 handle.move_to("host", Priority.DEMAND, known)

@@ -83,7 +83,7 @@ from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
-from tiermem.states.step_thread import StepThread, step_thread_wanted
+from tiermem.states.step_thread import StepThread, step_thread_setting, step_thread_wanted
 from tiermem.states.store import ChunkStore
 
 log = logging.getLogger("tiermem.states")
@@ -200,7 +200,8 @@ class Stepper:
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on it
-        self.steps = StepThread(step_thread_wanted(self.step_thread))
+        setting = step_thread_setting(self.step_thread)
+        self.steps = StepThread(step_thread_wanted(setting), fused_inline=setting == "auto")
         homes.fence = gradients.fence = self._fence
 
     #: NOTE [ Step threads ] rule 6: "on", "off" or "auto"; None reads TIERMEM_STEP_THREAD
@@ -429,13 +430,15 @@ class Stepper:
     ) -> None:
         """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
         :meth:`_finish_chunk_step` follows on this thread."""
+        self.steps.finish_all()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
         staged = chunk.home_tier == "nvme"
         if staged:
-            self.homes.stage(chunk, known, make_room=self.steps.finish_all)
+            self.homes.stage(chunk, known)
         handle = chunk.home
         home = None if handle is None else handle.tensor(handle.tier if chunk.has_master else "device")
+        on_cpu = (home.device if home is not None else self.facts.device).type == "cpu"
         try:
             job = ChunkStep.prepare(
                 self.facts, self.store, self.gradients, (chunk, slots, home), optimizer, group_of, attributes
@@ -444,7 +447,9 @@ class Stepper:
             if staged:
                 self.homes.send_back(chunk)
             raise
-        self.steps.run(chunk.index, job.compute, functools.partial(self._finish_chunk_step, chunk, job, staged))
+        finish = functools.partial(self._finish_chunk_step, chunk, job, staged)
+        fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
+        self.steps.run(chunk.index, job.compute, finish, inline=not on_cpu or fused)  # rules 2, 6
 
     def _finish_chunk_step(self, chunk: Chunk, job: ChunkStep, staged: bool, ok: bool) -> None:
         """NOTE [ Step threads ] rule 3, on the training thread once ``job`` computed."""
