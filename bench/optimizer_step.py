@@ -10,7 +10,7 @@ noisy machine falls on all of them; medians are reported. The model: ``--layers`
 - ``plain``: plain PyTorch;
 - ``host`` / ``nvme``: ``rt.manage`` with every chunk's states homed on the host / on NVMe (device
   capacity a quarter of the parameters' bytes), a plain loop: the step runs whole at
-  ``optimizer.step()``;
+  ``optimizer.step()`` (step thread at its default, ``TIERMEM_STEP_THREAD`` unset);
 - ``host-declared`` / ``nvme-declared`` with ``-off`` / ``-on``: the declared loop
   (``grad_accumulation_steps=1, keep_gradients=False``): chunks step during backward, on the
   training thread (``TIERMEM_STEP_THREAD=off``) or on the step thread (``on``).
