@@ -102,7 +102,8 @@ def test_show_prints_the_resolved_configuration(tmp_path: Path, capsys: pytest.C
     assert shown["nvme"]["capacity"] == 90 * GiB
     assert shown["nvme"]["checksum"] is True
     assert shown["nvme"]["paths"] and all(os.path.isabs(p) for p in shown["nvme"]["paths"])
-    assert shown["model_states"] == {"chunk_size": "auto"}  # the planner's choice, not the machine's
+    # the planner's choice, not the machine's; where chunk steps compute (NOTE [ Step threads ])
+    assert shown["model_states"] == {"chunk_size": "auto", "step_thread": "auto"}
 
 
 def test_show_without_a_file_uses_defaults_and_environment(

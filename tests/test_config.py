@@ -87,7 +87,7 @@ def test_defaults_match_the_documented_values() -> None:
     )
     assert c.scheduler == SchedulerConfig(loop="uvloop", max_inflight=512 * MiB)
     assert c.activations == ActivationsConfig(policy="auto", min_bytes=MiB)
-    assert c.model_states == ModelStatesConfig(chunk_size="auto")
+    assert c.model_states == ModelStatesConfig(chunk_size="auto", step_thread="auto")
     assert c.distributed == DistributedConfig(timeout_s=600.0, backend="auto")
 
 
@@ -137,6 +137,7 @@ def test_empty_dict_and_empty_file_give_the_defaults(tmp_path: Path) -> None:
         ("activations", "min_bytes", 0, 0),
         ("model_states", "chunk_size", "32MiB", 32 * MiB),
         ("model_states", "chunk_size", "auto", "auto"),
+        ("model_states", "step_thread", "off", "off"),
         ("distributed", "timeout_s", 30, 30.0),
         ("distributed", "timeout_s", 0.5, 0.5),
         ("distributed", "backend", "gloo", "gloo"),
@@ -190,6 +191,7 @@ def test_each_key_parses_to_its_stored_value(section: str, key: str, value: Any,
         ("activations", "policy", "swap", 'activations.policy: "swap" is not a known policy'),
         ("activations", "min_bytes", "lots", 'activations.min_bytes: "lots" is not a size'),
         ("model_states", "chunk_size", 0, "model_states.chunk_size: 0 must be more than 0 bytes"),
+        ("model_states", "step_thread", "yes", 'model_states.step_thread: "yes" is not a known step-thread setting'),
         (
             "distributed",
             "timeout_s",

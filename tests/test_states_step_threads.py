@@ -177,7 +177,7 @@ def test_the_setting_is_checked_and_auto_follows_the_cores(monkeypatch):
     monkeypatch.setenv(ENV_VAR, "")
     assert step_thread_wanted(cores=AUTO_MIN_CORES)
     monkeypatch.setenv(ENV_VAR, "yes")
-    with pytest.raises(ValueError, match=r"TIERMEM_STEP_THREAD='yes' is not a step-thread setting; use one of auto"):
+    with pytest.raises(ValueError, match=r"TIERMEM_MODEL_STATES_STEP_THREAD=.yes. is not a step-thread setting"):
         step_thread_wanted()
 
 

@@ -145,6 +145,10 @@ def explain(
         if config.model_states.chunk_size == AUTO
         else ""
     )
+    if config.model_states.step_thread == AUTO:
+        why["model_states.step_thread"] = (
+            "auto: chunk steps on the step thread with 2 or more cores, fused steps over host homes inline"
+        )
     if config.activations.policy == AUTO:
         why["activations.policy"] = "per block, the plan's choice (or TBA's adaptive keep), not the machine's"
     final = dataclasses.replace(

@@ -338,6 +338,8 @@ class ModelStatesConfig(_Section):
 
     NAME: ClassVar[str] = "model_states"
     chunk_size: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True, positive=True))
+    #: where chunk steps compute (NOTE [ Step threads ] in tiermem.states.step_thread)
+    step_thread: Literal["auto", "on", "off"] = _setting(AUTO, _choice_rule("step-thread setting", AUTO, "on", "off"))
 
 
 @dataclass(frozen=True)

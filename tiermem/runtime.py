@@ -306,6 +306,7 @@ class Runtime:
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
             first_step_planner=first_step_planner,
+            step_thread=(self.resolved or self.config).model_states.step_thread,
         )
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]

@@ -165,6 +165,7 @@ class ModelStates:
         keep_gradients: bool = True,
         param_dtype: torch.dtype | None = None,
         first_step_planner: FirstStepPlanner | None = None,
+        step_thread: str | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -192,7 +193,7 @@ class ModelStates:
             grads_stream=declared.grads_stream,
             hooks=(self._remove_hooks, self._register_hooks),
         )
-        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared)
+        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared, step_thread)
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
         self.training = Training(facts)
         tracked = dataclasses.replace(facts, trainable=self.training.now)
@@ -416,6 +417,7 @@ class ModelStates:
             return
         try:
             self.backward.settle()
+            self.stepper.close()  # the step in flight finishes; the step thread stops
             self.store.pool.clear()
             lifecycle.restored = self.stateio.restore()
         except Exception:

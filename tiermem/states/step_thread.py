@@ -28,7 +28,8 @@ backward and the state I/O.
    they differ), so kernels split their work as plain PyTorch does. Element-wise steps (Adam,
    AdamW, SGD, single-tensor, ``foreach`` and ``fused``) give bitwise the same values on any
    thread; the tests compare each flag with plain PyTorch, with and without the step thread.
-6. Policy: ``TIERMEM_STEP_THREAD`` = ``on``, ``off`` or ``auto`` (the default). ``auto`` runs the
+6. Policy: ``[model_states] step_thread`` (``TIERMEM_MODEL_STATES_STEP_THREAD``) = ``on``, ``off``
+   or ``auto`` (the default). ``auto`` runs the
    step thread when the process may use at least :data:`AUTO_MIN_CORES` cores, except for steps
    whose groups are all ``fused=True`` over homes already in memory (host-homed chunks): torch's
    fused kernel is so short that handing it over costs more than it overlaps. Measured with
@@ -48,7 +49,7 @@ import torch
 
 __all__ = ["AUTO_MIN_CORES", "ENV_VAR", "StepThread", "step_thread_setting", "step_thread_wanted"]
 
-ENV_VAR = "TIERMEM_STEP_THREAD"
+ENV_VAR = "TIERMEM_MODEL_STATES_STEP_THREAD"
 SETTINGS = ("auto", "on", "off")
 #: rule 6: cores from which ``auto`` runs chunk steps on the step thread
 AUTO_MIN_CORES = 2

@@ -172,6 +172,7 @@ class Stepper:
         homes: Homes,
         repacker: Repacker,
         declared: Declarations,
+        step_thread: str | None = None,
     ) -> None:
         self.facts = facts
         self.store = store
@@ -200,11 +201,11 @@ class Stepper:
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on it
-        setting = step_thread_setting(self.step_thread)
+        setting = step_thread_setting(self.step_thread if step_thread is None else step_thread)
         self.steps = StepThread(step_thread_wanted(setting), fused_inline=setting == "auto")
         homes.fence = gradients.fence = self._fence
 
-    #: NOTE [ Step threads ] rule 6: "on", "off" or "auto"; None reads TIERMEM_STEP_THREAD
+    #: NOTE [ Step threads ] rule 6: "on", "off" or "auto" when rt.manage gives none; None reads the environment
     step_thread: str | None = None
 
     def _fence(self, chunk: Chunk) -> None:
