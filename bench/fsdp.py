@@ -13,7 +13,9 @@ speed differs from machine to machine, so only side-by-side ratios mean anything
   chunks homed on NVMe (``<path>/rank<R>``).
 
 Per rank: median step time over ``--steps`` after ``--warmup``, peak RSS (``ru_maxrss``: the
-whole rank process from model construction to exit), and tiermem's NVMe bytes written/read.
+whole rank process from model construction to exit: every rank builds the full model before
+``fully_shard`` shards it), RSS after each measured step (what training holds), and tiermem's NVMe
+bytes written/read.
 Both process counts share the machine's cores: a rank runs ``cores / world`` threads.
 
 Usage::
@@ -38,11 +40,14 @@ import time
 import warnings
 from typing import Any
 
+import psutil
+
 MODES = ("plain1", "tiermem1", "fsdp2", "fsdp2_cpuoffload", "tiermem2")
 SIZES = {
     "tiny": {"n_layer": 2, "d_model": 64, "n_head": 2, "vocab_size": 256, "seq_len": 32},
     "small": {"n_layer": 4, "d_model": 384, "n_head": 6, "vocab_size": 4096, "seq_len": 128},
-    "medium": {"n_layer": 8, "d_model": 512, "n_head": 8, "vocab_size": 8192, "seq_len": 128},
+    # A small vocabulary: the data generator's vocab x vocab tables would dominate the RSS otherwise.
+    "medium": {"n_layer": 8, "d_model": 768, "n_head": 12, "vocab_size": 2048, "seq_len": 128},
 }
 
 
@@ -87,10 +92,23 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: str)
     batch = args["batch"] * (2 if world == 1 else 1)  # the same global batch either way
     runtime = None
     if mode.startswith("tiermem"):
-        # Each rank's files go to <path>/rank<R> (NOTE [ Ranks ] in tiermem.distributed).
-        runtime = tiermem.Runtime({"nvme": {"paths": [args["nvme"]]}}).start()
-        model, optimizer = runtime.manage(model, optimizer, plan={"persistent_chunks": 0, "state_home": "nvme"})
+        # Each rank's files go to <path>/rank<R> (NOTE [ Ranks ] in tiermem.distributed). Capacities
+        # as a user short of memory sets them: the device holds what FSDP2 keeps there (or the
+        # streamed chunks), the host stages NVMe homes; the states live on NVMe.
+        config = {
+            "device": {"capacity": args["device"]},
+            "host": {"capacity": args["host"]},
+            "nvme": {"paths": [args["nvme"]]},
+        }
+        runtime = tiermem.Runtime(config).start()
+        plan = {"persistent_chunks": 0, "state_home": "nvme", "chunk_size": args["chunk"]}
+        # the declared loop: chunks step during backward and drop their gradients (NOTE [ Declared steps ])
+        model, optimizer = runtime.manage(
+            model, optimizer, plan=plan, grad_accumulation_steps=1, keep_gradients=False
+        )
     times = []
+    step_rss = 0
+    process = psutil.Process()
     try:
         for step in range(args["warmup"] + args["steps"]):
             x, y = data.batch(batch)
@@ -103,6 +121,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: str)
                 dist.barrier()
             if step >= args["warmup"]:
                 times.append(time.perf_counter() - start)
+                step_rss = max(step_rss, process.memory_info().rss)
         nvme = {}
         if runtime is not None:
             tiers = runtime.stats().as_dict()["tiers"]
@@ -114,6 +133,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: str)
         "rank": rank,
         "median_step_s": statistics.median(times),
         "ru_maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "step_rss_mib": step_rss / 2**20,  # RSS after each measured step: what training holds
         "params": sum(p.numel() for p in model.parameters()),
         "nvme": nvme,
     }
@@ -130,7 +150,8 @@ def _worker(args: argparse.Namespace) -> None:
 
     world = _world(args.worker)
     settings = {"mode": args.worker, "size": args.size, "batch": args.batch, "warmup": args.warmup,
-                "steps": args.steps, "nvme": args.nvme}
+                "steps": args.steps, "nvme": args.nvme, "device": args.device, "host": args.host,
+                "chunk": args.chunk}
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
             _rank_main(0, 1, 0, settings, out)
@@ -168,6 +189,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--nvme", default=None, help="directory for NVMe tiers (default: a temporary one)")
+    parser.add_argument("--device", default="320MiB", help="tiermem modes: [device] capacity per rank")
+    parser.add_argument("--host", default="160MiB", help="tiermem modes: [host] capacity per rank")
+    parser.add_argument("--chunk", default="16MiB", help="tiermem modes: chunk size")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -176,12 +200,16 @@ def main() -> None:
         return
     modes = [m for m in args.modes.split(",") if m]
     results: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
+    # glibc returns freed blocks to the system (TRAPS 8), so RSS shows what each mode holds, not
+    # what malloc kept of staging buffers freed long ago; the same for every mode.
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     with tempfile.TemporaryDirectory(dir=args.nvme) as nvme:
         for _ in range(args.rounds):
             for mode in modes:  # A B A B: every mode once per round, in a fresh process tree
                 cmd = [sys.executable, __file__, "--worker", mode, "--size", args.size, "--batch", str(args.batch),
-                       "--warmup", str(args.warmup), "--steps", str(args.steps), "--nvme", nvme]
-                done = subprocess.run(cmd, check=True, capture_output=True, text=True)
+                       "--warmup", str(args.warmup), "--steps", str(args.steps), "--nvme", nvme,
+                       "--device", args.device, "--host", args.host, "--chunk", args.chunk]
+                done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
                 results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
         machine = _machine(nvme)
     summary = _summarize(results)
@@ -189,10 +217,11 @@ def main() -> None:
         print(json.dumps({"machine": machine, "summary": summary, "runs": results}, indent=2))
         return
     print(f"machine: {machine}")
-    print(f"{'mode':<18}{'ranks':>6}{'step s':>10}{'vs plain1':>11}{'RSS/rank MiB':>14}{'NVMe W/rank MiB':>17}")
+    print(f"{'mode':<18}{'ranks':>6}{'step s':>10}{'vs plain1':>11}{'maxrss/rank':>13}{'step RSS/rank':>15}"
+          f"{'NVMe W/rank MiB':>17}")
     for mode, row in summary.items():
         print(f"{mode:<18}{row['world']:>6}{row['median_step_s']:>10.3f}{row['step_vs_plain1'] or float('nan'):>11.2f}"
-              f"{row['median_rss_mib']:>14.0f}{row['nvme_written_mib']:>17.1f}")
+              f"{row['median_rss_mib']:>13.0f}{row['median_step_rss_mib']:>15.0f}{row['nvme_written_mib']:>17.1f}")
 
 
 def _summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -201,9 +230,11 @@ def _summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, 
     for mode, runs in results.items():
         steps = [max(r["median_step_s"] for r in run["ranks"]) for run in runs]
         rss = [max(r["ru_maxrss_mib"] for r in run["ranks"]) for run in runs]
+        step_rss = [max(r["step_rss_mib"] for r in run["ranks"]) for run in runs]
         written = [max(r["nvme"].get("bytes_written", 0) for r in run["ranks"]) / 2**20 for run in runs]
         summary[mode] = {"world": runs[0]["world"], "median_step_s": statistics.median(steps),
-                         "median_rss_mib": statistics.median(rss), "nvme_written_mib": statistics.median(written)}
+                         "median_rss_mib": statistics.median(rss), "median_step_rss_mib": statistics.median(step_rss),
+                         "nvme_written_mib": statistics.median(written)}
     base = summary.get("plain1", {}).get("median_step_s")
     for row in summary.values():
         row["step_vs_plain1"] = row["median_step_s"] / base if base else None
