@@ -161,3 +161,14 @@ def test_sigkilled_run_leaves_nothing_after_the_next_start(tmp_path):
         assert len(live) == 1  # only this runtime's own directory
         rt.store(torch.ones(10), "nvme").wait()
     assert os.listdir(tmp_path) == []
+
+
+def test_the_readmes_submodules_are_reached_from_a_plain_import_tiermem() -> None:
+    """``tiermem.checkpoint.storage_reader`` and ``tiermem.distributed.PeerFailureError`` as the
+    README writes them, after ``import tiermem`` alone, in a fresh interpreter."""
+    code = (
+        "import tiermem, sys; assert 'tiermem.checkpoint' not in sys.modules; "
+        "tiermem.checkpoint.storage_reader; tiermem.distributed.PeerFailureError; tiermem.models.GPT"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

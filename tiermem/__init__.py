@@ -41,6 +41,8 @@ __all__ = [
     "Runtime",
     "Stats",
     "__version__",
+    "checkpoint",
+    "distributed",
     "errors",
     "format_size",
     "parse_size",
@@ -55,9 +57,15 @@ if TYPE_CHECKING:  # pragma: no cover
     from tiermem.units import format_size, parse_size
 
 
+#: Subpackages the README reaches as ``tiermem.<name>`` after a plain ``import tiermem``
+#: (``tiermem.checkpoint.storage_reader``, ``except tiermem.distributed.PeerFailureError``),
+#: imported when first named: DCP and torch.distributed only when asked.
+_SUBMODULES = ("checkpoint", "distributed", "errors", "integrations", "models")
+
+
 def __getattr__(name: str) -> Any:
-    if name == "errors":
-        return importlib.import_module("tiermem.errors")
+    if name in _SUBMODULES:
+        return importlib.import_module(f"tiermem.{name}")
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'tiermem' has no attribute {name!r}")
