@@ -452,7 +452,11 @@ def _print_summary(result: dict[str, Any]) -> None:
         lines += _plan_lines(result["plan"])
     lines += _checkpoint_lines(result)
     if result["activations"].get("captured_bytes") == 0 and policy != "keep":
-        lines.append(("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's"))
+        lines.append(
+            ("note", "no saved tensor reached [activations] min_bytes; lower it to offload this model's activations")
+        )
+    if result.get("world_size", 1) > 1:
+        lines.append(("ranks", f"rank 0 of {result['world_size']}: every number above is this rank's (its shards)"))
     per_step, per_s = format_size(nvme["bytes_written_per_step"]), format_size(nvme["bytes_written_per_s"])
     lines.append(("NVMe written", f"{per_step} per step ({per_s}/s)"))
     dwpd = nvme["drive_writes_per_day"]
