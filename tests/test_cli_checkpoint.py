@@ -184,3 +184,22 @@ def test_inspect_a_damaged_and_a_partial_checkpoint(tmp_path, capsys):
     assert status == 1 and "tiermem-manifest.json is missing" in report["problem"]
     status, report = _inspect(capsys, tmp_path / "never")
     assert status == 1 and not report["exists"] and "no checkpoint directory" in report["problem"]
+
+
+def test_a_checkpoint_destination_is_checked_before_the_first_step(tmp_path, capsys):
+    """NOTE [ Resuming a train run ] rule 5: a directory that cannot take a save, or a checkpoint a
+    new run (no --resume) would replace, is refused before any step runs."""
+    config = ["--config", _config_file(tmp_path)]
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    assert main(["train", *TINY_ARGS, *config, "--steps", "4", "--checkpoint", str(other), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert "is a directory that is not a tiermem checkpoint" in captured.err and captured.out == ""
+    assert [p.name for p in other.iterdir()] == ["todo.txt"]
+    saved = tmp_path / "ckpt"
+    _train(capsys, tmp_path, "--steps", "2", "--checkpoint", str(saved))
+    before = files.digest_file(saved / files.MANIFEST)
+    assert main(["train", *TINY_ARGS, *config, "--steps", "3", "--checkpoint", str(saved), "--json"]) == 1
+    assert f"continue it with --resume {saved}" in capsys.readouterr().err
+    assert files.digest_file(saved / files.MANIFEST) == before  # untouched

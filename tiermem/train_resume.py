@@ -29,6 +29,9 @@
    world size is one of the run's settings: the per-rank streams and the mean loss are another
    curve on another world size, so a resume on another one is refused (the weights themselves
    load on any world size with ``rt.load``).
+5. ``--checkpoint DIR`` is checked before step 1: DIR must be able to take a save (missing, empty,
+   or a tiermem checkpoint), and a run that does not resume from DIR refuses to replace a
+   checkpoint already there (a forgotten ``--resume`` would lose it).
 """
 
 from __future__ import annotations
@@ -81,6 +84,15 @@ class TrainCheckpoints:
     def active(self) -> bool:
         return self.path is not None or self.resume is not None
 
+    def _check_destination(self) -> None:
+        """Rule 5: before step 1, not after the steps up to the first save."""
+        if self.path is None:
+            return
+        where = Path(os.path.abspath(os.fspath(self.path)))
+        problem = _destination_problem(where, self.resume)
+        if problem is not None:
+            raise CheckpointError(problem, str(where))
+
     def saves_after(self, done: int, steps: int) -> bool:
         """Rule 1: whether to save once ``done`` steps (of ``steps``) are done."""
         if self.path is None:
@@ -102,7 +114,9 @@ class TrainCheckpoints:
         rt.save(self.path, extra=extra)
 
     def check_before_planning(self, model: torch.nn.Module) -> None:
-        """Rule 3, first half: ``resume`` is a readable checkpoint of this model's parameters."""
+        """Rule 3, first half: ``path`` can take a save (rule 5), and ``resume`` is a readable
+        checkpoint of this model's parameters."""
+        self._check_destination()
         if self.resume is None:
             return
         from tiermem.checkpoint import storage_reader  # DCP only when asked
@@ -168,6 +182,23 @@ def run_settings(model_config: Any, batch_size: int, lr: float, seed: int) -> di
         "seed": seed,
         "world_size": distributed.detect().world_size,
     }
+
+
+def _destination_problem(path: Path, resume: str | os.PathLike[str] | None) -> str | None:
+    """Rule 5: why a fresh run must not save to ``path``, or None."""
+    from tiermem.checkpoint import files
+
+    try:
+        files.check_replaceable(path)
+    except CheckpointError as exc:
+        return str(exc)
+    same = resume is not None and Path(os.path.abspath(os.fspath(resume))) == path
+    if not same and (path / files.MANIFEST).exists():
+        return (
+            f"tiermem train: --checkpoint {path} holds a checkpoint already, which this new run would replace; "
+            f"continue it with --resume {path}, or choose another directory (or remove it)"
+        )
+    return None
 
 
 def _check_architecture(where: Path, metadata: Any, model: torch.nn.Module) -> None:
