@@ -58,7 +58,8 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
     if not lists:
         raise ValueError(
             f"tiermem activations: {type(model).__name__} has no nn.ModuleList of identical layers to use as "
-            "blocks; pass blocks=[LayerType] or blocks=['qualified.name', ...]"
+            "blocks; pass blocks=[LayerType] or blocks=['qualified.name', ...] to rt.offload_activations, or "
+            "rt.manage(..., activations=None) to leave its activations alone"
         )
     # The lists holding most of the model's parameters: the encoder and decoder stacks of an
     # encoder-decoder model both qualify; nested lists (heads inside a layer) do not.
