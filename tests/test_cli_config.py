@@ -66,6 +66,21 @@ def test_check_reports_every_problem_one_per_line(tmp_path: Path, capsys: pytest
     assert "Traceback" not in err
 
 
+def test_check_reports_machine_and_path_problems_with_the_values_ones(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every problem at once: a path that does not exist is reported beside a value that does not
+    parse, and beside one this machine cannot give."""
+    missing = tmp_path / "nope"
+    for capacity, first in (('"lots"', "device.capacity"), ('"99TiB"', "host.capacity")):
+        path = write(tmp_path, f'[device]\ncapacity = {capacity}\n[nvme]\npaths = ["{missing}"]\n')
+        assert main(["config", "check", path]) == 1
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[0] == f"tiermem config: 2 problem(s) in {path}:", lines
+        assert lines[1].startswith(f"  - {first}:") and lines[2].startswith("  - nvme.paths:"), lines
+        assert str(missing) in lines[2] and "does not exist" in lines[2]
+
+
 def test_check_reports_missing_and_malformed_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     missing = str(tmp_path / "missing.toml")
     assert main(["config", "check", missing]) == 1

@@ -15,6 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
 
 from tiermem import distributed
 from tiermem.config import Config, MachineProbe
@@ -45,13 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Carry out ``check`` or ``show``; a bad configuration raises ConfigError (exit status 1)."""
-    config = Config.coerce(args.file)
     if args.action == "check":
-        if not args.static:
-            config.resolve()
-            _check_paths(config)
+        _check(args.file, static=args.static)
         print(f"OK: {args.file}")
         return 0
+    config = Config.coerce(args.file)
     from tiermem.config_explain import explain  # opens an NVMe tier: imports torch
 
     ranks = distributed.detect()
@@ -66,16 +70,45 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_paths(config: Config) -> None:
+def _check(file: str, *, static: bool) -> None:
+    """Every problem at once: the file's values, then (unless ``static``) what this machine says of
+    them and of its NVMe paths, the paths checked even when a value did not parse."""
+    problems: list[str] = []
+    config: Config | None = None
+    try:
+        config = Config.coerce(file)
+    except ConfigError as exc:
+        problems += exc.problems
+    if not static:
+        if config is not None:
+            try:
+                config.resolve()
+            except ConfigError as exc:
+                problems += exc.problems
+        problems += _path_problems(config.nvme.paths if config is not None else _paths_as_written(file))
+    if problems:
+        raise ConfigError(problems, file)
+
+
+def _paths_as_written(file: str) -> tuple[str, ...]:
+    """``[nvme] paths`` of a file whose other values do not parse (for checking them too)."""
+    try:
+        with open(file, "rb") as f:
+            paths = tomllib.load(f).get("nvme", {}).get("paths", ())
+    except (OSError, ValueError, AttributeError):
+        return ()
+    return tuple(p for p in paths if isinstance(p, str)) if isinstance(paths, list) else ()
+
+
+def _path_problems(paths: tuple[str, ...]) -> list[str]:
     """The NVMe paths a file names must be usable directories here (the default one is
-    created on demand). Raises ConfigError listing each unusable path."""
+    created on demand): a problem for each unusable path."""
     problems = []
-    for path in config.nvme.paths:
+    for path in paths:
         full = os.path.abspath(os.path.expanduser(path))
         if not os.path.isdir(full):
             what = "is not a directory" if os.path.exists(full) else "does not exist"
             problems.append(f"nvme.paths: {full!r} {what}; create it or point [nvme] paths elsewhere")
         elif not os.access(full, os.W_OK | os.X_OK) or os.statvfs(full).f_flag & os.ST_RDONLY:
             problems.append(f"nvme.paths: {full!r} is not writable (read-only filesystem or no permission)")
-    if problems:
-        raise ConfigError(problems, config.source)
+    return problems
