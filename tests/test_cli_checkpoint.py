@@ -203,3 +203,12 @@ def test_a_checkpoint_destination_is_checked_before_the_first_step(tmp_path, cap
     assert main(["train", *TINY_ARGS, *config, "--steps", "3", "--checkpoint", str(saved), "--json"]) == 1
     assert f"continue it with --resume {saved}" in capsys.readouterr().err
     assert files.digest_file(saved / files.MANIFEST) == before  # untouched
+
+
+def test_inspect_says_a_directory_is_not_a_checkpoint(tmp_path, capsys):
+    other = tmp_path / "notes"
+    other.mkdir()
+    (other / "todo.txt").write_text("mine")
+    status, report = _inspect(capsys, other)
+    assert status == 1 and not report["complete"]
+    assert report["problem"].startswith(f"{other} is not a checkpoint: no {files.MANIFEST}")

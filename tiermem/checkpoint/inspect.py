@@ -175,6 +175,12 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, largest: int = 5) -> Che
     on_disk = [p for p in where.rglob("*") if p.is_file()]
     report.files, report.bytes_on_disk = len(on_disk), sum(p.stat().st_size for p in on_disk)
     report.format = _format_of(where)
+    if not any((where / name).exists() for name in (files.MANIFEST, ".metadata", "dcp.metadata")):
+        report.problem = (
+            f"{where} is not a checkpoint: no {files.MANIFEST} (tiermem's) and no DCP metadata; "
+            "give the directory a --checkpoint or rt.save wrote"
+        )
+        return report
     try:
         report.verified = files.verify(where)
         report.complete = True
