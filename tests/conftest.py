@@ -27,6 +27,19 @@ def private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
 
 
 @pytest.fixture
+def one_thread() -> Iterator[None]:
+    """Two cores shared with the runtime's copy and I/O threads: OpenMP threads spinning in tiny
+    kernels only slow everything down (TRAPS 7); the thread count is restored after. A file
+    asks for it with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def device() -> Iterator[DeviceTier]:
     tier = DeviceTier(1 << 30, "cpu")
     yield tier

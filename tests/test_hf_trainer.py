@@ -21,12 +21,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 class Tokens(torch.utils.data.Dataset):  # type: ignore[type-arg]

@@ -16,13 +16,7 @@ import tiermem
 from tests.test_states import OPTIMIZERS, assert_bitwise, make_model, param_groups, reference, state_bytes, train
 from tiermem.activations.managed import ActivationCaptureError, ActivationPolicyError
 
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def config(tmp_path: Any, device: int = 64 << 20, policy: str = "auto") -> dict[str, Any]:

@@ -62,14 +62,7 @@ class GPT(nn.Module):
         return self.head(self.ln(x))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Two cores shared with the runtime's copy and I/O threads: OpenMP threads spinning in
-    tiny kernels only slow everything down (TRAPS 7). Results do not depend on it."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def make_model(seed: int = 0, **kwargs: Any) -> GPT:

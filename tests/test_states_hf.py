@@ -15,12 +15,7 @@ from tiermem.states import StatesUsageError
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def make(name: str) -> torch.nn.Module:

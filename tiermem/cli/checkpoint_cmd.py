@@ -13,20 +13,13 @@ import argparse
 import json
 from typing import TYPE_CHECKING, Any
 
+from tiermem.cli.arguments import positive_int
 from tiermem.units import format_size
 
 if TYPE_CHECKING:  # the real import waits for run(): torch is slow to import for --help
     from tiermem.checkpoint.inspect import CheckpointReport
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     inspect.add_argument("path", metavar="DIR", help="the checkpoint directory")
     inspect.add_argument(
-        "--largest", type=_positive_int, default=5, metavar="N", help="show the N largest tensors (default: 5)"
+        "--largest", type=positive_int, default=5, metavar="N", help="show the N largest tensors (default: 5)"
     )
     inspect.add_argument("--json", action="store_true", help="print the report as one JSON object, nothing else")
 

@@ -16,6 +16,7 @@ import sys
 import time
 from typing import Any
 
+from tiermem.cli.arguments import positive_int
 from tiermem.config import Config
 from tiermem.units import format_size
 
@@ -27,22 +28,14 @@ MODELS: dict[str, dict[str, int]] = {
 """Built-in GPT sizes (``small`` is ``tiermem train``'s default model)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="built-in GPT (default: small)")
-    parser.add_argument("--layers", type=_positive_int, help="override the model's number of blocks")
-    parser.add_argument("--batch", type=_positive_int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--seq", type=_positive_int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--layers", type=positive_int, help="override the model's number of blocks")
+    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--seq", type=positive_int, default=256, help="tokens per sequence (default: 256)")
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate the plan is for (default: 1e-3)")
     parser.add_argument("--no-cache", action="store_true", help="profile again instead of using a cached profile")
     parser.add_argument("--clear-cache", action="store_true", help="remove every cached profile first")

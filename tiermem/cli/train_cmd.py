@@ -27,6 +27,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
+from tiermem.cli.arguments import positive_float, positive_int
 from tiermem.config import AUTO, Config
 from tiermem.units import format_size
 
@@ -55,37 +56,21 @@ STATES_PLAN = {"persistent_chunks": 0}
 (the planner, by default, decides this instead)."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number")
-    return value
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``tiermem train``; defaults run 30 steps in about a minute on two cores."""
     parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
-    parser.add_argument("--steps", type=_positive_int, default=30, help="optimizer steps (default: 30)")
-    parser.add_argument("--batch-size", type=_positive_int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--layers", type=_positive_int, default=4, help="transformer blocks (default: 4)")
-    parser.add_argument("--d-model", type=_positive_int, default=256, help="model width (default: 256)")
-    parser.add_argument("--heads", type=_positive_int, default=4, help="attention heads (default: 4)")
-    parser.add_argument("--vocab", type=_positive_int, default=512, help="vocabulary size (default: 512)")
-    parser.add_argument("--seq-len", type=_positive_int, default=256, help="tokens per sequence (default: 256)")
-    parser.add_argument("--lr", type=_positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
+    parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default: 30)")
+    parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default: 4)")
+    parser.add_argument("--d-model", type=positive_int, default=256, help="model width (default: 256)")
+    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default: 4)")
+    parser.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size (default: 512)")
+    parser.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence (default: 256)")
+    parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     parser.add_argument(
         "--policy",
         choices=POLICIES,
@@ -118,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="save the run to DIR (a tiermem checkpoint) at the end, and every --save-every steps",
     )
     parser.add_argument(
-        "--save-every", type=_positive_int, metavar="N", help="save to --checkpoint DIR every N steps (and at the end)"
+        "--save-every", type=positive_int, metavar="N", help="save to --checkpoint DIR every N steps (and at the end)"
     )
     parser.add_argument(
         "--resume",
