@@ -21,11 +21,12 @@ from tests.test_states import (
     batch,
     config,
     make_model,
-    one_thread,  # noqa: F401  (autouse fixture)
     param_groups,
     state_bytes,
 )
 from tiermem.states import StatesUsageError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def plain_loop(

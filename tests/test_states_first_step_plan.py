@@ -16,13 +16,14 @@ from tests.test_states import (
     assert_bitwise,
     config,
     make_model,
-    one_thread,  # noqa: F401  (autouse: the references are computed on one thread, and so is this)
     param_groups,
     reference,
     state_bytes,
     train,
 )
 from tiermem.planner.errors import ProfileError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 @pytest.mark.parametrize("fraction", [1.0, 0.1])

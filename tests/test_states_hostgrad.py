@@ -18,11 +18,12 @@ from torch import nn
 
 import tiermem
 from tests import test_states, test_states_declared
-from tests.test_states import one_thread  # noqa: F401 - autouse: plain runs are cached under one torch thread
 from tiermem.states import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.manager import ModelStates
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def pair(seed: int, *shape: int) -> tuple[torch.nn.Parameter, torch.Tensor, torch.nn.Parameter]:

@@ -9,10 +9,12 @@ import torch
 from torch import nn
 
 import tiermem
-from tests.test_states import OPTIMIZERS, assert_bitwise, config, make_model, one_thread, param_groups  # noqa: F401
+from tests.test_states import OPTIMIZERS, assert_bitwise, config, make_model, param_groups
 from tests.test_states import train as train_steps
 from tiermem.errors import RuntimeClosedError
 from tiermem.models.gpt import GPT, GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def anonymous_rss() -> int:

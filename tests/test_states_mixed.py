@@ -17,12 +17,13 @@ from tests.test_states import (
     batch,
     config,
     make_model,
-    one_thread,  # noqa: F401  (autouse fixture)
     param_groups,
     state_bytes,
 )
 from tests.test_states_declared import manage_streaming
 from tiermem.states import StatesUsageError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 def master_weights_loop(dtype: torch.dtype, name: str, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

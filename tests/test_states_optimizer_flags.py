@@ -15,11 +15,12 @@ from tests.test_states import (
     assert_bitwise,
     config,
     make_model,
-    one_thread,  # noqa: F401  (autouse fixture)
     param_groups,
     state_bytes,
 )
 from tests.test_states_declared import managed, plain_loop
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 FLAGS: dict[str, dict[str, Any]] = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 

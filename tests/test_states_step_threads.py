@@ -17,7 +17,6 @@ from tests.test_states import (
     assert_bitwise,
     config,
     make_model,
-    one_thread,  # noqa: F401  (autouse fixture)
     param_groups,
     state_bytes,
 )
@@ -28,6 +27,8 @@ from tiermem.states import chunk_step
 from tiermem.states import step_thread as step_thread_module
 from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.step_thread import AUTO_MIN_CORES, ENV_VAR, step_thread_wanted
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
 class Watch:
