@@ -259,6 +259,20 @@ class Stepper:
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
             chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
 
+    def _finish_steps(self) -> None:
+        """NOTE [ Step threads ] rules 2-4; a step's error leaves no NVMe home staged: homes
+        prefetched for steps that will not run now go back first (their bytes are unchanged)."""
+        try:
+            self.steps.finish_all()
+        except BaseException:
+            for c in self.store.chunks:
+                if c.home_tier == "nvme" and c.home is not None:
+                    with contextlib.suppress(Exception):  # the step's error is the one to report
+                        c.home.wait()
+                        if c.home.tier != "nvme":
+                            self.homes.send_back(c)
+            raise
+
     def _homes_off_nvme(self) -> tuple[int, int]:
         """NVMe homes that hold host bytes (staged on the host, or moving either way): those
         of chunks not stepped yet in this window (prefetched, waiting for their step), and all."""
@@ -289,7 +303,7 @@ class Stepper:
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
-        self.steps.finish_all()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
+        self._finish_steps()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
             if chunk.pins == 0:
@@ -326,7 +340,7 @@ class Stepper:
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
-        self.steps.finish_all()
+        self._finish_steps()
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._backward_since_step = False
@@ -367,7 +381,7 @@ class Stepper:
                         staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
             self.chunk_steps += 1
-        self.steps.finish_all()  # NOTE [ Step threads ] rule 4
+        self._finish_steps()  # NOTE [ Step threads ] rule 4
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
             home = self.store.chunks[index].home
             if home is not None:
@@ -431,7 +445,7 @@ class Stepper:
     ) -> None:
         """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
         :meth:`_finish_chunk_step` follows on this thread."""
-        self.steps.finish_all()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
+        self._finish_steps()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
         staged = chunk.home_tier == "nvme"
