@@ -408,3 +408,37 @@ def test_offloaded_states_with_capturable_adam_train_on_cuda(tmp_path):
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_long_lived_device_buffer_registered_with_kvikio_round_trips_and_is_deregistered(tmp_path):
+    """NOTE [ Registered device buffers ]: a declared device buffer's segment is registered with cuFile
+    where GDS is active (nothing in compatibility mode), its I/O through the tier is exact, and
+    deregistering it ends the registration."""
+    from tiermem.tiers.backends import kvikio_backend
+    from tiermem.tiers.backends.base import deregister_buffer, register_buffer
+
+    ok, why = kvikio_backend.probe(str(tmp_path))
+    if not ok:
+        pytest.skip(f"kvikio unusable: {why}")
+    backend = kvikio_backend.KvikioBackend()
+    tier = NvmeTier([str(tmp_path)], 64 << 20, backend=backend, block_size=1 << 20)
+    try:
+        nbytes = 8 << 20
+        buffer = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device="cuda")
+        source = buffer.clone()
+        registered = register_buffer(backend, buffer)
+        assert registered == kvikio_backend.gds_active(backend._kvikio)
+        assert len(backend.registrations.registered_segments) == int(registered)
+        allocation = tier.allocate(nbytes)
+        for _ in range(3):  # reused across I/Os, as a chunk buffer is
+            torch.cuda.synchronize()
+            tier.write(allocation, 0, buffer).result(timeout=60)
+            buffer.zero_()
+            torch.cuda.synchronize()
+            tier.read(allocation, 0, buffer).result(timeout=60)
+            assert torch.equal(buffer, source)
+        deregister_buffer(backend, buffer)
+        assert backend.registrations.registered_segments == {}
+        tier.free(allocation)
+    finally:
+        tier.close()

@@ -7,6 +7,12 @@ Keeping backends this small lets tests wrap one (:mod:`.faulty`) to inject fault
 A backend may also offer ``open_queue(depth)``: an :class:`IoQueue` that takes aligned
 O_DIRECT requests without a thread per request (:mod:`.aio`). The tier uses it for the
 segments that need no CPU work of their own (NOTE [ NVMe tier layout and I/O ] rule 6).
+
+A backend that takes device memory may also offer ``register_buffer(buffer)`` /
+``deregister_buffer(buffer)`` for device buffers that live across many I/Os (NOTE [ Registered
+device buffers ] in :mod:`.kvikio_backend`). Callers go through :func:`register_buffer` and
+:func:`deregister_buffer` here, which do nothing for backends without them (posix, aio): whether a
+registration pays is the backend's policy, not the caller's.
 """
 
 from __future__ import annotations
@@ -18,7 +24,17 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 from tiermem.errors import BackendUnavailableError
 
-__all__ = ["BACKEND_NAMES", "IoOp", "IoQueue", "StorageBackend", "decide_backend", "open_queue", "select_backend"]
+__all__ = [
+    "BACKEND_NAMES",
+    "IoOp",
+    "IoQueue",
+    "StorageBackend",
+    "decide_backend",
+    "deregister_buffer",
+    "open_queue",
+    "register_buffer",
+    "select_backend",
+]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -105,6 +121,22 @@ def open_queue(backend: StorageBackend, depth: int) -> IoQueue | None:
     the tier's worker pool only). Raises ``OSError`` when it has one the kernel refuses."""
     opener = getattr(backend, "open_queue", None)
     return None if opener is None else opener(depth)
+
+
+def register_buffer(backend: StorageBackend, buffer: Any) -> bool:
+    """Tell ``backend`` that ``buffer`` (a CUDA tensor) will serve many I/Os until
+    :func:`deregister_buffer`; the backend registers it where its library documents a gain (kvikio
+    with GPUDirect Storage active) and does nothing otherwise. Returns whether it registered.
+    The caller must deregister before it frees the buffer, and must not use it for I/O after."""
+    register = getattr(backend, "register_buffer", None)
+    return False if register is None else bool(register(buffer))
+
+
+def deregister_buffer(backend: StorageBackend, buffer: Any) -> None:
+    """End what :func:`register_buffer` began for ``buffer`` (nothing when it registered nothing)."""
+    deregister = getattr(backend, "deregister_buffer", None)
+    if deregister is not None:
+        deregister(buffer)
 
 
 def select_backend(name: str, probe_dir: str | os.PathLike[str]) -> tuple[StorageBackend, str]:
