@@ -28,7 +28,8 @@ checkpoint_id=path, storage_reader=storage_reader(path))`` in either format.
    pending, whose gradients a checkpoint would lose), and any loop only after the step: a save
    refuses gradients accumulated since the last ``optimizer.step()`` (``Stepper.gradients_unstepped``).
 5. On disk: NOTE [ Checkpoint commit rules ] in ``files.py`` (written beside ``path``,
-   committed atomically, digests verified before anything is loaded).
+   committed atomically, digests verified before anything is loaded, and the directory locked
+   from that verification to the last read, so a concurrent save cannot mix in its files).
 6. A load checks everything it can before the first write: digests, the architecture, each
    tensor's shape and dtype (DCP's metadata), the param groups (read in a first pass of only
    those) and the state file. A failure after writes began (an I/O error half-way) raises a
@@ -251,13 +252,20 @@ def _read_state(where: Path) -> dict[str, Any]:
     return state
 
 
+def _recover(where: Path, group: ranks.Group | None) -> None:
+    """NOTE [ Checkpoint commit rules ] rule 3, on rank 0 only where there are ranks."""
+    if group is None:
+        files.recover(where)
+    else:
+        group.from_rank0(lambda: files.recover(where))
+
+
 def _verify(where: Path, group: ranks.Group | None) -> bool:
-    """Rule 5 (NOTE [ Checkpoint commit rules ] rule 4): recover, verify every digest; True for a
+    """Rule 5 (NOTE [ Checkpoint commit rules ] rule 4): verify every digest; True for a
     tiermem checkpoint. On ranks rank 0 does it and every rank gets its verdict (NOTE
     [ Checkpoints on ranks ] rule 6)."""
 
     def verified() -> bool:
-        files.recover(where)
         ours = files.verify(where)
         if group is not None and files.storage_of(where) == "zarr":
             raise ranks.refuse_zarr("loading", where)
@@ -276,6 +284,26 @@ def _metadata(reader: StorageReader, where: Path) -> Any:
         ) from exc
 
 
+def _read_into_chunks(tree: LoadTree, reader: StorageReader, where: Path, group: ranks.Group | None) -> None:
+    """Rules 3 and 6: stream every tensor into its chunk; a failure once writes began says so."""
+    planner = StreamingLoadPlanner(tree.targets, lambda key: tree.stateios[key[0]].chunk_writer(key[1]))
+    planner.written = group is not None  # FSDP2's shards are loaded in place from the first read
+    try:
+        _read(tree.tree, reader, planner, where, group is not None)
+        if group is None:
+            tree.finish(planner.loaded)
+        else:
+            group.agreed(lambda: tree.finish(planner.loaded))
+    except Exception as exc:
+        if not planner.written:
+            raise
+        raise CheckpointError(
+            f"tiermem checkpoint: loading {where} failed after it began writing the managed states ({exc}); they "
+            "are partly overwritten. Load a checkpoint again before training (or restart the run).",
+            str(where),
+        ) from exc
+
+
 def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any:
     """Rules 3-6: verify the checkpoint at ``path``, check what can be checked before writing
     (architecture, shapes and dtypes, param groups, the state file), stream it into the managed
@@ -288,27 +316,17 @@ def load(all_states: Sequence[ModelStates], path: str | os.PathLike[str]) -> Any
     def every(step: Callable[[], T]) -> T:
         return step() if group is None else group.agreed(step)
 
-    ours = _verify(where, group)
-    reader = storage_reader(where)
-    metadata = every(lambda: _metadata(reader, where))
-    tree = every(lambda: LoadTree(all_states, metadata, str(where)))
-    groups = StreamingLoadPlanner({}, _no_writes)
-    _read(tree.groups_tree(), reader, groups, where, group is not None)
-    every(lambda: tree.check_groups(groups.loaded))
-    state = every(lambda: _read_state(where)) if ours else None
-    planner = StreamingLoadPlanner(tree.targets, lambda key: tree.stateios[key[0]].chunk_writer(key[1]))
-    planner.written = group is not None  # FSDP2's shards are loaded in place from the first read
-    try:
-        _read(tree.tree, reader, planner, where, group is not None)
-        every(lambda: tree.finish(planner.loaded))
-    except Exception as exc:
-        if not planner.written:
-            raise
-        raise CheckpointError(
-            f"tiermem checkpoint: loading {where} failed after it began writing the managed states ({exc}); they "
-            "are partly overwritten. Load a checkpoint again before training (or restart the run).",
-            str(where),
-        ) from exc
+    _recover(where, group)
+    with files.reading(where):  # NOTE [ Checkpoint commit rules ] rule 7: one checkpoint, verified and read
+        ours = _verify(where, group)
+        reader = storage_reader(where)
+        metadata = every(lambda: _metadata(reader, where))
+        tree = every(lambda: LoadTree(all_states, metadata, str(where)))
+        groups = StreamingLoadPlanner({}, _no_writes)
+        _read(tree.groups_tree(), reader, groups, where, group is not None)
+        every(lambda: tree.check_groups(groups.loaded))
+        state = every(lambda: _read_state(where)) if ours else None
+        _read_into_chunks(tree, reader, where, group)
     if state is None:
         return None
     own = ranks.own_state(state, 0 if group is None else group.rank)

@@ -1,12 +1,13 @@
 """What a checkpoint holds for the models a runtime manages, in DCP's own shapes: the nested
 state dict ``{"model": <model.state_dict() names>, "optimizer": <get_optimizer_state_dict's
 form: FQN-keyed state and param groups>}`` (later models under ``model_1``/``optimizer_1``, ...),
-the sources a save reads each tensor from, and the targets a load writes each one into; plus
-the RNG states. Bytes are reached only through each model's
-:class:`~tiermem.states.stateio.StateIO` (NOTE [ Checkpoint rules ] rule 1), or, for an
-FSDP2-sharded model, its :class:`~tiermem.states.sharded_io.ShardedStateIO`: its parameters are
-FSDP2's DTensors, saved and loaded in place, and its optimizer states stand in as DTensors placed
-like their parameters, each rank streaming its local shards (NOTE [ Checkpoints on ranks ]).
+plus ``"tiermem": {"format", "version"}`` (a tiermem save's mark), the sources a save reads
+each tensor from, and the targets a load writes each one into; plus the RNG states. Bytes
+are reached only through each model's :class:`~tiermem.states.stateio.StateIO` (NOTE
+[ Checkpoint rules ] rule 1), or, for an FSDP2-sharded model, its
+:class:`~tiermem.states.sharded_io.ShardedStateIO`: its parameters are FSDP2's DTensors, saved
+and loaded in place, and its optimizer states stand in as DTensors placed like their
+parameters, each rank streaming its local shards (NOTE [ Checkpoints on ranks ]).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from tiermem.checkpoint.files import FORMAT, FORMAT_VERSION, MARKER
 from tiermem.checkpoint.planners import ObjPath, Source, Target, stand_in
 from tiermem.errors import CheckpointError
 from tiermem.states import ModelStates
@@ -90,6 +92,8 @@ def save_tree(all_states: Sequence[ModelStates]) -> tuple[dict[str, Any], dict[O
                     state[fqn][key] = value
         tree[model_key] = model
         tree[optim_key] = {"state": state, "param_groups": _param_groups(states, fqns)}
+    # NOTE [ Checkpoint commit rules ] rule 4: marks the checkpoint tiermem's, manifest or not
+    tree[MARKER] = {"format": FORMAT, "version": FORMAT_VERSION}
     return tree, sources
 
 
@@ -109,7 +113,7 @@ class LoadTree:
         if not paths:
             raise self._error("has no planner data (not saved with DCP's default planner)")
         known = set(keys_of(m)[k] for m in range(len(all_states)) for k in (0, 1))
-        unknown = sorted({str(p[0]) for p in paths.values()} - known)
+        unknown = sorted({str(p[0]) for p in paths.values()} - known - {MARKER})
         if unknown:
             raise self._error(f"holds {unknown} beyond the {len(all_states)} model(s) this runtime manages")
         for m, states in enumerate(all_states):

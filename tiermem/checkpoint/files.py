@@ -6,7 +6,10 @@ rename, with a digest per file verified before anything is loaded.
    directory, so the same filesystem and a rename can commit it). The writer holds an
    ``flock`` on that directory for its whole life; a sibling whose lock is free belongs to a
    save that died (SIGKILL, power loss) and the next save of ``path`` removes it. Never judged
-   by a PID, which the system reuses (TRAPS 5).
+   by a PID, which the system reuses (TRAPS 5). Making the sibling and locking it, removing
+   dead siblings and recovering (rule 3) happen under an ``flock`` on the parent directory,
+   taken first: no save ever sees another's sibling unlocked, and a failure in between removes
+   the sibling it made.
 2. Durability before visibility: every file is written and ``fsync``-ed (DCP's data and
    ``.metadata`` with ``sync_files``, tensorstore's with ``file_io_sync``, ours explicitly),
    every folder below the checkpoint, the manifest last, then the directory itself; only then
@@ -23,13 +26,21 @@ rename, with a digest per file verified before anything is loaded.
    format (``"dcp"`` or ``"zarr"``). A load verifies all of them first, streaming (a few MiB
    in memory), and refuses a missing, truncated or corrupted file with a
    :class:`CheckpointError` naming it: never wrong weights. A directory with DCP's
-   ``.metadata`` and neither manifest nor tiermem state file is a plain DCP checkpoint
-   (written by PyTorch itself): loaded without digests.
+   ``.metadata``, neither manifest nor tiermem state file, and no ``tiermem`` entry in its
+   metadata (every tiermem save writes one, :data:`MARKER`) is a plain DCP checkpoint (written
+   by PyTorch itself): loaded without digests. A tiermem checkpoint that lost its manifest (a
+   copy that left files out) is refused, naming what is missing: never loaded unverified.
 5. A save that fails removes its temporary directory and leaves ``path`` as it was.
 6. Only a checkpoint is replaced: ``path`` must be missing, an empty directory, or a tiermem
    checkpoint (its manifest names our format). Anything else (a directory of other files, a
    file, a symlink) is refused before anything is written, and checked again just before the
    commit: a save must never swap out and remove a user's directory.
+7. One checkpoint per read: a load (and ``tiermem checkpoint inspect``) holds a shared ``flock``
+   on the checkpoint directory from its verification to its last read (:func:`reading`); a
+   commit takes the exclusive one on the checkpoint it replaces before swapping it out (and
+   holds it until that one is removed), so it waits for those reads; a read that locked a
+   directory no longer at ``path`` locks the new one instead. Every file a load reads is the
+   verified checkpoint's, never a mix with a concurrent save's.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import xxhash
@@ -57,6 +68,9 @@ DCP_METADATA = ".metadata"
 ZARR_ROOT = "zarr.json"
 FORMAT = "tiermem-dcp"
 FORMAT_VERSION = 1
+#: the state-dict entry every tiermem save writes beside ``model``/``optimizer`` (rule 4): it
+#: tells a tiermem checkpoint that lost its manifest from a plain DCP one
+MARKER = "tiermem"
 _TMP = ".tiermem-tmp-"
 _OLD = ".tiermem-old-"
 _BLOCK = 4 << 20
@@ -77,32 +91,105 @@ def fsync_path(path: Path) -> None:
         os.close(fd)
 
 
+def _open_dir(path: Path) -> int | None:
+    """A descriptor of the directory at ``path``, or None where there is none."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def _try_lock(fd: int) -> bool:
+    """An exclusive ``flock`` on ``fd`` if nobody holds one (rule 1's test of a dead save)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def _parent_locked(path: Path) -> Iterator[None]:
+    """Rule 1: the siblings of ``path`` are made, locked, removed or renamed back under an
+    exclusive ``flock`` on its parent directory (held for milliseconds)."""
+    fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _locked_at(path: Path, operation: int) -> int | None:
+    """Rule 7: a descriptor of the directory at ``path`` holding ``flock(operation)``, re-opened
+    until the locked directory is still the one at ``path`` (a commit may swap it meanwhile);
+    None where ``path`` is no directory."""
+    while True:
+        fd = _open_dir(path)
+        if fd is None:
+            return None
+        fcntl.flock(fd, operation)
+        try:
+            now = os.stat(path)
+        except OSError:
+            now = None
+        held = os.fstat(fd)
+        if now is not None and (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino):
+            return fd
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[None]:
+    """Rule 7: a shared lock on the checkpoint at ``path`` for a whole read (verification and
+    load); no commit swaps it out meanwhile. A ``path`` that is no directory is not locked (the
+    read itself reports it)."""
+    fd = _locked_at(path, fcntl.LOCK_SH)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
+
+
+def _recover(path: Path) -> None:
+    """:func:`recover`, under the parent's lock; a sibling a commit still holds is its own."""
+    for old in _siblings(path, _OLD):
+        fd = _open_dir(old)
+        if fd is None:
+            continue
+        try:
+            if not _try_lock(fd):
+                continue  # a commit is between its renames right now
+            if path.exists():
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(old, path)
+                fsync_path(path.parent)
+        finally:
+            os.close(fd)
+
+
 def recover(path: Path) -> None:
     """Rule 3: a fallback commit killed between its two renames left ``path`` missing and the
     previous checkpoint at an ``-old-`` sibling: put it back. With ``path`` present, an old
     sibling is a committed save's leftover: remove it."""
-    for old in _siblings(path, _OLD):
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(old, path)
-            fsync_path(path.parent)
+    if path.parent.is_dir():
+        with _parent_locked(path):
+            _recover(path)
 
 
-def remove_stale(path: Path) -> None:
-    """Rule 1: remove temporary siblings whose writer is gone (their lock is free)."""
+def _remove_stale(path: Path) -> None:
+    """Rule 1 (under the parent's lock): remove temporary siblings whose writer is gone."""
     for stale in _siblings(path, _TMP):
-        try:
-            fd = os.open(stale, os.O_RDONLY | os.O_DIRECTORY)
-        except OSError:
+        fd = _open_dir(stale)
+        if fd is None:
             continue
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            continue  # a live save holds it
+            if _try_lock(fd):
+                shutil.rmtree(stale, ignore_errors=True)
         finally:
             os.close(fd)
-        shutil.rmtree(stale, ignore_errors=True)
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -147,21 +234,26 @@ def check_replaceable(path: Path) -> None:
 
 
 class Staging:
-    """The temporary sibling a save writes into (rules 1, 3, 5, 6)."""
+    """The temporary sibling a save writes into (rules 1, 3, 5, 6, 7)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         #: the storage format written (recorded in the manifest)
         self.storage = "dcp"
-        if path.parent.exists():
-            recover(path)
-        check_replaceable(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        remove_stale(path)
-        self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
-        self.dir.mkdir()
-        self._fd: int | None = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        with _parent_locked(path):  # rule 1: first, so no other save sees ours unlocked
+            _recover(path)
+            check_replaceable(path)
+            _remove_stale(path)
+            self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
+            self.dir.mkdir()
+            self._fd: int | None = None
+            try:
+                self._fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+                fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocking: an inspect may test it this instant
+            except BaseException:
+                self.discard()  # rule 5: nothing left behind
+                raise
 
     def _unlock(self) -> None:
         fd, self._fd = self._fd, None
@@ -174,24 +266,46 @@ class Staging:
         self._unlock()
 
     def commit(self) -> None:
-        """Rules 2 and 3: make the written checkpoint ``path``, atomically."""
+        """Rules 2, 3 and 7: make the written checkpoint ``path``, atomically, once the reads of
+        the one it replaces are done."""
         write_manifest(self.dir, self.storage)
         fsync_path(self.dir)
+        while True:
+            current = _locked_at(self.path, fcntl.LOCK_EX)  # rule 7: waits for its readers
+            try:
+                check_replaceable(self.path)
+                if self._swap(current is not None):
+                    break
+            finally:
+                if current is not None:
+                    os.close(current)  # after the replaced checkpoint is removed
+        fsync_path(self.path.parent)
+        self._unlock()
+
+    def _swap(self, replacing: bool) -> bool:
+        """Rule 3's renames; False where another save committed to ``path`` first (try again)."""
         path, parent = self.path, self.path.parent
-        check_replaceable(path)
-        if not path.exists():
-            os.rename(self.dir, path)
+        if not replacing:
+            try:
+                os.rename(self.dir, path)
+            except OSError as exc:
+                if exc.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return False  # a checkpoint appeared there since: replace it instead
+                raise
         elif _exchange(self.dir, path):
             fsync_path(parent)
             shutil.rmtree(self.dir, ignore_errors=True)  # the previous checkpoint, swapped out
         else:
             old = parent / f".{path.name}{_OLD}{uuid.uuid4().hex}"
             os.rename(path, old)
-            os.rename(self.dir, path)
+            try:
+                os.rename(self.dir, path)
+            except BaseException:
+                os.rename(old, path)  # the previous checkpoint back in place
+                raise
             fsync_path(parent)
             shutil.rmtree(old, ignore_errors=True)
-        fsync_path(parent)
-        self._unlock()
+        return True
 
 
 def digest_file(path: Path) -> tuple[int, str]:
@@ -252,9 +366,39 @@ def _damaged(path: Path, what: str) -> CheckpointError:
     )
 
 
-def verify(directory: Path) -> bool:
-    """Rule 4: check every file against the manifest; True for a tiermem checkpoint, False for
-    a plain DCP one. Raises :class:`CheckpointError` naming the first bad file."""
+def _written_by_tiermem(directory: Path) -> str | None:
+    """Rule 4: why a directory without a manifest is a tiermem checkpoint (its state file, or
+    :data:`MARKER` in its DCP metadata), or None for a plain DCP checkpoint."""
+    if (directory / STATE_FILE).exists():
+        return f"it holds {STATE_FILE}"
+    from torch.distributed.checkpoint import FileSystemReader  # torch only once needed
+
+    try:
+        metadata = FileSystemReader(os.fspath(directory)).read_metadata()
+    except Exception as exc:  # whatever unpickling a damaged file raises
+        raise _damaged(directory / DCP_METADATA, f"cannot be read ({exc!r})") from exc
+    if any(key.split(".", 1)[0] == MARKER for key in metadata.state_dict_metadata):
+        return f"its {DCP_METADATA} has the {MARKER!r} entry every tiermem save writes"
+    return None
+
+
+def _unverifiable(directory: Path, why: str) -> CheckpointError:
+    missing = [name for name in (MANIFEST, STATE_FILE) if not (directory / name).exists()]
+    verb = "is" if len(missing) == 1 else "are"
+    return CheckpointError(
+        f"tiermem checkpoint: {directory} was written by tiermem ({why}), but {' and '.join(missing)} {verb} "
+        "missing: tiermem's own files, which hold every file's digest (and the RNG states, loop position and "
+        "extra). Without them its files cannot be verified, so it was not loaded (no weights were changed). "
+        "Copy the whole checkpoint directory again, every file (hidden ones such as .metadata too: cp -a, "
+        "rsync -a), or load an earlier checkpoint.",
+        str(directory / MANIFEST),
+    )
+
+
+def verify(directory: Path, only: Collection[str] | None = None) -> bool:
+    """Rule 4: check every file (or the files in ``only``) against the manifest; True for a
+    tiermem checkpoint, False for a plain DCP one. Raises :class:`CheckpointError` naming the
+    first bad file, or what a tiermem checkpoint lacks where its manifest is gone."""
     if not directory.is_dir():
         raise CheckpointError(
             f"tiermem checkpoint: no checkpoint at {directory} (not a directory). Give the path rt.save() wrote.",
@@ -262,9 +406,17 @@ def verify(directory: Path) -> bool:
         )
     manifest_path = directory / MANIFEST
     if not manifest_path.exists():
-        if (directory / DCP_METADATA).exists() and not (directory / STATE_FILE).exists():
+        if (directory / ZARR_ROOT).is_file():
+            raise _unverifiable(directory, f"its {ZARR_ROOT} is the zarr format tiermem writes")
+        if not (directory / DCP_METADATA).exists():
+            raise _damaged(manifest_path, "is missing")
+        why = _written_by_tiermem(directory)
+        if why is None:
             return False
-        raise _damaged(manifest_path, "is missing")
+        raise _unverifiable(directory, why)
+    for name in only or ():
+        if not (directory / name).exists():
+            raise _damaged(directory / name, "is missing")
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         files = manifest["files"]
@@ -273,6 +425,8 @@ def verify(directory: Path) -> bool:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise _damaged(manifest_path, f"cannot be read ({exc})") from exc
     for name, record in files.items():
+        if only is not None and name not in only:
+            continue
         file = directory / name
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise _damaged(manifest_path, f"names {name!r}, outside the checkpoint")

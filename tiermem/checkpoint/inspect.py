@@ -16,11 +16,15 @@ NOTE [ Checkpoint commit rules ] rules 1 and 3).
 2. Tensors, their shapes, dtypes and bytes come from the DCP metadata through
    ``storage_reader(path)``, so every on-disk format reports the same way; no tensor is read.
 3. The step is ``extra["step"]`` where ``extra`` is a dict that has one (``tiermem train``
-   writes it); it is read from the state file only once the digests verified, since that
-   file is unpickled (inspect only checkpoints you trust, as for a load).
+   writes it), and the run settings ``extra["run"]`` where it is a dict (``tiermem train``'s:
+   model, batch size, lr, seed, world size; the ones ``--resume`` must be given again); both are
+   read from the state file only once the digests verified, since that file is unpickled
+   (inspect only checkpoints you trust, as for a load).
 4. Beside the path: a temporary sibling whose lock is free is a save that died (the next save
    removes it); one whose lock is held is a save running now; an ``-old-`` sibling is a
    fallback commit's leftover (the next load or save restores or removes it).
+5. One checkpoint: the directory is locked for reading while it is inspected (NOTE
+   [ Checkpoint commit rules ] rule 7), so a save committing meanwhile waits, never mixes in.
 """
 
 from __future__ import annotations
@@ -73,6 +77,8 @@ class CheckpointReport:
     verified: bool = False
     step: int | None = None
     extra_keys: list[str] | None = None
+    #: rule 3: the run settings ``tiermem train`` saved (what ``--resume`` checks), where there are
+    run: dict[str, Any] | None = None
     files: int = 0
     bytes_on_disk: int = 0
     tensors: int = 0
@@ -117,8 +123,6 @@ def _format_of(path: Path) -> str | None:
         manifest = None
     if isinstance(manifest, dict) and isinstance(manifest.get("format"), str):
         return str(manifest["format"])
-    if (path / files.DCP_METADATA).exists() and not (path / files.STATE_FILE).exists():
-        return "dcp (plain PyTorch)"
     return None
 
 
@@ -159,6 +163,8 @@ def _read_step(report: CheckpointReport, path: Path) -> None:
         report.extra_keys = sorted(str(key) for key in extra)
         step = extra.get("step")
         report.step = step if isinstance(step, int) else None
+        run = extra.get("run")
+        report.run = dict(run) if isinstance(run, dict) else None
 
 
 def inspect_checkpoint(path: str | os.PathLike[str], *, largest: int = 5) -> CheckpointReport:
@@ -175,15 +181,24 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, largest: int = 5) -> Che
     on_disk = [p for p in where.rglob("*") if p.is_file()]
     report.files, report.bytes_on_disk = len(on_disk), sum(p.stat().st_size for p in on_disk)
     report.format = _format_of(where)
+    with files.reading(where):  # rule 5
+        _inspect_files(report, where, largest)
+    return report
+
+
+def _inspect_files(report: CheckpointReport, where: Path, largest: int) -> None:
+    """Rules 1-3 on the existing directory ``where``."""
     if not any((where / name).exists() for name in (files.MANIFEST, ".metadata", "dcp.metadata")):
         report.problem = (
             f"{where} is not a checkpoint: no {files.MANIFEST} (tiermem's) and no DCP metadata; "
             "give the directory a --checkpoint or rt.save wrote"
         )
-        return report
+        return
     try:
         report.verified = files.verify(where)
         report.complete = True
+        if not report.verified:
+            report.format = "dcp (plain PyTorch)"
     except CheckpointError as exc:
         report.problem = str(exc)
     try:
@@ -193,4 +208,3 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, largest: int = 5) -> Che
         report.problem = report.problem or f"its DCP metadata cannot be read ({exc!r})"
     if report.complete and report.verified:
         _read_step(report, where)
-    return report
