@@ -36,7 +36,8 @@ operations below, never a tier or the scheduler. The objects themselves are in
    NOTE [ Spare chunk storage ]), are accounted on the tier with :meth:`Registry.adopt_cache`
    (a :class:`CachedBytes`, freed by its owner) and come with a reclaimer: a caller short of
    room on that tier calls :meth:`Registry.reclaim` before it spills, waits or fails, so a
-   cache never pushes real data off a tier. Reclaimers are held weakly.
+   cache never pushes real data off a tier. Reclaimers are held weakly. One that *moves* objects (kept
+   activations, NOTE [ Activation fallbacks ] rule 8) runs after the caches, only given ``needed``.
 8. A copy between two live objects (``Handle.fill_from``: a chunk's device copy filled from
    its home, or a changed device copy written back into it) goes through the scheduler, so
    the link counts it, and changes where neither lives. The target must be resident (not
@@ -110,8 +111,7 @@ class Registry:
         self._peak_resident: dict[tuple[str, str], int] = {}
         # Moves that may still touch allocations, freed objects' included (rule 4).
         self._inflight: dict[Transfer, ManagedObject] = {}
-        #: rule 7: per tier, bound methods that free cached bytes (True when they freed some)
-        self._reclaimers: dict[str, list[weakref.WeakMethod[Callable[[], bool]]]] = {}
+        self._reclaimers: dict[str, list[tuple[weakref.WeakMethod[Callable[..., bool]], bool]]] = {}  # rule 7
 
     # -- registration ----------------------------------------------------------------------
     def register(
@@ -391,21 +391,22 @@ class Registry:
             raise ValueError(f"tiermem registry: the {tier} tier keeps no cached bytes (not a memory tier)")
         return CachedBytes(target.adopt(buffer))  # type: ignore[attr-defined]  # memory tiers adopt
 
-    def add_reclaimer(self, tier: str, reclaim: Callable[[], bool]) -> None:
-        """``reclaim`` (a bound method, held weakly) frees bytes ``tier`` holds only as a cache."""
+    def add_reclaimer(self, tier: str, reclaim: Callable[..., bool], *, moves_objects: bool = False) -> None:
+        """``reclaim`` (a bound method, held weakly) frees ``tier``'s cached bytes or moves objects off it (rule 7)."""
         self._tier(tier)
-        with self._lock:
-            self._reclaimers.setdefault(tier, []).append(weakref.WeakMethod(reclaim))  # type: ignore[arg-type]
+        with self._lock:  # dead owners' entries go here too: offloaders come and go
+            refs = [entry for entry in self._reclaimers.get(tier, []) if entry[0]() is not None]
+            self._reclaimers[tier] = [*refs, (weakref.WeakMethod(reclaim), moves_objects)]  # type: ignore[arg-type]
 
-    def reclaim(self, tier: str) -> bool:
-        """Ask every live reclaimer of ``tier`` to free its cache; True when one freed bytes."""
+    def reclaim(self, tier: str, needed: int | None = None) -> bool:
+        """Rule 7: caches first, then (given ``needed``) movers until ``needed`` bytes are free; True if any freed."""
         with self._lock:
-            refs = self._reclaimers.get(tier, [])
-            live = [(ref, method) for ref in refs if (method := ref()) is not None]
-            self._reclaimers[tier] = [ref for ref, _ in live]
+            live = [(ref, moves, m) for ref, moves in self._reclaimers.get(tier, []) if (m := ref()) is not None]
+            self._reclaimers[tier] = [(ref, moves) for ref, moves, _ in live]
         freed = False
-        for _, method in live:  # outside the lock: a reclaimer frees allocations
-            freed = method() or freed
+        for _, moves, method in sorted(live, key=lambda entry: entry[1]):  # outside the lock: they free allocations
+            if not moves or (needed is not None and self.free_bytes(tier) < needed):
+                freed = (method(needed) if moves else method()) or freed
         return freed
 
     # -- what callers may ask of the tiers (read-only; bytes move only through the methods above) --

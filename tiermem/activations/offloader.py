@@ -87,6 +87,7 @@ from tiermem.activations.adaptive import AdaptiveKeep
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, first_tensor_numel
+from tiermem.activations.giveback import DeviceGiveBack
 from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, in_backward, version_error
@@ -147,6 +148,8 @@ class ActivationOffloader:
             min_bytes=min_bytes,
         )
         self.adaptive_keep = AdaptiveKeep(registry, self.memory, self.forwards, self.policies)
+        #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
+        self.give_back = DeviceGiveBack(registry, self.memory, counters, self.forwards, self.fallbacks, self.prefetcher)
         self._module_hooks: list[Any] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None

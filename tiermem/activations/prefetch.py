@@ -46,6 +46,9 @@ class Prefetcher:
         #: runtime's wait total at that settlement (NOTE [ Prefetch window ] rule 3).
         self._backward_span: list[float] = []
         self._wait_seen = 0.0
+        #: Objects backward unpacked since the last forward began, by object id: autograd may
+        #: still hold the tensor it was given (NOTE [ Activation fallbacks ] rule 8 leaves them).
+        self._unpacked: set[int] = set()
 
     def context_entered(self) -> None:
         """The window's wait total counts from here (NOTE [ Prefetch window ] rule 3)."""
@@ -55,6 +58,7 @@ class Prefetcher:
     def forward_started(self) -> None:
         """A new forward: nothing prefetched before it is a prefetch of its backward."""
         self.prefetched.clear()
+        self._unpacked.clear()
 
     def unpacked(self, obj: ManagedObject) -> None:
         """Backward needs ``obj`` now: it extends the backward's span, and it is no prefetch
@@ -64,6 +68,15 @@ class Prefetcher:
             self._backward_span[1] = now
         else:
             self._backward_span = [now, now]
+        self.prefetched.pop(obj.id, None)
+        self._unpacked.add(obj.id)
+
+    def was_unpacked(self, obj: ManagedObject) -> bool:
+        """Whether backward unpacked ``obj`` since the last forward began."""
+        return obj.id in self._unpacked
+
+    def forget(self, obj: ManagedObject) -> None:
+        """``obj`` left the device for someone else's room: no prefetch of it is ahead of backward."""
         self.prefetched.pop(obj.id, None)
 
     def before(self, group: BlockGroup) -> None:

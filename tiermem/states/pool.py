@@ -196,8 +196,9 @@ class ChunkPool:
 
     def device_room(self, allocate: Callable[[], T], keep: tuple[Chunk, ...], *, demand: bool, what: str) -> T | None:
         """Rule 6: ``allocate()``; on a full device drop the spares, wait for gradient
-        write-backs, then evict unpinned chunks, then raise. Without ``demand``, give up (None)
-        once the spares are gone."""
+        write-backs, evict unpinned chunks, then have other users of the device give room back
+        (caches, kept activations: NOTE [ Managed object rules ] rule 7), then raise. Without
+        ``demand``, give up (None) once the spares are gone."""
         while True:
             try:
                 return allocate()
@@ -211,6 +212,8 @@ class ChunkPool:
                 victim = self._victim(keep, 0)
                 if victim is not None:
                     self.release(victim)
+                    continue
+                if self.registry.reclaim("device", needed=exc.requested):
                     continue
                 raise StatesMemoryError(
                     f"tiermem model states: {what} needs {format_size(exc.requested)} on the device but "
