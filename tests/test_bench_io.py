@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tiermem.cli import main
-from tiermem.tiers.backends import aio, select_backend
+from tiermem.tiers.backends import aio, kvikio_backend, select_backend
 from tiermem.tiers.backends.aio import AioBackend
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
@@ -366,6 +367,9 @@ def test_interrupts_leave_no_files(tmp_path: Path) -> None:
         (["--run-blocks", "0"], "between 1 and"),
         (["--run-blocks", "2", "--through", "scheduler"], "only for --through raw"),
         (["--tier", "host", "--run-blocks", "2"], "only the nvme tier"),
+        (["--buffer", "gpu"], "expected one of host, device"),
+        (["--buffer", "device", "--tier", "host"], "only for --tier nvme"),
+        (["--buffer", "device", "--through", "scheduler"], "only for --through raw"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv: list[str], words: str, capsys: pytest.CaptureFixture[str]) -> None:
@@ -403,4 +407,67 @@ def test_aio_backend_by_name(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     report = bench_json(capsys, "--path", str(tmp_path), "--backend", "aio", "--op", "both", "--verify", *TINY)
     assert {r["backend"] for r in report["results"]} == {"aio"}
     assert all(r["bytes_per_s"]["median"] > 0 for r in report["results"])
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- device buffers (--buffer device) --------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: nothing to refuse")
+def test_device_buffers_without_cuda_are_refused_naming_what_is_missing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, out, err = bench(capsys, "--path", str(tmp_path), "--buffer", "device", *TINY)
+    assert status == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("tiermem bench io: error: --buffer device: needs a CUDA device")
+    assert ("CPU-only build" in err) if torch.version.cuda is None else ("is_available() is false" in err)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: nothing to refuse")
+def test_the_engine_refuses_device_buffers_without_cuda_too(tmp_path: Path) -> None:
+    from tiermem.benchio.passes import CaseEnv
+
+    with pytest.raises(ValueError, match="device buffers need a CUDA device"):
+        CaseEnv(
+            "nvme", size=1 << 20, block_size=1 << 20, queue_depth=1, through="raw",
+            paths=[str(tmp_path)], backend="posix", buffer="device",
+        )  # fmt: skip
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_buffer_option_reaches_the_spec(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The argument plumbing, CUDA or not: --buffer device becomes the spec's buffer where CUDA is
+    (is_available patched: nothing is run), the default stays host."""
+    import argparse
+
+    from tiermem.cli import bench_cmd
+
+    parser = argparse.ArgumentParser()
+    bench_cmd.add_arguments(parser)
+    assert bench_cmd.build_spec(parser.parse_args(["io"])).buffer == "host"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    spec = bench_cmd.build_spec(parser.parse_args(["io", "--buffer", "device", "--backend", "kvikio"]))
+    assert (spec.buffer, spec.backend, spec.tier, spec.through) == ("device", "kvikio", "nvme", "raw")
+
+
+def test_host_buffers_are_said_in_the_report(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = bench_json(capsys, "--path", str(tmp_path), "--backend", "posix", *TINY)
+    assert report["machine"]["buffer"] == "host"
+    assert report["machine"]["buffer_path"].startswith("page-aligned host memory")
+    status, out, _err = bench(capsys, "--path", str(tmp_path), "--backend", "posix", *TINY)
+    assert status == 0 and "buffer: host (page-aligned host memory" in out
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_device_buffers_round_trip_through_each_backend(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 21 item 1: device memory to NVMe and back, verified: posix stages it through page-locked
+    bounces, kvikio (where usable) takes it as it is."""
+    report = bench_json(capsys, "--path", str(tmp_path), "--backend", "posix", "--buffer", "device", "--verify", *TINY)
+    assert report["machine"]["buffer"] == "device" and "page-locked" in report["machine"]["buffer_path"]
+    if kvikio_backend.probe(tmp_path)[0]:
+        report = bench_json(
+            capsys, "--path", str(tmp_path), "--backend", "kvikio", "--buffer", "device", "--verify", *TINY
+        )
+        assert {r["backend"] for r in report["results"]} == {"kvikio"}
+        assert "handed to kvikio as it is" in report["machine"]["buffer_path"]
     assert list(tmp_path.iterdir()) == []

@@ -80,6 +80,8 @@ class BenchSpec:
     #: Raw passes: the most blocks per call to the tier; None: as the scheduler runs them
     #: (a quarter of the queue depth on the nvme tier, 1 elsewhere). See ``passes``.
     run_blocks: int | None = None
+    #: Raw NVMe passes: the memory moved to and from, "host" or "device" (CUDA memory).
+    buffer: str = "host"
 
     def cases(self) -> list[tuple[int, int]]:
         return list(itertools.product(self.block_sizes, self.queue_depths))
@@ -200,7 +202,9 @@ def _page_cache_note(facts: dict[str, Any]) -> str:
     )
 
 
-def machine_facts(spec: BenchSpec, tier_facts: dict[str, Any], notes: Sequence[str] = ()) -> dict[str, Any]:
+def machine_facts(
+    spec: BenchSpec, tier_facts: dict[str, Any], notes: Sequence[str] = (), buffer_path: str = ""
+) -> dict[str, Any]:
     """The header: this machine, and how the tier under test reaches its bytes."""
     memory = psutil.virtual_memory()
     facts: dict[str, Any] = {
@@ -229,6 +233,8 @@ def machine_facts(spec: BenchSpec, tier_facts: dict[str, Any], notes: Sequence[s
             direct=bool(tier_facts.get("direct")),
             direct_reason=tier_facts.get("direct_reason"),
             filesystems=filesystems,
+            buffer=spec.buffer,
+            buffer_path=buffer_path,
         )
     else:
         facts["tier_facts"] = tier_facts
@@ -264,9 +270,10 @@ def run_benchmark(
                 backend=spec.backend,
                 run_blocks=spec.run_blocks,
                 interrupts=interrupts,
+                buffer=spec.buffer,
             ) as env:
                 if machine is None:
-                    machine = machine_facts(spec, env.describe(), env.notes)
+                    machine = machine_facts(spec, env.describe(), env.notes, env.buffer_path)
                     if on_machine is not None:
                         on_machine(machine)
                 results += _run_case(spec, env, on_pass)

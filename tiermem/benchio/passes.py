@@ -3,8 +3,10 @@
 A *case* is one (block size, queue depth) of one tier, reached one of two ways:
 
 - ``raw``: straight through the tier's ``write``/``read``, between the tier and a host
-  buffer, with at most ``queue_depth`` blocks in flight (new ones are issued as soon as
-  slots free, as fio's ``iodepth`` does). On a vectored tier (NVMe) the blocks go in
+  buffer (or, ``buffer="device"`` on the NVMe tier, CUDA memory: a backend that takes device
+  memory, kvikio, hands it to cuFile, registered for the case where GDS is active; the others
+  stage it through page-locked bounce buffers), with at most ``queue_depth`` blocks in flight
+  (new ones are issued as soon as slots free, as fio's ``iodepth`` does). On a vectored tier (NVMe) the blocks go in
   *runs*, as the scheduler issues them (its rule 7): one call of up to ``run_blocks``
   contiguous blocks, which the tier splits into block-sized I/Os again and submits
   together — so the device sees ``block_size`` requests, up to ``queue_depth`` of them in
@@ -45,6 +47,7 @@ from tiermem.errors import TiermemError, TiermemWarning
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.schedulers.asyncio_scheduler import MEMORY_BLOCK_SIZE, RUN_SHARE, AsyncioScheduler
 from tiermem.schedulers.base import Priority, Transfer
+from tiermem.tiers.backends.base import StorageBackend, deregister_buffer, register_buffer, select_backend
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.host import HostTier
@@ -71,6 +74,20 @@ class PassResult:
 
 
 # -- one case -------------------------------------------------------------------------------------
+def _check_buffer(buffer: str, tier_name: str, through: str) -> None:
+    """``buffer="device"`` is for raw NVMe passes on a machine with CUDA (the CLI says so first)."""
+    if buffer == "host":
+        return
+    if buffer != "device":
+        raise ValueError(f"tiermem bench io: buffer {buffer!r}: expected 'host' or 'device'")
+    if tier_name != "nvme" or through != "raw":
+        raise ValueError(
+            f"tiermem bench io: device buffers are for raw passes on the nvme tier, not {through} on {tier_name}"
+        )
+    if not torch.cuda.is_available():
+        raise ValueError("tiermem bench io: device buffers need a CUDA device; torch.cuda.is_available() is false")
+
+
 class _LatencyProbe:
     """Times every call a tier serves (call to completion) and counts the requests in it.
     Installed on the executing tier in scheduler mode, where the calls are made by the
@@ -140,8 +157,16 @@ class CaseEnv:
         backend: Any,
         run_blocks: int | None = None,
         interrupts: DeferredInterrupts | None = None,
+        buffer: str = "host",
     ) -> None:
         self.tier_name = tier_name
+        _check_buffer(buffer, tier_name, through)
+        #: How the bytes meet the buffer (the header's "buffer:" line); set for NVMe raw cases.
+        self.buffer_path = ""
+        self._device_buffer = buffer == "device"
+        self._backend: StorageBackend | None = None
+        self._backend_reason = ""
+        self._registered = False
         # Never entered when not given: ``check()`` then never raises.
         self._interrupts = interrupts if interrupts is not None else DeferredInterrupts()
         self.size = size
@@ -173,14 +198,9 @@ class CaseEnv:
                 )
             self.run_blocks = max(1, min(int(run_blocks), queue_depth))
             if through == "raw":
-                # The host side of the I/O: 4096-aligned so O_DIRECT runs zero-copy (TRAPS 5).
-                if tier_name == "device" and torch.cuda.is_available():
-                    # Pinned, as a real host->device copy source is; CUDA's pinned memory is
-                    # page-aligned already (aligned_empty's extra page would double a
-                    # power-of-two size in the pinned allocator).
-                    self.buffer = torch.empty(capacity, dtype=torch.uint8, pin_memory=True)[:size]
-                else:
-                    self.buffer = aligned_empty(capacity, torch.device("cpu"))[:size]
+                self.buffer = (
+                    self._device_side(capacity, size) if self._device_buffer else self._host_side(capacity, size)
+                )
             else:
                 # nvme and host moves go through the device tier (as a managed tensor's do);
                 # the device tier's own moves go to and from host memory.
@@ -199,10 +219,45 @@ class CaseEnv:
             self.close()
             raise
 
+    def _host_side(self, capacity: int, size: int) -> torch.Tensor:
+        """The host side of a raw case's I/O: 4096-aligned so O_DIRECT runs zero-copy (TRAPS 5)."""
+        if self.tier_name == "nvme":
+            self.buffer_path = "page-aligned host memory: zero-copy where O_DIRECT allows"
+        if self.tier_name == "device" and torch.cuda.is_available():
+            # Pinned, as a real host->device copy source is; CUDA's pinned memory is page-aligned
+            # already (aligned_empty's extra page would double a power-of-two size in the pinned allocator).
+            return torch.empty(capacity, dtype=torch.uint8, pin_memory=True)[:size]
+        return aligned_empty(capacity, torch.device("cpu"))[:size]
+
+    def _device_side(self, capacity: int, size: int) -> torch.Tensor:
+        """CUDA memory for a ``buffer="device"`` case, declared long-lived to the backend for the case
+        (NOTE [ Registered device buffers ]), and what path its bytes take."""
+        assert self._backend is not None  # _make_tier made the backend instance for device buffers
+        buffer = torch.empty(capacity, dtype=torch.uint8, device=torch.device("cuda", torch.cuda.current_device()))
+        buffer = buffer[:size]
+        name = self._backend.name
+        if getattr(self._backend, "takes_device_memory", False):
+            self._registered = register_buffer(self._backend, buffer)
+            how = (
+                "registered with cuFile for the case"
+                if self._registered
+                else "not registered: GDS inactive (compatibility mode) or an expandable segment"
+            )
+            self.buffer_path = f"CUDA memory handed to {name} as it is, {how}"
+        else:
+            self.buffer_path = f"CUDA memory staged through page-locked host bounce buffers ({name} takes host memory)"
+        return buffer
+
     def _make_tier(self, name: str, capacity: int, paths: list[str], backend: Any) -> Tier:
         tier: Tier
         if name == "nvme":
             from tiermem.tiers.nvme import NvmeTier  # storage machinery only when measured
+
+            if self._device_buffer and isinstance(backend, str):
+                # The instance itself: the case declares its device buffer to it (register_buffer).
+                backend, self._backend_reason = select_backend(backend, paths[0])
+            if self._device_buffer:
+                self._backend = backend
 
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always", TiermemWarning)
@@ -224,7 +279,10 @@ class CaseEnv:
         return self._scheduler
 
     def describe(self) -> dict[str, Any]:
-        return self.tier.describe()
+        facts = self.tier.describe()
+        if self._backend_reason:  # the backend was chosen here, not by the tier
+            facts["backend_reason"] = self._backend_reason
+        return facts
 
     @property
     def backend_name(self) -> str:
@@ -293,6 +351,10 @@ class CaseEnv:
         inflight = 0  # blocks in flight, at most ``depth``: the queue depth counts blocks, not calls
         offset = 0
         interrupts = self._interrupts
+        if self._device_buffer:
+            # Rule 7 of NOTE [ NVMe tier layout and I/O ]: the tier's workers wait for the kernels
+            # queued on this thread's stream (the pattern fill, the scribble) before they touch the buffer.
+            tier.fence()
         start_all = perf()
         try:
             while offset < size:
@@ -371,6 +433,13 @@ class CaseEnv:
         A second Ctrl-C while this runs is held until the files are gone."""
         errors: list[BaseException] = []
         with DeferredInterrupts(second_interrupts=False):
+            if self._registered and self._backend is not None:
+                # Before the buffer can be freed (NOTE [ Registered device buffers ] rule 4).
+                self._registered = False
+                try:
+                    deregister_buffer(self._backend, self.buffer)
+                except Exception as exc:  # noqa: BLE001 - keep closing the tiers
+                    errors.append(exc)
             if self._scheduler is not None:
                 try:
                     self._scheduler.close()

@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # the engine imports torch: only when a benchmark actually ru
 
 _BACKENDS = BACKEND_NAMES
 _OPS = {"read": ("read",), "write": ("write",), "both": ("write", "read")}
+_BUFFERS = ("host", "device")
 _MAX_QUEUE_DEPTH = 1024
 #: Show the progress bar only once a run has taken this long (short runs stay quiet).
 _PROGRESS_AFTER_S = 2.0
@@ -93,6 +94,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=(
             "raw, nvme: most blocks per call to the tier, which splits each call into block-sized I/Os "
             "(default auto: a quarter of the queue depth, as the scheduler's runs; 1: a call per block)"
+        ),
+    )
+    io.add_argument(
+        "--buffer",
+        default="host",
+        metavar="{host,device}",
+        help=(
+            "raw, nvme: the memory the I/O moves to and from: host (default) or device (CUDA memory: "
+            "kvikio hands it to cuFile, other backends stage it through page-locked bounce buffers)"
         ),
     )
     io.add_argument("--verify", action="store_true", help="check every byte read back; mismatches fail the run")
@@ -199,8 +209,10 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
                 f"--run-blocks {run_blocks}: only the nvme tier splits a call into block-sized I/Os; "
                 f"the {tier} tier would do one larger copy"
             )
+    buffer = _buffer(args.buffer, tier, through)
     return BenchSpec(
         tier=tier,
+        buffer=buffer,
         backend=backend,
         paths=_paths(args.path),
         size=size,
@@ -214,6 +226,38 @@ def build_spec(args: argparse.Namespace) -> BenchSpec:
     )
 
 
+def _buffer(text: str, tier: str, through: str) -> str:
+    """``--buffer``: device memory only for raw NVMe passes, and only where CUDA is."""
+    buffer = _choice("--buffer", text, _BUFFERS)
+    if buffer == "host":
+        return buffer
+    if tier != "nvme":
+        raise UsageError(f"--buffer device: only for --tier nvme; the {tier} tier copies memory")
+    if through != "raw":
+        raise UsageError(
+            "--buffer device: only for --through raw; through the scheduler the NVMe tier's peer is the "
+            "device tier already (device memory where CUDA is)"
+        )
+    missing = cuda_missing()
+    if missing:
+        raise UsageError(f"--buffer device: needs a CUDA device, and this machine has none usable: {missing}")
+    return buffer
+
+
+def cuda_missing() -> str:
+    """Why torch cannot use a CUDA device here, or "" when it can."""
+    import torch
+
+    if torch.cuda.is_available():
+        return ""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
+    return (
+        f"torch {torch.__version__} is built for CUDA {torch.version.cuda} but torch.cuda.is_available() is "
+        "false (no GPU, no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides every device)"
+    )
+
+
 def _check_resources(spec: BenchSpec, paths: tuple[str, ...]) -> None:
     """Refuse a size this machine cannot hold, before any byte is written."""
     import psutil
@@ -223,7 +267,10 @@ def _check_resources(spec: BenchSpec, paths: tuple[str, ...]) -> None:
     # with CUDA.
     import torch
 
-    sides = ["host", "nvme"] if spec.through == "raw" else [spec.tier, "host" if spec.tier == "device" else "device"]
+    if spec.through == "raw":
+        sides = ["device" if spec.buffer == "device" else "host", "nvme"]
+    else:
+        sides = [spec.tier, "host" if spec.tier == "device" else "device"]
     in_ram = [s for s in sides if s != "nvme" and not (s == "device" and torch.cuda.is_available())]
     need_ram = spec.size * len(in_ram)
     available = psutil.virtual_memory().available
@@ -280,6 +327,7 @@ def _header_lines(machine: dict[str, Any], spec: BenchSpec) -> list[str]:
         )
     if spec.tier == "nvme":
         lines.append(f"backend: {machine['backend']} ({machine['backend_reason']})")
+        lines.append(f"buffer: {machine['buffer']} ({machine['buffer_path']})")
         lines.append(f"O_DIRECT: {'yes' if machine['direct'] else 'no'} ({machine['direct_reason']})")
     else:
         facts = machine.get("tier_facts", {})
