@@ -409,3 +409,107 @@ def test_save_between_backward_and_step_is_refused(tmp_path):
         optimizer.zero_grad()
         rt.save(path, extra=4)
         assert rt.load(path) == 4
+
+
+def _commit_copy_of(source: pathlib.Path, path: pathlib.Path) -> None:
+    """Another save committing to ``path`` (as a second process would): ``source``'s files, staged
+    beside ``path`` and committed by NOTE [ Checkpoint commit rules ]'s own steps."""
+    staging = files.Staging(path)
+    for file in source.iterdir():
+        if file.name != files.MANIFEST:
+            (staging.dir / file.name).write_bytes(file.read_bytes())
+    staging.commit()
+
+
+def test_a_load_reads_one_checkpoint_while_a_save_commits_to_its_path(tmp_path, monkeypatch):
+    """NOTE [ Checkpoint commit rules ] rule 7: a save committing to the path between the load's
+    verification and its reads waits for the load, which reads only the checkpoint it verified."""
+    import threading
+
+    path, other = tmp_path / "ckpt", tmp_path / "other"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, schedule = manage(rt)
+        rt.save(path, extra="A")
+        weights_a = {k: v.clone() for k, v in model.state_dict().items()}
+        train(model, optimizer, schedule, range(1))
+        rt.save(other, extra="B")
+        verify, committer = files.verify, threading.Thread(target=_commit_copy_of, args=(other, path))
+
+        def verify_then_a_save_commits(directory: pathlib.Path) -> bool:
+            verified = verify(directory)
+            if directory == path and not committer.is_alive():
+                committer.start()
+                committer.join(timeout=1.0)  # before rule 7 it committed B here, under the load's feet
+            return verified
+
+        monkeypatch.setattr(files, "verify", verify_then_a_save_commits)
+        assert rt.load(path) == "A"
+        for name, value in model.state_dict().items():
+            assert torch.equal(value, weights_a[name]), name
+        committer.join(timeout=30)
+        assert not committer.is_alive()
+        monkeypatch.undo()
+        assert rt.load(path) == "B" and _leftovers(path) == []
+
+
+def test_a_copy_without_tiermems_files_is_refused_naming_them(tmp_path):
+    """Rule 4: a tiermem checkpoint copied without its manifest and state file (its DCP files
+    only) is refused, never loaded unverified; plain PyTorch still reads its weights."""
+    path, copy = tmp_path / "ckpt", tmp_path / "copy"
+    copy.mkdir()
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, _, _ = manage(rt)
+        rt.save(path)
+        for name in (files.DCP_METADATA, DATA_FILE["dcp"]):
+            (copy / name).write_bytes((path / name).read_bytes())
+        with pytest.raises(CheckpointError) as info:
+            rt.load(copy)
+        message = str(info.value)
+        assert f"{files.MANIFEST} and {files.STATE_FILE} are missing" in message
+        assert "'tiermem' entry" in message and "Copy the whole checkpoint directory again" in message
+        (copy / files.STATE_FILE).write_bytes((path / files.STATE_FILE).read_bytes())
+        with pytest.raises(CheckpointError, match=f"{files.MANIFEST} is missing"):
+            rt.load(copy)
+    plain = make_model(seed=7)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": plain.state_dict()}, checkpoint_id=copy)
+    for name, value in plain.state_dict().items():
+        assert torch.equal(value, model.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("failure", ["locking the temporary directory", "the second rename of a fallback commit"])
+def test_a_save_failing_anywhere_leaves_no_files_behind(tmp_path, monkeypatch, failure):
+    """Rules 1, 3 and 5 with a failure injected: the temporary sibling is removed (also when
+    locking it fails, right after it was made), and a fallback commit whose second rename fails
+    puts the previous checkpoint back at the path."""
+    import fcntl
+
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path, extra="first")
+        if failure == "locking the temporary directory":
+            flock = fcntl.flock
+
+            def broken_flock(fd: int, operation: int) -> None:
+                if operation == fcntl.LOCK_EX and ".tiermem-tmp-" in os.readlink(f"/proc/self/fd/{fd}"):
+                    raise OSError(37, "No locks available")
+                flock(fd, operation)
+
+            monkeypatch.setattr(fcntl, "flock", broken_flock)
+        else:
+            rename = os.rename
+            monkeypatch.setattr(files, "_exchange", lambda a, b: False)
+
+            def broken_rename(src: Any, dst: Any) -> None:
+                if ".tiermem-tmp-" in str(src) and pathlib.Path(dst) == path:
+                    raise OSError(5, "Input/output error")
+                rename(src, dst)
+
+            monkeypatch.setattr(os, "rename", broken_rename)
+        with pytest.raises(OSError):
+            rt.save(path, extra="second")
+        monkeypatch.undo()
+        assert _leftovers(path) == []
+        assert rt.load(path) == "first"
