@@ -8,7 +8,18 @@ import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["install_gds", "cuda_tests", "bench_io_posix", "bench_io_kvikio", "device_buffers", "activations", "states"]
+STEPS = [
+    "install_gds",
+    "cuda_tests",
+    "bench_io_posix_host",
+    "bench_io_kvikio_host",
+    "bench_io_posix_device",
+    "bench_io_kvikio_device",
+    "activations",
+    "states",
+]
+#: Issue 21 item 3: the whole check in under 8 minutes on one GPU.
+EIGHT_MINUTES_S = 480
 
 
 def test_a_dry_run_lists_every_step_and_writes_the_report(tmp_path: Path) -> None:
@@ -23,7 +34,27 @@ def test_a_dry_run_lists_every_step_and_writes_the_report(tmp_path: Path) -> Non
     for step in report["steps"]:
         assert step["status"] == "skipped" and step["note"].startswith("dry run: would run: "), step
     assert "tests/test_cuda.py" in report["steps"][1]["note"]
-    assert "7 skipped" in done.stdout
+    assert "8 skipped" in done.stdout
+    notes = {s["step"]: s["note"] for s in report["steps"]}
+    for backend in ("posix", "kvikio"):
+        assert f"--backend {backend} --buffer device" in notes[f"bench_io_{backend}_device"]
+        assert (
+            "--buffer" not in notes[f"bench_io_{backend}_host"]
+            and f"--backend {backend}" in notes[f"bench_io_{backend}_host"]
+        )
+
+
+def test_the_step_budgets_and_the_deadline_bound_the_run_under_eight_minutes(tmp_path: Path) -> None:
+    """Every step has a budget (it is killed past it); the budgets, plus the 10 s CUDA probe, fit
+    in the deadline, and the deadline (which cuts any step still running) is under 8 minutes."""
+    subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    budgets = [s["budget_s"] for s in report["steps"]]
+    assert all(b > 0 for b in budgets) and report["budget_s"] == sum(budgets)
+    assert report["budget_s"] + 10 <= report["deadline_s"] < EIGHT_MINUTES_S
 
 
 def test_unknown_arguments_are_refused(tmp_path: Path) -> None:
