@@ -67,7 +67,7 @@ step() {
   t0=$(date +%s)
   limit=$(( DEADLINE - t0 < budget ? DEADLINE - t0 : budget ))
   if [ "$limit" -lt 5 ]; then
-    printf '%s\tskipped\t0\t%s\t-\tno time left: the script stops at ${DEADLINE_S} s\n' "$name" "$budget" >> "$STEPS"; return
+    printf '%s\tskipped\t0\t%s\t-\tno time left: the script stops at %s s\n' "$name" "$budget" "$DEADLINE_S" >> "$STEPS"; return
   fi
   timeout -k 5 "$limit" "$@" > "$log" 2>&1
   rc=$?
