@@ -109,16 +109,18 @@ def smallest_budgets(
     needs: Sequence[ChunkNeeds], chunk_size: int, min_buffers: int, budgets: Budgets, grads_stream: bool
 ) -> Budgets | None:
     """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
-    streamed through the fewest buffers; homes on NVMe when ``budgets.nvme`` holds them all,
-    else on the host), checked by deciding again; None when that does not fit either."""
+    streamed through the fewest buffers; homes and gradients on NVMe when ``budgets.nvme``
+    holds them all, else on the host), checked by deciding again; None when that does not fit either."""
     if not needs:
         return None
     total = len(needs)
     device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size, oversized_chunks(needs, chunk_size))
     homes = sum(n.home_bytes for n in needs)
-    if homes <= budgets.nvme:
-        host = nvme_grad_bytes(needs, grads_stream) + STAGED_HOMES * max(n.home_bytes for n in needs)
-        least = Budgets(device=device, host=host, nvme=homes)
+    # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
+    stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
+    if stored <= budgets.nvme:
+        host = nvme_grad_bytes(needs, True) + STAGED_HOMES * max(n.home_bytes for n in needs)
+        least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)
     try:

@@ -21,13 +21,17 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    the device's free capacity and leave the streaming reserve free beside them; every chunk
    when all of them fit in that half.
 3. Homes of the other chunks, in order: the host while its free capacity still holds the
-   chunk's home (master + states) and gradients, else NVMe. An NVMe chunk's gradients still
-   wait on the host until ``optimizer.step()`` (so ``.grad`` stays readable, TRAPS 4), and
-   the host keeps room to stage two NVMe homes during the step. When gradients stream
-   (``grads_stream``: a declared loop that steps every backward without clipping and
-   ``keep_gradients=False``), each NVMe chunk steps as its backward ends and frees its
-   gradients (NOTE [ Declared steps ] rule 6), so the host only holds two chunks' gradients
-   at once: the one stepping and the one on its way.
+   chunk's home (master + states) and gradients, else NVMe. The host keeps room to stage two
+   NVMe homes during the step. An NVMe chunk's gradients wait until ``optimizer.step()``
+   (``.grad`` stays readable and writable, TRAPS 4) where ``grad_home`` says: on the host
+   when it holds all of them beside those homes, else on NVMe (``grad_home = "nvme"``: the
+   host then holds two chunks' gradients at once, staged to step or to serve ``.grad``,
+   NOTE [ Stored gradients ] in ``tiermem/states/stored_grads.py``), at the price of writing
+   and reading them once more per step. When gradients stream (``grads_stream``: a declared
+   loop that steps every backward without clipping and ``keep_gradients=False``), each NVMe
+   chunk steps as its backward ends and frees its gradients (NOTE [ Declared steps ] rule
+   6), so they never wait: the host only holds two chunks' gradients at once, the one
+   stepping and the one on its way, and ``grad_home`` is ``"host"``.
 4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
    parameters shared by several modules (tied weights stay pinned through backward), plus
    one slot to prefetch into; never more than the non-persistent chunks. When that reserve
@@ -51,13 +55,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tiermem.errors import PlanError, StatesMemoryError
+from tiermem.layout.prediction import Prediction
 from tiermem.units import ALIGNMENT, format_size, parse_size, round_up
 
 STATE_HOMES = ("device", "host", "nvme")
 STAGED_HOMES = 2
 """Rule 3: NVMe homes the host has room to stage at once (one steps, one is on its way)."""
 BLOCK_POLICIES = ("keep", "recompute", "host", "nvme")
-PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted")
+GRAD_HOMES = ("host", "nvme")
+"""Rule 3: where the gradients of chunks with NVMe homes wait between backward and the step."""
+PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "grad_home", "block_policy", "predicted")
 
 
 @dataclass(frozen=True)
@@ -97,39 +104,6 @@ class Budgets:
 
 
 @dataclass(frozen=True)
-class Prediction:
-    """What a planner predicted for a plan (``None`` until one did): seconds a step takes,
-    peak managed bytes per tier, the transient operator peak on top of the device's (not
-    managed, NOTE [ Cost model ] rule 3) and the fragmentation margin the fit was checked with."""
-
-    step_s: float | None = None
-    peak_bytes: Mapping[str, int | None] = field(default_factory=lambda: {"device": None, "host": None, "nvme": None})
-    transient_bytes: int | None = None
-    fragmentation_margin: float | None = None
-
-    def as_dict(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"step_s": self.step_s, "peak_bytes": dict(self.peak_bytes)}
-        if self.step_s is not None:  # the planner's extras; the contract's two keys otherwise
-            data["transient_bytes"] = self.transient_bytes
-            data["fragmentation_margin"] = self.fragmentation_margin
-        return data
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any] | None) -> Prediction:
-        """The inverse of :meth:`as_dict` (``None``: nothing predicted); raises ``ValueError``."""
-        if data is None:
-            return cls()
-        if not isinstance(data, Mapping) or not isinstance(data.get("peak_bytes") or {}, Mapping):
-            raise ValueError(f"expected {{'step_s': ..., 'peak_bytes': {{...}}}} or null, got {data!r}")
-        unknown = set(data) - {"step_s", "peak_bytes", "transient_bytes", "fragmentation_margin"}
-        if unknown:
-            raise ValueError(f"unknown key(s) {sorted(unknown)}")
-        peaks: dict[str, int | None] = {tier: None for tier in STATE_HOMES}
-        peaks.update(data.get("peak_bytes") or {})
-        return cls(data.get("step_s"), peaks, data.get("transient_bytes"), data.get("fragmentation_margin"))
-
-
-@dataclass(frozen=True)
 class PlanRequest:
     """The fields of a hand-written plan; ``None`` means "follow the default rule".
 
@@ -145,6 +119,7 @@ class PlanRequest:
     block_policy: tuple[str, ...] | None = None
     predicted: Prediction = field(default_factory=Prediction)
     order: tuple[int, ...] | None = None
+    grad_home: str | None = None
 
 
 @dataclass(frozen=True)
@@ -157,6 +132,8 @@ class Plan:
     state_home: tuple[str, ...]
     block_policy: tuple[str, ...] | None = None
     predicted: Prediction = field(default_factory=Prediction)
+    #: rule 3: where NVMe chunks' gradients wait between backward and the step
+    grad_home: str = "host"
 
     @property
     def chunks(self) -> int:
@@ -168,6 +145,7 @@ class Plan:
             "persistent_chunks": self.persistent_chunks,
             "buffers": self.buffers,
             "state_home": list(self.state_home),
+            "grad_home": self.grad_home,
             "block_policy": None if self.block_policy is None else list(self.block_policy),
             "predicted": self.predicted.as_dict(),
         }
@@ -187,7 +165,13 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
         return spec
     if isinstance(spec, Plan):
         return PlanRequest(
-            spec.chunk_size, spec.persistent_chunks, spec.buffers, spec.state_home, spec.block_policy, spec.predicted
+            chunk_size=spec.chunk_size,
+            persistent_chunks=spec.persistent_chunks,
+            buffers=spec.buffers,
+            state_home=spec.state_home,
+            block_policy=spec.block_policy,
+            predicted=spec.predicted,
+            grad_home=spec.grad_home,
         )
     if isinstance(spec, (str, os.PathLike)):
         try:
@@ -227,6 +211,12 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
             problems.append(f"state_home: a list of {'|'.join(STATE_HOMES)} per chunk, got {homes!r}")
         else:
             values["state_home"] = tuple(homes)
+    grad_home = spec.get("grad_home")
+    if grad_home is not None and grad_home != "auto":
+        if grad_home not in GRAD_HOMES:
+            problems.append(f"grad_home: where NVMe chunks' gradients wait, 'host' or 'nvme', got {grad_home!r}")
+        else:
+            values["grad_home"] = grad_home
     policies = spec.get("block_policy")
     if policies is not None:
         if isinstance(policies, str) or not isinstance(policies, Sequence) or set(policies) - set(BLOCK_POLICIES):
@@ -295,8 +285,8 @@ def decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
-    homes = _homes(needs, persistent, budgets, request.state_home, grads_stream)
-    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream)
+    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream)
+    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home)
     return Plan(
         chunk_size=chunk_size,
         persistent_chunks=persistent,
@@ -304,7 +294,26 @@ def decide(
         state_home=homes,
         block_policy=request.block_policy,
         predicted=request.predicted,
+        grad_home=grad_home,
     )
+
+
+def _homes_and_grad_home(
+    needs: Sequence[ChunkNeeds], persistent: int, budgets: Budgets, request: PlanRequest, grads_stream: bool
+) -> tuple[tuple[str, ...], str]:
+    """Rule 3: the homes, and where the NVMe chunks' gradients wait (the host when it holds
+    them all beside the homes it keeps, else NVMe; streamed gradients never wait)."""
+    if grads_stream:
+        return _homes(needs, persistent, budgets, request.state_home, True), "host"
+    if request.grad_home is not None:
+        on_nvme = request.grad_home == "nvme"
+        homes = _homes(needs, persistent, budgets, request.state_home, on_nvme)
+        return homes, request.grad_home if "nvme" in homes else "host"
+    homes = _homes(needs, persistent, budgets, request.state_home, False)
+    if "nvme" in homes and _host_bytes(needs, homes, False) > budgets.host:
+        homes = _homes(needs, persistent, budgets, request.state_home, True)
+        return homes, "nvme"
+    return homes, "host"
 
 
 def _device_short(
@@ -408,14 +417,20 @@ def _check_fits(
     homes: Sequence[str],
     budgets: Budgets,
     grads_stream: bool = False,
+    grad_home: str = "host",
 ) -> None:
     large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
     device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size, large)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
-    host = sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_stream) + staging
-    nvme = sum(n.home_bytes for n in nvme_homes)
+    grads_pass = grads_stream or grad_home == "nvme"
+    host = _host_bytes(needs, homes, grads_pass)
+    nvme = sum(n.home_bytes + (n.grad_bytes if grad_home == "nvme" else 0) for n in nvme_homes)
+    waiting = (
+        "two NVMe chunks' gradients staged"
+        if grad_home == "nvme"
+        else ("two NVMe chunks' gradients passing through" if grads_stream else "gradients of the NVMe chunks")
+    )
     problems = []
     if device > budgets.device:
         problems.append(
@@ -425,8 +440,8 @@ def _check_fits(
         )
     if host > budgets.host:
         problems.append(
-            f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks, gradients of the NVMe chunks "
-            f"and room to stage two of them) but has {format_size(budgets.host)} free"
+            f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
+            f"and room to stage two NVMe homes) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -437,6 +452,16 @@ def _check_fits(
             + ". Raise the tier capacities, give plan= a smaller chunk_size or fewer persistent_chunks/buffers, "
             "or move states to 'nvme'."
         )
+
+
+def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool) -> int:
+    """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
+    gradients (two at once when they only pass through, ``grads_pass``) and room to stage two
+    NVMe homes."""
+    host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
+    nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
+    staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
+    return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_pass) + staging
 
 
 def _own_slots(large: Sequence[int]) -> str:

@@ -47,6 +47,9 @@ class Chunk:
         self.fetching: Transfer | None = None
         self.home: Handle | None = None
         self.grad: Handle | None = None
+        #: "host" | "nvme": where an offloaded chunk's gradients wait for the step (NOTE
+        #: [ Stored gradients ] rule 1; the store sets it from the plan)
+        self.grad_home = "host"
         #: modules running forward with it, plus uses pinned through backward
         self.pins = 0
         self.last_use = 0

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from tiermem.errors import TierCapacityError
+from tiermem.layout.chunks import Slot
 from tiermem.registry import ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, same
@@ -25,6 +26,7 @@ from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.store import ChunkStore
+from tiermem.states.stored_grads import Geometry, GradientStash, StoredGradient
 from tiermem.units import format_size
 
 
@@ -44,6 +46,9 @@ class Gradients:
         self._leases: dict[int, list[bool]] = {}
         #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (the stepper sets it)
         self.fence: Callable[[Chunk], None] = homes.fence
+        #: NOTE [ Stored gradients ]: host copies of the gradients that wait on NVMe
+        self.stash = GradientStash(store, homes.wait_moves)
+        self.stash.fence = lambda chunk: self.fence(chunk)
 
     # -- in backward ---------------------------------------------------------------------------
     def device_grads(self, chunk: Chunk) -> torch.Tensor:
@@ -62,6 +67,7 @@ class Gradients:
             del buffer  # only the allocation keeps it (TRAPS 14: the write-back must free it)
             return chunk.grad.tensor("device")
         if handle.tier != "device" or handle.state is ObjectState.MOVING:
+            self.stash.release(chunk)  # edits of stored gradients land on NVMe before they move
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
         return handle.tensor("device")
@@ -108,13 +114,24 @@ class Gradients:
                     self.facts.params[slot.index].grad = slot.view(data)
 
     def flush(self, chunk: Chunk) -> None:
-        """Send an offloaded chunk's gradients home (rule 4)."""
+        """Send an offloaded chunk's gradients where they wait for the step (rule 4; NVMe:
+        NOTE [ Stored gradients ] rule 1)."""
         self.fence(chunk)
         handle = chunk.grad
         if handle is None or handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
             return
         for slot in chunk.layout.slots:
             self.facts.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
+        if chunk.grad_home == "nvme":
+            try:
+                handle.move_to("nvme", Priority.WRITEBACK)
+            except TierCapacityError as exc:
+                raise StatesMemoryError(
+                    f"tiermem model states: chunk {chunk.index}'s gradients ({format_size(exc.requested)}) wait on "
+                    f"NVMe until the optimizer steps (grad_home 'nvme'), but {format_size(exc.used)} of "
+                    f"{format_size(exc.capacity)} are in use there; raise [nvme] capacity"
+                ) from exc
+            return
         try:
             handle.move_to("host", Priority.WRITEBACK)
         except TierCapacityError:
@@ -132,20 +149,40 @@ class Gradients:
                 ) from exc
 
     # -- what p.grad is ------------------------------------------------------------------------
-    def grad_bytes(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's gradient buffer where it is resident now (host or device)."""
+    def grad_bytes(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:
+        """The chunk's gradient buffer where it is resident now (host or device), or its copy
+        staged on the host when it waits on NVMe (``write``: the caller writes it; NOTE
+        [ Stored gradients ] rule 2)."""
         self.fence(chunk)
         assert chunk.grad is not None
         chunk.grad.wait()
+        if self.stash.stored(chunk):
+            return self.stash.buffer(chunk, write=write)
         return chunk.grad.tensor(chunk.grad.tier)
 
     def expose(self) -> None:
         """``p.grad`` views the real gradient wherever it lives (rule 4, TRAPS 4)."""
         for chunk in self.store.chunks:
-            data = self.grad_bytes(chunk) if chunk.grad is not None else None
-            for slot in chunk.layout.slots:
-                has = self.store.has_grad[slot.index] and data is not None
-                self.facts.params[slot.index].grad = self.exposed(chunk, slot.view(data)) if has else None  # type: ignore[arg-type]
+            self.expose_chunk(chunk)
+
+    def expose_chunk(self, chunk: Chunk) -> None:
+        """Rule 4 for one chunk; a stored chunk's gradients are not read to expose them."""
+        if chunk.grad is not None:
+            chunk.grad.wait()
+        stored = self.stash.stored(chunk)
+        data = self.grad_bytes(chunk) if chunk.grad is not None and not stored else None
+        for slot in chunk.layout.slots:
+            p = self.facts.params[slot.index]
+            if not self.store.has_grad[slot.index] or chunk.grad is None:
+                p.grad = None
+            elif stored:
+                p.grad = self._stored(chunk, slot)
+            else:
+                p.grad = self.exposed(chunk, slot.view(data))  # type: ignore[arg-type]
+
+    def _stored(self, chunk: Chunk, slot: Slot) -> StoredGradient:
+        lease = self._leases.setdefault(chunk.index, [True])
+        return StoredGradient(self.stash, chunk, Geometry.of_slot(slot), self.facts.device, lease)
 
     def exposed(self, chunk: Chunk, view: torch.Tensor) -> torch.Tensor:
         """What ``p.grad`` is for ``view``, a gradient in ``chunk``'s buffer: the view itself, or a
@@ -160,6 +197,8 @@ class Gradients:
     def retire(self, chunk: Chunk | None = None) -> None:
         """NOTE [ Host gradients ] rule 5: ``chunk``'s (every chunk's) host gradient bytes move or
         are freed; HostGradients of them refuse ops from now on."""
+        if chunk is None:
+            self.stash.discard_all()  # the chunks are rebuilt from a snapshot of them
         for index in [chunk.index] if chunk is not None else list(self._leases):
             lease = self._leases.pop(index, None)
             if lease is not None:
@@ -169,6 +208,7 @@ class Gradients:
         """Free ``chunk``'s gradient buffer (no parameter of it has a gradient any more)."""
         self.fence(chunk)
         assert chunk.grad is not None
+        self.stash.discard(chunk)
         self.retire(chunk)
         chunk.grad.free()
         chunk.grad = None
@@ -187,6 +227,7 @@ class Gradients:
             if not chunk.trainable:
                 continue
             data: torch.Tensor | None = None
+            created = False
             for slot in chunk.layout.slots:
                 i = slot.index
                 p = self.facts.params[i]
@@ -196,21 +237,35 @@ class Gradients:
                 if has_grad[i] and grad is None:
                     has_grad[i] = False  # model.zero_grad() or `p.grad = None`
                     continue
+                if has_grad[i] and isinstance(grad, StoredGradient) and grad.stands_for(chunk, slot):
+                    continue  # as exposed: its bytes are on NVMe, nothing to read
                 if data is None:
-                    data = self.grad_bytes(chunk) if chunk.grad is not None else self._new_grads(chunk)
+                    created = chunk.grad is None
+                    data = self._new_grads(chunk) if created else self.grad_bytes(chunk, write=True)
                 view = slot.view(data)
                 if not self._is_exposed(grad, view):
                     view.copy_(grad)  # a HostGradient of another view copies through its own bytes
-                    p.grad = self.exposed(chunk, view)
+                    p.grad = self._stored(chunk, slot) if self.stash.stored(chunk) else self.exposed(chunk, view)
                 has_grad[i] = True
             if chunk.grad is not None and not any(has_grad[s.index] for s in chunk.layout.slots):
                 self.drop(chunk)
+            elif created and chunk.grad_home == "nvme":
+                self._store(chunk)
 
     def _new_grads(self, chunk: Chunk) -> torch.Tensor:
         tier = "host" if chunk.offloaded else "device"
         device = "cpu" if chunk.offloaded else self.facts.device
         chunk.grad = self.store.register(torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device), tier)
         return chunk.grad.tensor(tier)
+
+    def _store(self, chunk: Chunk) -> None:
+        """Gradients made on the host for a chunk whose gradients wait on NVMe go there (NOTE
+        [ Stored gradients ] rule 1): hand-made ``.grad`` of parameters that had none."""
+        assert chunk.grad is not None
+        self.retire(chunk)
+        chunk.grad.move_to("nvme", Priority.WRITEBACK)
+        chunk.grad.wait()
+        self.expose_chunk(chunk)
 
     def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
         """``optimizer.zero_grad()`` over the real gradients, once :meth:`reconcile` took them in."""
@@ -225,7 +280,7 @@ class Gradients:
                     p.grad = None
                     has_grad[i] = False
                 elif isinstance(p.grad, HostGradient):
-                    p.grad.host.zero_()  # in place on the host: no round trip through the device
+                    p.grad.zero_host_()  # in place on the host: no round trip through the device
                 else:  # what torch.optim.Optimizer.zero_grad does
                     if p.grad.grad_fn is not None:
                         p.grad.detach_()

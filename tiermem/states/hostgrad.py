@@ -142,6 +142,19 @@ class HostGradient(torch.Tensor):
             memo[id(self)] = HostGradient(self.host.clone(), self.device)
         return memo[id(self)]
 
+    def like(self, view: torch.Tensor) -> HostGradient:
+        """Rule 4: a gradient of the same kind and lease standing for ``view``, a view of
+        this one's host bytes."""
+        return HostGradient(view, self.device, self.lease)
+
+    def write_host(self, value: torch.Tensor) -> None:
+        """Rule 2: the result of an op that wrote this gradient, into its host bytes."""
+        self.host.copy_(value)
+
+    def zero_host_(self) -> None:
+        """``zero_grad(set_to_none=False)``: zeros written where the bytes are, no device copy."""
+        self.host.zero_()
+
     # Every torch function reaches __torch_dispatch__ as aten ops (the usual wrapper subclass setup).
     __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
@@ -174,10 +187,10 @@ class HostGradient(torch.Tensor):
         if torch.Tag.inplace_view in func.tags:
             return _change_metadata(func, args, kwargs)
         if _is_view(func):  # rule 4
-            lease = mine[0].lease
+            source = mine[0]
             unwrapped = tree_map_only(HostGradient, lambda t: t.host, (args, kwargs))
             views = func(*unwrapped[0], **unwrapped[1])
-            return tree_map_only(torch.Tensor, lambda v: HostGradient(v, device, lease), views)
+            return tree_map_only(torch.Tensor, source.like, views)
         copies: dict[int, torch.Tensor] = {}
 
         def to_device(t: HostGradient) -> torch.Tensor:
@@ -196,7 +209,7 @@ class HostGradient(torch.Tensor):
                     "its shape; use an out-of-place op (NOTE [ Host gradients ] rule 6)"
                 )
         for t in written:
-            t.host.copy_(copies[id(t)])
+            t.write_host(copies[id(t)])
         # An in-place op returns the tensor it wrote: the HostGradient, not its transient copy.
         back: dict[int, HostGradient] = {id(copies[id(t)]): t for t in written}
         swap: Callable[[Any], Any] = lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r  # noqa: E731

@@ -85,6 +85,7 @@ from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread, step_thread_setting, step_thread_wanted
 from tiermem.states.store import ChunkStore
+from tiermem.states.stored_grads import StoredGradient
 
 log = logging.getLogger("tiermem.states")
 
@@ -382,6 +383,7 @@ class Stepper:
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
             self.chunk_steps += 1
         self._finish_steps()  # NOTE [ Step threads ] rule 4
+        self.gradients.stash.release_all()
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
             home = self.store.chunks[index].home
             if home is not None:
@@ -393,7 +395,9 @@ class Stepper:
         it is given, so it gets holders of the host bytes (a test checks it stays bitwise)."""
         params = self.facts.params
         grads = [p.grad for p in params if p.grad is not None]
-        if not any(isinstance(g, HostGradient) for g in grads):
+        if not any(isinstance(g, HostGradient) for g in grads) or any(isinstance(g, StoredGradient) for g in grads):
+            # stored gradients are staged chunk by chunk as torch reads and scales them
+            # (NOTE [ Stored gradients ] rule 3): never all in memory at once
             return torch.nn.utils.clip_grad_norm_(params, max_norm)
         holders = [_GradientHolder(host_bytes(g)) for g in grads]
         total = torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
@@ -472,6 +476,7 @@ class Stepper:
             if ok:
                 job.commit(self.store)
         finally:
+            self.gradients.stash.release(chunk)  # NOTE [ Stored gradients ] rule 4
             if staged:
                 self.homes.send_back(chunk)
         if ok and chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:

@@ -19,7 +19,7 @@ from torch import nn
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, Slot
 from tiermem.layout.placement import Plan
-from tiermem.registry import Handle, Registry
+from tiermem.registry import Handle, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesMemoryError
@@ -109,6 +109,8 @@ class ChunkStore:
             device=self.facts.device,
             master_scale=self.facts.master_scale,
         )
+        if plan.grad_home == "nvme" and chunk.home_tier == "nvme":
+            chunk.grad_home = "nvme"
         self.chunks.append(chunk)
         if persistent:
             self._fill_persistent(chunk, snapshot)
@@ -124,6 +126,10 @@ class ChunkStore:
                     slot.view(buffer).copy_(grad)
                     self.has_grad[slot.index] = True
             chunk.grad = self.register(buffer, tier)
+            del buffer
+            if chunk.grad_home == "nvme":  # NOTE [ Stored gradients ] rule 1
+                chunk.grad.move_to("nvme", Priority.WRITEBACK)
+                chunk.grad.wait()
         return chunk
 
     def _fill_persistent(self, chunk: Chunk, snapshot: Snapshot) -> None:

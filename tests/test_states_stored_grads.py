@@ -1,0 +1,134 @@
+"""Gradients that wait on NVMe (issue 20 item 1, NOTE [ Stored gradients ]): a plain loop
+(``.grad`` read and edited by hand, clipping, accumulation, ``zero_grad`` either way) trains
+bitwise like plain PyTorch when the host cannot hold the NVMe chunks' gradients, and the host
+tier never holds more than its capacity."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import (
+    OPTIMIZERS,
+    assert_bitwise,
+    batch,
+    config,
+    make_model,
+    param_groups,
+    reference,
+    state_bytes,
+    train,
+)
+from tiermem.errors import PlanError
+from tiermem.states.stored_grads import StoredGradient
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
+
+STORED = {"state_home": "nvme", "grad_home": "nvme"}
+
+
+def _states(rt: tiermem.Runtime):
+    return rt.__dict__["_model_states"][0]
+
+
+def _within_capacities(rt: tiermem.Runtime) -> None:
+    stats = rt.stats().as_dict()
+    for tier in ("device", "host", "nvme"):
+        assert stats["tiers"][tier]["peak_bytes"] <= stats["tiers"][tier]["capacity"], tier
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_a_plain_loop_with_gradients_on_nvme_is_bitwise(tmp_path, set_to_none):
+    kwargs = {"micro_batches": 2, "clip": 0.5, "set_to_none": set_to_none}
+    want = reference("adamw", **kwargs)
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        assert rt.plan.grad_home == "nvme"
+        got = train(model, optimizer, range(3), **kwargs)
+        states = _states(rt)
+        assert states.gradients.stash.stagings > 0  # gradients were read back from NVMe
+        _within_capacities(rt)
+    assert_bitwise(got, want[0])  # losses and the clip norms
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_grad_is_a_stored_gradient_that_reads_and_edits_like_plain_pytorch(tmp_path):
+    """``.grad`` after backward: values, views, in-place edits, replacement, ``deepcopy`` and
+    ``model.zero_grad()`` all behave as in plain PyTorch (NOTE [ Host gradients ] rules 2-6)."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            seen.append(loss.detach())
+            weight = model.blocks[1].fc.weight
+            seen.append(weight.grad.detach().clone())
+            seen.append(weight.grad.t().reshape(-1)[:7].clone())  # a view's values
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0.5)
+            weight.grad.view(-1)[:3].fill_(0.25)  # a write through a view lands in the gradient
+            model.ln.weight.grad = torch.full_like(model.ln.weight, 0.01)
+            model.blocks[0].fc.bias.grad = None
+            seen.append(copy.deepcopy(weight.grad).clone())
+            optimizer.step()
+            seen.append(weight.grad.clone())  # still readable after the step
+            model.zero_grad()
+        return seen
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adam"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adam"](param_groups(model)), plan=STORED)
+        tokens, targets = batch(0)
+        got = run(model, optimizer)
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        streamed = [p for p in model.parameters() if p.grad is not None and isinstance(p.grad, StoredGradient)]
+        assert streamed, "no gradient waits on NVMe"
+        model.zero_grad()
+        _within_capacities(rt)
+    assert_bitwise([t.as_subclass(torch.Tensor) if isinstance(t, torch.Tensor) else t for t in got], want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_the_default_rule_stores_gradients_when_the_host_cannot_hold_them(tmp_path):
+    """At a host of 10% of the state bytes the rule puts gradients on NVMe instead of refusing
+    (issue 20: 'the host needs ... (gradients of the NVMe chunks ...)')."""
+    model = make_model()
+    nbytes = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, nbytes // 10, host=nbytes // 10)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.plan.grad_home == "nvme"
+        losses = train(model, optimizer, range(3), clip=1.0)
+        _within_capacities(rt)
+    want = reference("adamw", clip=1.0)
+    assert_bitwise(losses, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+def test_a_roomy_host_keeps_gradients_on_the_host(tmp_path):
+    model = make_model()
+    nbytes = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, nbytes // 4, host=nbytes // 2)) as rt:
+        rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert "nvme" in rt.plan.state_home
+        assert rt.plan.grad_home == "host"
+
+
+def test_a_bad_grad_home_is_refused_with_the_choices(tmp_path):
+    model = make_model()
+    with (
+        tiermem.Runtime(config(tmp_path, state_bytes("adamw", model))) as rt,
+        pytest.raises(PlanError, match=r"grad_home.*'host' or 'nvme'.*'disk'"),
+    ):
+        rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"grad_home": "disk"})

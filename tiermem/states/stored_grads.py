@@ -1,0 +1,233 @@
+"""Gradients that wait on NVMe between backward and the optimizer step, and ``p.grad`` of them.
+
+# NOTE [ Stored gradients ]
+1. Where: a plan with ``grad_home = "nvme"`` (NOTE [ Default placement rule ] rule 3: the
+   host cannot hold every NVMe chunk's gradients) sends an NVMe-homed chunk's gradient buffer
+   from the device to NVMe when its backward ends (WRITEBACK), instead of to the host. Host-
+   and device-homed chunks keep theirs where they were. Values never change on the way: a
+   gradient is the bytes autograd accumulated, exactly as in plain PyTorch.
+2. Reading them: whoever needs a stored gradient's bytes (the chunk's optimizer step, a
+   state-dict snapshot, ``p.grad`` below) asks :class:`GradientStash` for the chunk's buffer.
+   The stash copies it into a host buffer registered on the host tier (``Handle.fill_from``:
+   the NVMe copy stays valid, so a copy nobody wrote is dropped without a write) and keeps at
+   most ``STAGED_HOMES`` chunks staged, least recently used out first; a staged copy that was
+   written is copied back to NVMe before it goes. Every staged byte is accounted on the host
+   tier, so the host's capacity holds; the plan keeps room for two staged gradients.
+3. ``p.grad`` of a stored gradient is a :class:`StoredGradient`: a :class:`HostGradient`
+   (NOTE [ Host gradients ], every rule of which holds) whose host bytes are fetched when an
+   op touches them. It records where in the chunk's buffer it stands (byte offset, dtype,
+   shape, strides) instead of a host tensor, so views, ``t_()`` and the like follow the
+   staged copy wherever it lands. One op at a time: a foreach op is split per tensor (rule 3
+   there), so clipping by hand, ``GradScaler.unscale_`` and user edits stage one chunk at a
+   time and write back what they wrote.
+4. Life: the step stages each chunk's gradients with its home, and drops its staged copy when
+   its step is done (the step never writes gradients); ``zero_grad`` frees them; the next
+   backward brings them back to the device (written-back copies first) to accumulate. The
+   lease of NOTE [ Host gradients ] rule 5 ends whenever the stored bytes move or are freed.
+5. Threads: a staged copy a chunk step still reads on the step thread is not dropped before
+   that step finished (``fence``, NOTE [ Step threads ] rule 4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from tiermem.errors import TierCapacityError, internal_error
+from tiermem.layout.chunks import Slot
+from tiermem.layout.placement import STAGED_HOMES
+from tiermem.registry import Handle, Priority
+from tiermem.states.chunks import Chunk
+from tiermem.states.errors import StatesMemoryError
+from tiermem.states.hostgrad import HostGradient
+from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Where a gradient (or a view of one) stands in its chunk's gradient buffer (rule 3)."""
+
+    offset: int
+    """bytes from the start of the chunk's gradient buffer to the view's first element"""
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    @classmethod
+    def of_slot(cls, slot: Slot) -> Geometry:
+        """A whole parameter's gradient (``Slot.view``: contiguous at the slot's offset)."""
+        return cls(slot.offset, slot.dtype, tuple(slot.shape), torch.empty(slot.shape, device="meta").stride())
+
+    @classmethod
+    def of_view(cls, view: torch.Tensor, buffer: torch.Tensor) -> Geometry:
+        """Where ``view`` (a view of ``buffer``'s storage) stands in ``buffer``."""
+        if view.untyped_storage().data_ptr() != buffer.untyped_storage().data_ptr():
+            raise internal_error("a stored gradient's view left the staged bytes it was made from")
+        offset = view.storage_offset() * view.element_size() - buffer.storage_offset()
+        return cls(offset, view.dtype, tuple(view.shape), tuple(view.stride()))
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This geometry over ``buffer`` (a 1-D uint8 tensor holding the chunk's gradients)."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        start, rest = divmod(buffer.storage_offset() + self.offset, itemsize)
+        if rest:
+            raise internal_error(f"stored gradient at byte {self.offset} is not aligned to {self.dtype}")
+        return torch.empty(0, dtype=self.dtype).set_(buffer.untyped_storage(), start, self.shape, self.stride)
+
+
+@dataclasses.dataclass
+class _Staged:
+    handle: Handle
+    written: bool = False
+
+
+class GradientStash:
+    """Host copies of stored gradient buffers, at most ``STAGED_HOMES`` chunks at once (rule 2)."""
+
+    def __init__(self, store: ChunkStore, wait_home_moves: Callable[[], None]) -> None:
+        self.store = store
+        self._wait_home_moves = wait_home_moves
+        self._staged: OrderedDict[int, _Staged] = OrderedDict()
+        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (Gradients sets it)
+        self.fence: Callable[[Chunk], None] = lambda _chunk: None
+        #: chunks staged from NVMe and bytes written back since the manager began (tests, reports)
+        self.stagings = 0
+        self.write_backs = 0
+
+    @staticmethod
+    def stored(chunk: Chunk) -> bool:
+        """The chunk's gradient buffer lives on NVMe now (rule 1)."""
+        return chunk.grad is not None and chunk.grad.tier == "nvme"
+
+    def buffer(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:
+        """The chunk's gradient bytes on the host, staged from NVMe if need be; ``write``: the
+        caller writes them (they go back to NVMe before the copy is dropped)."""
+        staged = self._staged.get(chunk.index)
+        if staged is None:
+            staged = self._stage(chunk)
+        self._staged.move_to_end(chunk.index)
+        staged.written = staged.written or write
+        return staged.handle.tensor("host")
+
+    def _stage(self, chunk: Chunk) -> _Staged:
+        assert chunk.grad is not None
+        chunk.grad.wait()  # the write-back from the device lands first
+        while len(self._staged) >= STAGED_HOMES:
+            self.release(self.store.chunks[next(iter(self._staged))])
+        handle = self._register(chunk)
+        try:
+            handle.fill_from(chunk.grad, nbytes=chunk.nbytes).wait()
+        except BaseException:
+            handle.free()
+            raise
+        self.stagings += 1
+        staged = self._staged[chunk.index] = _Staged(handle)
+        return staged
+
+    def _register(self, chunk: Chunk) -> Handle:
+        buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        registry = self.store.registry
+        try:
+            return registry.register(buffer, "host", dedup=False, kind="chunk")
+        except TierCapacityError:
+            # Staged NVMe homes free host bytes as their write-backs land; so do our other copies.
+            self.release_all()
+            self._wait_home_moves()
+            try:
+                return registry.register(buffer, "host", dedup=False, kind="chunk")
+            except TierCapacityError as exc:
+                raise StatesMemoryError(
+                    f"tiermem model states: chunk {chunk.index}'s gradients wait on NVMe (grad_home 'nvme') and "
+                    f"reading them takes {format_size(exc.requested)} of host memory, but {format_size(exc.used)} "
+                    f"of {format_size(exc.capacity)} are in use; raise [host] capacity"
+                ) from exc
+
+    def release(self, chunk: Chunk) -> None:
+        """Drop ``chunk``'s staged copy, written back to NVMe first if it was written."""
+        staged = self._staged.pop(chunk.index, None)
+        if staged is None:
+            return
+        self.fence(chunk)
+        try:
+            if staged.written and chunk.grad is not None and not chunk.grad.freed:
+                chunk.grad.fill_from(staged.handle, nbytes=chunk.nbytes, priority=Priority.WRITEBACK).wait()
+                self.write_backs += 1
+        finally:
+            staged.handle.free()
+
+    def discard(self, chunk: Chunk) -> None:
+        """Drop ``chunk``'s staged copy without writing it back (its gradients are freed)."""
+        staged = self._staged.pop(chunk.index, None)
+        if staged is not None:
+            self.fence(chunk)
+            staged.handle.free()
+
+    def release_all(self) -> None:
+        for index in list(self._staged):
+            self.release(self.store.chunks[index])
+
+    def discard_all(self) -> None:
+        """Forget every staged copy (the chunks are being freed or rebuilt)."""
+        for staged in self._staged.values():
+            staged.handle.free()
+        self._staged.clear()
+
+
+class StoredGradient(HostGradient):
+    """``p.grad`` of a gradient stored on NVMe: its host bytes are staged when an op touches
+    them (NOTE [ Stored gradients ] rule 3)."""
+
+    stash: GradientStash
+    chunk: Chunk
+    geometry: Geometry
+
+    @staticmethod
+    def __new__(  # type: ignore[override]
+        cls,
+        stash: GradientStash,
+        chunk: Chunk,
+        geometry: Geometry,
+        device: torch.device | str,
+        lease: list[bool],
+    ) -> StoredGradient:
+        out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
+            cls, geometry.shape, strides=geometry.stride, dtype=geometry.dtype, device=device, requires_grad=False
+        )
+        out.stash = stash
+        out.chunk = chunk
+        out.geometry = geometry
+        out.lease = lease
+        return out
+
+    @property  # type: ignore[override]
+    def host(self) -> torch.Tensor:
+        """The host bytes this gradient stands for, staged now (read only: see :meth:`write_host`)."""
+        return self.geometry.view(self.stash.buffer(self.chunk))
+
+    @host.setter
+    def host(self, view: torch.Tensor) -> None:
+        # NOTE [ Host gradients ] rule 6: an in-place view op changed the shape or strides
+        self.geometry = Geometry.of_view(view, self.stash.buffer(self.chunk))
+
+    def like(self, view: torch.Tensor) -> HostGradient:
+        return StoredGradient(
+            self.stash, self.chunk, Geometry.of_view(view, self.stash.buffer(self.chunk)), self.device, self.lease
+        )
+
+    def write_host(self, value: torch.Tensor) -> None:
+        self.geometry.view(self.stash.buffer(self.chunk, write=True)).copy_(value)
+
+    def zero_host_(self) -> None:
+        self.geometry.view(self.stash.buffer(self.chunk, write=True)).zero_()
+
+    def stands_for(self, chunk: Chunk, slot: Slot) -> bool:
+        """This is ``slot``'s whole gradient in ``chunk`` as exposed (not a view, not reshaped)."""
+        return self.chunk is chunk and self.geometry == Geometry.of_slot(slot) and self.lease[0]
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        return f"StoredGradient(device={self.device}, chunk={self.chunk.index}, {self.geometry})"
