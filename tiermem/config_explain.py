@@ -146,9 +146,7 @@ def explain(
         else ""
     )
     if config.model_states.step_thread == AUTO:
-        why["model_states.step_thread"] = (
-            "auto: chunk steps on the step thread with 2 or more cores, fused steps over host homes inline"
-        )
+        why["model_states.step_thread"] = _step_thread_why()
     if config.activations.policy == AUTO:
         why["activations.policy"] = "per block, the plan's choice (or TBA's adaptive keep), not the machine's"
     final = dataclasses.replace(
@@ -160,6 +158,21 @@ def explain(
         distributed=dataclasses.replace(resolved.distributed, backend=backend),
     )
     return Explained(final, {key: text for key, text in why.items() if text})
+
+
+def _step_thread_why() -> str:
+    """What ``auto`` decides on this machine (its cores); the rest is the run's (the optimizer's flags)."""
+    from tiermem.states.step_thread import AUTO_MIN_CORES, usable_cores
+
+    cores = usable_cores()
+    if cores < AUTO_MIN_CORES:
+        return (
+            f"auto: this process may use {cores} core (the step thread needs {AUTO_MIN_CORES}), so chunk steps inline"
+        )
+    return (
+        f"auto: {cores} cores here, so chunk steps on the step thread, except fused steps over host homes "
+        "(inline; the optimizer's flags decide per run)"
+    )
 
 
 def _ranks(probe: MachineProbe) -> str:
