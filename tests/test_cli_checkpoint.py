@@ -6,6 +6,7 @@ damaged or partial one as not complete (exit 1). (NOTE [ Resuming a train run ],
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -128,13 +129,16 @@ def test_bad_resumes_and_flags_are_one_line_errors(tmp_path, capsys):
 
     saved = tmp_path / "ckpt"
     _train(capsys, tmp_path, "--steps", "2", "--checkpoint", str(saved))
-    assert main(["train", *TINY_ARGS, *config, "--layers", "3", "--steps", "4", "--resume", str(saved)]) == 1
-    err = capsys.readouterr().err
-    assert "holds another model" in err and "blocks.2" in err and "Traceback" not in err
-    assert main(["train", *TINY_ARGS, *config, "--lr", "0.01", "--steps", "4", "--resume", str(saved), "--json"]) == 1
-    assert "lr 0.001 (this run: 0.01)" in capsys.readouterr().err
-    assert main(["train", *TINY_ARGS, *config, "--steps", "2", "--resume", str(saved), "--json"]) == 1
-    assert "is at step 2 and --steps 2 asks for no more" in capsys.readouterr().err
+    # NOTE [ Resuming a train run ] rule 6: the error first and alone (no intro, no budget paragraph)
+    for flags, expected in (
+        (["--layers", "3", "--steps", "4"], "holds another model"),
+        (["--lr", "0.01", "--steps", "4"], "lr 0.001 (this run: 0.01)"),
+        (["--steps", "2"], "is at step 2 and --steps 2 asks for no more"),
+    ):
+        assert main(["train", *TINY_ARGS, *config, *flags, "--resume", str(saved)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == "" and captured.err.startswith(f"tiermem train: --resume {saved}"), captured
+        assert expected in captured.err and len(captured.err.strip().splitlines()) == 1
 
     data = saved / "__0_0.distcp"
     raw = bytearray(data.read_bytes())
@@ -160,9 +164,15 @@ def test_inspect_a_complete_checkpoint(tmp_path, capsys):
     largest = report["largest"][0]
     assert largest["bytes"] == max(p.nbytes for p in parameters) and largest["dtype"] == "float32"
     assert report["interrupted"] == [] and report["bytes_on_disk"] >= report["tensor_bytes"]
+    # the settings --resume checks (NOTE [ Inspecting a checkpoint ] rule 3)
+    assert report["run"] == {
+        "model": {**dataclasses.asdict(TINY)}, "batch_size": 4, "lr": 1e-3, "seed": 0, "world_size": 1,
+    }  # fmt: skip
     assert main(["checkpoint", "inspect", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "every file matches its digest" in out and "largest 5 tensors" in out and largest["name"] in out
+    assert "run settings" in out and "--layers 2 --d-model 64 --heads 4" in out
+    assert "--batch-size 4 --lr 0.001 --seed 0 world size 1" in " ".join(out.split())
 
 
 def test_inspect_a_damaged_and_a_partial_checkpoint(tmp_path, capsys):

@@ -30,16 +30,30 @@ model, and tiermem tiers what each rank holds.
 6. Rank 0 prints the summary; its tiers, links and NVMe blocks are rank 0's own, the numbers
    every rank has for its own shards (the configuration's capacities are per rank, NOTE
    [ Ranks ] in ``tiermem.distributed``).
+7. An error is printed once: by rank 0, and by another rank only where its own error differs
+   from rank 0's (a peer's failure, an error of its own). The ranks learn each other's errors
+   where they meet to close the process group (one ``all_gather_object`` in place of the
+   barrier, :func:`close_group`); the checks a resume makes are agreed (NOTE [ Resuming a train
+   run ] rule 6), so a refused resume is one message. Where the errors cannot be gathered (a
+   peer is gone, the gather fails) every rank prints its own, marked with its rank. Before the
+   group exists the errors come from the flags, the configuration and the environment, which
+   torchrun gives every rank of a machine alike: local rank 0 prints them. Every rank exits
+   with the status of its own error.
 """
 
 from __future__ import annotations
+
+import logging
+import sys
 
 import torch
 from torch import nn
 
 from tiermem import distributed
 
-__all__ = ["mean_over_ranks", "shard"]
+__all__ = ["close_group", "mean_over_ranks", "report_error", "shard"]
+
+log = logging.getLogger("tiermem.train")
 
 
 def shard(model: nn.Module, ranks: distributed.RankContext) -> bool:
@@ -64,3 +78,39 @@ def mean_over_ranks(loss: float, ranks: distributed.RankContext) -> float:
     total = torch.tensor([loss], dtype=torch.float32)
     dist.all_reduce(total)
     return float(total[0] / ranks.world_size)
+
+
+def close_group(owned: bool, failure: BaseException | None) -> list[str | None] | None:
+    """Rule 7: meet the other ranks, learn every rank's error message (None: it succeeded), and
+    destroy the group :func:`distributed.setup_process_group` made. None where the messages could
+    not be gathered (no group of ours, a peer gone, the gather failed)."""
+    import torch.distributed as dist
+
+    if not owned or not dist.is_initialized():
+        return None
+    messages: list[str | None] | None = None
+    if not isinstance(failure, distributed.PeerFailureError):  # a peer gone meets nobody
+        gathered: list[str | None] = [None] * dist.get_world_size()
+        try:
+            dist.all_gather_object(gathered, None if failure is None else str(failure))
+            messages = gathered
+        except RuntimeError as exc:  # a peer died or hangs: each rank reports its own
+            log.warning("tiermem: the ranks did not meet before closing the process group: %s", exc)
+    distributed.close_process_group(owned, wait_for_peers=False)
+    return messages
+
+
+def report_error(
+    error: BaseException, ranks: distributed.RankContext, messages: list[str | None] | None, *, grouped: bool = True
+) -> None:
+    """Rule 7: print ``error`` to stderr where this rank is the one to. ``messages``: every rank's,
+    from :func:`close_group` (None where they were not gathered); ``grouped``: whether the error
+    came once the process group existed."""
+    text = "\n".join([str(error), *getattr(error, "__notes__", ())])
+    if not ranks.multi_process or ranks.rank == 0:
+        print(text, file=sys.stderr)
+    elif not grouped:  # from the flags, configuration and environment: alike on one machine
+        if ranks.local_rank == 0:
+            print(f"[rank {ranks.rank}] {text}", file=sys.stderr)
+    elif messages is None or messages[0] != str(error):
+        print(f"[rank {ranks.rank}] {text}", file=sys.stderr)

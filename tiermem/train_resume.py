@@ -32,12 +32,21 @@
 5. ``--checkpoint DIR`` is checked before step 1: DIR must be able to take a save (missing, empty,
    or a tiermem checkpoint), and a run that does not resume from DIR refuses to replace a
    checkpoint already there (a forgotten ``--resume`` would lose it).
+6. Before the run prints, measures or plans anything (``tiermem train``'s first output is then
+   the error, alone): :meth:`TrainCheckpoints.check_before_start` makes every check of rules 3
+   and 5 that needs no load: the destination, the architecture (a model built on the meta
+   device), and the saved ``extra`` (format, settings, step), read from the state file once
+   that file matches its digest (the load verifies every file again, NOTE [ Checkpoint commit
+   rules ] rule 4). On several ranks each check is agreed (NOTE [ Checkpoints on ranks ] rule
+   4): every rank raises the same error, so one of them can print it (NOTE [ Training on ranks ]
+   rule 7).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,6 +56,7 @@ import torch
 from tiermem import distributed
 from tiermem.errors import CheckpointError
 from tiermem.models.data import MarkovChainData
+from tiermem.models.gpt import GPT
 
 __all__ = ["EXTRA_FORMAT", "ResumePoint", "TrainCheckpoints", "run_settings"]
 
@@ -113,9 +123,25 @@ class TrainCheckpoints:
         }
         rt.save(self.path, extra=extra)
 
+    def check_before_start(self, model_config: Any, settings: dict[str, Any], steps: int) -> None:
+        """Rule 6: everything a resume (or the destination) can be refused for without a load."""
+
+        def check() -> None:
+            with torch.device("meta"):  # shapes only: no memory, no RNG drawn
+                model = GPT(model_config)
+            self._check_before_planning(model)
+            if self.resume is not None:
+                where = os.path.abspath(os.fspath(self.resume))
+                _check_extra(where, _saved_extra(Path(where)), settings, steps)
+
+        _agreed(check)
+
     def check_before_planning(self, model: torch.nn.Module) -> None:
         """Rule 3, first half: ``path`` can take a save (rule 5), and ``resume`` is a readable
-        checkpoint of this model's parameters."""
+        checkpoint of this model's parameters; agreed over the ranks (rule 6)."""
+        _agreed(lambda: self._check_before_planning(model))
+
+    def _check_before_planning(self, model: torch.nn.Module) -> None:
         self._check_destination()
         if self.resume is None:
             return
@@ -149,21 +175,8 @@ class TrainCheckpoints:
             return ResumePoint(0, [])
         where = os.path.abspath(os.fspath(self.resume))
         extra = rt.load(where)
-        if not isinstance(extra, dict) or extra.get("format") != EXTRA_FORMAT:
-            raise CheckpointError(
-                f"tiermem train: --resume {where} is not a checkpoint of tiermem train (its extra is "
-                f"{type(extra).__name__}, not format {EXTRA_FORMAT!r}); it has no step or data position to continue "
-                "from. Resume from a --checkpoint directory tiermem train wrote.",
-                where,
-            )
-        _check_settings(where, extra["run"], settings)
+        _agreed(lambda: _check_extra(where, extra, settings, steps))  # what was loaded, too
         step = int(extra["step"])
-        if step >= steps:
-            raise CheckpointError(
-                f"tiermem train: --resume {where} is at step {step} and --steps {steps} asks for no more; give "
-                f"--steps above {step} (the total, not the steps to add).",
-                where,
-            )
         data.set_stream_state(extra["data"]["generator"])
         return ResumePoint(step, [float(x) for x in extra["losses"]])
 
@@ -227,6 +240,46 @@ def _check_architecture(where: Path, metadata: Any, model: torch.nn.Module) -> N
         "(--layers, --d-model, --heads, --vocab, --seq-len) as the run that saved it.",
         str(where),
     )
+
+
+def _agreed(check: Callable[[], None]) -> None:
+    """Rule 6: ``check`` on every rank, every rank raising the first failing rank's error
+    (NOTE [ Checkpoints on ranks ] rule 4); as it is in one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        check()
+        return
+    from tiermem.checkpoint.ranks import Group
+
+    Group().agreed(check)
+
+
+def _saved_extra(where: Path) -> Any:
+    """Rule 6: the ``extra`` this rank saved in the checkpoint at ``where``, from its state file
+    once that matches its digest; None for a plain DCP checkpoint (which has none)."""
+    from tiermem.checkpoint import read_extra
+
+    return read_extra(where, rank=distributed.detect().rank)
+
+
+def _check_extra(where: str, extra: Any, settings: dict[str, Any], steps: int) -> None:
+    """Rule 3: ``extra`` is a ``tiermem train`` checkpoint's, saved with ``settings``, before ``steps``."""
+    if not isinstance(extra, dict) or extra.get("format") != EXTRA_FORMAT:
+        raise CheckpointError(
+            f"tiermem train: --resume {where} is not a checkpoint of tiermem train (its extra is "
+            f"{type(extra).__name__}, not format {EXTRA_FORMAT!r}); it has no step or data position to continue "
+            "from. Resume from a --checkpoint directory tiermem train wrote.",
+            where,
+        )
+    _check_settings(where, extra["run"], settings)
+    step = int(extra["step"])
+    if step >= steps:
+        raise CheckpointError(
+            f"tiermem train: --resume {where} is at step {step} and --steps {steps} asks for no more; give "
+            f"--steps above {step} (the total, not the steps to add).",
+            where,
+        )
 
 
 def _check_settings(where: str, saved: dict[str, Any], ours: dict[str, Any]) -> None:

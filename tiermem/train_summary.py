@@ -23,6 +23,7 @@ where the chunks lived, and what the NVMe writes mean for the drive's endurance.
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import statistics
@@ -31,7 +32,7 @@ from typing import Any
 
 from tiermem.runtime import Runtime
 
-__all__ = ["ENDURANCE_ASSUMPTION", "drive_capacity"]
+__all__ = ["ENDURANCE_ASSUMPTION", "drive_capacity", "finite"]
 
 ENDURANCE_ASSUMPTION = (
     "drive writes per day = NVMe bytes written per second of training x 86400 / drive capacity; "
@@ -138,3 +139,14 @@ def states_summary(rt: Runtime, parameters: int) -> dict[str, Any]:
         "homes": {tier: homes[persistent:].count(tier) for tier in ("host", "nvme") if tier in homes[persistent:]},
         "peak_device_chunk_bytes": rt.registry.peak_resident_bytes("chunk", "device"),
     }
+
+
+def finite(value: Any) -> Any:
+    """``value`` (a summary) as strict JSON holds it: a diverged (NaN, infinite) number becomes None."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(item) for item in value]
+    return value

@@ -66,7 +66,7 @@ from tiermem.errors import CheckpointError, TiermemError
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.sharded import ShardedModelStates
 
-__all__ = ["CheckpointError", "load", "save", "storage_reader"]
+__all__ = ["CheckpointError", "load", "read_extra", "save", "storage_reader"]
 
 T = TypeVar("T")
 
@@ -272,6 +272,19 @@ def _verify(where: Path, group: ranks.Group | None) -> bool:
         return ours
 
     return verified() if group is None else group.from_rank0(verified)
+
+
+def read_extra(path: str | os.PathLike[str], *, rank: int = 0) -> Any:
+    """The ``extra`` the checkpoint at ``path`` was saved with (rank ``rank``'s where several ranks
+    saved it, NOTE [ Checkpoints on ranks ] rule 5), loading nothing: its state file is read once
+    it matches its digest (the other files are not read; a load verifies every one). None for a
+    plain DCP checkpoint. The state file is unpickled: read only checkpoints you trust."""
+    where = Path(os.path.abspath(os.fspath(path)))
+    with files.reading(where):
+        if not files.verify(where, only=(files.STATE_FILE,)):
+            return None
+        state = _read_state(where)
+    return ranks.own_state(state, rank)["extra"]
 
 
 def _metadata(reader: StorageReader, where: Path) -> Any:

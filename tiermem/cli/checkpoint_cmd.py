@@ -1,6 +1,7 @@
 """``tiermem checkpoint inspect DIR``: what a checkpoint holds and whether it is complete.
 
-Prints the step, format, files, tensors (count, bytes, per section, the largest with shapes
+Prints the step, the run settings ``tiermem train`` saved (what ``--resume`` must be given
+again), format, files, tensors (count, bytes, per section, the largest with shapes
 and dtypes), whether every file matches its digest, and any save interrupted beside it, as a
 table or (``--json``) one JSON object. Exit status 0 for a complete checkpoint, 1 otherwise
 (so a script can test it). The logic is :mod:`tiermem.checkpoint.inspect`; this module parses
@@ -18,8 +19,6 @@ from tiermem.units import format_size
 
 if TYPE_CHECKING:  # the real import waits for run(): torch is slow to import for --help
     from tiermem.checkpoint.inspect import CheckpointReport
-
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,6 +60,8 @@ def _rows(report: CheckpointReport) -> list[tuple[str, str]]:
     if report.exists:
         rows.append(("format", report.format or "unknown (no manifest, no DCP metadata)"))
         rows.append(("step", "-" if report.step is None else str(report.step)))
+        if report.run is not None:
+            rows.append(("run settings", _settings(report.run)))
         if report.extra_keys is not None:
             rows.append(("extra", ", ".join(report.extra_keys) or "-"))
         rows.append(("files", f"{report.files} ({format_size(report.bytes_on_disk)} on disk)"))
@@ -76,6 +77,21 @@ def _rows(report: CheckpointReport) -> list[tuple[str, str]]:
         for name in names:
             rows.append((what, f"{name} (beside it; the next save or load of the path handles it)"))
     return rows
+
+
+#: saved setting -> the ``tiermem train`` flag that gives it
+_FLAGS = {
+    "n_layer": "--layers", "d_model": "--d-model", "n_head": "--heads", "vocab_size": "--vocab", "seq_len": "--seq-len",
+    "batch_size": "--batch-size", "lr": "--lr", "seed": "--seed",
+}  # fmt: skip
+
+
+def _settings(run: dict[str, Any]) -> str:
+    """``tiermem train``'s saved settings, as the flags that give them (``--resume`` checks them)."""
+    model = run.get("model")
+    items = [*(model.items() if isinstance(model, dict) else ()), *((k, v) for k, v in run.items() if k != "model")]
+    shown = [f"{_FLAGS.get(key, key.replace('_', ' '))} {value}" for key, value in items]
+    return " ".join(shown) + " (a --resume must give the same)"
 
 
 def _print_report(report: CheckpointReport) -> None:

@@ -22,7 +22,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import sys
 from typing import TYPE_CHECKING, Any
@@ -54,10 +53,6 @@ embedding's, prefetch."""
 STATES_PLAN = {"persistent_chunks": 0}
 """The hand plan of ``--state-home host|nvme``: every chunk streams through the buffer pool
 (the planner, by default, decides this instead)."""
-
-
-
-
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,27 +109,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Choose the budget, train, print the summary. Bad configurations raise ConfigError."""
-    # torch is imported here, not at module level, so `tiermem train --help` stays quick.
-    from tiermem import distributed
-    from tiermem.models.gpt import GPT, GPTConfig, measure_activations
+    """Check, choose the budget, train, print the summary. Errors tiermem raises on purpose are
+    printed once per job, first and alone (NOTE [ Training on ranks ] rule 7, NOTE [ Resuming a
+    train run ] rule 6); exit status 1, 2 for flags that do not go together."""
+    from tiermem import distributed, train_ranks
+    from tiermem.errors import TiermemError
+    from tiermem.models.gpt import GPTConfig
     from tiermem.train_resume import TrainCheckpoints
 
-    usage = _checkpoint_usage(args) or _model_usage(args)
-    if usage is not None:
-        print(f"tiermem train: {usage}", file=sys.stderr)
-        return 2
-    checkpoints = TrainCheckpoints(path=args.checkpoint, save_every=args.save_every, resume=args.resume)
-    try:  # the flags are checked above and by argparse; this catches what GPTConfig adds later
-        model_config = GPTConfig(
-            n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq_len
-        )
-    except ValueError as exc:
-        print(f"tiermem train: {exc}", file=sys.stderr)
-        return 2
-    config = Config.coerce(args.config)
-    # Resolving here reports a bad configuration before the (seconds-long) measurement, and
-    # names the device the activations are measured on.
+    ranks = distributed.RankContext()
+    try:
+        ranks = distributed.detect()
+        usage = _checkpoint_usage(args) or _model_usage(args)
+        if usage is None:
+            try:  # the flags are checked above and by argparse; this catches what GPTConfig adds later
+                sizes = {"d_model": args.d_model, "n_head": args.heads, "vocab_size": args.vocab}
+                model_config = GPTConfig(n_layer=args.layers, seq_len=args.seq_len, **sizes)
+            except ValueError as exc:
+                usage = str(exc)
+        if usage is not None:
+            if ranks.rank == 0:  # the same flags on every rank
+                print(f"tiermem train: {usage}", file=sys.stderr)
+            return 2
+        checkpoints = TrainCheckpoints(path=args.checkpoint, save_every=args.save_every, resume=args.resume)
+        config = Config.coerce(args.config)
+        owned = distributed.setup_process_group(config.resolve().distributed)
+        ranks = distributed.detect()
+    except TiermemError as exc:  # a configuration or environment that does not work
+        train_ranks.report_error(exc, ranks, None, grouped=False)
+        return 1
+    failure: TiermemError | None = None
+    status = 1
+    try:
+        with distributed.peer_failures():
+            status = _run(args, config, model_config, checkpoints, ranks.rank)
+    except TiermemError as exc:
+        failure = exc
+    except BaseException as exc:
+        train_ranks.close_group(owned, exc)
+        raise
+    messages = train_ranks.close_group(owned, failure)
+    if failure is not None:
+        train_ranks.report_error(failure, ranks, messages)
+    return status
+
+
+def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoints: Any, rank: int) -> int:
+    """``run`` once the flags, the configuration and the process group are there."""
+    from tiermem import distributed
+    from tiermem.models.gpt import GPT, measure_activations
+    from tiermem.train_resume import run_settings
+
+    settings = run_settings(model_config, args.batch_size, args.lr, args.seed)
+    checkpoints.check_before_start(model_config, settings, args.steps)  # before any output
+    # Resolving names the device the activations are measured on.
     device = config.resolve().device.device
     measured = measure_activations(model_config, args.batch_size, device=device)
     sizes = [p.numel() * p.element_size() for p in GPT(model_config).parameters()] if args.states else []
@@ -152,14 +180,13 @@ def run(args: argparse.Namespace) -> int:
     if budget["source"] == "default":
         config = dataclasses.replace(config, device=dataclasses.replace(config.device, capacity=budget["bytes"]))
 
-    rank = distributed.detect().rank
     if not args.json and rank == 0:
         try:
             _print_intro(model_config, args, device, budget)
             sys.stdout.flush()
         except BrokenPipeError:  # nobody reads the summary (`| head -1`): no run for it
             return _stdout_closed()
-    summary = _train_on_ranks(args, config, model_config, plan, checkpoints, rank)
+    summary = _train_here(args, config, model_config, plan, checkpoints, rank)
     if summary is None:
         return 0  # rank 0 prints the summary (NOTE [ Training on ranks ] rule 6)
     budget["bytes"] = summary.tiers["device"]["capacity"]  # what "auto" resolved to, if it was left
@@ -173,7 +200,9 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.json:
             # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
-            print(json.dumps(_finite(result), allow_nan=False))
+            from tiermem.train_summary import finite
+
+            print(json.dumps(finite(result), allow_nan=False))
         else:
             _print_summary(result)
         sys.stdout.flush()
@@ -182,38 +211,29 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train_on_ranks(
+def _train_here(
     args: argparse.Namespace, config: Config, model_config: Any, plan: Any, checkpoints: Any, rank: int
 ) -> Any:
     """Train in this process: the whole job, or, under torchrun, one rank of it with FSDP2 over
     the ranks (NOTE [ Training on ranks ] in tiermem.train_ranks); the summary on rank 0, None
     on the others."""
-    from tiermem import distributed
     from tiermem.runtime import Runtime
     from tiermem.train import train
 
-    owned = distributed.setup_process_group(config.resolve().distributed)
-    failed = False
-    try:
-        with distributed.peer_failures(), Runtime(config) as rt:
-            summary = train(
-                rt,
-                model_config,
-                steps=args.steps,
-                batch_size=args.batch_size,
-                lr=args.lr,
-                policy=args.policy,
-                seed=args.seed,
-                progress=not args.json and rank == 0,
-                manage_states=args.states,
-                states_plan=plan,
-                checkpoints=checkpoints,
-            )
-    except distributed.PeerFailureError:
-        failed = True  # no peer will meet this rank to close the group
-        raise
-    finally:
-        distributed.close_process_group(owned, wait_for_peers=not failed)
+    with Runtime(config) as rt:
+        summary = train(
+            rt,
+            model_config,
+            steps=args.steps,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            policy=args.policy,
+            seed=args.seed,
+            progress=not args.json and rank == 0,
+            manage_states=args.states,
+            states_plan=plan,
+            checkpoints=checkpoints,
+        )
     return summary if rank == 0 else None
 
 
@@ -282,16 +302,6 @@ def _budget(config: Config, measured: ActivationBytes, policy: str, state_bytes:
         why = "keep holds every activation" if policy == "keep" else "too few blocks to offload any"
         return {"bytes": None, "source": "auto", "why": why, **facts}
     return {"bytes": budget + facts["model_state_share"], "source": "default", "rule": _RULE, **facts}
-
-
-def _finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {key: _finite(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_finite(item) for item in value]
-    return value
 
 
 def _print_intro(model_config: Any, args: argparse.Namespace, device: str, budget: dict[str, Any]) -> None:
