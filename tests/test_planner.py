@@ -8,6 +8,7 @@ device peak matches the accounting, and plans round-trip.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import subprocess
 import sys
@@ -433,15 +434,21 @@ def test_no_plan_fits_names_each_tiers_shortfall():
 def test_streaming_gradients_let_a_small_host_hold_nvme_states():
     """grads_stream (keep_gradients=False, a step every backward): the host budgets two NVMe
     chunks' gradients instead of all of them (placement rule 3), so 12 MiB of host suffices
-    where keeping every gradient there needs more; the prediction stays within the host."""
+    where keeping every gradient there needs more; a loop whose gradients wait gets them on
+    NVMe instead (grad_home "nvme"), its predicted NVMe bytes include them; the predictions
+    stay within the host."""
     profile = synthetic(16, nvme=1e9, saved=MiB)
     capacities = {"device": 32 * MiB, "host": 12 * MiB, "nvme": 1 << 30}
     with pytest.raises(NoPlanFitsError) as info:
-        search(profile, capacities)
+        search(profile, capacities, grad_homes=("host",))
     assert info.value.shortfall["host"] > 0
+    stored = search(profile, capacities)
+    assert stored.plan.grad_home == "nvme" and "nvme" in stored.plan.state_home
+    assert stored.estimate.peak_bytes["host"] <= capacities["host"]
     decision = search(profile, capacities, grads_stream=True)
-    assert "nvme" in decision.plan.state_home
+    assert "nvme" in decision.plan.state_home and decision.plan.grad_home == "host"
     assert decision.estimate.peak_bytes["host"] <= capacities["host"]
+    assert stored.estimate.peak_bytes["nvme"] > decision.estimate.peak_bytes["nvme"]  # the stored gradients
 
 
 
@@ -451,8 +458,9 @@ def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
     raise, the search returns a plan with it, and none with one byte less."""
     profile = synthetic(8, saved=MiB, nvme=1e9)
     caps = {"device": 32 * MiB, "host": 16 * MiB, "nvme": 1 << 30}
+    search_host = functools.partial(search, grad_homes=("host",))  # gradients wait on the host
     with pytest.raises(NoPlanFitsError) as info:
-        search(profile, caps)
+        search_host(profile, caps)
     error = info.value
     message = str(error)
     assert set(error.raise_alone) == {"device", "host"} and "raising nvme alone is not enough" in message
@@ -463,9 +471,9 @@ def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
         assert f"{tier} short by {format_size_up(more)} alone" in message
         assert f"[{tier}] capacity by at least {format_size_up(more)} (to {format_size_up(target)})" in message
         raised = {**caps, tier: target}
-        assert search(profile, raised).estimate.fits(raised)
+        assert search_host(profile, raised).estimate.fits(raised)
         with pytest.raises(NoPlanFitsError):
-            search(profile, {**caps, tier: target - 1})
+            search_host(profile, {**caps, tier: target - 1})
 
 
 def test_no_plan_fits_gives_raises_together_when_no_tier_alone_is_enough():

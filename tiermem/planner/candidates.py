@@ -40,9 +40,15 @@ class ActivationCandidate:
     backward: int = 0
 
 
-def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_stream: bool = False) -> list[Packing]:
-    """Rule 1: one packing per chunk size, in the profile's execution order (``grads_stream``:
-    NOTE [ Default placement rule ] rule 3)."""
+def packings(
+    profile: Profile,
+    chunk_sizes: Sequence[int] | None = None,
+    grads_stream: bool = False,
+    grad_homes: Sequence[str] = ("host",),
+) -> list[Packing]:
+    """Rule 1: one packing per chunk size and place gradients wait (``grad_homes``), in the
+    profile's execution order (``grads_stream``, ``grad_homes``: NOTE [ Default placement rule ]
+    rule 3)."""
     infos = [ParamInfo(p.nbytes, (p.nbytes,), torch.uint8, p.trainable) for p in profile.params]
     if chunk_sizes is None:
         sizes = _thinned(outlier_candidates(infos), MAX_OUTLIER_SIZES) + _thinned(size_candidates(infos), MAX_SIZES)
@@ -63,7 +69,10 @@ def packings(profile: Profile, chunk_sizes: Sequence[int] | None = None, grads_s
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
             stages = [max(profile.param_block[s.index] for s in layout.slots) for layout in layouts]
-        result.append(Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream))
+        # NOTE [ Default placement rule ] rule 3: gradients that wait may wait on the host or
+        # on NVMe; which is faster depends on what the host holds instead
+        for grad_home in ("host",) if grads_stream else grad_homes:
+            result.append(Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream, grad_home))
     return result
 
 

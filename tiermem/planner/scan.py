@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tiermem.layout.placement import GRAD_HOMES
 from tiermem.planner.candidates import ActivationCandidate, activation_candidates, packings, pareto
 from tiermem.planner.costmodel import (
     TIERS,
@@ -74,6 +75,7 @@ class Space:
         margin: float,
         block_policy: str | Sequence[str] | None,
         grads_stream: bool,
+        grad_homes: Sequence[str] = GRAD_HOMES,
     ) -> None:
         self.profile = profile
         self.margin = margin
@@ -87,7 +89,7 @@ class Space:
             [(self.front[i].device, self.front[i].host, self.front[i].nvme, self.front[i].backward) for i in by_time],
             dtype=np.float64,
         ).reshape(-1, 4)
-        self.packings = packings(profile, chunk_sizes, grads_stream)
+        self.packings = packings(profile, chunk_sizes, grads_stream, grad_homes)
         self._memcpy_bw = profile.memcpy_bw or math.inf
         self._read_bw = profile.links.get("nvme->device") or math.inf
         self._compute_s = profile.compute_s

@@ -55,7 +55,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import Plan, Prediction
+from tiermem.layout.placement import GRAD_HOMES, Plan, Prediction
 from tiermem.planner.candidates import (
     MAX_SIZES,
     ActivationCandidate,
@@ -119,11 +119,13 @@ def search(
     margin: float = FRAGMENTATION_MARGIN,
     block_policy: str | Sequence[str] | None = None,
     grads_stream: bool = False,
+    grad_homes: Sequence[str] = GRAD_HOMES,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``block_policy``: the
     activation policy the caller fixed (a name for every block, or one per block); the model
     states are searched around it. ``grads_stream``: the loop frees NVMe
-    chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
+    chunks' gradients as they step (NOTE [ Default placement rule ] rule 3); ``grad_homes``: where
+    the others may wait for the step (both by default: the faster plan wins)."""
     caps = {t: int(capacities[t]) for t in TIERS}
     space = Space(
         profile,
@@ -131,6 +133,7 @@ def search(
         margin=margin,
         block_policy=block_policy,
         grads_stream=grads_stream,
+        grad_homes=grad_homes,
     )
     scan = space.scan(caps)
     best, failed = space.pick(scan, caps)
@@ -148,6 +151,7 @@ def search(
         persistent_chunks=choice.persistent,
         buffers=choice.buffers,
         state_home=choice.homes,
+        grad_home=choice.packing.grad_home if "nvme" in choice.homes else "host",
         block_policy=act.policies,
         predicted=Prediction(
             step_s=estimate.step_s,

@@ -25,10 +25,13 @@ class Packing:
         shared: Sequence[int],
         stages: Sequence[int] | None = None,
         grads_stream: bool = False,
+        grad_home: str = "host",
     ) -> None:
         self.chunk_size = chunk_size
         #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
         self.grads_stream = grads_stream
+        #: where NVMe chunks' gradients wait for the step (rule 3 there; NOTE [ Stored gradients ])
+        self.grad_home = "host" if grads_stream else grad_home
         self.needs = tuple(needs)
         #: per chunk, the backward stage its gradient chunk appears at (rule 1); unknown: the first
         self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
@@ -97,9 +100,11 @@ class Packing:
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
-        chunks' gradients (two at once when they stream), and room to stage two NVMe homes)."""
+        chunks' gradients (two at once when they stream or wait on NVMe), and room to stage two
+        NVMe homes)."""
         n = self.chunks
-        nvme_grads = 2 * self._max_grad_from[host_end] if self.grads_stream else self._sum(self._grad, host_end, n)
+        passing = self.grads_stream or self.grad_home == "nvme"
+        nvme_grads = 2 * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
         return self._sum(self._hostuse, persistent, host_end) + nvme_grads + 2 * self._max_home_from[host_end]
 
     def host_end(self, persistent: int, host_budget: int) -> int:
@@ -186,10 +191,13 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         s(pk._nbytes, p, h)  # forward fetch from host homes
         + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
     )
+    # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
+    # and read back to step: NVMe bytes, not memory copies.
+    stored = s(pk._grad, max(h, p), n) if pk.grad_home == "nvme" else 0
     if not (pk.grads_stream and profile.device == "cpu"):
         # gradient write-back of every streamed chunk; streamed gradients on the CPU device
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
-        memcpy += s(pk._grad, p, n)
+        memcpy += s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
@@ -197,15 +205,15 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
     known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
     memcpy += known
-    nvme_step_read = s(pk._home, h, n) - known
-    nvme_step = nvme_step_read + s(pk._home, h, n)
+    nvme_step_read = s(pk._home, h, n) - known + stored
+    nvme_step = nvme_step_read + s(pk._home, h, n) + stored
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
         # gradients, and the pool's reserve
         reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size, pk.streamed_oversized(p)),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
-        nvme_bytes=s(pk._home, h, n),
+        nvme_bytes=s(pk._home, h, n) + stored,
         memcpy_bytes=memcpy,
         nvme_read_forward=nvme_fwd,
         nvme_read_backward=nvme_bwd,
