@@ -132,3 +132,56 @@ def test_a_bad_grad_home_is_refused_with_the_choices(tmp_path):
         pytest.raises(PlanError, match=r"grad_home.*'host' or 'nvme'.*'disk'"),
     ):
         rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"grad_home": "disk"})
+
+
+def _hf(name: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=8, n_embd=128, n_head=4, vocab_size=256, n_positions=32, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )  # fmt: skip
+        return transformers.GPT2LMHeadModel(config)
+    config = transformers.LlamaConfig(
+        num_hidden_layers=6, hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=32,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _hf_loop(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The loop users write: GradScaler, clipping by hand after unscale_, two micro-batches."""
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    out = []
+    for step in range(3):
+        for micro in range(2):
+            ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(10 * step + micro))
+            loss = model(input_ids=ids, labels=ids).loss / 2
+            scaler.scale(loss).backward()
+            out.append(loss.detach())
+        scaler.unscale_(optimizer)
+        out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0))
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_hugging_face_plain_loops_fit_at_a_tenth_device_and_host(tmp_path, name):
+    """The issue's case: rt.manage(model, AdamW) at device 10% and host 10% of the state bytes
+    (was refused: 'the host needs ... gradients of the NVMe chunks'), a plain loop, bitwise."""
+    plain = _hf(name)
+    want = _hf_loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    model = _hf(name)
+    nbytes = 16 * sum(p.numel() for p in model.parameters())
+    cfg = config(tmp_path, nbytes // 10, host=nbytes // 10)
+    with tiermem.Runtime(cfg) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3)
+        assert rt.plan.grad_home == "nvme"
+        got = _hf_loop(model, optimizer)
+        _within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
