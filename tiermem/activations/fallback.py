@@ -48,6 +48,19 @@
    evict:<tier> | spill:<tier>``.
 7. Gradients never change: keep and spill only move bytes, and recompute is
    ``torch.utils.checkpoint`` (which restores the RNG state), bitwise on the CPU.
+8. Room for the model states: rules 4 and 5 see only the device bytes in use, not what the
+   model states will ask for later in the step (a gradient buffer that comes back to the
+   device to accumulate as a chunk's backward begins: the bytes the kept blocks hold then
+   were free when they were kept). A demand of the model states that finds the device full
+   once its own retry ladder is spent (NOTE [ Model-state rules ] rule 6) asks the registry
+   for room (NOTE [ Managed object rules ] rule 7), and each offloader gives it back
+   (``giveback.py``): its write-backs in flight land, then kept saved tensors are written
+   out synchronously as rule 5 evicts them (the earliest forward and block first, each
+   block's first saved first: what backward needs last), until the bytes asked for are free.
+   Never moved: tensors backward unpacked since the last forward began (autograd may hold
+   what it was given), the running block's, those saved outside the blocks (backward needs
+   them first), and a user's explicit ``keep`` (rule 2). Backward fetches them back like
+   any offloaded tensor: a stall, not an error, counted as ``device_full->evict:<tier>``.
 """
 
 from __future__ import annotations

@@ -120,7 +120,13 @@ class ManagedRequest:
 
         def make(policy: PolicySpec) -> ActivationOffloader:
             return ActivationOffloader(
-                registry, model, counters, policy=policy, default_policy=settings.policy, min_bytes=settings.min_bytes
+                registry,
+                model,
+                counters,
+                policy=policy,
+                default_policy=settings.policy,
+                min_bytes=settings.min_bytes,
+                chosen=self.activations == "auto",  # the plan's keep/recompute are tiermem's choice (rule 7)
             )
 
         planned = policy_in_force(self.activations, lambda: states.plan.block_policy, self.count)

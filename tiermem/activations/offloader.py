@@ -112,7 +112,11 @@ class ActivationOffloader:
         blocks: BlockSpec = None,
         min_bytes: int = 1 << 20,
         lookahead: int = 2,
+        chosen: bool = False,
     ) -> None:
+        """``chosen``: ``policy`` is tiermem's own choice (a plan's, applied under ``activations="auto"``),
+        so a fallback may change any block (NOTE [ Activation fallbacks ] rule 2), its ``keep`` and
+        ``recompute`` included."""
         self.registry = registry
         self.model = model
         self.counters = counters
@@ -122,6 +126,8 @@ class ActivationOffloader:
         self.names = [name for name, _ in self.blocks]
         self.policies, self.adaptive = resolve_policies(policy, self.names, default_policy)
         self.flexible = flexible_blocks(policy if policy is not None else default_policy, self.policies, self.adaptive)
+        if chosen:
+            self.flexible = [True] * len(self.policies)
         self.memory = counters.memory_for(model, tuple(self.names))
         if self.adaptive and self.memory.adapted is not None:
             self.policies = list(self.memory.adapted)  # rule 8: what the last step chose
