@@ -101,17 +101,53 @@ def test_a_step_inside_offload_activations_plans_at_a_later_step_outside(tmp_pat
     assert_bitwise([p.detach() for p in model.parameters()], want_params)
 
 
-def test_no_room_for_a_plain_copy_keeps_the_default_placement(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize(
+    ("short", "declared"),
+    [("memory", False), ("capacities", False), ("capacities", True)],
+)
+def test_without_room_for_a_plain_copy_the_first_step_plans_streamed_and_stays_bitwise(
+    tmp_path, monkeypatch, caplog, short, declared
+):
+    """Issue 20 item 2: no room for a plain copy (in free memory, or in the memory tiers' free
+    bytes: the capacities are a promise) no longer skips planning: the profiling step streams the
+    chunks in place (NOTE [ Streamed first-step profiling ]) and the re-pack's snapshot waits on
+    NVMe (NOTE [ Spilled snapshots ]); training stays bitwise plain PyTorch, and the tiers never
+    held more than their capacities."""
     import tiermem.states.core
+    import tiermem.states.relayout
 
-    monkeypatch.setattr(tiermem.states.core, "memory_available", lambda _device: 1 << 10)
+    spills = []
+    real_spill = tiermem.states.relayout.spill
+    monkeypatch.setattr(tiermem.states.relayout, "spill", lambda *a: spills.append(1) or real_spill(*a))
     model = make_model()
-    with caplog.at_level(logging.WARNING, logger="tiermem.states"), tiermem.Runtime(config(tmp_path, 1 << 30)) as rt:
-        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
-        train(model, optimizer, range(1))
+    state = state_bytes("adamw", model)
+    if short == "memory":
+        monkeypatch.setattr(tiermem.states.core, "memory_available", lambda _device: 1 << 10)
+        settings = config(tmp_path, 1 << 30)
+    else:
+        settings = config(tmp_path, state // 4, state // 4)
+    micro_batches = 2 if declared else 1
+    declarations = {"grad_accumulation_steps": 2, "keep_gradients": False} if declared else {}
+    with caplog.at_level(logging.INFO, logger="tiermem.states"), tiermem.Runtime(settings) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), **declarations)
         assert rt.plan.predicted.step_s is None
+        losses = train(model, optimizer, range(1), micro_batches=micro_batches)
+        planned = rt.plan
+        assert planned.predicted.step_s is not None  # the planner ran and its plan is in force
+        losses += train(model, optimizer, range(1, 3), micro_batches=micro_batches)
+        stats = rt.stats().as_dict()["tiers"]
         monkeypatch.undo()  # so that closing can restore ordinary parameters
-    assert "does not fit in free memory" in caplog.text
+    assert "profiling the first step with the chunks streamed" in caplog.text
+    assert "planning from the first step failed" not in caplog.text
+    assert spills == [1]  # the snapshot did not fit in memory: it waited on NVMe
+    want_losses, want_params = reference("adamw", micro_batches=micro_batches)
+    if declared:  # keep_gradients=False: no clip norms among the losses either way
+        assert len(losses) == len(want_losses)
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+    for tier in ("device", "host", "nvme"):
+        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_fixed_activation_policy_is_kept_by_the_first_step_plan(tmp_path):

@@ -26,6 +26,7 @@ from tiermem.planner.probes import probe_links, probe_size
 from tiermem.planner.profile import Profile
 from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte
 from tiermem.planner.search import Decision, search
+from tiermem.planner.streaming import streamed
 from tiermem.registry import Registry
 from tiermem.states.optimizer import SUPPORTED
 
@@ -33,8 +34,16 @@ log = logging.getLogger("tiermem.planner")
 
 
 def free_bytes(registry: Registry) -> dict[str, int]:
-    """What each tier has free now (the capacities the search must respect)."""
-    return {name: registry.free_bytes(name) for name in registry.tier_names if name in ("device", "host", "nvme")}
+    """What each tier has free now (the capacities the search must respect); while the profiling
+    step streams the chunks in force (NOTE [ Profiling step ] rule 8), also the bytes they hold:
+    the plan replaces them."""
+    info = streamed()
+    held = info.held if info is not None else {}
+    return {
+        name: registry.free_bytes(name) + held.get(name, 0)
+        for name in registry.tier_names
+        if name in ("device", "host", "nvme")
+    }
 
 
 def _optimizer_facts(
@@ -87,6 +96,8 @@ def profile_model(
     params = list(model.parameters())
     optimized = {id(p) for group in groups for p in group["params"]}
     sections = [len(names) if id(p) in optimized else 0 for p in params]
+    info = streamed()
+    stalled = info.stalled() if info is not None else 0.0
     blocks_stats, outside, param_stats, order, modules, shared, param_block = measure(
         model,
         sample,
@@ -95,6 +106,10 @@ def profile_model(
         device=device,
         blocks=blocks,
     )
+    extra: dict[str, Any] = {}
+    if info is not None:  # rule 8: what was left out of the times; the device bytes back for the probes
+        extra = {"streamed": True, "fetch_wait_s": info.stalled() - stalled}
+        info.release()
     size = probe_size(registry)
     links = probe_links(registry, size)
     per_byte = optimizer_seconds_per_byte(cls, defaults, params)
@@ -115,11 +130,11 @@ def profile_model(
         min_bytes=resolved.activations.min_bytes,
         key=key or "",
         profiling_s=time.perf_counter() - start,
-        extra={"probe_bytes": size},
+        extra={"probe_bytes": size, **extra},
         param_block=tuple(param_block),
         overheads=overheads,
     )
-    if use_cache and key is not None:
+    if use_cache and key is not None and info is None:  # a streamed profile's times are estimates (rule 8)
         cache.store(profile)
     return profile
 

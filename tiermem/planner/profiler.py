@@ -34,6 +34,19 @@
 7. What a managed step adds beyond this plain step (hooks, saved-tensor registration, per
    chunk moves) is measured separately, on the real machinery (NOTE [ Overhead calibration ]
    in ``tiermem.planner.calibrate``), and counted per unit: saved tensors per block here.
+8. Streamed (:mod:`tiermem.planner.streaming`; the first-step plan of a model whose plain copy
+   would not fit the capacities, NOTE [ Streamed first-step profiling ] in
+   ``tiermem.states.streamed_profile``): the parameters stay views into their chunks and the
+   manager's pool streams them through the device budget while the passes run. Every time
+   here is read on :func:`~tiermem.planner.streaming.compute_clock`, which leaves out the
+   seconds the training thread waited for a fetch, so block times are compute without the I/O
+   waits. Estimated, not measured: compute that ran while a prefetch copied beside it is
+   counted as compute (on the CPU device the copy shares the cores, so the block times err
+   slow). Bytes, the order, modules and the parameters' first blocks are measured as on plain
+   parameters (chunk storages are the parameters' storages, left out of the saved bytes). The
+   optimizer is timed on synthetic tensors of the real shapes, at most
+   ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` (the parameters' values live in chunk homes): the step's
+   arithmetic does not depend on the values.
 """
 
 from __future__ import annotations
@@ -55,6 +68,7 @@ from torch.utils._pytree import tree_leaves
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
+from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, compute_clock, streamed
 
 
 @dataclass(frozen=True)
@@ -165,11 +179,11 @@ def _loss(model: nn.Module, sample: Sample) -> list[torch.Tensor]:
 
 def _run(model: nn.Module, sample: Sample) -> tuple[float, float]:
     """One forward and backward: (forward seconds, backward seconds)."""
-    start = time.perf_counter()
+    start = compute_clock()
     outputs = _loss(model, sample)
-    middle = time.perf_counter()
+    middle = compute_clock()
     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    return middle - start, time.perf_counter() - middle
+    return middle - start, compute_clock() - middle
 
 
 class _BlockHooks:
@@ -209,7 +223,7 @@ class _BlockHooks:
 
     def _pre(self, index: int, _module: nn.Module, args: Any) -> None:
         self.running = index
-        self._started = time.perf_counter()
+        self._started = compute_clock()
         tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         if tensors:
             self.marks.inputs[index] = tensors[0].untyped_storage().nbytes()
@@ -220,7 +234,7 @@ class _BlockHooks:
             self._base[("forward", index)] = self.live.mark()
 
     def _post(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        self.marks.forward[index] = (self._started, time.perf_counter())
+        self.marks.forward[index] = (self._started, compute_clock())
         self.running = None
         if self.live is not None:
             # Rule 3: peak above what the block leaves behind (its saved tensors and output).
@@ -232,12 +246,12 @@ class _BlockHooks:
                 break
 
     def _backward_start(self, index: int, _grads: Any) -> None:
-        self.marks.backward_start.setdefault(index, time.perf_counter())
+        self.marks.backward_start.setdefault(index, compute_clock())
         if self.live is not None:
             self._base[("backward", index)] = self.live.mark()
 
     def _input_grad(self, index: int, _grad: torch.Tensor) -> None:
-        self.marks.backward_end.setdefault(index, time.perf_counter())
+        self.marks.backward_end.setdefault(index, compute_clock())
         if self.live is not None and ("backward", index) in self._base:
             self.peaks[("backward", index)] = self.live.peak - self._base[("backward", index)]
 
@@ -436,15 +450,24 @@ def optimizer_seconds_per_byte(
 ) -> float:
     """Rule 5: one warm step of ``optimizer_class`` over CPU copies of (a sample of) the
     trainable parameters, per byte: offloaded chunks step on the CPU, also beside a GPU.
-    Copies: the model's own parameters and states stay untouched."""
+    Copies: the model's own parameters and states stay untouched. Streamed (rule 8): synthetic
+    tensors of the parameters' shapes and dtypes, up to ``STREAMED_OPTIMIZER_SAMPLE_BYTES``."""
+    synthetic = streamed() is not None
+    limit = STREAMED_OPTIMIZER_SAMPLE_BYTES if synthetic else OPTIMIZER_SAMPLE_BYTES
     sample: list[torch.Tensor] = []
     total = 0
+    generator = torch.Generator().manual_seed(0)  # the caller's RNG stays as it was
     for p in params:
         if not p.requires_grad:
             continue
-        sample.append(p.detach().to("cpu", copy=True).requires_grad_(True))
-        total += p.numel() * p.element_size()
-        if total >= OPTIMIZER_SAMPLE_BYTES:
+        if synthetic:  # a parameter larger than the limit is timed on its first elements, flat
+            numel = p.numel() if p.numel() * p.element_size() <= limit else max(limit // p.element_size(), 1)
+            copy = torch.randn(p.shape if numel == p.numel() else (numel,), generator=generator).to(p.dtype)
+        else:
+            copy = p.detach().to("cpu", copy=True)
+        sample.append(copy.requires_grad_(True))
+        total += copy.numel() * copy.element_size()
+        if total >= limit:
             break
     if not sample:
         return 0.0

@@ -34,8 +34,10 @@ from tiermem.states.core import ModelFacts, Snapshot
 from tiermem.states.errors import PlanError, StatesMemoryError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
+from tiermem.states.spilled_snapshot import spill
 from tiermem.states.stateio import StateIO
 from tiermem.states.store import ChunkStore
+from tiermem.states.streamed_profile import StreamedProfiling
 from tiermem.units import format_size
 
 FirstStepPlanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
@@ -196,10 +198,7 @@ class Relayout:
         except (PlanError, StatesMemoryError) as exc:
             log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
             return
-        snapshot = self.stateio.snapshot()
-        old = self._in_force()
-        self._clear()
-        self._rebuild((layouts, plan, list(order)), old, snapshot)
+        self._repack((layouts, plan, list(order)), self._in_force())
 
     # -- rule 9: planning from the first step --------------------------------------------------
     def _plan_first_step(self) -> bool:
@@ -215,8 +214,10 @@ class Relayout:
             )
             return False
         self._planner = None  # once, whatever happens below
-        if not self._room_for_plain_copy():
-            return False
+        refused = self._plain_copy_refused()
+        if refused is not None:
+            log.info("tiermem model states: profiling the first step with the chunks streamed: %s", refused)
+            return self._plan_streamed(planner, batch)
         self.store.pool.clear()
         snapshot = self.stateio.snapshot()
         old = self._in_force()
@@ -237,64 +238,121 @@ class Relayout:
             self._hook()
         return True
 
-    def _room_for_plain_copy(self) -> bool:
-        """Rule 9: the profiling step needs plain parameters and gradients where training
-        computes, and the snapshot a plain copy of the model states in memory."""
+    def _plan_streamed(self, planner: FirstStepPlanner, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
+        """Rule 9 when a plain copy would not fit: profile with the chunks in place, streamed
+        (NOTE [ Streamed first-step profiling ]), then re-pack as any re-pack does (NOTE
+        [ Spilled snapshots ] where the snapshot does not fit in memory either)."""
+        request = self.request
+        old = self._in_force()
+        self.store.pool.clear()  # the pool's device bytes are not the chunks' to keep while planning
+        held = self.store.held_bytes()
+        self._unhook()
+        try:
+            with StreamedProfiling(self.store, self.facts, held):
+                new = self._plan_on_plain(planner, batch, old, held)
+        finally:
+            self._hook()
+        if new is old:
+            return True
+        if not self._repack(new, old):
+            self.request = request
+        return True
+
+    def _plain_copy_refused(self) -> str | None:
+        """Rule 9: why the profiling step cannot run on plain parameters (None: it can): they and
+        their gradients must fit where training computes, and the snapshot (a plain copy of the
+        model states) in free memory and in what the memory tiers have free."""
         facts = self.facts
-        per_param = 1 + len(facts.state_names)
-        needed = sum(info.nbytes * facts.master_scale * (per_param + info.trainable) for info in facts.info)
+        needed = self._snapshot_bytes()
         on_device = sum(info.nbytes * (1 + info.trainable) for info in facts.info)  # parameters, gradients
         if facts.device.type != "cpu" and on_device > 0.8 * core.memory_available(facts.device):
-            log.warning(
-                "tiermem model states: not planning from the first step: the plain parameters and gradients (%s) "
-                "do not fit in %s's free memory for the profiling step; the default placement stays. Give "
-                "rt.manage a plan= (or sample= on a machine with the room)",
-                format_size(on_device),
-                facts.device,
+            return (
+                f"the plain parameters and gradients ({format_size(on_device)}) do not fit in {facts.device}'s free "
+                "memory"
             )
-            return False
         if needed > 0.8 * core.memory_available(torch.device("cpu")):
-            log.warning(
-                "tiermem model states: not planning from the first step: a plain copy of the model states (%s) does "
-                "not fit in free memory; the default placement stays. Give rt.manage a plan= (or sample= on a "
-                "machine with the room)",
-                format_size(needed),
-            )
-            return False
-        return self._within_capacities(needed, on_device - sum(info.nbytes for info in facts.info))
+            return f"a plain copy of the model states ({format_size(needed)}) does not fit in free memory"
+        return self._beyond_capacities(needed, on_device - sum(info.nbytes for info in facts.info))
 
-    def _within_capacities(self, copy: int, grads: int) -> bool:
+    def _snapshot_bytes(self) -> int:
+        """A snapshot's bytes: every value, gradient and optimizer state as a plain copy."""
+        facts = self.facts
+        per_param = 1 + len(facts.state_names)
+        return sum(info.nbytes * facts.master_scale * (per_param + info.trainable) for info in facts.info)
+
+    def _beyond_capacities(self, copy: int, grads: int) -> str | None:
         """Rule 9: the plain copy (``copy`` bytes, and on the CPU device the profiling step's
-        ``grads``) sits in memory beside the chunks until they are freed, outside the tiers'
+        ``grads``) would sit in memory beside the chunks until they are freed, outside the tiers'
         accounting: it must fit in what the memory tiers have free, or the process would hold
         more than the capacities promise (measured: a 34M GPT with 60% of its states on NVMe
-        peaked above plain PyTorch's RSS on its first step)."""
+        peaked above plain PyTorch's RSS on its first step). Why not, or None."""
         registry = self.registry
         cpu_device = self.facts.device.type == "cpu"
         tiers = [t for t in ("device", "host") if registry.has_tier(t) and (t == "host" or cpu_device)]
         free = sum(registry.free_bytes(t) for t in tiers)
         need = copy + (grads if cpu_device else 0)
         if need <= free:
-            return True
-        log.warning(
-            "tiermem model states: not planning from the first step: profiling needs a plain copy of the model "
-            "states (%s) in memory, more than the %s tier%s ha%s free (%s), and the capacities are a promise; the "
-            "default placement stays. Give rt.manage a plan= or sample= (profiled before the states are placed), "
-            "or raise the capacities by %s",
-            format_size(need),
-            " and ".join(tiers),
-            "s" if len(tiers) > 1 else "",
-            "ve" if len(tiers) > 1 else "s",
-            format_size(free),
-            format_size(need - free),
+            return None
+        return (
+            f"a plain copy of the model states ({format_size(need)}) is more than the {' and '.join(tiers)} "
+            f"tier{'s' if len(tiers) > 1 else ''} ha{'ve' if len(tiers) > 1 else 's'} free ({format_size(free)}), "
+            "and the capacities are a promise"
         )
-        return False
+
+    def _repack(self, new: Layout, old: Layout) -> bool:
+        """Rules 2 and 9: snapshot, free the chunks, build ``new`` (``old`` again where ``new``
+        does not fit); the snapshot in memory where it fits there and in the memory tiers'
+        free bytes, else on NVMe (NOTE [ Spilled snapshots ]). False (logged) when ``old`` stays."""
+        self.store.pool.clear()
+        spilled = None
+        needed = self._snapshot_bytes()
+        if needed > 0.8 * core.memory_available(torch.device("cpu")) or self._beyond_capacities(needed, 0):
+            if not self.registry.has_tier("nvme"):
+                log.warning(
+                    "tiermem model states: keeping the chunk layout in force: re-packing needs a snapshot of the "
+                    "model states (%s), more than memory and the capacities allow, and there is no NVMe tier to "
+                    "spill it to",
+                    format_size(needed),
+                )
+                return False
+            try:
+                spilled = spill(self.registry, self.facts, self.store, self.homes, self.gradients, self.stateio)
+            except StatesMemoryError as exc:
+                log.warning("tiermem model states: keeping the chunk layout in force: %s", exc)
+                return False
+        try:
+            snapshot = spilled.as_snapshot(self._one_write_in_flight()) if spilled else self.stateio.snapshot()
+            self._clear()
+            return self._rebuild(new, old, snapshot)
+        finally:
+            if spilled is not None:
+                spilled.free()
+
+    def _one_write_in_flight(self) -> Callable[[], None]:
+        """NOTE [ Spilled snapshots ] rule 4: before the build reads the next value, the homes of
+        the chunks it built before the one it is filling have landed in their tier."""
+        landed = 0
+
+        def wait() -> None:
+            nonlocal landed
+            chunks = self.store.chunks
+            for chunk in chunks[landed : len(chunks) - 1]:
+                if chunk.home is not None:
+                    chunk.home.wait()
+            landed = max(landed, len(chunks) - 1)
+
+        return wait
 
     def _plan_on_plain(
-        self, planner: FirstStepPlanner, batch: tuple[tuple[Any, ...], dict[str, Any]], old: Layout
+        self,
+        planner: FirstStepPlanner,
+        batch: tuple[tuple[Any, ...], dict[str, Any]],
+        old: Layout,
+        held: Mapping[str, int] | None = None,
     ) -> Layout:
-        """Rule 9: the planner's layout for the plain model (its request in force from now on), or,
-        when it fails (logged), ``old`` re-packed in the recorded order where that plans."""
+        """Rule 9: the planner's layout for the model (its request in force from now on), or,
+        when it fails (logged), ``old`` re-packed in the recorded order where that plans (``old``
+        itself when nothing changes). ``held``: what the chunks in force hold (streamed)."""
         request = self.request
         layouts, plan, order = old
         try:
@@ -303,7 +361,7 @@ class Relayout:
             new_order = list(planned.order) if planned.order is not None else (self.recorded or order)
             if sorted(new_order) != list(range(len(self.facts.params))):
                 new_order = self.recorded or order
-            layouts, plan = self.plan_layout(new_order)
+            layouts, plan = self.plan_layout(new_order, held)
             order = new_order
         except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
             self.request = request
@@ -315,6 +373,7 @@ class Relayout:
             )
             if self.recorded is not None and self.recorded != order:
                 with contextlib.suppress(PlanError, StatesMemoryError):
-                    layouts, plan = self.plan_layout(self.recorded)
-                    order = list(self.recorded)
+                    layouts, plan = self.plan_layout(self.recorded, held)
+                    return layouts, plan, list(self.recorded)
+            return old
         return layouts, plan, order

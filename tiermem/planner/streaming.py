@@ -1,0 +1,60 @@
+"""What the profiling step is told when it runs on streamed chunks, not on plain parameters
+(NOTE [ Profiling step ] rule 8, in :mod:`tiermem.planner.profiler`; the mechanism is NOTE
+[ Streamed first-step profiling ] in :mod:`tiermem.states.streamed_profile`).
+
+Pure: a context variable and the clock the profiler reads through it. The model-state manager
+sets it around the planner call; the profiler, the optimizer timing and the search's capacities
+read it. Nothing here imports the registry, a tier or the manager.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from dataclasses import dataclass, field
+
+STREAMED_OPTIMIZER_SAMPLE_BYTES = 4 << 20
+"""Parameter bytes the optimizer timing steps over when the states are streamed: synthetic
+tensors (the parameters' bytes are in chunks, not readable as plain tensors), four times this in
+memory with a gradient and two AdamW states: part of the stated constant of the memory promise."""
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """The profiling step runs with the model's chunks in place, streamed through the device
+    budget by the manager's pool."""
+
+    #: cumulative seconds the training thread has waited for chunk fetches (DEMAND) so far
+    stalled: Callable[[], float]
+    #: bytes per tier the chunks in force hold: free for the plan, which replaces them
+    held: Mapping[str, int] = field(default_factory=dict)
+    #: give the streamed chunks' device bytes back (after the passes, before the link probes)
+    release: Callable[[], None] = lambda: None
+
+
+_STREAMING: ContextVar[Streaming | None] = ContextVar("tiermem_streamed_profiling", default=None)
+
+
+@contextlib.contextmanager
+def streaming(info: Streaming) -> Iterator[Streaming]:
+    """Profile (and plan) under streamed chunks inside this block."""
+    token = _STREAMING.set(info)
+    try:
+        yield info
+    finally:
+        _STREAMING.reset(token)
+
+
+def streamed() -> Streaming | None:
+    """The streamed profiling in force, or None (plain parameters)."""
+    return _STREAMING.get()
+
+
+def compute_clock() -> float:
+    """``time.perf_counter()`` less the fetch waits so far: differences of it are compute time,
+    the I/O waits of streamed chunks left out (rule 8); plain profiling has none."""
+    info = _STREAMING.get()
+    now = time.perf_counter()
+    return now - info.stalled() if info is not None else now

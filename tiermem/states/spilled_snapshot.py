@@ -1,0 +1,222 @@
+"""A re-pack's snapshot that waits on the NVMe tier, not in memory (issue 20 item 2): the
+model's values, gradients and optimizer states taken chunk by chunk, written to NVMe, and read
+back one old chunk at a time while the new chunks are built.
+
+:func:`spill` owns the snapshot's NVMe objects (one per old chunk, kind ``"snapshot"``) until
+:meth:`SpilledSnapshot.free`. It may touch: the chunks' values through
+:class:`~tiermem.states.stateio.StateIO`, :class:`~tiermem.states.homes.Homes` and
+:class:`~tiermem.states.gradients.Gradients` (read only), and the registry (register, read
+out, free).
+
+# NOTE [ Spilled snapshots ]
+1. Why: a re-pack (rule 2 of NOTE [ Model-state rules ], or the first-step plan of rule 9)
+   frees the old chunks and builds new ones from a snapshot; held in memory, it is a plain
+   copy of the model states beside the chunks, past what the capacities promise. When that
+   copy does not fit in what the device and host tiers have free, the relayout spills it.
+2. Spilling: for each old chunk in turn, every parameter's full-precision value, gradient and
+   optimizer-state tensors are copied into one flat CPU buffer, which is registered on the
+   NVMe tier and waited for before the next chunk's is made: one chunk's buffer (plus the
+   home read of an NVMe chunk) is in memory at a time. Scalar states (``step``) stay in
+   memory. Without NVMe room the spill frees what it wrote and raises ``StatesMemoryError``:
+   nothing was changed and the caller keeps the layout in force.
+3. Reading: :meth:`SpilledSnapshot.as_snapshot` is a ``Snapshot`` whose lists and state
+   mapping read an old chunk's buffer back on first use (``Handle.read_out``), keeping the
+   last ``CACHED_CHUNKS`` buffers; values handed out are views of them, copied by the build.
+   The build reads exactly the bytes that were written: training after the re-pack is
+   bitwise what it would have been.
+4. Memory: besides the tiers' capacities, a spilled re-pack holds one old chunk's buffer
+   (its values, gradients and states: ``(2 + sections) x`` the chunk's bytes at most, fp32
+   masters counted) while spilling and ``CACHED_CHUNKS`` of them while building, and the
+   build's own transients (a new NVMe home is made in memory, then written): the caller's
+   ``before_read`` waits until the homes built before the chunk being filled have landed, so
+   at most one new home's write is in flight.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tiermem.errors import TierCapacityError
+from tiermem.registry import Handle, Registry
+from tiermem.states.chunks import Chunk
+from tiermem.states.core import ModelFacts, Snapshot
+from tiermem.states.errors import StatesMemoryError
+from tiermem.states.gradients import Gradients
+from tiermem.states.homes import Homes
+from tiermem.states.stateio import StateIO
+from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+CACHED_CHUNKS = 1
+"""Rule 3: old chunks' buffers kept in memory while the new chunks are built (re-packing in
+execution order reads the old chunks nearly in their order: a miss costs an NVMe read)."""
+_ALIGN = 64
+"""Every tensor in a flat buffer starts at a multiple of this (any dtype views it in place)."""
+
+Key = tuple[int, str]
+"""(parameter index, ``"data"`` | ``"grad"`` | an optimizer-state name)."""
+
+
+@dataclass(frozen=True)
+class _Piece:
+    chunk: int
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class SpilledSnapshot:
+    """Rule 2's NVMe objects and where each tensor is in them."""
+
+    registry: Registry
+    handles: list[Handle] = field(default_factory=list)
+    pieces: dict[Key, _Piece] = field(default_factory=dict)
+    #: per parameter with optimizer state: its keys in order and its scalar states
+    records: dict[int, tuple[list[str], dict[str, Any]]] = field(default_factory=dict)
+    count: int = 0
+    _cache: OrderedDict[int, torch.Tensor] = field(default_factory=OrderedDict)
+    _before_read: Callable[[], None] = lambda: None
+
+    def free(self) -> None:
+        for handle in self.handles:
+            handle.free()
+        self.handles.clear()
+        self._cache.clear()
+
+    def tensor(self, key: Key) -> torch.Tensor | None:
+        """Rule 3: the tensor spilled under ``key`` (a view of its chunk's buffer), or None."""
+        piece = self.pieces.get(key)
+        if piece is None:
+            return None
+        self._before_read()
+        data = self._cache.get(piece.chunk)
+        if data is None:
+            data = self.handles[piece.chunk].read_out()
+            self._cache[piece.chunk] = data
+            while len(self._cache) > CACHED_CHUNKS:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(piece.chunk)
+        nbytes = _nbytes(piece.shape, piece.dtype)
+        return data[piece.offset : piece.offset + nbytes].view(piece.dtype).view(piece.shape)
+
+    def as_snapshot(self, before_read: Callable[[], None] = lambda: None) -> Snapshot:
+        """Rule 3; ``before_read`` runs before each value is handed out (rule 4)."""
+        self._before_read = before_read
+        return Snapshot(_Column(self, "data"), _Column(self, "grad"), _States(self))  # type: ignore[arg-type]
+
+
+class _Column(Sequence[torch.Tensor | None]):
+    """Per parameter: its spilled ``what`` (``"data"`` or ``"grad"``), None where it has none."""
+
+    def __init__(self, spilled: SpilledSnapshot, what: str) -> None:
+        self._spilled = spilled
+        self._what = what
+
+    def __len__(self) -> int:
+        return self._spilled.count
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._spilled.tensor((index, self._what))
+
+
+class _States(Mapping[int, dict[str, Any]]):
+    """Per parameter with optimizer state: its state dict, tensors read back on use."""
+
+    def __init__(self, spilled: SpilledSnapshot) -> None:
+        self._spilled = spilled
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        keys, scalars = self._spilled.records[index]
+        return {key: scalars[key] if key in scalars else self._spilled.tensor((index, key)) for key in keys}
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._spilled.records)
+
+    def __len__(self) -> int:
+        return len(self._spilled.records)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._spilled.records
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * dtype.itemsize
+
+
+def _chunk_sources(
+    chunk: Chunk, facts: ModelFacts, store: ChunkStore, homes: Homes, gradients: Gradients, stateio: StateIO
+) -> tuple[list[tuple[Key, torch.Tensor]], dict[int, tuple[list[str], dict[str, Any]]]]:
+    """Rule 2: one old chunk's tensors where they live now, and its parameters' state records
+    (as :meth:`StateIO.snapshot` reads them)."""
+    sources: list[tuple[Key, torch.Tensor]] = []
+    for slot in chunk.layout.slots:
+        sources.append(((slot.index, "data"), stateio._master_source(slot.index)))
+    if chunk.grad is not None:
+        buffer = gradients.grad_bytes(chunk)
+        sources += [((s.index, "grad"), s.view(buffer)) for s in chunk.layout.slots if store.has_grad[s.index]]
+    records: dict[int, tuple[list[str], dict[str, Any]]] = {}
+    kept = [(s, store.pstate[s.index]) for s in chunk.layout.slots if s.index in store.pstate]
+    home = homes.readable(chunk) if kept and chunk.home is not None else None
+    names = facts.state_names
+    for slot, record in kept:
+        scalars: dict[str, Any] = {}
+        for key in record.keys:
+            if key in record.scalars:
+                value = record.scalars[key]
+                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+            else:
+                assert home is not None
+                view = slot.master_view(home, chunk.section_base(names.index(key)), chunk.master_scale)
+                sources.append(((slot.index, key), view))
+        records[slot.index] = (list(record.keys), scalars)
+    return sources, records
+
+
+def spill(
+    registry: Registry, facts: ModelFacts, store: ChunkStore, homes: Homes, gradients: Gradients, stateio: StateIO
+) -> SpilledSnapshot:
+    """Rule 2: every chunk's values, gradients and states on the NVMe tier."""
+    spilled = SpilledSnapshot(registry, count=len(facts.params))
+    try:
+        for chunk in store.chunks:
+            sources, records = _chunk_sources(chunk, facts, store, homes, gradients, stateio)
+            spilled.records.update(records)
+            offsets, total = [], 0
+            for _, source in sources:
+                offsets.append(total)
+                total += -(-source.numel() * source.element_size() // _ALIGN) * _ALIGN
+            flat = torch.empty(max(total, _ALIGN), dtype=torch.uint8)
+            for (key, source), offset in zip(sources, offsets, strict=True):
+                piece = _Piece(len(spilled.handles), offset, tuple(source.shape), source.dtype)
+                end = offset + _nbytes(piece.shape, piece.dtype)
+                flat[offset:end].view(source.dtype).view(source.shape).copy_(source)
+                spilled.pieces[key] = piece
+            handle = registry.register(flat, "nvme", dedup=False, kind="snapshot")
+            spilled.handles.append(handle)
+            del flat, sources
+            handle.wait()  # one chunk's buffer in memory at a time
+            homes.forget()  # nor an NVMe home's read
+    except TierCapacityError as exc:
+        spilled.free()
+        raise StatesMemoryError(
+            f"tiermem model states: the re-pack's snapshot does not fit in the NVMe tier ({format_size(exc.requested)} "
+            f"more, {format_size(exc.used)} of {format_size(exc.capacity)} in use)"
+        ) from exc
+    except BaseException:
+        spilled.free()
+        raise
+    return spilled
