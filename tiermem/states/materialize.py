@@ -17,6 +17,13 @@
    NOTE [ Model-state rules ] rule 2); the mappings go when nothing refers to them any more.
    A model built here and never managed keeps working on its file-backed tensors.
 4. On tmpfs the "file" is RAM: the run says so once with a warning.
+5. Resident memory: a written page of a shared file mapping counts in the process's RSS until
+   it is unmapped, although the kernel may drop it. So when a torch op on one of these tensors
+   returns (an initialiser's ``normal_``, ``fill_``...), its pages are unmapped from the
+   process (``MADV_DONTNEED``: the bytes stay in the file and the page cache and fault back in
+   when read, by the next op or by ``rt.manage``), and all of them once the ``with`` block
+   ends: building a model larger than RAM holds about one tensor's pages at a time
+   (tests/test_states_init.py measures a fresh process's ru_maxrss).
 
 The run directory and the filesystem check come from the runtime (``run_directory``,
 ``is_tmpfs``): this module touches no tier.
@@ -25,8 +32,10 @@ The run directory and the filesystem check come from the runtime (``run_director
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import logging
+import mmap
 import os
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
@@ -45,6 +54,19 @@ _FILLS: dict[Callable[..., Any], Callable[[torch.Tensor], None]] = {
     torch.full: lambda t: None,  # filled from the meta result's fill value below
 }
 
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+_DONTNEED = mmap.MADV_DONTNEED
+
+
+
+def _dont_need(mapping: torch.Tensor) -> None:
+    """Rule 5: unmap ``mapping``'s pages from the process (a shared file mapping: bytes kept)."""
+    # torch.from_file maps the whole file at a page-aligned address
+    if _LIBC.madvise(ctypes.c_void_p(mapping.data_ptr()), ctypes.c_size_t(mapping.numel()), _DONTNEED):
+        raise OSError(ctypes.get_errno(), "tiermem init: madvise(MADV_DONTNEED) failed")
+
+
 DEFAULT_MIN_BYTES = 64 * 1024
 """Smaller tensors (biases, norms) stay in RAM: a mapping per tiny tensor costs more than it saves."""
 
@@ -59,19 +81,25 @@ class _FileBacked(TorchFunctionMode):
         self._names = itertools.count()
         self.tensors = 0
         self.bytes = 0
+        #: rule 5: the mappings made inside the ``with`` block
+        self._mappings: dict[int, torch.Tensor] = {}
 
     def __torch_function__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if func not in _FILLS or not self._redirectable(kwargs):
+        if func not in _FILLS:
+            result = func(*args, **kwargs)
+            if self._mappings:  # nn.init passes its tensor by keyword
+                for value in itertools.chain(args, kwargs.values()):
+                    if isinstance(value, torch.Tensor):
+                        self._drop_written(value)
+            return result
+        if not self._redirectable(kwargs):
             return func(*args, **kwargs)
         meta = func(*args, **{**kwargs, "device": "meta"})
         nbytes = meta.numel() * meta.element_size()
         if not meta.dtype.is_floating_point or nbytes < self.min_bytes:
             return func(*args, **kwargs)
-        path = os.path.join(self.directory, f"init-{next(self._names)}.bin")
-        tensor = torch.from_file(path, shared=True, size=meta.numel(), dtype=meta.dtype)
-        os.unlink(path)  # the mapping keeps the space; nothing to clean up later (rule 1)
-        tensor = tensor.view(meta.shape)
+        tensor = self._mapped(nbytes).view(meta.dtype).view(meta.shape)
         if func is torch.full:
             fill = args[1] if len(args) > 1 else kwargs["fill_value"]
             tensor.fill_(fill)
@@ -80,6 +108,35 @@ class _FileBacked(TorchFunctionMode):
         self.tensors += 1
         self.bytes += nbytes
         return tensor.requires_grad_(bool(kwargs.get("requires_grad", False)))
+
+    def _mapped(self, nbytes: int) -> torch.Tensor:
+        """Rule 1: ``nbytes`` of a shared mapping of a new file, unlinked at once (the mapping
+        keeps the space; nothing to clean up later)."""
+        path = os.path.join(self.directory, f"init-{next(self._names)}.bin")
+        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        os.unlink(path)
+        # rule 5: held until the block ends, so the address range stays this mapping's
+        self._mappings[tensor.data_ptr()] = tensor
+        return tensor
+
+    def _drop_written(self, tensor: torch.Tensor) -> None:
+        """Rule 5: an op on ``tensor`` returned; if it is one of ours, its pages go."""
+        try:
+            mapping = self._mappings.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # meta and tensor subclasses without storage
+            return
+        if mapping is not None:
+            _dont_need(mapping)
+
+    def drop_pages(self) -> None:
+        """Rule 5: unmap the pages of every tensor made so far from this process (bytes kept)."""
+        for mapping in self._mappings.values():
+            _dont_need(mapping)
+
+    def close(self) -> None:
+        """Rule 5 at the ``with`` block's end; the mappings then live only in their tensors."""
+        self.drop_pages()
+        self._mappings.clear()
 
     @staticmethod
     def _redirectable(kwargs: dict[str, Any]) -> bool:
@@ -116,6 +173,9 @@ def file_backed_init(
         log.warning("tiermem init: %s is on tmpfs, so the parameters built here stay in RAM (rule 4)", parent)
     with run_directory(parent) as rundir:
         mode = _FileBacked(rundir.path, min_bytes)
-        with mode:
-            yield mode
+        try:
+            with mode:
+                yield mode
+        finally:
+            mode.close()
         log.info("tiermem init: %d tensors (%d bytes) on file-backed pages under %s", mode.tensors, mode.bytes, parent)
