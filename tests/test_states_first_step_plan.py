@@ -160,3 +160,43 @@ def test_a_fixed_activation_policy_is_kept_by_the_first_step_plan(tmp_path):
     want_losses, want_params = reference("adamw")
     assert_bitwise(losses, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
+def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_path, monkeypatch):
+    """NOTE [ Profiling step ] rule 8: streamed, the profile's bytes, order, modules and the
+    parameters' first blocks are those the plain profiling step measures; its times leave out
+    the fetch waits (recorded), and it is not cached (its times are estimates)."""
+    import tiermem.planner.auto
+    import tiermem.planner.cache
+
+    profiles = {}
+    real = tiermem.planner.auto.profile_model
+    monkeypatch.setattr(
+        tiermem.planner.auto, "profile_model", lambda *a, **k: profiles.setdefault(len(profiles), real(*a, **k))
+    )
+    stored = []
+    monkeypatch.setattr(tiermem.planner.cache, "store", stored.append)
+    monkeypatch.setattr(tiermem.planner.cache, "load", lambda _key: None)
+    model = make_model()
+    state = state_bytes("adamw", model)
+    for settings in (config(tmp_path, 1 << 30), config(tmp_path, state // 4, state // 4)):
+        model = make_model()
+        with tiermem.Runtime(settings) as rt:
+            _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+            train(model, optimizer, range(1))
+            assert rt.plan.predicted.step_s is not None
+    plain, streamed = profiles[0], profiles[1]
+    assert "streamed" not in plain.extra and streamed.extra["streamed"] is True
+    assert streamed.extra["fetch_wait_s"] > 0
+    assert stored == [plain]
+    for field in ("order", "modules", "shared", "param_block", "params"):
+        assert getattr(streamed, field) == getattr(plain, field), field
+    for got, want in zip((*streamed.blocks, streamed.outside), (*plain.blocks, plain.outside), strict=True):
+        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
+            want.saved_bytes,
+            want.small_bytes,
+            want.input_bytes,
+            want.saved_count,
+        )
+        assert got.forward_s > 0 and got.backward_s > 0
+    assert streamed.optimizer_s_per_byte > 0

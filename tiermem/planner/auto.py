@@ -24,9 +24,9 @@ from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.probes import probe_links, probe_size
 from tiermem.planner.profile import Profile
-from tiermem.planner.profiler import Sample, measure, optimizer_seconds_per_byte
+from tiermem.planner.profiler import OPTIMIZER_SAMPLE_BYTES, Sample, measure, optimizer_seconds_per_byte
 from tiermem.planner.search import Decision, search
-from tiermem.planner.streaming import streamed
+from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, streamed
 from tiermem.registry import Registry
 from tiermem.states.optimizer import SUPPORTED
 
@@ -63,6 +63,17 @@ def _tier_facts(resolved: Config) -> dict[str, Any]:
     for section in facts.values():
         section.pop("capacity", None)
     return facts
+
+
+def _optimizer_sample_bytes(registry: Registry, device: torch.device, sections: int) -> int | None:
+    """NOTE [ Profiling step ] rule 8: streamed, the optimizer timing's parameter bytes: with
+    their gradient and ``sections`` states, what the memory tiers have free (memory the
+    capacities already allow), within the streamed floor and the plain sample. None: plain."""
+    if streamed() is None:
+        return None
+    tiers = [t for t in ("device", "host") if registry.has_tier(t) and (t == "host" or device.type == "cpu")]
+    room = sum(registry.free_bytes(t) for t in tiers) // (2 + sections)
+    return max(STREAMED_OPTIMIZER_SAMPLE_BYTES, min(OPTIMIZER_SAMPLE_BYTES, room))
 
 
 def profile_model(
@@ -112,7 +123,7 @@ def profile_model(
         info.release()
     size = probe_size(registry)
     links = probe_links(registry, size)
-    per_byte = optimizer_seconds_per_byte(cls, defaults, params)
+    per_byte = optimizer_seconds_per_byte(cls, defaults, params, _optimizer_sample_bytes(registry, device, len(names)))
     copy_bw = min((links[k] for k in ("device->host", "host->device") if links.get(k)), default=0.0)
     overheads = calibrate(registry, cls, defaults, copy_bw)
     profile = Profile(

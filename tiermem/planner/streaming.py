@@ -16,9 +16,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 STREAMED_OPTIMIZER_SAMPLE_BYTES = 4 << 20
-"""Parameter bytes the optimizer timing steps over when the states are streamed: synthetic
-tensors (the parameters' bytes are in chunks, not readable as plain tensors), four times this in
-memory with a gradient and two AdamW states: part of the stated constant of the memory promise."""
+"""The fewest parameter bytes the optimizer timing steps over when the states are streamed
+(synthetic tensors: the parameters' bytes are in chunks, not readable as plain tensors); more
+where the memory tiers have the room free. Four times this in memory with a gradient and two
+AdamW states: part of the stated constant of the memory promise."""
 
 
 @dataclass(frozen=True)
