@@ -1,7 +1,9 @@
-"""``torch.compile`` of a managed model (issue 22 item 3; NOTE [ Compiling a managed model ]):
-refused clearly, whole model or regions, before any compiled code reads a chunk, also when dynamo
-would reuse a graph compiled for an unmanaged model (TRAPS 34). Dynamo's "eager" backend: the
-refusal is dynamo's business, not inductor's, and it needs no C++ compile (seconds, not minutes)."""
+"""``torch.compile`` of a managed model refused where it cannot be sound (issue 22 item 3; NOTE
+[ Compiling a managed model ] rules 2, 3): the whole model, ``block.compile()`` and a block compiled
+after ``rt.manage``, before any compiled code reads a chunk, also when dynamo would reuse a graph
+compiled for an unmanaged model (TRAPS 34); each error points to regional compilation, which works
+(tests/test_compile_regional.py). Dynamo's "eager" backend: the refusal is dynamo's business, not
+inductor's, and it needs no C++ compile."""
 
 from __future__ import annotations
 
@@ -43,12 +45,13 @@ def small(tmp_path, model: nn.Module) -> dict[str, object]:
     return config(tmp_path, int(state_bytes("adamw", model) * 0.3))
 
 
-@pytest.mark.parametrize("how", ["method", "wrapper"])
+@pytest.mark.parametrize("how", ["method", "wrapper-after-manage"])
 @pytest.mark.parametrize("warm", [False, True], ids=["cold", "graph-compiled-before"])
-def test_regional_compilation_is_refused_before_compiled_code_runs(tmp_path, how, warm):
-    """``block.compile()`` and ``torch.compile(block)`` put back in the model, as torchtitan does;
-    with ``warm``, an unmanaged model of the same classes ran compiled first, so dynamo has a graph
-    without tiermem's hooks that it would reuse (it read a released chunk's empty storage)."""
+def test_blocks_compiled_where_hooks_would_be_captured_are_refused_before_compiled_code_runs(tmp_path, how, warm):
+    """``block.compile()`` (it compiles the block's hooks too) and ``torch.compile(block)`` put back
+    after ``rt.manage`` (the manager's hooks are inside the wrapper already); with ``warm``, an
+    unmanaged model of the same classes ran compiled first, so dynamo has a graph without tiermem's
+    hooks that it would reuse (it read a released chunk's empty storage)."""
     if warm:
         plain = make_model(layers=2)
         for block in plain.blocks:
@@ -62,8 +65,11 @@ def test_regional_compilation_is_refused_before_compiled_code_runs(tmp_path, how
                 block.compile(backend="eager")
             else:
                 model.blocks[i] = torch.compile(block, backend="eager")
-        name = re.escape("blocks.0.compile()" if how == "method" else "torch.compile(blocks.0)")
-        with pytest.raises(StatesUsageError, match=rf"{name} compiled part of .* regional compilation is not sup"):
+        if how == "method":
+            match = re.escape("blocks.0.compile() compiled part of") + r".* compiles the module's hooks too"
+        else:
+            match = re.escape("torch.compile(blocks.0) was put into the model after rt.manage()")
+        with pytest.raises(StatesUsageError, match=match + r".*model.blocks\[i\] = torch.compile\(model.blocks\[i\]\)"):
             loss_of(model)
     assert list(tmp_path.iterdir()) == []
 
@@ -78,7 +84,7 @@ def test_whole_model_compilation_is_refused(tmp_path, warm):
         loss_of(compiled)
     with tiermem.Runtime(small(tmp_path, model)) as rt:
         model, optimizer = managed(tmp_path, model, rt)
-        with pytest.raises(StatesUsageError, match=r"neither of the whole model nor of its blocks"):
+        with pytest.raises(StatesUsageError, match=r"torch.compile of a whole model .* compile each repeated block"):
             loss_of(compiled)
         loss_of(model).backward()  # the model itself still runs eagerly
         optimizer.step()

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -61,8 +62,29 @@ class SavedTensorHooks:
 
     def protect(self, model: nn.Module, blocks: Sequence[nn.Module]) -> list[Any]:
         """Rule 3: parameters and buffers (and views of them) stay where they are; the forward
-        pre-hooks that keep the set current are returned, to remove at exit (TRAPS 30)."""
-        return self.protected.register(model, blocks)
+        pre-hooks that keep the set current are returned, to remove at exit (TRAPS 30).
+
+        Nothing is hooked inside a compiled region (a ``torch.compile(block)`` wrapper): dynamo
+        would trace the hook and compile another graph than plain PyTorch's (NOTE [ Compiling a
+        managed model ] rule 1 in ``tiermem/states/compile.py``); the wrapper's own pre-hook,
+        which runs eagerly, adds the region's whole subtree."""
+        handles = self.protected.register(model, blocks)
+        regions = _compiled_regions(model)
+        if not regions:
+            return handles
+        inner = [m for region in regions for m in region.modules() if m is not region]
+        inside = {key for module in inner for key in module._forward_pre_hooks}
+        kept = []
+        for handle in handles:
+            if handle.id in inside:
+                handle.remove()
+            else:
+                kept.append(handle)
+        block_ids = {id(block) for block in blocks}
+        for region in regions:
+            if id(region) not in block_ids:  # a block's pre-hook adds its subtree already
+                kept.append(region.register_forward_pre_hook(lambda m, _a: self.protected.add(m, recurse=True)))
+        return kept
 
     # -- pack ----------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
@@ -212,3 +234,11 @@ class SavedTensorHooks:
             "[device] capacity or recompute more blocks (policy 'recompute' or a mapping such as "
             "{0: 'recompute'})."
         )
+
+
+def _compiled_regions(model: nn.Module) -> list[nn.Module]:
+    """The ``torch.compile`` wrappers below ``model`` (none without dynamo imported)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:
+        return []
+    return [m for m in model.modules() if m is not model and isinstance(m, eval_frame.OptimizedModule)]

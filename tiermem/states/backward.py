@@ -94,7 +94,9 @@ class BackwardTracker:
                 use.waiting += 1
                 if t.grad_fn is None:  # a leaf keeps its hooks: remove them after backward
                     self._leaf_hooks.append(handle)
-        for _, i in names:
+        # Once per parameter: a compiled region owns a weight tied inside it under two names
+        # (NOTE [ Compiling a managed model ] rule 1), and it accumulates once.
+        for i in dict.fromkeys(i for _, i in names):
             if self.facts.trainable[i]:
                 self._waiters.setdefault(i, weakref.WeakSet()).add(use)
                 use.waiting += 1

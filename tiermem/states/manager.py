@@ -83,7 +83,8 @@ backend, ``describe``, ``close``) and the wiring:
    offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward.
    ``model.to()``, ``.half()`` and the like work where they change nothing and are refused
    before anything changes otherwise; freezing works (NOTE [ Moving a managed model ] in
-   ``moves.py``). ``torch.compile`` of a managed model or of its blocks raises
+   ``moves.py``). Blocks compiled with ``torch.compile(block)`` before ``rt.manage`` are each
+   one module to these rules; compiling the whole model or ``block.compile()`` raises
    :class:`StatesUsageError` (NOTE [ Compiling a managed model ] in ``compile.py``).
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
    are then brought back and added, exactly).
@@ -99,7 +100,8 @@ backend, ``describe``, ``close``) and the wiring:
    exactly what they would have been. Planning is skipped (with the reason logged, the
    default placement kept) when the snapshot would not fit in free memory, when the step is
    called inside ``rt.offload_activations`` (its saved-tensor hooks would capture the
-   profiling step: tried again at the next step), or when the planner fails.
+   profiling step: tried again at the next step), or when the planner fails; and never for a
+   model with compiled blocks (NOTE [ Compiling a managed model ] rule 4 in ``compile.py``).
 """
 
 from __future__ import annotations
@@ -120,7 +122,13 @@ from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
 from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
-from tiermem.states.compile import refuse_compile, refuse_compiled_modules
+from tiermem.states.compile import (
+    check_compiled_modules,
+    collapse_regions,
+    compiled_regions,
+    refuse_compile,
+    without_regions,
+)
 from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
@@ -172,7 +180,11 @@ class ModelStates:
         if model in _MANAGED:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
-        self.facts, base = ModelFacts.of(model, registry.device, optimizer, optimizer_kwargs, param_dtype)
+        facts, base = ModelFacts.of(model, registry.device, optimizer, optimizer_kwargs, param_dtype)
+        self.facts = collapse_regions(facts)  # NOTE [ Compiling a managed model ] rule 1
+        #: the compiled regions rt.manage found (rule 2 there: no others may appear)
+        self._regions = set(compiled_regions(model))
+        first_step_planner = without_regions(first_step_planner, self._regions)  # rule 4 there
         request = parse_plan(plan)
         declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         facts = self.facts
@@ -370,7 +382,7 @@ class ModelStates:
     def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.lifecycle.check_usable()
         refuse_compile()
-        refuse_compiled_modules(self.facts.model)  # NOTE [ Compiling a managed model ] rule 2
+        check_compiled_modules(self.facts.model, self._regions)  # NOTE [ Compiling a managed model ] rule 2
         self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)
