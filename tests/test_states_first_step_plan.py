@@ -68,7 +68,8 @@ def test_a_forward_with_keyword_arguments_is_profiled_with_them(tmp_path):
         assert rt.plan.predicted.step_s is not None
 
 
-def test_a_failing_planner_keeps_the_default_placement_and_stays_exact(tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_failing_planner_keeps_the_default_placement_and_stays_exact(tmp_path, monkeypatch, caplog, streamed):
     import tiermem.planner.auto
 
     def refuse(*_args, **_kwargs):
@@ -77,11 +78,13 @@ def test_a_failing_planner_keeps_the_default_placement_and_stays_exact(tmp_path,
     monkeypatch.setattr(tiermem.planner.auto, "plan_model", refuse)
     model = make_model()
     capacity = int(state_bytes("adamw", model) * 0.5)
-    with caplog.at_level(logging.WARNING, logger="tiermem.states"), tiermem.Runtime(config(tmp_path, capacity)) as rt:
+    settings = config(tmp_path, capacity, capacity // 2 if streamed else "64MiB")
+    with caplog.at_level(logging.INFO, logger="tiermem.states"), tiermem.Runtime(settings) as rt:
         _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
         losses = train(model, optimizer, range(3))
         assert rt.plan.predicted.step_s is None
     assert "planning from the first step failed" in caplog.text and "refused for the test" in caplog.text
+    assert ("with the chunks streamed" in caplog.text) == streamed
     want_losses, want_params = reference("adamw")
     assert_bitwise(losses, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], want_params)
@@ -200,3 +203,30 @@ def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_pat
         )
         assert got.forward_s > 0 and got.backward_s > 0
     assert streamed.optimizer_s_per_byte > 0
+
+
+def test_an_execution_order_re_pack_spills_its_snapshot_and_stays_bitwise(tmp_path, monkeypatch):
+    """NOTE [ Spilled snapshots ]: the re-pack of rule 2 (no planner: a hand-written plan) with
+    no room for its snapshot in the memory tiers writes it to NVMe, and training stays exact."""
+    import tiermem.states.relayout
+
+    spills = []
+    real_spill = tiermem.states.relayout.spill
+    monkeypatch.setattr(tiermem.states.relayout, "spill", lambda *a: spills.append(1) or real_spill(*a))
+    torch.manual_seed(0)
+    plain = make_model(head_first=True)
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(3))
+    model = make_model(head_first=True)
+    state = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, state // 4, state // 4)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
+        states = rt.__dict__["_model_states"][0]
+        got = train(model, optimizer, range(3))
+        assert states.describe()["order"] == "execution"
+        stats = rt.stats().as_dict()["tiers"]
+    assert spills == [1]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    for tier in ("device", "host", "nvme"):
+        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []
