@@ -101,7 +101,7 @@ def test_torchrun_trains_the_gpt_on_two_processes_with_nvme_states_exactly(unint
 def test_torchrun_checkpoint_then_resume_continues_the_uninterrupted_losses(uninterrupted, tmp_path: Path) -> None:
     """--checkpoint --save-every 1 on 2 processes, then --resume in a new torchrun: each rank's
     data stream goes on where it stood, so the losses are bitwise the uninterrupted run's; a
-    resume on another world size is refused."""
+    resume on another world size is refused, and a refused resume on 2 ranks says so once."""
     nvme, config = _nvme_config(tmp_path)
     ckpt = tmp_path / "ckpt"
     saved = _run(tmp_path, config, 2, "--checkpoint", str(ckpt), "--save-every", "1")
@@ -117,3 +117,9 @@ def test_torchrun_checkpoint_then_resume_continues_the_uninterrupted_losses(unin
     )  # fmt: skip
     assert one.returncode != 0
     assert "world_size 2 (this run: 1)" in one.stderr
+    # NOTE [ Training on ranks ] rule 7: a refused resume on 2 ranks is printed once, not per rank
+    refused = _torchrun(tmp_path, "--config", str(config), *FLAGS, "--steps", str(STEPS), "--lr", "0.01",
+                        "--resume", str(ckpt))  # fmt: skip
+    assert refused.returncode != 0 and "]: Traceback" not in refused.stderr  # no rank's (torchrun prints its own)
+    assert refused.stderr.count("lr 0.001 (this run: 0.01)") == 1, refused.stderr[-3000:]
+    assert "[rank 1]" not in refused.stderr and refused.stdout == ""

@@ -32,8 +32,8 @@ model, and tiermem tiers what each rank holds.
    [ Ranks ] in ``tiermem.distributed``).
 7. An error is printed once: by rank 0, and by another rank only where its own error differs
    from rank 0's (a peer's failure, an error of its own). The ranks learn each other's errors
-   where they meet to close the process group (one ``all_gather_object`` in place of the
-   barrier, :func:`close_group`); the checks a resume makes are agreed (NOTE [ Resuming a train
+   where they meet to close the process group (one ``all_gather_object`` before the barrier,
+   :func:`close_group`); the checks a resume makes are agreed (NOTE [ Resuming a train
    run ] rule 6), so a refused resume is one message. Where the errors cannot be gathered (a
    peer is gone, the gather fails) every rank prints its own, marked with its rank. Before the
    group exists the errors come from the flags, the configuration and the environment, which
@@ -96,7 +96,9 @@ def close_group(owned: bool, failure: BaseException | None) -> list[str | None] 
             messages = gathered
         except RuntimeError as exc:  # a peer died or hangs: each rank reports its own
             log.warning("tiermem: the ranks did not meet before closing the process group: %s", exc)
-    distributed.close_process_group(owned, wait_for_peers=False)
+    # The barrier still comes last: gloo aborts a rank whose peer tears its connections down
+    # while that rank is still receiving the gather's last bytes.
+    distributed.close_process_group(owned, wait_for_peers=messages is not None)
     return messages
 
 
