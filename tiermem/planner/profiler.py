@@ -2,7 +2,7 @@
 (rule 5) are in :mod:`~tiermem.planner.probes` (re-exported here).
 
 # NOTE [ Profiling step ]
-1. It runs on the parameters in plain PyTorch (not chunked), on a sample: what the user gives
+1. It runs on the parameters in plain PyTorch (not chunked; rule 8: streamed), on a sample: what the user gives
    (``rt.manage(..., sample=...)``: a tuple of the model's positional arguments, or a
    callable ``sample(model) -> loss``), or else the arguments of the managed model's first
    forward with grad, as a :class:`Batch` (the manager plans at the first
@@ -34,26 +34,20 @@
 7. What a managed step adds beyond this plain step (hooks, saved-tensor registration, per
    chunk moves) is measured separately, on the real machinery (NOTE [ Overhead calibration ]
    in ``tiermem.planner.calibrate``), and counted per unit: saved tensors per block here.
-8. Streamed (:mod:`tiermem.planner.streaming`; the first-step plan of a model whose plain copy
-   would not fit the capacities, NOTE [ Streamed first-step profiling ] in
-   ``tiermem.states.streamed_profile``): the parameters stay views into their chunks and the
-   manager's pool streams them through the device budget while the passes run. Every time
-   here is read on :func:`~tiermem.planner.streaming.compute_clock`, which leaves out the
-   seconds the training thread waited for a fetch, so block times are compute without the I/O
-   waits. Estimated, not measured: compute that ran while a prefetch copied beside it is
-   counted as compute (on the CPU device the copy shares the cores, so the block times err
-   slow). Bytes, the order, modules and the parameters' first blocks are measured as on plain
-   parameters (chunk storages are the parameters' storages, left out of the saved bytes). The
-   optimizer is timed on synthetic tensors of the real shapes (the parameters' values live in
-   chunk homes; the step's arithmetic does not depend on them), as many parameter bytes as fit
-   with their gradient and states in what the memory tiers have free once the streamed chunks
-   are released, between ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` and ``OPTIMIZER_SAMPLE_BYTES``.
-   Estimated: a sample that fits in the CPU caches steps faster per byte than a model's states
-   do (measured here: 0.4-0.5 ns/byte on 4 MiB, 0.75-1.0 on 32 MiB), so a small sample errs
-   fast. Measured here too: block times streamed were 0.15-0.22 s a pass on a GPT where the
-   plain pass took 0.30-0.39 s, because a plain pass allocates every gradient afresh (page
-   faults) while a streamed one drops each as it accumulates, as a managed step does (its
-   step took 0.21 s): the streamed times are the closer ones to a managed step.
+8. Streamed (the first-step plan of a model whose plain copy would not fit the capacities:
+   NOTE [ Streamed first-step profiling ] in ``tiermem.states.streamed_profile``): the
+   parameters stay views into their chunks, streamed through the device budget while the
+   passes run. Times are read on :func:`~tiermem.planner.streaming.compute_clock`, which
+   leaves out the training thread's fetch waits: compute without the I/O waits (compute that
+   ran beside a prefetch's copy counts as compute, so they err slow). Bytes, order, modules
+   and first blocks are measured as on plain parameters. The optimizer is timed on synthetic
+   tensors of the real shapes (the step's arithmetic does not depend on the values), as many
+   bytes as fit with their gradient and states in what the memory tiers have free, between
+   ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` and ``OPTIMIZER_SAMPLE_BYTES``: estimated, a sample
+   that fits the CPU caches errs fast (here 0.4-0.5 ns/byte on 4 MiB, 0.75-1.0 on 32 MiB).
+   Measured: streamed passes of a GPT took 0.15-0.22 s where plain ones took 0.30-0.39 s (a
+   plain pass allocates every gradient afresh; a streamed one drops each as it accumulates,
+   as a managed step does, which took 0.21 s): the streamed times are the closer ones.
 """
 
 from __future__ import annotations

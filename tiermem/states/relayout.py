@@ -8,7 +8,10 @@ arguments it will be given. It may touch: the store's chunks (built, freed) and 
 ``.data``/``.grad`` while the planner profiles plain parameters, the manager's hooks (through the
 ``unhook``/``hook`` it is given), and the plan owner's ``plan``. Where chunks go is the plan's
 (:func:`~tiermem.layout.placement.choose_layout`); values move through
-:class:`~tiermem.states.stateio.StateIO` snapshots.
+:class:`~tiermem.states.stateio.StateIO` snapshots, or, where a snapshot does not fit in memory,
+through NVMe (:mod:`~tiermem.states.spilled_snapshot`). Where a plain copy of the model states
+would break the capacities, the first-step planner profiles the chunks in place, streamed
+(:mod:`~tiermem.states.streamed_profile`).
 """
 
 from __future__ import annotations
