@@ -32,6 +32,7 @@ from tiermem.errors import RuntimeClosedError
 from tiermem.interrupts import RuntimeInterruptGuard
 from tiermem.layout.activation_policy import PolicySpec
 from tiermem.layout.placement import Plan, PlanRequest
+from tiermem.malloc import return_freed_memory
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
@@ -79,6 +80,7 @@ class Runtime:
         # NOTE [ Ranks ] in tiermem.distributed: in a multi-process job this rank's files go to
         # <path>/rank<R> under each NVMe path and its auto capacities are its share of the machine.
         ranks = distributed.detect()
+        return_freed_memory()  # NOTE [ Returning freed memory ]
         resolved = self.config.resolve()
         d, h, n, s = resolved.device, resolved.host, resolved.nvme, resolved.scheduler
         tiers: dict[str, Tier] = {}

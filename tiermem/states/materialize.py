@@ -22,8 +22,9 @@
    returns (an initialiser's ``normal_``, ``fill_``...), its pages are unmapped from the
    process (``MADV_DONTNEED``: the bytes stay in the file and the page cache and fault back in
    when read, by the next op or by ``rt.manage``), and all of them once the ``with`` block
-   ends: building a model larger than RAM holds about one tensor's pages at a time
-   (tests/test_states_init.py measures a fresh process's ru_maxrss).
+   ends: building a model larger than RAM holds about one tensor's pages at a time; and
+   ``rt.manage`` drops each parameter's pages once it copied them into its chunk
+   (``release_file_pages``). tests/test_states_init.py measures a fresh process's ru_maxrss.
 
 The run directory and the filesystem check come from the runtime (``run_directory``,
 ``is_tmpfs``): this module touches no tier.
@@ -65,6 +66,22 @@ def _dont_need(mapping: torch.Tensor) -> None:
     # torch.from_file maps the whole file at a page-aligned address
     if _LIBC.madvise(ctypes.c_void_p(mapping.data_ptr()), ctypes.c_size_t(mapping.numel()), _DONTNEED):
         raise OSError(ctypes.get_errno(), "tiermem init: madvise(MADV_DONTNEED) failed")
+
+
+def release_file_pages(tensor: torch.Tensor) -> None:
+    """Rule 5 for a reader (``rt.manage`` copying parameters into chunks): once ``tensor``'s
+    bytes are copied out, a tensor over a shared mapping (a file-backed one from ``rt.init()``,
+    or shared memory) has its storage's pages unmapped from the process; anything else is left
+    alone (dropping private pages would lose them)."""
+    if tensor.device.type != "cpu" or not tensor.is_shared():
+        return
+    storage = tensor.untyped_storage()
+    start, nbytes = storage.data_ptr(), storage.nbytes()
+    page = mmap.PAGESIZE
+    first = -(-start // page) * page  # whole pages inside the storage only
+    end = (start + nbytes) // page * page
+    if end > first:
+        _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _DONTNEED)
 
 
 DEFAULT_MIN_BYTES = 64 * 1024

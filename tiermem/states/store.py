@@ -23,6 +23,7 @@ from tiermem.registry import Handle, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesMemoryError
+from tiermem.states.materialize import release_file_pages
 from tiermem.states.pool import ChunkPool
 from tiermem.units import format_size
 
@@ -144,6 +145,8 @@ class ChunkStore:
                 for slot in chunk.layout.slots:
                     slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             chunk.home = self.register(home, "device")
+        for slot in chunk.layout.slots:  # NOTE [ Materialising under rt.init() ] rule 5
+            release_file_pages(snapshot.data[slot.index])
 
     def _fill_streamed(self, chunk: Chunk, snapshot: Snapshot) -> None:
         """A streamed chunk: parameters view its storage, emptied at once (rule 1: on CUDA all
@@ -159,6 +162,7 @@ class ChunkStore:
             if chunk.master_scale > 1:
                 slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
+            release_file_pages(snapshot.data[slot.index])  # NOTE [ Materialising under rt.init() ] rule 5
         chunk.home = self.register(home, chunk.home_tier)
 
     def free(self) -> None:
