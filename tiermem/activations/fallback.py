@@ -9,9 +9,11 @@
    while block ``i`` runs changes blocks ``i+1...`` of this forward and the next forwards,
    never block ``i`` itself: block ``i`` is *kept*.
 2. Which blocks: blocks that offload (``host``, ``nvme``) and blocks whose policy tiermem
-   chose (every block under ``auto``; the last block of a plain ``host``/``nvme`` policy,
-   kept because backward starts there). A block the user set to ``keep`` or ``recompute``
-   is never changed: that is an instruction, and breaking the budget under it is an error.
+   chose (every block under ``auto``, the planner's per-block policy that ``rt.manage``
+   applies under ``activations="auto"`` included; the last block of a plain ``host``/``nvme``
+   policy, kept because backward starts there). A block the user set to ``keep`` or
+   ``recompute`` (a policy, a mapping, a hand plan's ``block_policy``) is never changed: that
+   is an instruction, and breaking the budget under it is an error.
 3. Tier failures: a write-back that fails (disk full, I/O error, tier full) leaves its
    object resident on the device with its bytes intact (NOTE [ Managed object rules ] 2):
    that block is kept. The failure reaches the training thread through the

@@ -80,12 +80,17 @@ class ManagedRequest:
     """``rt.manage``'s ``activations=``, checked against the model and a plan's fixed ``block_policy``
     before anything is built. ``fixed``: the activation policy the planner plans around (the plan's,
     or the one ``activations`` fixes: a name, or one per block); ``count``: the blocks it applies to
-    (0: none)."""
+    (0: none); ``planned``: the plan in force is the planner's (not a hand plan), so under ``"auto"``
+    its block policy is tiermem's choice, which fallbacks may change (NOTE [ Activation fallbacks ]
+    rule 2)."""
 
-    def __init__(self, model: nn.Module, activations: Any, settings: Any, plan_fixed: Any) -> None:
+    def __init__(
+        self, model: nn.Module, activations: Any, settings: Any, plan_fixed: Any, planned: bool = True
+    ) -> None:
         self.activations = activations
         self.settings = settings
         self.count, self.fixed = 0, plan_fixed
+        self.chosen = activations == "auto" and plan_fixed is None and planned
         if activations is None:
             return
         if not isinstance(activations, str | Mapping):
@@ -126,7 +131,7 @@ class ManagedRequest:
                 policy=policy,
                 default_policy=settings.policy,
                 min_bytes=settings.min_bytes,
-                chosen=self.activations == "auto",  # the plan's keep/recompute are tiermem's choice (rule 7)
+                chosen=self.chosen,
             )
 
         planned = policy_in_force(self.activations, lambda: states.plan.block_policy, self.count)
