@@ -1,22 +1,28 @@
-"""Headline: train a GPT whose full training state is larger than this machine's RAM.
+"""Headline: train a GPT whose full training state is larger than this machine's RAM, near the floor.
 
-Issue 5: "with ``rt.init()``, train a model whose full training state is at least 1.5x the
-machine's RAM (check free disk first and say clearly what is needed), and record its step
-time, bytes moved and peak RSS". The model is built inside ``rt.init()`` (its parameters on
-file-backed pages, NOTE [ Materialising under rt.init() ]), managed with every chunk's home
-(fp32 master + AdamW states) on NVMe, and trained with the loop declared
-(``grad_accumulation_steps=1``: offloaded chunks step during backward, NOTE [ Declared steps ]).
+Issue 20 item 4: a GPT whose fp32 AdamW training state is >= 2.5x this machine's RAM (check
+free disk first and say what is needed), once with the loop declared and once plain. Targets:
+peak RSS <= 0.25x RAM for the whole process (``ru_maxrss``, build included), and median step
+time <= 1.25x the step's floor, the floor being max(disk time = the NVMe bytes moved per step /
+``tiermem bench io``'s bandwidth on the same path in the same run, compute time = plain PyTorch's
+forward+backward+step time per parameter on a model that fits x the parameters).
+
+The model is built inside ``rt.init()`` (file-backed pages, NOTE [ Materialising under
+rt.init() ]), every chunk's home (fp32 master + AdamW states) on NVMe:
+
+- ``--loop declared``: ``grad_accumulation_steps=1, keep_gradients=False``: each chunk steps as
+  its backward ends, gradients only pass through the host (NOTE [ Declared steps ]);
+- ``--loop plain``: a plain loop; ``.grad`` is readable, the gradients wait on NVMe
+  (``grad_home = "nvme"``, NOTE [ Stored gradients ]).
 
 What is needed, printed before anything is built: NVMe space for the homes (12 bytes a
-parameter: master, exp_avg, exp_avg_sq) plus the file-backed parameters while the model is
-being managed (4 bytes a parameter); host memory for the gradients of NVMe chunks, which
-wait on the host until the step (4 bytes a parameter, a design decision: ``.grad`` stays
-readable, TRAPS 4), and staging of two homes.
+parameter) plus the file-backed build while it is managed or the plain loop's gradients
+(4 bytes a parameter); the host capacity given (default 1.5 GiB) and a 2 GiB device.
 
 Usage::
 
-    .venv/bin/python bench/states_headline.py                    # sized to 1.5x this machine's RAM
-    .venv/bin/python bench/states_headline.py --ratio 0.05 --steps 2   # a quick look
+    .venv/bin/python bench/states_headline.py --ratio 2.5 --loop declared
+    .venv/bin/python bench/states_headline.py --ratio 0.05 --steps 2 --loop plain   # a quick look
 """
 
 from __future__ import annotations
@@ -26,8 +32,10 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -80,27 +88,92 @@ def size_model(target_params: int, vocab: int, seq: int) -> Any:
     return GPTConfig(n_layer=layers, d_model=d, n_head=d // 128, vocab_size=vocab, seq_len=seq)
 
 
+def measure_disk(path: str, size: str) -> dict[str, float]:
+    """``tiermem bench io`` on ``path`` (a fresh process): median read and write bytes/s."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tiermem", "bench", "io", "--path", path, "--size", size, "--repeats", "3", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    results = json.loads(out.stdout)["results"]
+    return {r["op"]: r["bytes_per_s"]["median"] for r in results}
+
+
+def measure_compute(config: Any, batch: int, fused: bool) -> dict[str, float]:
+    """In a fresh process (its memory is not this one's): :func:`compute_per_parameter`."""
+    names = ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")
+    spec = json.dumps({"config": {k: getattr(config, k) for k in names}, "batch": batch, "fused": fused})
+    out = subprocess.run([sys.executable, __file__, "--compute-only", spec], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def compute_per_parameter(config: Any, batch: int, fused: bool) -> dict[str, float]:
+    """Plain PyTorch forward+backward+AdamW step of a model of ``config``'s width that fits
+    (2 layers): seconds per parameter (median of steps 2-4)."""
+    import dataclasses
+
+    import torch
+
+    from tiermem.models.gpt import GPT
+
+    small = dataclasses.replace(config, n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(small)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=fused)
+    generator = torch.Generator().manual_seed(1)
+    seconds = []
+    for _ in range(4):
+        tokens = torch.randint(0, small.vocab_size, (batch, small.seq_len + 1), generator=generator)
+        started = time.perf_counter()
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        seconds.append(time.perf_counter() - started)
+    n = model.num_parameters()
+    return {
+        "parameters": n,
+        "step_s": statistics.median(seconds[1:]),
+        "s_per_param": statistics.median(seconds[1:]) / n,
+    }
+
+
+def nvme_moved(moved: dict[str, int]) -> tuple[int, int]:
+    """Bytes read from and written to NVMe in one step's link counters."""
+    read = sum(v for k, v in moved.items() if k.startswith("nvme->"))
+    written = sum(v for k, v in moved.items() if k.endswith("->nvme"))
+    return read, written
+
+
+# long: one straight run (facts, needs, floor, build, manage, steps, report), kept in order
 def main() -> int:
+    if len(sys.argv) == 3 and sys.argv[1] == "--compute-only":  # measure_compute's child
+        from tiermem.models.gpt import GPTConfig
+
+        spec = json.loads(sys.argv[2])
+        print(json.dumps(compute_per_parameter(GPTConfig(**spec["config"]), spec["batch"], spec["fused"])))
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--ratio", type=float, default=1.5, help="training state / RAM (default 1.5)")
+    parser.add_argument("--ratio", type=float, default=2.5, help="training state / RAM (default 2.5)")
     parser.add_argument("--steps", type=int, default=3, help="training steps (default 3; the first is warm-up)")
+    parser.add_argument("--loop", choices=("declared", "plain"), default="declared")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--host", default="1536MiB", help="host tier capacity (default 1.5 GiB)")
     parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
     parser.add_argument("--chunk-size", type=int, default=64 << 20, help="bytes (default 64 MiB)")
-    parser.add_argument(
-        "--free-gradients", action="store_true", help="rt.manage(keep_gradients=False)"
-    )
+    parser.add_argument("--no-fused", action="store_true", help="AdamW's CPU default instead of fused=True")
+    parser.add_argument("--io-size", default="4GiB", help="bytes per tiermem bench io pass (default 4GiB)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     import psutil
     import torch
 
-    import tiermem
     from tiermem.models.gpt import GPT
-    from tiermem.units import format_size
+    from tiermem.units import format_size, parse_size
 
     ram = psutil.virtual_memory().total
     config = size_model(int(args.ratio * ram / STATE_BYTES), args.vocab, args.seq)
@@ -110,8 +183,9 @@ def main() -> int:
     own_dir = args.path is None
     path = args.path or tempfile.mkdtemp(prefix="tiermem-headline-")
     free = shutil.disk_usage(path).free
-    nvme_need = n * 12 + n * 4 + (256 << 20)
-    host_need = n * 4 + 2 * (512 << 20)
+    nvme_need = n * 16 + (256 << 20)  # homes 12 B + (the build while managed, or stored gradients) 4 B
+    host_capacity = parse_size(args.host)
+    fused = not args.no_fused
     facts = {
         "cpu": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
@@ -125,105 +199,147 @@ def main() -> int:
         "nvme_path": path,
         "nvme_free_bytes": free,
         "nvme_needed_bytes": nvme_need,
-        "host_needed_bytes": host_need,
+        "host_capacity": host_capacity,
+        "loop": args.loop,
+        "adamw_fused": fused,
     }
     say = (lambda *a: None) if args.json else print
     say(
         f"machine: {facts['cpu_count']} CPUs, {format_size(ram)} RAM, torch {torch.__version__}; model "
         f"{config.n_layer} layers x d {config.d_model}: {n / 1e9:.2f}B parameters, training state "
-        f"{format_size(state)} = {state / ram:.2f}x RAM"
+        f"{format_size(state)} = {state / ram:.2f}x RAM; {args.loop} loop, AdamW fused={fused}"
     )
     say(
-        f"needs: NVMe {format_size(nvme_need)} at {path} (homes 12 B/param + the file-backed build 4 B/param; "
-        f"{format_size(free)} free); host {format_size(host_need)} (gradients of NVMe chunks 4 B/param + staging)"
+        f"needs: NVMe {format_size(nvme_need)} at {path} (homes 12 B/param + the file-backed build or the stored "
+        f"gradients 4 B/param; {format_size(free)} free); host {format_size(host_capacity)}, device 2GiB"
     )
     if free < nvme_need:
         print(f"not enough disk: need {format_size(nvme_need)} at {path}, {format_size(free)} free", file=sys.stderr)
         return 1
-    if host_need > ram * 0.8:
-        print(f"not enough RAM for the host tier: need {format_size(host_need)}", file=sys.stderr)
-        return 1
+    result: dict[str, Any] = {"machine": facts}
+    try:
+        result["disk"] = disk = measure_disk(path, args.io_size)
+        result["compute"] = compute = measure_compute(config, args.batch, fused)
+        say(
+            f"floor inputs: tiermem bench io read {format_size(disk['read'])}/s, write {format_size(disk['write'])}/s; "
+            f"plain step {compute['s_per_param'] * 1e9:.2f} ns/param ({compute['parameters'] / 1e6:.0f}M-param model)"
+        )
+        result.update(train(args, config, path, host_capacity, nvme_need, fused, say))
+    finally:
+        if own_dir:
+            shutil.rmtree(path, ignore_errors=True)
+    result["ru_maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    report(result, ram, state, n, say)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, say: Any) -> dict[str, Any]:
+    import torch
+
+    import tiermem
+    from tiermem.models.gpt import GPT
+    from tiermem.units import format_size
 
     tier_config = {
         "device": {"device": "cpu", "capacity": "2GiB"},
-        "host": {"capacity": host_need},
-        "nvme": {"paths": [path], "capacity": nvme_need},
+        "host": {"capacity": host},
+        "nvme": {"paths": [path], "capacity": nvme},
         "activations": {"policy": "keep"},
     }
     # Every chunk streams from its NVMe home; chunks no smaller than the largest parameter.
     largest = 4 * config.d_model * max(4 * config.d_model, config.vocab_size)
     plan = {"state_home": "nvme", "persistent_chunks": 0, "chunk_size": max(largest, args.chunk_size)}
+    declared = {"grad_accumulation_steps": 1, "keep_gradients": False} if args.loop == "declared" else {}
     sampler = PeakSampler()
-    result: dict[str, Any] = {"machine": facts, "keep_gradients": not args.free_gradients}
-    try:
-        with tiermem.Runtime(tier_config) as rt:
+    result: dict[str, Any] = {}
+    with tiermem.Runtime(tier_config) as rt:
+        started = time.perf_counter()
+        torch.manual_seed(0)
+        with rt.init():
+            model = GPT(config)
+        result["build_s"] = time.perf_counter() - started
+        say(f"built in {result['build_s']:.1f}s (RSS {format_size(_status_kib('VmRSS'))})")
+        started = time.perf_counter()
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, fused=fused, plan=plan, **declared)
+        result["manage_s"] = time.perf_counter() - started
+        result["plan"] = {k: v for k, v in rt.plan.as_dict().items() if k not in ("state_home", "predicted")}
+        rss = format_size(_status_kib("VmRSS"))
+        say(f"managed in {result['manage_s']:.1f}s (RSS {rss}): {json.dumps(result['plan'])}")
+        generator = torch.Generator().manual_seed(1)
+        seconds, losses, moved = [], [], []
+        for step in range(args.steps):
+            tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator)
+            before = rt.stats().as_dict()["links"]
             started = time.perf_counter()
-            torch.manual_seed(0)
-            with rt.init():
-                model = GPT(config)
-            result["build_s"] = time.perf_counter() - started
-            say(f"built in {result['build_s']:.1f}s (RssAnon {format_size(_status_kib('RssAnon'))})")
-            started = time.perf_counter()
-            model, optimizer = rt.manage(
-                model,
-                torch.optim.AdamW,
-                lr=1e-4,
-                plan=plan,
-                grad_accumulation_steps=1,
-                keep_gradients=not args.free_gradients,
-            )
-            result["manage_s"] = time.perf_counter() - started
-            result["plan"] = {k: v for k, v in rt.plan.as_dict().items() if k not in ("state_home", "predicted")}
-            say(f"managed in {result['manage_s']:.1f}s: {json.dumps(result['plan'])}")
-            generator = torch.Generator().manual_seed(1)
-            seconds, losses, moved = [], [], []
-            for step in range(args.steps):
-                tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator)
-                before = rt.stats().as_dict()["links"]
-                started = time.perf_counter()
-                _, loss = model(tokens[:, :-1], tokens[:, 1:])
-                assert loss is not None
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                seconds.append(time.perf_counter() - started)
-                losses.append(loss.item())
-                after = rt.stats().as_dict()["links"]
-                moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
-                total = format_size(sum(moved[-1].values()))
-                say(f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {total}")
-            stats = rt.stats().as_dict()
-        result["memory"] = sampler.stop()
-        measured = seconds[1:] or seconds
-        result.update(
-            {
-                "steps": args.steps,
-                "batch": args.batch,
-                "step_seconds": seconds,
-                "median_step_s": statistics.median(measured),
-                "losses": losses,
-                "bytes_moved_per_step": moved,
-                "tiers": {k: {f: v[f] for f in ("capacity", "peak_bytes")} for k, v in stats["tiers"].items()},
-            }
-        )
-    finally:
-        if own_dir:
-            shutil.rmtree(path, ignore_errors=True)
+            _, loss = model(tokens[:, :-1], tokens[:, 1:])
+            assert loss is not None
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            seconds.append(time.perf_counter() - started)
+            losses.append(loss.item())
+            after = rt.stats().as_dict()["links"]
+            moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
+            say(f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {format_size(sum(moved[-1].values()))}")
+        stats = rt.stats().as_dict()
+    result["memory"] = sampler.stop()
+    result.update(
+        {
+            "steps": args.steps,
+            "batch": args.batch,
+            "step_seconds": seconds,
+            "median_step_s": statistics.median(seconds[1:] or seconds),
+            "losses": losses,
+            "bytes_moved_per_step": moved,
+            "tiers": {k: {f: v[f] for f in ("capacity", "peak_bytes")} for k, v in stats["tiers"].items()},
+        }
+    )
+    return result
+
+
+def report(result: dict[str, Any], ram: int, state: int, n: int, say: Any) -> None:
+    """The floor and the ratios against the targets."""
+    from tiermem.units import format_size
+
+    last = result["bytes_moved_per_step"][-1]
+    read, written = nvme_moved(last)
+    disk_s = read / result["disk"]["read"] + written / result["disk"]["write"]
+    compute_s = result["compute"]["s_per_param"] * n
+    floor = max(disk_s, compute_s)
+    stored = 4 if result["machine"]["loop"] == "plain" else 0
+    # the plan's minimum: parameters read for forward and backward, the homes read (masters
+    # known from the device copy in a declared loop) and written, stored gradients each way
+    minimum_read = n * (4 + 4 + (8 if result["machine"]["loop"] == "declared" else 12) + stored)
+    minimum_written = n * (12 + stored)
+    result["floor"] = {
+        "disk_s": disk_s,
+        "compute_s": compute_s,
+        "floor_s": floor,
+        "step_over_floor": result["median_step_s"] / floor,
+        "nvme_read": read,
+        "nvme_written": written,
+        "minimum_read": minimum_read,
+        "minimum_written": minimum_written,
+    }
+    say(
+        f"median step {result['median_step_s']:.1f}s; floor {floor:.1f}s (disk {disk_s:.1f}s for "
+        f"{format_size(read)} read + {format_size(written)} written; compute {compute_s:.1f}s): "
+        f"{result['median_step_s'] / floor:.2f}x the floor (target <= 1.25x)"
+    )
+    say(
+        f"NVMe per step: read {format_size(read)} ({read / minimum_read:.2f}x the plan's minimum), written "
+        f"{format_size(written)} ({written / minimum_written:.2f}x); all links: "
+        + ", ".join(f"{k} {format_size(v)}" for k, v in last.items() if v)
+    )
     mem = result["memory"]
-    if args.json:
-        print(json.dumps(result))
-    else:
-        last = moved[-1]
-        print(
-            f"median step {result['median_step_s']:.1f}s (steps after the first); moved per step: "
-            + ", ".join(f"{k} {format_size(v)}" for k, v in last.items() if v)
-        )
-        print(
-            f"peak RSS {format_size(mem['peak_rss'])} ({mem['peak_rss'] / ram:.2f}x RAM; anonymous "
-            f"{format_size(mem['peak_rss_anon'])}, the rest file-backed pages the kernel may drop); training state "
-            f"{format_size(state)} = {state / ram:.2f}x RAM"
-        )
-    return 0
+    say(
+        f"whole-process peak RSS (ru_maxrss) {format_size(result['ru_maxrss'])} = {result['ru_maxrss'] / ram:.3f}x RAM "
+        f"(target <= 0.25x; sampled peak {format_size(mem['peak_rss'])}, anonymous "
+        f"{format_size(mem['peak_rss_anon'])}); "
+        f"training state {format_size(state)} = {state / ram:.2f}x RAM"
+    )
 
 
 if __name__ == "__main__":
