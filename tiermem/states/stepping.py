@@ -381,6 +381,9 @@ class Stepper:
                     with contextlib.suppress(TierCapacityError):
                         staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
+            if chunk.home_tier == "nvme" and staged.index(chunk) + 1 < len(staged):
+                # while this chunk steps, the next one's stored gradients (NOTE [ Stored gradients ] rule 4)
+                self.gradients.stash.prefetch(staged[staged.index(chunk) + 1])
             self.chunk_steps += 1
         self._finish_steps()  # NOTE [ Step threads ] rule 4
         self.gradients.stash.release_all()

@@ -30,6 +30,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable
@@ -40,7 +41,7 @@ import torch
 from tiermem.errors import TierCapacityError, internal_error
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
-from tiermem.registry import Handle, Priority
+from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
 from tiermem.states.hostgrad import HostGradient
@@ -84,6 +85,13 @@ class Geometry:
 class _Staged:
     handle: Handle
     written: bool = False
+    #: the copy from NVMe, while it runs (a prefetch)
+    filling: Transfer | None = None
+
+    def landed(self) -> None:
+        if self.filling is not None:
+            filling, self.filling = self.filling, None
+            filling.wait()
 
 
 class GradientStash:
@@ -110,9 +118,32 @@ class GradientStash:
         staged = self._staged.get(chunk.index)
         if staged is None:
             staged = self._stage(chunk)
+        try:
+            staged.landed()
+        except BaseException:
+            self.discard(chunk)
+            raise
         self._staged.move_to_end(chunk.index)
         staged.written = staged.written or write
         return staged.handle.tensor("host")
+
+    def prefetch(self, chunk: Chunk) -> None:
+        """Start staging ``chunk``'s stored gradients while the host has room for them beside
+        what is staged (the step reads them next); nothing when it has not."""
+        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= STAGED_HOMES:
+            return
+        assert chunk.grad is not None
+        if chunk.grad.state is ObjectState.MOVING:
+            return  # its write-back from the device has not landed: staged on demand
+        try:
+            handle = self.store.registry.register(
+                torch.empty(chunk.nbytes, dtype=torch.uint8), "host", dedup=False, kind="chunk"
+            )
+        except TierCapacityError:
+            return
+        filling = handle.fill_from(chunk.grad, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
+        self.stagings += 1
+        self._staged[chunk.index] = _Staged(handle, filling=filling)
 
     def _stage(self, chunk: Chunk) -> _Staged:
         assert chunk.grad is not None
@@ -154,6 +185,7 @@ class GradientStash:
             return
         self.fence(chunk)
         try:
+            staged.landed()
             if staged.written and chunk.grad is not None and not chunk.grad.freed:
                 chunk.grad.fill_from(staged.handle, nbytes=chunk.nbytes, priority=Priority.WRITEBACK).wait()
                 self.write_backs += 1
@@ -165,7 +197,7 @@ class GradientStash:
         staged = self._staged.pop(chunk.index, None)
         if staged is not None:
             self.fence(chunk)
-            staged.handle.free()
+            _free(staged)
 
     def release_all(self) -> None:
         for index in list(self._staged):
@@ -174,8 +206,18 @@ class GradientStash:
     def discard_all(self) -> None:
         """Forget every staged copy (the chunks are being freed or rebuilt)."""
         for staged in self._staged.values():
-            staged.handle.free()
+            _free(staged)
         self._staged.clear()
+
+
+def _free(staged: _Staged) -> None:
+    """Free a staged copy, its prefetch (if still running) finished or cancelled first."""
+    filling, staged.filling = staged.filling, None
+    if filling is not None:
+        filling.cancel()
+        with contextlib.suppress(Exception):  # cancelled, or its error: the copy is dropped anyway
+            filling.wait()
+    staged.handle.free()
 
 
 class StoredGradient(HostGradient):
