@@ -46,8 +46,8 @@
    measurements.
 6. Every fallback logs a warning (once per block, forward and kind) and counts in
    ``activations.fallbacks`` and ``activations.fallback_reasons["<cause>-><action>"]``,
-   cause ``disk_full | io_error | tier_full | device_full``, action ``keep | recompute |
-   evict:<tier> | spill:<tier>``.
+   cause ``disk_full | io_error | tier_full | device_full | model_states`` (rule 8), action
+   ``keep | recompute | evict:<tier> | spill:<tier>``.
 7. Gradients never change: keep and spill only move bytes, and recompute is
    ``torch.utils.checkpoint`` (which restores the RNG state), bitwise on the CPU.
 8. Room for the model states: rules 4 and 5 see only the device bytes in use, not what the
@@ -62,7 +62,7 @@
    Never moved: tensors backward unpacked since the last forward began (autograd may hold
    what it was given), the running block's, those saved outside the blocks (backward needs
    them first), and a user's explicit ``keep`` (rule 2). Backward fetches them back like
-   any offloaded tensor: a stall, not an error, counted as ``device_full->evict:<tier>``.
+   any offloaded tensor: a stall, not an error, counted as ``model_states->evict:<tier>``.
 """
 
 from __future__ import annotations

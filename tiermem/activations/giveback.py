@@ -73,7 +73,7 @@ class DeviceGiveBack:
             self.fallbacks.report(
                 group.forward_id,
                 group.index,
-                f"device_full->evict:{tier}",
+                f"model_states->evict:{tier}",
                 f"the model states need {format_size(needed)} free on the device; its kept tensors are written to "
                 f"{tier} (backward fetches them back)",
             )
