@@ -177,6 +177,11 @@ def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_pat
     monkeypatch.setattr(
         tiermem.planner.auto, "profile_model", lambda *a, **k: profiles.setdefault(len(profiles), real(*a, **k))
     )
+    searched = []
+    real_search = tiermem.planner.auto.search
+    monkeypatch.setattr(
+        tiermem.planner.auto, "search", lambda p, caps, **k: searched.append(caps) or real_search(p, caps, **k)
+    )
     stored = []
     monkeypatch.setattr(tiermem.planner.cache, "store", stored.append)
     monkeypatch.setattr(tiermem.planner.cache, "load", lambda _key: None)
@@ -192,6 +197,9 @@ def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_pat
     assert "streamed" not in plain.extra and streamed.extra["streamed"] is True
     assert streamed.extra["fetch_wait_s"] > 0
     assert stored == [plain]
+    # the plan replaces the chunks in force: it is searched over the whole capacities (nothing
+    # else holds tier bytes here), the pool's spares given back too
+    assert {t: searched[1][t] for t in ("device", "host")} == {"device": state // 4, "host": state // 4}
     for field in ("order", "modules", "shared", "param_block", "params"):
         assert getattr(streamed, field) == getattr(plain, field), field
     for got, want in zip((*streamed.blocks, streamed.outside), (*plain.blocks, plain.outside), strict=True):

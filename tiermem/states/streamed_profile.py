@@ -153,7 +153,7 @@ class StreamedProfiling:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self.tracker.accumulated, i)))
         from tiermem.planner.streaming import Streaming, streaming  # the planner only when it plans
 
-        info = Streaming(stalled=lambda: self.pool.waited, held=self._held, release=self.store.pool.release_all)
+        info = Streaming(stalled=lambda: self.pool.waited, held=self._held, release=self.store.pool.clear)
         self._context = streaming(info)
         self._context.__enter__()
         return self
