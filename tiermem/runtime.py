@@ -285,7 +285,9 @@ class Runtime:
         # plan={"block_policy": ...} or activations=<policy>: the planner plans around that policy.
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
         planned = plan is None or plan == "auto" or fixed is not None
-        managed_activations = ManagedRequest(model, activations, (self.resolved or self.config).activations, fixed)
+        managed_activations = ManagedRequest(
+            model, activations, (self.resolved or self.config).activations, fixed, planned=planned
+        )
         fixed = fixed if fixed is not None or not planned else managed_activations.fixed
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)

@@ -73,7 +73,8 @@ backend, ``describe``, ``close``) and the wiring:
 6. Accounting: every byte kept here (device copies, homes, gradient buffers) is a registry
    object of kind ``"chunk"``, so the tiers refuse anything past capacity. A device
    allocation that does not fit waits for gradient write-backs, then evicts unpinned
-   chunks, then raises :class:`StatesMemoryError`.
+   chunks, then asks the device's other users for room (``Registry.reclaim(needed=...)``:
+   kept activations written out, TRAPS 35), then raises :class:`StatesMemoryError`.
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's; on CUDA backward hooks run on autograd's device thread while
    the caller waits in ``backward()``, so they never overlap forward's); the manager is not
