@@ -253,9 +253,8 @@ class Runtime:
         ``optimizer``: a constructed ``torch.optim`` AdamW, Adam or SGD over the model's
         parameters (param groups and hyper-parameters kept), or one of those classes plus
         keyword arguments. ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
-        placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, see
-        ``tiermem.layout.placement``). Returns the same model and the optimizer to use from
-        now on; ``rt.plan`` is the plan in force.
+        placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, ``tiermem.layout.placement``).
+        Returns the same model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
 
         ``sample``: what the planner profiles (NOTE [ Profiling step ] in
         ``tiermem.planner.profiler``): the model's positional arguments for one training batch
@@ -274,7 +273,7 @@ class Runtime:
         and zero_grad after every N-th backward, gradients clipped by the runtime and not
         edited by hand; the optimizer step of offloaded chunks then overlaps the last backward
         of each window (NOTE [ Declared steps ] in ``tiermem.states.stepping``).
-        ``keep_gradients=False`` (declared loops): ``.grad`` of offloaded chunks is None after backward.
+        ``keep_gradients=False`` (declared loops): ``.grad`` of offloaded chunks is None after their step.
         ``param_dtype`` (``torch.bfloat16``/``torch.float16``): working copies in that dtype on
         the device, fp32 masters stepped with the optimizer states (exactly), restored at the end.
         """
@@ -285,9 +284,8 @@ class Runtime:
         # plan={"block_policy": ...} or activations=<policy>: the planner plans around that policy.
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
         planned = plan is None or plan == "auto" or fixed is not None
-        managed_activations = ManagedRequest(
-            model, activations, (self.resolved or self.config).activations, fixed, planned=planned
-        )
+        settings = (self.resolved or self.config).activations
+        managed_activations = ManagedRequest(model, activations, settings, fixed, planned=planned)
         fixed = fixed if fixed is not None or not planned else managed_activations.fixed
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)
