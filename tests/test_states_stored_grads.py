@@ -185,3 +185,36 @@ def test_hugging_face_plain_loops_fit_at_a_tenth_device_and_host(tmp_path, name)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_repack_and_leaving_the_runtime_keep_stored_gradients(tmp_path):
+    """The first step re-packs in execution order (rule 2 of NOTE [ Model-state rules ]) with
+    gradients on NVMe, and leaving the runtime gives ordinary ``.grad`` of plain PyTorch's values."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            losses.append(loss.detach())
+            optimizer.step()
+            if step < 2:
+                optimizer.zero_grad()
+        return losses  # the last step's gradients are kept
+
+    plain = make_model(head_first=True)
+    want = run(plain, OPTIMIZERS["sgd"](param_groups(plain)))
+    model = make_model(head_first=True)
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("sgd", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["sgd"](param_groups(model)), plan=STORED)
+        states = _states(rt)
+        got = run(model, optimizer)
+        assert states.describe()["order"] == "execution"  # re-packed with gradients on NVMe
+        assert states.gradients.stash.stagings > 0
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    grads = [(p.grad, q.grad) for p, q in zip(model.parameters(), plain.parameters(), strict=True)]
+    assert all((a is None) == (b is None) for a, b in grads)
+    assert_bitwise([a for a, _ in grads if a is not None], [b for _, b in grads if b is not None])
+    assert not any(isinstance(a, StoredGradient) for a, _ in grads)
