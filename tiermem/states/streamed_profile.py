@@ -20,19 +20,25 @@ must be off while it is entered.
    (DEMAND, the next prefetched) and pins them while it runs; its backward pins and
    re-acquires them through a real ``BackwardTracker``, so tied weights, repeated calls and
    modules without trainable parameters are released when the manager would release them.
-3. Nothing training depends on changes: the tracker's gradient and step collaborators are
-   stand-ins, so a gradient is dropped (``p.grad = None``) as soon as autograd accumulated it
-   (the real ``.grad`` are set aside while the step runs and put back after: autograd would
-   add into them in place)
-   (the profiling step's gradients never exist together, as in a plain loop that steps in
-   backward), nothing is written home, nothing steps, no declared-loop counter moves. Pins,
-   ``pending`` and ``entered`` are back to what they were when the tracker's backward ends;
-   the chunks' values are only read, so no device copy is dirty.
+3. Nothing training depends on changes: the real ``.grad`` are set aside while it is entered
+   and put back after (autograd would add the profiling step's gradients into them in
+   place); the tracker's gradient and step collaborators are stand-ins, so a profiling
+   gradient is dropped (``p.grad = None``) as soon as autograd accumulated it (they never
+   exist together, as in a loop that steps in backward), nothing is written home, nothing
+   steps, no declared-loop counter moves. Pins, ``pending`` and ``entered`` are back to what
+   they were when the tracker's backward ends; the chunks' values are only read, so no
+   device copy is dirty. RNG and buffers: NOTE [ Profiling step ] rule 2.
 4. Fetch waits: the seconds the training thread spends in ``acquire`` (forward and backward)
    add up on the clock the profiler subtracts (NOTE [ Profiling step ] rule 8): block times
    are compute without the I/O waits. A prefetch that overlapped compute is not subtracted.
 5. The profiler's operator-level byte counts must not see the pool's own tensors: fetches run
    with the profiler's dispatch modes off.
+6. Capacities: the plan replaces the chunks in force, so the search is given what the tiers
+   have free plus what those chunks hold (``held``, taken with the pool emptied); the pool
+   is emptied again, spares included, once the passes are done (``Streaming.release``),
+   before the link probes, the overhead calibration and the search read free bytes.
+   Beyond the capacities the profiling holds what a plain step of the user's batch holds
+   (its activations and temporaries) and the optimizer timing's synthetic sample.
 """
 
 from __future__ import annotations
