@@ -77,6 +77,9 @@ class _TimedPool:
         finally:
             self.waited += time.perf_counter() - start
 
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store.pool, name)  # the rest of the pool, untimed
+
 
 class _TimedStore:
     """What the tracker reads of the store, its pool timed."""
