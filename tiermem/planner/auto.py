@@ -40,7 +40,7 @@ def free_bytes(registry: Registry) -> dict[str, int]:
     info = streamed()
     held = info.held if info is not None else {}
     return {
-        name: registry.free_bytes(name) + held.get(name, 0)
+        name: min(registry.free_bytes(name) + held.get(name, 0), registry.tier_statistics(name).capacity)
         for name in registry.tier_names
         if name in ("device", "host", "nvme")
     }

@@ -197,7 +197,7 @@ class Relayout:
             return
         self.store.pool.clear()
         try:
-            layouts, plan = self.plan_layout(order, held=self.store.held_bytes())
+            layouts, plan = self.plan_layout(order, held=self._settled_held())
         except (PlanError, StatesMemoryError) as exc:
             log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
             return
@@ -248,7 +248,7 @@ class Relayout:
         request = self.request
         old = self._in_force()
         self.store.pool.clear()  # the pool's device bytes are not the chunks' to keep while planning
-        held = self.store.held_bytes()
+        held = self._settled_held()
         self._unhook()
         try:
             with StreamedProfiling(self.store, self.facts, held):
@@ -260,6 +260,16 @@ class Relayout:
         if not self._repack(new, old):
             self.request = request
         return True
+
+    def _settled_held(self) -> dict[str, int]:
+        """Bytes per tier the chunks hold, once no home or gradient is on its way between tiers:
+        a move that lands later frees its source's bytes, which would then count twice (free
+        and held; measured: a declared loop's host planned 27% above its capacity)."""
+        self.homes.wait_moves()
+        for chunk in self.store.chunks:
+            if chunk.grad is not None:
+                chunk.grad.wait()
+        return self.store.held_bytes()
 
     def _plain_copy_refused(self) -> str | None:
         """Rule 9: why the profiling step cannot run on plain parameters (None: it can): they and
