@@ -93,16 +93,22 @@ backend, ``describe``, ``close``) and the wiring:
    default placement rule carries the first step; the root's forward pre-hook keeps the
    arguments of the first forward with grad (detached), and the next ``optimizer.step()``
    (where a re-pack would run, rule 2, once backward is done and gradients are known) hands
-   them to the planner on plain parameters: the chunks are snapshotted and freed, the
-   parameters become ordinary tensors again and the manager's hooks are off while the
-   profiling step runs (it leaves RNG, buffers and gradients as they were; NOTE [ Profiling
-   step ]), and the chunks are rebuilt from the snapshot under the planned plan, in its
-   execution order, before the step goes on; so the step and everything after it are
-   exactly what they would have been. Planning is skipped (with the reason logged, the
-   default placement kept) when the snapshot would not fit in free memory, when the step is
-   called inside ``rt.offload_activations`` (its saved-tensor hooks would capture the
-   profiling step: tried again at the next step), or when the planner fails; and never for a
-   model with compiled blocks (NOTE [ Compiling a managed model ] rule 4 in ``compile.py``).
+   them to the planner. Where a plain copy of the model states fits in free memory and in
+   what the memory tiers have free, it profiles on plain parameters (the chunks are
+   snapshotted and freed, the parameters become ordinary tensors again and the manager's
+   hooks are off); otherwise on the chunks in place, streamed through the device budget by
+   the profiling's own hooks, which drop its gradients (NOTE [ Streamed first-step
+   profiling ] in ``streamed_profile.py``), so the capacities hold from ``rt.manage`` on.
+   Either way the profiling step leaves RNG, buffers and gradients as they were (NOTE
+   [ Profiling step ]), and the chunks are rebuilt under the planned plan, in its execution
+   order, before the step goes on, from a snapshot held in memory where it fits there and in
+   the memory tiers' free bytes, else written to NVMe (NOTE [ Spilled snapshots ]); so the
+   step and everything after it are exactly what they would have been. Planning is skipped
+   (reason logged, default placement kept) when the step is called inside
+   ``rt.offload_activations`` (its saved-tensor hooks would capture the profiling step: tried
+   again at the next step), when the planner fails, and for a model with compiled blocks
+   (NOTE [ Compiling a managed model ] rule 4 in ``compile.py``); the new layout is not built
+   (logged, the old one kept) when the snapshot fits neither memory nor an NVMe tier.
 """
 
 from __future__ import annotations

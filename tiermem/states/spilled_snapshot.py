@@ -164,7 +164,7 @@ def _chunk_sources(
     (as :meth:`StateIO.snapshot` reads them)."""
     sources: list[tuple[Key, torch.Tensor]] = []
     for slot in chunk.layout.slots:
-        sources.append(((slot.index, "data"), stateio._master_source(slot.index)))
+        sources.append(((slot.index, "data"), stateio.master_source(slot.index)))
     if chunk.grad is not None:
         buffer = gradients.grad_bytes(chunk)
         sources += [((s.index, "grad"), s.view(buffer)) for s in chunk.layout.slots if store.has_grad[s.index]]

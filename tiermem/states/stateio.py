@@ -158,7 +158,7 @@ class StateIO:
             return slot.view(chunk.data)
         return slot.view(self.homes.readable(chunk), chunk.working_base)
 
-    def _master_source(self, i: int) -> torch.Tensor:
+    def master_source(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full-precision value where it is: its fp32 master under mixed precision."""
         chunk, slot = self.store.slots[i]
         if chunk.master_scale == 1:
@@ -173,7 +173,7 @@ class StateIO:
 
     def _master_copy(self, i: int) -> torch.Tensor:
         """Parameter ``i``'s full-precision value: its fp32 master under mixed precision."""
-        return self._master_source(i).to("cpu", copy=True)
+        return self.master_source(i).to("cpu", copy=True)
 
     # -- module state dicts (hooks) ------------------------------------------------------------
     def state_dict_started(self, _module: nn.Module, _prefix: str, keep_vars: bool) -> None:
@@ -330,7 +330,7 @@ class StateIO:
         if self.copied is not None:
             return self.copied(tensor)
         if tensor.key is None:
-            return self._master_source(tensor.index)
+            return self.master_source(tensor.index)
         chunk, slot = self.store.slots[tensor.index]
         section = chunk.section_base(self.facts.state_names.index(tensor.key))
         return slot.master_view(self.homes.readable(chunk), section, chunk.master_scale)
