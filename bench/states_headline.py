@@ -260,12 +260,14 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
         with rt.init():
             model = GPT(config)
         result["build_s"] = time.perf_counter() - started
-        say(f"built in {result['build_s']:.1f}s (RSS {format_size(_status_kib('VmRSS'))})")
+        say(
+            f"built in {result['build_s']:.1f}s (RSS {format_size(_status_kib('VmRSS'))}, peak {format_size(_status_kib('VmHWM'))})"
+        )
         started = time.perf_counter()
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, fused=fused, plan=plan, **declared)
         result["manage_s"] = time.perf_counter() - started
         result["plan"] = {k: v for k, v in rt.plan.as_dict().items() if k not in ("state_home", "predicted")}
-        rss = format_size(_status_kib("VmRSS"))
+        rss = f"{format_size(_status_kib('VmRSS'))}, peak {format_size(_status_kib('VmHWM'))}"
         say(f"managed in {result['manage_s']:.1f}s (RSS {rss}): {json.dumps(result['plan'])}")
         generator = torch.Generator().manual_seed(1)
         seconds, losses, moved = [], [], []
@@ -282,7 +284,10 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
             losses.append(loss.item())
             after = rt.stats().as_dict()["links"]
             moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
-            say(f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {format_size(sum(moved[-1].values()))}")
+            say(
+                f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {format_size(sum(moved[-1].values()))}"
+                f" (RSS {format_size(_status_kib('VmRSS'))}, peak so far {format_size(_status_kib('VmHWM'))})"
+            )
         stats = rt.stats().as_dict()
     result["memory"] = sampler.stop()
     result.update(

@@ -116,3 +116,43 @@ def test_building_holds_about_one_tensor_resident(tmp_path):
     # about one tensor's pages (the largest, 16 MiB here) plus torch's init temporaries
     assert measured["grown"] < measured["nbytes"] / 4, measured
     assert list(tmp_path.iterdir()) == []
+
+
+def _gpt_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    losses = []
+    for step in range(2):
+        tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(step))
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("roomy", [False, True])
+def test_leaving_the_runtime_keeps_parameters_within_the_capacities(tmp_path, roomy):
+    """NOTE [ Materialising under rt.init() ] rule 6: parameters larger than the memory tiers'
+    capacities come back on file-backed pages (RAM otherwise), with plain PyTorch's values."""
+    config_ = GPTConfig(n_layer=8, d_model=256, n_head=4, vocab_size=512, seq_len=32)
+    torch.manual_seed(0)
+    plain = GPT(config_)
+    want = _gpt_steps(plain, torch.optim.AdamW(plain.parameters(), lr=1e-3))
+    torch.manual_seed(0)
+    model = GPT(config_)
+    nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    device, host = (4 * nbytes, 4 * nbytes) if roomy else (6 << 20, 9 << 20)
+    assert roomy or device + host < nbytes
+    settings = config(tmp_path, device, host=host)
+    settings["nvme"]["capacity"] = "256MiB"
+    with tiermem.Runtime(settings) as rt:
+        model, optimizer = rt.manage(
+            model, torch.optim.AdamW, lr=1e-3, plan={"state_home": "nvme", "persistent_chunks": 0, "buffers": 3}
+        )
+        got = _gpt_steps(model, optimizer)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    large = [p for p in model.parameters() if p.numel() * p.element_size() >= 64 * 1024]
+    assert large
+    assert [p.is_shared() for p in large] == [not roomy] * len(large)
+    assert list(tmp_path.iterdir()) == []

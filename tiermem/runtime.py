@@ -134,8 +134,11 @@ class Runtime:
         save_error = self._finish_save(raising=False)  # NOTE [ Asynchronous saves ] rule 6
         try:
             states, self._model_states = self._model_states, []
+            spill_to = self.resolved.nvme.paths[0] if self.resolved is not None and self.resolved.nvme.paths else None
             for managed in states:
-                managed.close()  # managed parameters back into ordinary tensors (never raises)
+                # managed parameters back into ordinary tensors (never raises); file-backed under the
+                # first NVMe path when they exceed the memory tiers' capacities
+                managed.close(spill_to)
             if self._registry is not None:
                 self._registry.free_all()
             self._scheduler.close()

@@ -427,8 +427,9 @@ class ModelStates:
         self.lifecycle.check_usable()
 
     # -- lifecycle -----------------------------------------------------------------------------
-    def close(self) -> None:
-        """Restore ordinary parameters when they fit, else mark them unusable; free every chunk.
+    def close(self, spill_to: str | None = None) -> None:
+        """Restore ordinary parameters when they fit (on file-backed pages under ``spill_to``
+        when they exceed the memory tiers' capacities), else mark them unusable; free every chunk.
 
         Never raises: it runs inside ``Runtime.close``, which must go on to free the tiers."""
         lifecycle = self.lifecycle
@@ -438,7 +439,7 @@ class ModelStates:
             self.backward.settle()
             self.stepper.close()  # the step in flight finishes; the step thread stops
             self.store.pool.clear()
-            lifecycle.restored = self.stateio.restore()
+            lifecycle.restored = self.stateio.restore(spill_to)
         except Exception:
             log.exception("tiermem model states: restoring parameters failed; the model is unusable now")
             lifecycle.restored = False

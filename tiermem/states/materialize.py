@@ -25,6 +25,11 @@
    ends: building a model larger than RAM holds about one tensor's pages at a time; and
    ``rt.manage`` drops each parameter's pages once it copied them into its chunk
    (``release_file_pages``). tests/test_states_init.py measures a fresh process's ru_maxrss.
+6. Leaving the runtime hands parameters back as ordinary tensors; when they exceed the memory
+   tiers' capacities (the user's promise), they come back on file-backed pages the same way
+   (``file_backed_empty`` under the first NVMe path, pages unmapped once written), so closing
+   a model larger than its capacities does not pull it into RAM (NOTE [ Model-state rules ]
+   rule 1).
 
 The run directory and the filesystem check come from the runtime (``run_directory``,
 ``is_tmpfs``): this module touches no tier.
@@ -36,8 +41,10 @@ import contextlib
 import ctypes
 import itertools
 import logging
+import math
 import mmap
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any, Protocol
@@ -82,6 +89,19 @@ def release_file_pages(tensor: torch.Tensor) -> None:
     end = (start + nbytes) // page * page
     if end > first:
         _LIBC.madvise(ctypes.c_void_p(first), ctypes.c_size_t(end - first), _DONTNEED)
+
+
+def file_backed_empty(directory: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Rule 6: an uninitialised tensor on a shared mapping of a new file in ``directory``,
+    unlinked at once (the mapping keeps the space until the tensor goes)."""
+    nbytes = max(math.prod(shape), 1) * torch.empty((), dtype=dtype).element_size()
+    fd, path = tempfile.mkstemp(prefix="tiermem-restored-", suffix=".bin", dir=directory)
+    try:
+        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    finally:
+        os.unlink(path)
+        os.close(fd)
+    return tensor[: math.prod(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
 
 
 DEFAULT_MIN_BYTES = 64 * 1024

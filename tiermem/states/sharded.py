@@ -265,7 +265,7 @@ class ShardedModelStates:
         self.windows = int(position.get("windows", 0))
         self._reset_window()
 
-    def close(self) -> None:
+    def close(self, spill_to: str | None = None) -> None:
         """Free every chunk and the shards' accounting; FSDP2's parameters stay as they are. Never raises."""
         if self.closed:
             return

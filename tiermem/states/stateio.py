@@ -26,6 +26,7 @@ from tiermem.states.core import Lifecycle, ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
+from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_empty, release_file_pages
 from tiermem.states.store import ChunkStore
 from tiermem.units import format_size
 
@@ -251,14 +252,28 @@ class StateIO:
         states = {self.facts.index[id(p)]: s for p, s in exported.items()}
         return Snapshot(data, grads, states)
 
-    def restore(self) -> bool:
-        """Copy every parameter (and gradient) into an ordinary tensor, chunk by chunk."""
+    def restore(self, spill_to: str | None = None) -> bool:
+        """Copy every parameter (and gradient) into an ordinary tensor, chunk by chunk; on the
+        CPU device, onto file-backed pages under ``spill_to`` when they exceed the memory tiers'
+        capacities (NOTE [ Materialising under rt.init() ] rule 6)."""
         self._settle_save()
         facts, store = self.facts, self.store
         needed = sum(info.nbytes for info in facts.info)
         needed += sum(info.nbytes for info, has in zip(facts.info, store.has_grad, strict=True) if has)
         needed *= store.chunks[0].master_scale if store.chunks else 1  # fp32 masters come back
         ours = sum(store.held_bytes().get(t, 0) for t in ("device", "host")) if facts.device.type == "cpu" else 0
+        capacities = sum(store.registry.tier_statistics(t).capacity for t in ("device", "host"))
+        if facts.device.type == "cpu" and spill_to is not None and needed > capacities:
+            log.info(
+                "tiermem model states: %s of parameters exceed the memory tiers' capacities (%s); they come back on "
+                "file-backed pages under %s",
+                format_size(needed),
+                format_size(capacities),
+                spill_to,
+            )
+            for chunk in list(store.chunks):
+                self._restore_chunk(chunk, spill_to)
+            return True
         if needed > core.memory_available(facts.device) + ours:
             log.warning(
                 "tiermem model states: %s of parameters do not fit in memory; the model is unusable after the "
@@ -270,7 +285,7 @@ class StateIO:
             self._restore_chunk(chunk)
         return True
 
-    def _restore_chunk(self, chunk: Chunk) -> None:
+    def _restore_chunk(self, chunk: Chunk, spill_to: str | None = None) -> None:
         # Mixed precision restores the fp32 masters (and fp32 gradients): the full-precision
         # model, as the master-weights loop would hand it over.
         scale, base, device = chunk.master_scale, 0, self.facts.device
@@ -283,13 +298,20 @@ class StateIO:
         else:
             source = self.homes.readable(chunk)
         grads = self.gradients.grad_bytes(chunk) if chunk.grad is not None else None
+        def ordinary(like: torch.Tensor) -> torch.Tensor:
+            if spill_to is None or like.numel() * like.element_size() < DEFAULT_MIN_BYTES:
+                return torch.empty(like.shape, dtype=like.dtype, device=device).copy_(like)
+            out = file_backed_empty(spill_to, like.shape, like.dtype).copy_(like)
+            release_file_pages(out)  # NOTE [ Materialising under rt.init() ] rule 6
+            return out
+
         for slot in chunk.layout.slots:
             p = self.facts.params[slot.index]
             value = slot.master_view(source, base, scale)
             p.grad = None
-            p.data = torch.empty(slot.shape, dtype=value.dtype, device=device).copy_(value)
+            p.data = ordinary(value)
             if grads is not None and self.store.has_grad[slot.index]:
-                p.grad = torch.empty(slot.shape, dtype=value.dtype, device=device).copy_(slot.view(grads))
+                p.grad = ordinary(slot.view(grads))
         # Give this chunk's memory back before the next one is copied.
         chunk.empty_storage()
         self.store.free_handles(chunk)
