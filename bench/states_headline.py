@@ -270,23 +270,34 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
         rss = f"{format_size(_status_kib('VmRSS'))}, peak {format_size(_status_kib('VmHWM'))}"
         say(f"managed in {result['manage_s']:.1f}s (RSS {rss}): {json.dumps(result['plan'])}")
         generator = torch.Generator().manual_seed(1)
-        seconds, losses, moved = [], [], []
+        seconds, losses, moved, phases = [], [], [], []
         for step in range(args.steps):
             tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator)
             before = rt.stats().as_dict()["links"]
             started = time.perf_counter()
             _, loss = model(tokens[:, :-1], tokens[:, 1:])
             assert loss is not None
+            forward_done = time.perf_counter()
             loss.backward()
+            backward_done = time.perf_counter()
             optimizer.step()
             optimizer.zero_grad()
             seconds.append(time.perf_counter() - started)
+            phases.append(
+                {
+                    "forward_s": forward_done - started,
+                    "backward_s": backward_done - forward_done,  # a declared loop steps chunks in here
+                    "step_s": seconds[-1] - (backward_done - started),
+                }
+            )
             losses.append(loss.item())
             after = rt.stats().as_dict()["links"]
             moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
             say(
                 f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {format_size(sum(moved[-1].values()))}"
-                f" (RSS {format_size(_status_kib('VmRSS'))}, peak so far {format_size(_status_kib('VmHWM'))})"
+                f" (forward {phases[-1]['forward_s']:.1f}s, backward {phases[-1]['backward_s']:.1f}s, step "
+                f"{phases[-1]['step_s']:.1f}s; RSS {format_size(_status_kib('VmRSS'))}, peak so far "
+                f"{format_size(_status_kib('VmHWM'))})"
             )
         stats = rt.stats().as_dict()
     result["memory"] = sampler.stop()
@@ -295,6 +306,7 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
             "steps": args.steps,
             "batch": args.batch,
             "step_seconds": seconds,
+            "phases": phases,
             "median_step_s": statistics.median(seconds[1:] or seconds),
             "losses": losses,
             "bytes_moved_per_step": moved,
