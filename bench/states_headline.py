@@ -261,7 +261,8 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
             model = GPT(config)
         result["build_s"] = time.perf_counter() - started
         say(
-            f"built in {result['build_s']:.1f}s (RSS {format_size(_status_kib('VmRSS'))}, peak {format_size(_status_kib('VmHWM'))})"
+            f"built in {result['build_s']:.1f}s (RSS {format_size(_status_kib('VmRSS'))}, peak "
+            f"{format_size(_status_kib('VmHWM'))})"
         )
         started = time.perf_counter()
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, fused=fused, plan=plan, **declared)
