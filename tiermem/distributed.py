@@ -40,12 +40,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import itertools
 import logging
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from tiermem.errors import ConfigError, TiermemError
 from tiermem.tiers.rundir import rank_directory_name
@@ -70,6 +72,7 @@ log = logging.getLogger("tiermem")
 
 #: The timeout of the group :func:`setup_process_group` made (None: not ours, or none).
 _owned_timeout_s: float | None = None
+_closings = itertools.count()
 
 
 class PeerFailureError(TiermemError, RuntimeError):
@@ -229,11 +232,32 @@ def close_process_group(owned: bool, *, wait_for_peers: bool = True) -> None:
     try:
         if wait_for_peers:
             dist.barrier()
+            _all_left_the_barrier(dist)
     except RuntimeError as exc:
         log.warning("tiermem: the ranks did not meet before closing the process group: %s", exc)
     finally:
         dist.destroy_process_group()
         _owned_timeout_s = None
+
+
+def _all_left_the_barrier(dist: Any) -> None:
+    """A rank leaves gloo's barrier once it received its peers' bytes, not once they received
+    its own: destroying the group then can tear a connection down under a peer still receiving
+    the barrier, and gloo aborts that peer (``terminate called without an active exception``).
+    So the ranks also count themselves out on the rendezvous store, which is no gloo
+    connection, and destroy the group only when every rank has left the barrier."""
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        return
+    store, world = get_store(), dist.get_world_size()
+    key = f"tiermem/left-barrier/{next(_closings)}"  # every rank closes its groups in the same order
+    deadline = time.monotonic() + (_owned_timeout_s or 60.0)
+    store.add(key, 1)
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            log.warning("tiermem: not every rank left the closing barrier within the timeout")
+            return
+        time.sleep(0.005)
 
 
 _PEER_SIGNS = ("connection closed by peer", "connection reset by peer")
