@@ -6,7 +6,7 @@
    and stay in the process after they are freed: a process that moved a few GiB through host
    buffers keeps them resident, and the host capacity the user set is broken in RSS, the
    meter users read. Measured: a GPT of 840 MB streamed through 400 MB of device and host
-   capacity held 950 MB of anonymous memory after two steps; with the threshold fixed, 344 MB.
+   capacity held 960 MB of anonymous memory after three steps; with the threshold fixed, 380 MB.
 2. What: when the first runtime starts, ``mallopt`` fixes the mmap threshold at
    :data:`MMAP_THRESHOLD` (blocks from that size are mapped, and unmapped when freed) and the
    trim threshold at :data:`TRIM_THRESHOLD`. Smaller allocations keep glibc's heap.
@@ -25,8 +25,12 @@ import platform
 
 log = logging.getLogger("tiermem")
 
-MMAP_THRESHOLD = 1 << 20
-"""Rule 2: blocks of 1 MiB and more are mapped on their own (below, page-fault churn outweighs)."""
+MMAP_THRESHOLD = 4 << 20
+"""Rule 2: blocks of 4 MiB and more are mapped on their own. Lower costs speed: every mapped
+block is faulted in afresh, and a Hugging Face GPT-2 step (8 x 512, batch 4 x 256) took 3.46-3.67 s
+at 1 MiB against 2.85-3.09 s with glibc's default and 2.93 s at 4 MiB; its RSS is what 1 MiB gives
+(a 840 MB GPT streamed through 400 MB of capacities: 380 MB anonymous after three steps at 4 MiB,
+354 MB at 1 MiB, 772 MB at 16 MiB, 960 MB with glibc's default)."""
 TRIM_THRESHOLD = 16 << 20
 """Rule 2: free heap above this at the top of the heap is returned."""
 
