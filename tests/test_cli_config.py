@@ -332,3 +332,23 @@ def test_explain_on_a_cuda_machine_pins_and_uses_nccl(tmp_path: Path) -> None:
     assert (shown["nvme"]["backend"], shown["nvme"]["direct"]) == ("kvikio", True)
     assert shown["distributed"]["backend"] == "cpu:gloo,cuda:nccl"
     assert Config.from_dict(shown, env={}) == explained.config
+
+
+def test_show_says_off_where_the_machine_alone_decides_the_step_thread(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 21 item 4, [model_states] step_thread: on one usable core 'auto' is the machine's
+    decision ("off"), shown as such; from two cores the optimizer's flags decide part of it per
+    run, so it stays "auto" with what the machine decides in its comment."""
+    import tiermem.states.step_thread as step_thread
+
+    monkeypatch.setattr(step_thread, "usable_cores", lambda: 1)
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert tomllib.loads(out)["model_states"]["step_thread"] == "off"
+    assert comments(out)["model_states.step_thread"].startswith("auto: this process may use 1 core")
+    monkeypatch.setattr(step_thread, "usable_cores", lambda: 2)
+    assert main(["config", "show"]) == 0
+    out = capsys.readouterr().out
+    assert tomllib.loads(out)["model_states"]["step_thread"] == "auto"
+    assert "the optimizer's flags decide that per run" in comments(out)["model_states.step_thread"]

@@ -145,8 +145,11 @@ def explain(
         if config.model_states.chunk_size == AUTO
         else ""
     )
+    model_states = resolved.model_states
     if config.model_states.step_thread == AUTO:
-        why["model_states.step_thread"] = _step_thread_why()
+        why["model_states.step_thread"], machine_says = _step_thread_why()
+        if machine_says is not None:  # the machine alone decides: show what it decides
+            model_states = dataclasses.replace(model_states, step_thread=machine_says)
     if config.activations.policy == AUTO:
         why["activations.policy"] = "per block, the plan's choice (or TBA's adaptive keep), not the machine's"
     final = dataclasses.replace(
@@ -156,22 +159,26 @@ def explain(
         nvme=inflight["nvme"],
         scheduler=dataclasses.replace(scheduler, loop=loop),
         distributed=dataclasses.replace(resolved.distributed, backend=backend),
+        model_states=model_states,
     )
     return Explained(final, {key: text for key, text in why.items() if text})
 
 
-def _step_thread_why() -> str:
-    """What ``auto`` decides on this machine (its cores); the rest is the run's (the optimizer's flags)."""
+def _step_thread_why() -> tuple[str, str | None]:
+    """What ``auto`` decides on this machine (its cores), and the setting when the machine alone
+    decides it ("off" below the cores the step thread needs); else the run's flags decide the rest."""
     from tiermem.states.step_thread import AUTO_MIN_CORES, usable_cores
 
     cores = usable_cores()
     if cores < AUTO_MIN_CORES:
         return (
-            f"auto: this process may use {cores} core (the step thread needs {AUTO_MIN_CORES}), so chunk steps inline"
+            f"auto: this process may use {cores} core (the step thread needs {AUTO_MIN_CORES}), so chunk steps inline",
+            "off",
         )
     return (
         f"auto: {cores} cores here, so chunk steps on the step thread, except fused steps over host homes "
-        "(inline; the optimizer's flags decide per run)"
+        "(inline: the optimizer's flags decide that per run)",
+        None,
     )
 
 
