@@ -313,17 +313,11 @@ class Fallbacks:
                     return True
                 if handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
                     continue
-                tier = next((t for t in self.spill_tiers(group) if self.memory.outage(t) is None), None)
+                tier = self.usable_spill_tier(group)
                 if tier is None:
                     return False
-                try:
-                    handle.move_to(tier, Priority.DEMAND)
-                    handle.wait()
-                except (StorageError, TierCapacityError) as exc:
-                    exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
-                    self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                if not self.write_out(handle, tier):
                     continue
-                self.counters.add_offloaded(tier, handle.obj.nbytes)
                 self.report(
                     group.forward_id,
                     group.index,
@@ -332,6 +326,23 @@ class Fallbacks:
                     "(backward needs this block after them)",
                 )
         return self.registry.free_bytes("device") >= needed
+
+    def usable_spill_tier(self, group: BlockGroup | None) -> str | None:
+        """The first of :meth:`spill_tiers` without an outage now; None when none is left."""
+        return next((t for t in self.spill_tiers(group) if self.memory.outage(t) is None), None)
+
+    def write_out(self, handle: Handle, tier: str) -> bool:
+        """Rule 5: move a kept saved tensor to ``tier`` and wait (counted as offloaded); False
+        when the tier failed (its outage recorded, so the next :meth:`usable_spill_tier` skips it)."""
+        try:
+            handle.move_to(tier, Priority.DEMAND)
+            handle.wait()
+        except (StorageError, TierCapacityError) as exc:
+            exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
+            self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+            return False
+        self.counters.add_offloaded(tier, handle.obj.nbytes)
+        return True
 
     def spill_tiers(self, group: BlockGroup | None) -> list[str]:
         """Where a tensor the device cannot hold may go (rule 5), in order, without repeats."""

@@ -5,21 +5,18 @@
 rules ] rule 7): the registry calls it for a caller that needs device bytes for data it cannot do
 without, once that caller's own ways to make room are spent. It may touch the saved tensors of its
 offloader's forwards (moved off the device through the registry, never freed), the prefetcher's
-record of what it prefetched, and the counters; it decides no block's policy.
+record of what it prefetched (moves go through the fallbacks' ``write_out``); it decides no block's policy.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import Fallbacks
-from tiermem.activations.ledger import failure_cause
 from tiermem.activations.memory import ModelMemory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, live_handles
-from tiermem.errors import StorageError, TierCapacityError
-from tiermem.registry import Handle, ObjectState, Priority, Registry
+from tiermem.registry import Handle, ObjectState, Registry
 from tiermem.units import format_size
 
 
@@ -30,14 +27,12 @@ class DeviceGiveBack:
         self,
         registry: Registry,
         memory: ModelMemory,
-        counters: ActivationCounters,
         forwards: Forwards,
         fallbacks: Fallbacks,
         prefetcher: Prefetcher,
     ) -> None:
         self.registry = registry
         self.memory = memory
-        self.counters = counters
         self.forwards = forwards
         self.fallbacks = fallbacks
         self.prefetcher = prefetcher
@@ -56,20 +51,12 @@ class DeviceGiveBack:
         for group, handle in self._candidates():
             if self.registry.free_bytes("device") >= needed:
                 break
-            tier = next((t for t in self.fallbacks.spill_tiers(group) if self.memory.outage(t) is None), None)
-            if tier is None:
-                continue
-            try:
-                handle.move_to(tier, Priority.DEMAND)
-                handle.wait()
-            except (StorageError, TierCapacityError) as exc:
-                exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
-                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+            tier = self.fallbacks.usable_spill_tier(group)
+            if tier is None or not self.fallbacks.write_out(handle, tier):
                 continue
             freed = True
             group.prefetched = False  # backward brings it back: by prefetch again, else on demand
             self.prefetcher.forget(handle.obj)
-            self.counters.add_offloaded(tier, handle.obj.nbytes)
             self.fallbacks.report(
                 group.forward_id,
                 group.index,

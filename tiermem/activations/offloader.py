@@ -155,7 +155,7 @@ class ActivationOffloader:
         )
         self.adaptive_keep = AdaptiveKeep(registry, self.memory, self.forwards, self.policies)
         #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
-        self.give_back = DeviceGiveBack(registry, self.memory, counters, self.forwards, self.fallbacks, self.prefetcher)
+        self.give_back = DeviceGiveBack(registry, self.memory, self.forwards, self.fallbacks, self.prefetcher)
         self._module_hooks: list[Any] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
