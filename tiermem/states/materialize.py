@@ -67,7 +67,6 @@ _LIBC.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
 _DONTNEED = mmap.MADV_DONTNEED
 
 
-
 def _dont_need(mapping: torch.Tensor) -> None:
     """Rule 5: unmap ``mapping``'s pages from the process (a shared file mapping: bytes kept)."""
     # torch.from_file maps the whole file at a page-aligned address
@@ -94,14 +93,15 @@ def release_file_pages(tensor: torch.Tensor) -> None:
 def file_backed_empty(directory: str, shape: torch.Size | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """Rule 6: an uninitialised tensor on a shared mapping of a new file in ``directory``,
     unlinked at once (the mapping keeps the space until the tensor goes)."""
-    nbytes = max(math.prod(shape), 1) * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * dtype.itemsize
     fd, path = tempfile.mkstemp(prefix="tiermem-restored-", suffix=".bin", dir=directory)
     try:
-        tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        # an empty tensor still maps one byte: mmap takes no empty file
+        tensor = torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
     finally:
         os.unlink(path)
         os.close(fd)
-    return tensor[: math.prod(shape) * torch.empty((), dtype=dtype).element_size()].view(dtype).view(shape)
+    return tensor[:nbytes].view(dtype).view(shape)
 
 
 DEFAULT_MIN_BYTES = 64 * 1024

@@ -298,6 +298,7 @@ class StateIO:
         else:
             source = self.homes.readable(chunk)
         grads = self.gradients.grad_bytes(chunk) if chunk.grad is not None else None
+
         def ordinary(like: torch.Tensor) -> torch.Tensor:
             if spill_to is None or like.numel() * like.element_size() < DEFAULT_MIN_BYTES:
                 return torch.empty(like.shape, dtype=like.dtype, device=device).copy_(like)

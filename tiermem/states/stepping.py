@@ -63,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import itertools
 import logging
 import math
 from collections.abc import Mapping
@@ -372,18 +373,17 @@ class Stepper:
             if slots and chunk.index not in stepped:
                 work.append((chunk, slots))
         staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
+        next_staged = dict(itertools.pairwise(staged))  # each NVMe chunk's next one
         for chunk, slots in work:
-            if chunk.home_tier == "nvme":
-                after = staged.index(chunk) + 1
-                if after < len(staged):  # stage the next NVMe home while this one steps
-                    if self.save_guard is not None:
-                        self.save_guard.before_move(staged[after])
-                    with contextlib.suppress(TierCapacityError):
-                        staged[after].home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
+            following = next_staged.get(chunk)
+            if following is not None:  # stage the next NVMe home while this one steps
+                if self.save_guard is not None:
+                    self.save_guard.before_move(following)
+                with contextlib.suppress(TierCapacityError):
+                    following.home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
-            if chunk.home_tier == "nvme" and staged.index(chunk) + 1 < len(staged):
-                # while this chunk steps, the next one's stored gradients (NOTE [ Stored gradients ] rule 4)
-                self.gradients.stash.prefetch(staged[staged.index(chunk) + 1])
+            if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
+                self.gradients.stash.prefetch(following)
             self.chunk_steps += 1
         self._finish_steps()  # NOTE [ Step threads ] rule 4
         self.gradients.stash.release_all()

@@ -74,8 +74,7 @@ class Geometry:
 
     def view(self, buffer: torch.Tensor) -> torch.Tensor:
         """This geometry over ``buffer`` (a 1-D uint8 tensor holding the chunk's gradients)."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        start, rest = divmod(buffer.storage_offset() + self.offset, itemsize)
+        start, rest = divmod(buffer.storage_offset() + self.offset, self.dtype.itemsize)
         if rest:
             raise internal_error(f"stored gradient at byte {self.offset} is not aligned to {self.dtype}")
         return torch.empty(0, dtype=self.dtype).set_(buffer.untyped_storage(), start, self.shape, self.stride)
