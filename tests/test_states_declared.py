@@ -452,3 +452,47 @@ def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
     assert 0 < moved <= steps * sum(c.nbytes for c in streamed)  # masters only: gradients would double it
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 9: with kept gradients, a chunk whose gradients complete while
+    another chunk's step computes is queued and started by a later hook, so no hook of backward
+    waits for a step (on CUDA they run on autograd's device thread); training stays bitwise."""
+    from tiermem.states.chunk_step import ChunkStep
+    from tiermem.states.stepping import Stepper
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    compute = ChunkStep.compute
+
+    def slow_compute(self):
+        time.sleep(0.2)  # a slow CPU optimizer: the next chunk's gradients complete meanwhile
+        compute(self)
+
+    monkeypatch.setattr(ChunkStep, "compute", slow_compute)
+    hook_seconds: list[float] = []
+    queued: list[int] = []
+    complete = Stepper.gradients_complete
+
+    def timed(self, chunk):
+        start = time.perf_counter()
+        complete(self, chunk)
+        hook_seconds.append(time.perf_counter() - start)
+        queued.append(len(self._queued))
+
+    monkeypatch.setattr(Stepper, "gradients_complete", timed)
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"}, grad_accumulation_steps=1
+        )
+        got = plain_loop(model, optimizer, steps, 1, None)
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] >= 2
+    assert max(queued) >= 1, "no early step was ever queued behind one computing"
+    assert max(hook_seconds) < 0.1, f"a backward hook waited {max(hook_seconds):.3f}s for an early step"
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []

@@ -37,9 +37,9 @@ from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates
+from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.states.sharded import is_sharded
-from tiermem.states.stepping import check_declarations, grads_stream
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier

@@ -137,6 +137,7 @@ from tiermem.states.compile import (
     without_regions,
 )
 from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
+from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
@@ -145,7 +146,7 @@ from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.pool import ChunkPool
 from tiermem.states.relayout import FirstStepPlanner, Relayout
 from tiermem.states.stateio import StateIO
-from tiermem.states.stepping import Declarations, Stepper
+from tiermem.states.stepping import Stepper
 from tiermem.states.store import ChunkStore
 
 if TYPE_CHECKING:

@@ -81,13 +81,13 @@ from torch import nn
 
 from tiermem.layout.placement import Budgets, Plan, parse_plan
 from tiermem.registry import Handle, Registry
+from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, state_names
 from tiermem.states.sharded_fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
 from tiermem.states.sharded_io import ShardedStateIO
 from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, signature
 from tiermem.states.sharded_step import ShardSteps, local_of
-from tiermem.states.stepping import Declarations
 
 __all__ = ["ShardedModelStates", "ShardedOptimizer", "is_sharded"]
 

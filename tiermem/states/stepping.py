@@ -56,16 +56,22 @@ generation, the pool's residency (releases), and gradients through
    to the host first (what rule 4 of the manager's NOTE does for gradients that are kept,
    and what a CUDA device needs for a CPU step) would cost a memory copy of 4 bytes a
    parameter on the cores that compute, and the training thread would wait for it.
+9. Backward never waits for an early step when the chunk's gradients went home (kept
+   gradients, or a CUDA device, where backward's hooks run on autograd's device thread and
+   a wait would stop it launching kernels): a chunk whose gradients complete while another
+   step computes, or whose NVMe home has not landed on the host, joins a queue, and its home
+   is prefetched when there is room (rule 3). Later hooks start the queued steps in order
+   once nothing holds them up; the end of backward runs what is left. Under rule 8 the
+   gradients sit in the device gradient buffer, which the cost model frees as the chunk
+   completes, so those steps still run at once.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import itertools
 import logging
-import math
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -78,79 +84,16 @@ from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts
+from tiermem.states.declarations import Declarations, clip_declared
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
-from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread, step_thread_setting, step_thread_wanted
 from tiermem.states.store import ChunkStore
-from tiermem.states.stored_grads import StoredGradient
 
 log = logging.getLogger("tiermem.states")
-
-
-@dataclasses.dataclass
-class _GradientHolder:
-    """What ``clip_grad_norm_`` reads of a parameter: its ``.grad``."""
-
-    grad: torch.Tensor
-
-
-def check_declarations(grad_accumulation_steps: Any, clip_grad_norm: Any) -> tuple[int | None, float | None]:
-    """Validate what ``rt.manage`` was told about the loop (rule 1)."""
-    steps: int | None = None
-    if grad_accumulation_steps is not None:
-        if isinstance(grad_accumulation_steps, bool) or not isinstance(grad_accumulation_steps, int):
-            raise TypeError(
-                f"tiermem manage: grad_accumulation_steps must be an int >= 1, got {grad_accumulation_steps!r}"
-            )
-        if grad_accumulation_steps < 1:
-            raise ValueError(f"tiermem manage: grad_accumulation_steps must be >= 1, got {grad_accumulation_steps}")
-        steps = grad_accumulation_steps
-    norm: float | None = None
-    if clip_grad_norm is not None:
-        if isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, (int, float)):
-            raise TypeError(f"tiermem manage: clip_grad_norm must be a max norm > 0, got {clip_grad_norm!r}")
-        if not math.isfinite(clip_grad_norm) or clip_grad_norm <= 0:
-            raise ValueError(f"tiermem manage: clip_grad_norm must be a finite max norm > 0, got {clip_grad_norm}")
-        norm = float(clip_grad_norm)
-        steps = steps or 1
-    return steps, norm
-
-
-def grads_stream(accumulation: int | None, max_norm: float | None, keep_gradients: bool) -> bool:
-    """Whether every backward steps each offloaded chunk as it ends and frees its gradients
-    (rules 3 and 6), so NVMe chunks' gradients only pass through the host: a declared loop
-    stepping every backward, without clipping (which needs the whole norm first), that gave
-    up its gradients (NOTE [ Default placement rule ] rule 3)."""
-    return accumulation == 1 and max_norm is None and not keep_gradients
-
-
-@dataclasses.dataclass(frozen=True)
-class Declarations:
-    """Rule 1: what ``rt.manage`` was told about the loop."""
-
-    #: backwards per step; None when the loop is undeclared
-    accumulation: int | None
-    max_norm: float | None
-    keep_gradients: bool
-
-    @classmethod
-    def check(cls, grad_accumulation_steps: Any, clip_grad_norm: Any, keep_gradients: bool = True) -> Declarations:
-        accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
-        if not keep_gradients and accumulation is None:
-            raise ValueError(
-                "tiermem manage: keep_gradients=False frees gradients as chunks step during backward, which only "
-                "declared loops do: give grad_accumulation_steps= too"
-            )
-        return cls(accumulation, max_norm, bool(keep_gradients))
-
-    @property
-    def grads_stream(self) -> bool:
-        """NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)."""
-        return grads_stream(self.accumulation, self.max_norm, self.keep_gradients)
 
 
 class Repacker(Protocol):
@@ -192,6 +135,8 @@ class Stepper:
         self._early_allowed = declared.accumulation is not None and declared.max_norm is None
         self._windows = 0
         self._stepped: set[int] = set()
+        #: rule 9: early steps (chunk, slots, groups) waiting for the step in flight or their home
+        self._queued: list[tuple[Chunk, list[Slot], dict[int, int]]] = []
         self._partial_end = False
         #: a backward (counted or not) ended since the last optimizer.step(): its gradients wait for a step
         self._backward_since_step = False
@@ -249,7 +194,15 @@ class Stepper:
         if self.save_guard is not None:
             self.save_guard.pump()
         self.steps.poll()  # a finished step's write-back starts now (NOTE [ Step threads ] rule 4)
+        self._start_queued()
         if not (self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None):
+            return
+        self._prefetch_home(chunk)
+
+    def _prefetch_home(self, chunk: Chunk) -> None:
+        """Rule 3: read ``chunk``'s NVMe home to the host ahead of its step, while no other home
+        waits for its step and there is room."""
+        if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= STAGED_HOMES:
@@ -259,7 +212,7 @@ class Stepper:
         if self.save_guard is not None:
             self.save_guard.before_move(chunk)
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
-            chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
+            chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk, claimed=False))
 
     def _finish_steps(self) -> None:
         """NOTE [ Step threads ] rules 2-4; a step's error leaves no NVMe home staged: homes
@@ -279,11 +232,12 @@ class Stepper:
         """NVMe homes that hold host bytes (staged on the host, or moving either way): those
         of chunks not stepped yet in this window (prefetched, waiting for their step), and all."""
         waiting = off_nvme = 0
+        queued = {c.index for c, _, _ in self._queued}
         for c in self.store.chunks:
             home = c.home
             if c.home_tier == "nvme" and home is not None and (home.state is ObjectState.MOVING or home.tier != "nvme"):
                 off_nvme += 1
-                waiting += c.index not in self._stepped
+                waiting += c.index not in self._stepped or c.index in queued
         return waiting, off_nvme
 
     def gradients_complete(self, chunk: Chunk) -> None:
@@ -294,17 +248,62 @@ class Stepper:
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
-        if not slots or keep or self.facts.device.type != "cpu":
+        went_home = not slots or keep or self.facts.device.type != "cpu"
+        if went_home:
             self.gradients.flush(chunk)
         if not slots:
+            self._start_queued()
             return
-        known = self._known_home_bytes(chunk)  # before it counts as stepped (and its copy as stale)
         self._stepped.add(chunk.index)
-        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, known)  # rule 6 when it finishes
         self.early_chunk_steps += 1
+        if went_home and (self._queued or self.steps.busy or not self._home_ready(chunk)):
+            self._queued.append((chunk, slots, group_of))  # rule 9
+            self._start_queued()
+            return
+        self._run_early_step(chunk, slots, group_of)  # rule 6 when it finishes
+
+    def _run_early_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
+        assert self.optimizer is not None
+        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk, claimed=False))
+
+    @staticmethod
+    def _home_ready(chunk: Chunk) -> bool:
+        """Staging ``chunk``'s home would not wait: it is in memory, or landed on the host."""
+        home = chunk.home
+        return chunk.home_tier != "nvme" or (
+            home is not None and home.state is not ObjectState.MOVING and home.tier == "host"
+        )
+
+    def _start_queued(self) -> None:
+        """Rule 9: start queued early steps in order while nothing holds them up; never waits."""
+        while self._queued:
+            self.steps.poll()
+            if self.steps.busy:
+                return
+            chunk, slots, group_of = self._queued[0]
+            if not self._home_ready(chunk):
+                self._prefetch_home(chunk)
+                return
+            del self._queued[0]
+            self._run_early_step(chunk, slots, group_of)
+
+    def _run_queued(self) -> None:
+        """Rule 9, at the end of backward: the queued steps, waiting as needed. Those a step's
+        error leaves unrun are stepped by ``optimizer.step()``, never skipped."""
+        try:
+            while self._queued:
+                chunk, slots, group_of = self._queued.pop(0)
+                self._run_early_step(chunk, slots, group_of)
+        except BaseException:
+            for chunk, _, _ in self._queued:
+                self._stepped.discard(chunk.index)
+                self.early_chunk_steps -= 1
+            self._queued.clear()
+            raise
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
+        self._run_queued()  # rule 9
         self._finish_steps()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
@@ -353,7 +352,7 @@ class Stepper:
             self._windows += 1
         self.gradients.reconcile()
         if self.declared.max_norm is not None:
-            optimizer.grad_norm = self._clip(self.declared.max_norm)
+            optimizer.grad_norm = clip_declared(self.facts.params, self.declared.max_norm, self.facts.device)
         if self.repacker.pending:
             if self.save_guard is not None:
                 self.save_guard.before_rewrite()
@@ -391,20 +390,6 @@ class Stepper:
             home = self.store.chunks[index].home
             if home is not None:
                 home.wait()
-
-    def _clip(self, max_norm: float) -> torch.Tensor:
-        """Rule 5: ``clip_grad_norm_`` over the real gradients. HostGradients are read in place on
-        the host (NOTE [ Host gradients ] rule 6): torch's function reads only ``.grad`` of what
-        it is given, so it gets holders of the host bytes (a test checks it stays bitwise)."""
-        params = self.facts.params
-        grads = [p.grad for p in params if p.grad is not None]
-        if not any(isinstance(g, HostGradient) for g in grads) or any(isinstance(g, StoredGradient) for g in grads):
-            # stored gradients are staged chunk by chunk as torch reads and scales them
-            # (NOTE [ Stored gradients ] rule 3): never all in memory at once
-            return torch.nn.utils.clip_grad_norm_(params, max_norm)
-        holders = [_GradientHolder(host_bytes(g)) for g in grads]
-        total = torch.nn.utils.clip_grad_norm_(holders, max_norm)  # type: ignore[arg-type]
-        return total.to(self.facts.device)  # where plain PyTorch's norm is (the first gradient's device)
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
@@ -489,12 +474,14 @@ class Stepper:
                 self.facts.params[slot.index].grad = None
             self.gradients.drop(chunk)
 
-    def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
+    def _known_home_bytes(self, chunk: Chunk, claimed: bool = True) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's
         as fetched: landed, not written to since (``dirty``), and not stale (a chunk stepped in
-        this window keeps its old copy until backward ends). Staging the home then reads only
-        the optimizer states from NVMe (NOTE [ Managed object rules ] rule 6)."""
+        this window keeps its old copy until backward ends; ``claimed=False``: the caller knows
+        this chunk's step has not run yet, though it counts as stepped). Staging the home then
+        reads only the optimizer states from NVMe (NOTE [ Managed object rules ] rule 6)."""
         dev = chunk.dev
-        if dev is None or chunk.fetching is not None or chunk.dirty or chunk.index in self._stepped:
+        stale = claimed and chunk.index in self._stepped
+        if dev is None or chunk.fetching is not None or chunk.dirty or stale:
             return None
         return dev.known_bytes(chunk.working_base, chunk.nbytes)
