@@ -442,3 +442,64 @@ def test_a_long_lived_device_buffer_registered_with_kvikio_round_trips_and_is_de
         tier.free(allocation)
     finally:
         tier.close()
+
+
+def test_backward_hooks_on_autograds_device_thread_never_wait_for_an_early_step(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 9 on CUDA: backward's hooks run on autograd's device thread; an
+    early step that would wait for a slow CPU step is queued, so the thread keeps launching
+    kernels. The CPU's Adam and the GPU's round differently: compared within float tolerance."""
+    import time
+
+    from tiermem.states.chunk_step import ChunkStep
+    from tiermem.states.stepping import Stepper
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    compute = ChunkStep.compute
+
+    def slow_compute(self):
+        time.sleep(0.2)
+        compute(self)
+
+    monkeypatch.setattr(ChunkStep, "compute", slow_compute)
+    hook_seconds: list[float] = []
+    queued: list[int] = []
+    complete = Stepper.gradients_complete
+
+    def timed(self, chunk):
+        start = time.perf_counter()
+        complete(self, chunk)
+        hook_seconds.append(time.perf_counter() - start)
+        queued.append(len(self._queued))
+
+    monkeypatch.setattr(Stepper, "gradients_complete", timed)
+
+    def loop(model, optimizer):
+        out = []
+        for step in range(3):
+            tokens, targets = (t.cuda() for t in test_states.batch(step, 0))
+            loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    plain = cuda_model()
+    want = loop(plain, test_states.OPTIMIZERS["adamw"](test_states.param_groups(plain)))
+    model = cuda_model()
+    capacity = int(test_states.state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(cuda_config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(
+            model,
+            test_states.OPTIMIZERS["adamw"](test_states.param_groups(model)),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+        )
+        got = loop(model, optimizer)
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] >= 2
+    assert max(queued) >= 1
+    assert max(hook_seconds) < 0.1
+    torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert list(tmp_path.iterdir()) == []

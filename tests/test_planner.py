@@ -26,8 +26,9 @@ from tiermem.planner.auto import profile_model
 from tiermem.planner.calibrate import calibrate
 from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, TIERS, StatesChoice, predict
 from tiermem.planner.errors import format_size_up
+from tiermem.planner.optimizer_probe import optimizer_seconds_per_byte
 from tiermem.planner.profile import PROFILE_VERSION
-from tiermem.planner.profiler import measure, optimizer_seconds_per_byte
+from tiermem.planner.profiler import measure
 from tiermem.planner.search import packings
 from tiermem.states.errors import PlanError
 

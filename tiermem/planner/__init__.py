@@ -17,6 +17,7 @@ Measuring (on the live model and tiers):
 
 - :mod:`~tiermem.planner.profiler`: the instrumented step itself (NOTE [ Profiling step ]).
 - :mod:`~tiermem.planner.probes`: its link probes, through the registry and the NVMe tier.
+- :mod:`~tiermem.planner.optimizer_probe`: the optimizer's time per byte, on a sample.
 - :mod:`~tiermem.planner.calibrate`: a managed step's own overheads (NOTE [ Overhead calibration ]).
 - :mod:`~tiermem.planner.cache`: profiles cached in the user's cache (NOTE [ Profile cache ]).
 - :mod:`~tiermem.planner.auto`: profile-or-cache, then search, for ``rt.manage(plan="auto")``.

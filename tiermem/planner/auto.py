@@ -22,9 +22,10 @@ from tiermem.config import Config
 from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
+from tiermem.planner.optimizer_probe import OPTIMIZER_SAMPLE_BYTES, optimizer_seconds_per_byte
 from tiermem.planner.probes import probe_links, probe_size
 from tiermem.planner.profile import Profile
-from tiermem.planner.profiler import OPTIMIZER_SAMPLE_BYTES, Sample, measure, optimizer_seconds_per_byte
+from tiermem.planner.profiler import Sample, measure
 from tiermem.planner.search import Decision, search
 from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, streamed
 from tiermem.registry import Registry

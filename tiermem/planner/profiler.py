@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
-import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -73,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
-from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, compute_clock, streamed
+from tiermem.planner.streaming import compute_clock
 
 
 @dataclass(frozen=True)
@@ -92,11 +90,6 @@ MIN_TIMING_PASSES = 3
 MAX_TIMING_PASSES = 8
 TIMING_BUDGET_S = 1.0
 """NOTE [ Profiling step ] rule 3: timing passes, and the seconds below which more are run."""
-OPTIMIZER_SAMPLE_BYTES = 32 << 20
-"""Parameter bytes the optimizer timing steps over (then scaled to the model's)."""
-OPTIMIZER_TIMING_STEPS = 16
-OPTIMIZER_TIMING_BUDGET_S = 1.0
-"""NOTE [ Profiling step ] rule 5: warm optimizer steps timed (at least two), while under this budget."""
 
 
 @dataclass
@@ -451,60 +444,3 @@ def measure(
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]
     return stats, outside, param_stats, order, modules, shared, param_block
-
-
-def optimizer_seconds_per_byte(
-    optimizer_class: type[torch.optim.Optimizer],
-    defaults: Mapping[str, Any],
-    params: Sequence[nn.Parameter],
-    sample_bytes: int | None = None,
-) -> float:
-    """Rule 5: one warm step of ``optimizer_class`` over CPU copies of (a sample of) the
-    trainable parameters, per byte: offloaded chunks step on the CPU, also beside a GPU.
-    Copies: the model's own parameters and states stay untouched. Streamed (rule 8): synthetic
-    tensors of the parameters' shapes and dtypes. ``sample_bytes``: the parameter bytes to time
-    (default ``OPTIMIZER_SAMPLE_BYTES``; ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` streamed)."""
-    synthetic = streamed() is not None
-    limit = sample_bytes or (STREAMED_OPTIMIZER_SAMPLE_BYTES if synthetic else OPTIMIZER_SAMPLE_BYTES)
-    sample: list[torch.Tensor] = []
-    total = 0
-    generator = torch.Generator().manual_seed(0)  # the caller's RNG stays as it was
-    for p in params:
-        if not p.requires_grad:
-            continue
-        # a parameter larger than the limit is timed on its first elements, flat
-        numel = p.numel() if p.numel() * p.element_size() <= limit else max(limit // p.element_size(), 1)
-        if synthetic:
-            copy = torch.randn(p.shape if numel == p.numel() else (numel,), generator=generator).to(p.dtype)
-        else:
-            source = p.detach() if numel == p.numel() else p.detach().reshape(-1)[:numel]
-            copy = source.to("cpu", copy=True)
-        sample.append(copy.requires_grad_(True))
-        total += copy.numel() * copy.element_size()
-        if total >= limit:
-            break
-    if not sample:
-        return 0.0
-    for t in sample:
-        t.grad = torch.full_like(t, 1e-3)
-    # A constructed optimizer's ``defaults`` can hold keys its constructor does not take (AdamW
-    # records ``decoupled_weight_decay``, which only Adam accepts): pass the ones it takes.
-    accepted = inspect.signature(optimizer_class.__init__).parameters
-    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
-    kwargs = {k: v for k, v in defaults.items() if takes_any or k in accepted}
-    optimizer = optimizer_class(sample, **kwargs)
-    optimizer.step()  # creates the states
-    # Rule 5: the fastest of warm steps within a budget. The first steps of a process over
-    # fresh memory run up to 5x slower than the steady state (torch's large temporaries are
-    # new huge-page mappings each step; measured on one 32 MiB AdamW tensor: 2.4-2.5 ns/byte
-    # for 7-9 steps, then 0.41-0.6), and the best of two predicted a GPT-2's 0.1 s step as 0.5 s.
-    best = float("inf")
-    deadline = time.perf_counter() + OPTIMIZER_TIMING_BUDGET_S
-    for timed in range(OPTIMIZER_TIMING_STEPS):
-        start = time.perf_counter()
-        optimizer.step()
-        best = min(best, time.perf_counter() - start)
-        if timed >= 1 and time.perf_counter() >= deadline:
-            break
-    return best / total
-

@@ -11,8 +11,10 @@ backward and the state I/O.
 2. At most one step is in flight. The next chunk's step finishes the one in flight before it
    stages its own home, so one home at most is held by a compute while the next is prefetched,
    within the plan's host room (``STAGED_HOMES``), and an error of the compute surfaces before
-   anything else is staged. Steps over device tensors (a CUDA device's own chunks) run inline:
-   their kernels go to the training thread's current stream, as plain PyTorch's do.
+   anything else is staged. In backward, an early step that would have to wait for the one in
+   flight is queued instead (NOTE [ Declared steps ] rule 9 in ``stepping.py``). Steps over
+   device tensors (a CUDA device's own chunks) run inline: their kernels go to the training
+   thread's current stream, as plain PyTorch's do.
 3. Finishing a step runs on the training thread: it waits for the compute, records the optimizer
    state, writes the home back and frees what the step was lent (gradients given up under
    ``keep_gradients=False``). An error of the compute is raised there, after the home was sent
