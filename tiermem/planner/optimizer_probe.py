@@ -69,7 +69,7 @@ def optimizer_seconds_per_byte(
     kwargs = {k: v for k, v in defaults.items() if takes_any or k in accepted}
     optimizer = optimizer_class(sample, **kwargs)
     optimizer.step()  # creates the states
-    # Rule 5: the fastest of warm steps within a budget. The first steps of a process over
+    # Rule 5 (TRAPS 38): the fastest of warm steps within a budget. The first steps of a process over
     # fresh memory run up to 5x slower than the steady state (torch's large temporaries are
     # new huge-page mappings each step; measured on one 32 MiB AdamW tensor: 2.4-2.5 ns/byte
     # for 7-9 steps, then 0.41-0.6), and the best of two predicted a GPT-2's 0.1 s step as 0.5 s.
