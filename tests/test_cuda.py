@@ -503,3 +503,68 @@ def test_backward_hooks_on_autograds_device_thread_never_wait_for_an_early_step(
     for p, q in zip(model.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_training_with_kvikio_registers_the_chunk_pool_once_and_deregisters_it_at_close(tmp_path):
+    """NOTE [ Registered device pool ]: with NVMe homes through kvikio and GDS active, streamed chunk
+    storage comes from the device tier's private pool, each of its segments is registered with
+    cuFile once (no registration per fetch), all are deregistered at close, and training matches
+    plain PyTorch within float tolerance. Needs tiermem/states/pool.py to allocate streamed chunk
+    storage through the device tier's resize_for_io (by way of the registry)."""
+    from tiermem.tiers.backends import kvikio_backend
+
+    ok, why = kvikio_backend.probe(str(tmp_path))
+    if not ok:
+        pytest.skip(f"kvikio unusable: {why}")
+    reason = device_pool_reason()
+    if reason is not None:
+        pytest.skip(f"no registered pool here: {reason}")
+    calls: list[tuple[str, int]] = []
+    register, deregister = kvikio_backend.DeviceRegistrations.register, kvikio_backend.DeviceRegistrations.deregister
+
+    def spy_register(self, buffer):
+        calls.append(("register", kvikio_backend._address(buffer)))
+        return register(self, buffer)
+
+    def spy_deregister(self, buffer):
+        calls.append(("deregister", kvikio_backend._address(buffer)))
+        deregister(self, buffer)
+
+    plain = cuda_model()
+    want = cuda_loop(plain, test_states.OPTIMIZERS["adamw"](test_states.param_groups(plain)), 3)
+    model = cuda_model()
+    capacity = int(test_states.state_bytes("adamw", model) * 0.1)
+    config = cuda_config(tmp_path, capacity)
+    config["nvme"]["backend"] = "kvikio"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(kvikio_backend.DeviceRegistrations, "register", spy_register)
+        patch.setattr(kvikio_backend.DeviceRegistrations, "deregister", spy_deregister)
+        with tiermem.Runtime(config) as rt:
+            device, nvme = rt.tiers["device"], rt.tiers["nvme"]
+            if not nvme.registers_device_memory:
+                pytest.skip("kvikio runs in compatibility mode here: registration would be a no-op")
+            model, optimizer = rt.manage(
+                model, test_states.OPTIMIZERS["adamw"](test_states.param_groups(model)), plan={"state_home": "nvme"}
+            )
+            got = cuda_loop(model, optimizer, 3)
+            segments = device.io_pool.registered_segments if device.io_pool is not None else []
+            registered = dict(nvme._backend.registrations.registered_segments)
+            fetched = rt.stats().as_dict()["links"]["nvme->device"]["requests"]
+            backend = nvme._backend
+    assert segments, "no chunk storage came from the registered pool"
+    assert sorted(registered) == sorted(segments)
+    registrations = [address for what, address in calls if what == "register"]
+    assert sorted(registrations) == sorted(segments)  # each segment once, however many fetches
+    assert fetched > len(segments)
+    assert sorted(address for what, address in calls if what == "deregister") == sorted(segments)
+    assert backend.registrations.registered_segments == {}
+    torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def device_pool_reason() -> str | None:
+    from tiermem.tiers.device_pool import pool_unavailable_reason
+
+    return pool_unavailable_reason(torch.device("cuda", torch.cuda.current_device()))

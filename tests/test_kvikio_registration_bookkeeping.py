@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from tiermem.tiers.backends import PosixBackend, kvikio_backend
-from tiermem.tiers.backends.base import deregister_buffer, register_buffer
+from tiermem.tiers.backends.base import deregister_buffer, register_buffer, registers_device_memory
 from tiermem.tiers.backends.kvikio_backend import DeviceRegistrations, Segment, gds_active
 
 MiB = 1 << 20
@@ -151,6 +151,16 @@ def test_the_backend_declares_through_the_base_helpers_and_releases_when_collect
     del backend
     gc.collect()
     assert kvikio.calls[3:] == [("deregister", 0x10000000)]  # rule 4
+
+
+@pytest.mark.parametrize("compat", [False, True])
+def test_the_backend_says_whether_registering_does_anything(monkeypatch: pytest.MonkeyPatch, compat: bool) -> None:
+    """Rule 6: what the device tier asks before it makes a registered pool."""
+    monkeypatch.setitem(sys.modules, "kvikio", FakeKvikio(compat=compat))
+    backend = kvikio_backend.KvikioBackend()
+    assert backend.registers_device_memory is (not compat)
+    assert registers_device_memory(backend) is (not compat)
+    assert registers_device_memory(PosixBackend()) is False
 
 
 def test_backends_without_registration_ignore_the_helpers() -> None:

@@ -3,14 +3,20 @@
 With CUDA: device memory on ``cuda:N`` and a dedicated copy stream. Without CUDA: the
 CPU, with the capacity enforced as a budget of real RAM (every byte allocated here is
 a real byte of the process), and copies still asynchronous on a worker.
+
+Streamed chunk storage that does NVMe I/O may come from a private pool registered with cuFile
+(:meth:`DeviceTier.resize_for_io`, NOTE [ Registered device pool ] in :mod:`.device_pool`).
 """
 
 from __future__ import annotations
 
 import os
+import threading
+from typing import Any
 
 import torch
 
+from tiermem.tiers import device_pool
 from tiermem.tiers.memory import CudaStreamCopier, MemoryTier, WorkerCopier
 
 
@@ -36,3 +42,34 @@ class DeviceTier(MemoryTier):
         else:
             copier = WorkerCopier(name="tiermem-device-copy")
         super().__init__("device", capacity, resolved, copier)
+        self._io_lock = threading.Lock()
+        #: the I/O peer the registered pool was decided for (the first one asked: a runtime has one NVMe tier)
+        self._io_peer: Any = None
+        self._io_pool: device_pool.RegisteredDevicePool | None = None
+
+    @property
+    def io_pool(self) -> device_pool.RegisteredDevicePool | None:
+        """The registered pool chunk storage comes from, once one was made (NOTE [ Registered device pool ])."""
+        return self._io_pool
+
+    def resize_for_io(self, storage: torch.UntypedStorage, nbytes: int, io: Any) -> None:
+        """Give ``storage`` (empty, on this tier's device) ``nbytes`` for a buffer refilled from and
+        written to ``io`` again and again (a streamed chunk and its home tier): from the pool
+        registered with ``io``'s backend where that pays and is safe (rules 1, 5), else a plain
+        ``resize_``. The caller accounts the storage as before (``adopt``)."""
+        with self._io_lock:
+            if self._io_peer is None and io is not None and not self._closed:
+                self._io_peer = io
+                self._io_pool = device_pool.open_pool(self.device, io)
+            pool = self._io_pool if io is self._io_peer else None
+        if pool is None:
+            storage.resize_(nbytes)
+        else:
+            pool.resize(storage, nbytes)
+
+    def _close(self) -> None:
+        with self._io_lock:
+            pool, self._io_pool = self._io_pool, None
+        if pool is not None:
+            pool.close()  # deregistered before the pool can give memory back (rule 2d)
+        super()._close()

@@ -52,7 +52,13 @@ from typing import Any
 import torch
 
 from tiermem.errors import TiermemWarning
-from tiermem.tiers.backends.base import StorageBackend, select_backend
+from tiermem.tiers.backends.base import (
+    StorageBackend,
+    deregister_buffer,
+    register_buffer,
+    registers_device_memory,
+    select_backend,
+)
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.fsinfo import filesystem_of
 from tiermem.tiers.nvme_requests import NvmeRequests
@@ -191,6 +197,20 @@ class NvmeTier(Tier):
         """fdatasync every data file: the writes completed so far become durable (TRAPS 5)."""
         self._check_open()
         return self._requests.sync()
+
+    # -- registered device memory (NOTE [ Registered device pool ] in tiermem.tiers.device_pool) ----
+    @property
+    def registers_device_memory(self) -> bool:
+        """Whether device buffers declared with :meth:`register_buffer` get registered (kvikio, GDS active)."""
+        return registers_device_memory(self._backend)
+
+    def register_buffer(self, buffer: Any) -> bool:
+        """Declare device memory that serves many I/Os until :meth:`deregister_buffer` (NOTE
+        [ Registered device buffers ]); True if the backend registered it."""
+        return register_buffer(self._backend, buffer)
+
+    def deregister_buffer(self, buffer: Any) -> None:
+        deregister_buffer(self._backend, buffer)
 
     # -- lifecycle and facts ---------------------------------------------------------------
     def _close(self) -> None:

@@ -12,7 +12,8 @@ A backend that takes device memory may also offer ``register_buffer(buffer)`` /
 ``deregister_buffer(buffer)`` for device buffers that live across many I/Os (NOTE [ Registered
 device buffers ] in :mod:`.kvikio_backend`). Callers go through :func:`register_buffer` and
 :func:`deregister_buffer` here, which do nothing for backends without them (posix, aio): whether a
-registration pays is the backend's policy, not the caller's.
+registration pays is the backend's policy, not the caller's; :func:`registers_device_memory` asks it
+whether registering does anything at all here.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ __all__ = [
     "deregister_buffer",
     "open_queue",
     "register_buffer",
+    "registers_device_memory",
     "select_backend",
 ]
 
@@ -130,6 +132,12 @@ def register_buffer(backend: StorageBackend, buffer: Any) -> bool:
     The caller must deregister before it frees the buffer, and must not use it for I/O after."""
     register = getattr(backend, "register_buffer", None)
     return False if register is None else bool(register(buffer))
+
+
+def registers_device_memory(backend: StorageBackend) -> bool:
+    """Whether :func:`register_buffer` can register anything with ``backend`` here (kvikio with
+    GPUDirect Storage active); False for backends without registration."""
+    return bool(getattr(backend, "registers_device_memory", False))
 
 
 def deregister_buffer(backend: StorageBackend, buffer: Any) -> None:

@@ -26,6 +26,12 @@ for host buffers and in compatibility mode (TRAPS 13). So whether it can run is 
    when the backend is closed or collected is deregistered then (:meth:`DeviceRegistrations.release_all`).
 5. A registration that fails is logged and counted as not made: the buffer's I/O still works,
    unregistered. A deregistration of a buffer never registered does nothing.
+6. Training's streamed chunk buffers are long-lived only as *memory*, not as tensors (a chunk's
+   storage is emptied and refilled on every fetch), so they are not declared one by one: the
+   device tier allocates them from a private pool whose segments it declares once each and
+   undeclares before the pool can give them back (NOTE [ Registered device pool ] in
+   :mod:`tiermem.tiers.device_pool`). :attr:`KvikioBackend.registers_device_memory` tells it
+   whether declaring does anything here.
 """
 
 from __future__ import annotations
@@ -40,7 +46,15 @@ import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-__all__ = ["DeviceRegistrations", "KvikioBackend", "Segment", "cuda_segment_of", "gds_active", "probe"]
+__all__ = [
+    "DevicePointer",
+    "DeviceRegistrations",
+    "KvikioBackend",
+    "Segment",
+    "cuda_segment_of",
+    "gds_active",
+    "probe",
+]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -153,7 +167,7 @@ def gds_active(kvikio: Any) -> bool:
     return str(getattr(mode, "name", mode)).upper() != "ON"
 
 
-class _DevicePointer:
+class DevicePointer:
     """An address as kvikio's array-likes read it (``__cuda_array_interface__``), to deregister a
     segment by its base after the buffer that registered it is gone."""
 
@@ -189,6 +203,14 @@ class DeviceRegistrations:
         self._segments: dict[int, int] = {}
 
     @property
+    def active(self) -> bool:
+        """Whether a registration would be made (GDS active: rule 1); decided once, at first need."""
+        with self._lock:
+            if self._active is None:
+                self._active = gds_active(self._kvikio)
+            return self._active
+
+    @property
     def registered_segments(self) -> dict[int, int]:
         """Registered segment base -> declared buffers inside it (a copy)."""
         with self._lock:
@@ -214,7 +236,7 @@ class DeviceRegistrations:
                 return False  # rule 3
             if segment.base not in self._segments:
                 try:
-                    self._kvikio.memory_register(_DevicePointer(segment.base))
+                    self._kvikio.memory_register(DevicePointer(segment.base))
                 except Exception as exc:  # noqa: BLE001 - rule 5: the I/O works unregistered
                     logger.warning("tiermem nvme: kvikio could not register device memory (used unregistered): %s", exc)
                     return False
@@ -253,7 +275,7 @@ class DeviceRegistrations:
 
     def _deregister_segment(self, base: int) -> None:
         try:
-            self._kvikio.memory_deregister(_DevicePointer(base))
+            self._kvikio.memory_deregister(DevicePointer(base))
         except Exception as exc:  # noqa: BLE001 - nothing to undo; the memory stays valid
             logger.warning("tiermem nvme: kvikio could not deregister device memory at 0x%x: %s", base, exc)
 
@@ -291,6 +313,12 @@ class KvikioBackend:
         self.registrations = DeviceRegistrations(kvikio)
         # Rule 4: what callers left registered is deregistered when the backend goes.
         self._release = weakref.finalize(self, self.registrations.release_all)
+
+    @property
+    def registers_device_memory(self) -> bool:
+        """Whether :meth:`register_buffer` registers anything here: GPUDirect Storage is active
+        (rule 1; in compatibility mode registration is a no-op)."""
+        return self.registrations.active
 
     def register_buffer(self, buffer: Any) -> bool:
         return self.registrations.register(buffer)
