@@ -75,18 +75,8 @@ from tiermem.tiers.base import Tier, TierStatistics
 
 #: Move priorities and in-flight moves, re-exported: managed-object code imports them from here,
 #: never from the scheduler (the registry is the one door through which managed bytes move).
-__all__ = [
-    "CachedBytes",
-    "Handle",
-    "KnownBytes",
-    "ManagedObject",
-    "ObjectState",
-    "Priority",
-    "Registry",
-    "RegistryStatistics",
-    "Transfer",
-    "storage_bytes",
-]
+__all__ = ["CachedBytes", "Handle", "KnownBytes", "ManagedObject", "ObjectState", "Priority", "Registry"]
+__all__ += ["RegistryStatistics", "Transfer", "storage_bytes"]
 
 
 class Registry:
@@ -390,6 +380,15 @@ class Registry:
         if not target.is_memory:
             raise ValueError(f"tiermem registry: the {tier} tier keeps no cached bytes (not a memory tier)")
         return CachedBytes(target.adopt(buffer))  # type: ignore[attr-defined]  # memory tiers adopt
+
+    def resize_for_io(self, storage: torch.UntypedStorage, nbytes: int, home_tier: str) -> None:
+        """Give an empty device storage ``nbytes`` for a buffer refilled from and written to ``home_tier``
+        again and again: the device tier's registered pool where it keeps one (NOTE [ Registered device pool ])."""
+        resize = getattr(self._tier("device"), "resize_for_io", None)
+        if resize is None:
+            storage.resize_(nbytes)
+        else:
+            resize(storage, nbytes, self.tiers.get(home_tier))
 
     def add_reclaimer(self, tier: str, reclaim: Callable[..., bool], *, moves_objects: bool = False) -> None:
         """``reclaim`` (a bound method, held weakly) frees ``tier``'s cached bytes or moves objects off it (rule 7)."""

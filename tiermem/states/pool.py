@@ -25,7 +25,8 @@ write-backs; bytes move through the registry alone (NOTE [ Managed object rules 
    only; sizing every storage to the largest chunk instead would make each buffer an
    embedding's (16 MiB beside 2 MiB chunks on the 8 x 512 GPT of issue 20), and the CPU
    device would gain nothing from the outlier's own chunk. On CUDA the caching allocator
-   already reuses blocks: no spares.
+   already reuses blocks: no spares; with kvikio and GPUDirect Storage the blocks come from
+   the device tier's registered pool (NOTE [ Registered device pool ] in ``tiers/device_pool.py``).
 2. A spare is real memory, so it is accounted on the device tier (adopted) while it waits;
    resident streamed chunks and spares together stay within ``buffers``, the pool the plan
    budgets (a fetch finding no spare of its size drops another spare before it allocates),
@@ -274,7 +275,7 @@ class ChunkPool:
         if match is None:
             while self._spares and len(self.resident) + 1 + len(self._spares) > self.buffers:
                 self._spares.pop(0).free()
-            storage.resize_(size)
+            self.registry.resize_for_io(storage, size, chunk.home_tier)  # NOTE [ Registered device pool ] on CUDA
             return
         spare = self._spares.pop(match)
         storage._swap_data_ptr_(spare.tensor.untyped_storage())
