@@ -329,3 +329,28 @@ def test_a_pool_dropped_without_close_deregisters_before_it_releases(events: lis
     del pool
     gc.collect()
     assert events == [("register", base), ("deregister", base), ("release pool", 0)]
+
+
+def test_a_host_home_asked_first_does_not_keep_nvme_chunks_from_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, events: list, pool: FakePool
+) -> None:
+    """Mixed homes (the default placement): the first streamed chunk fetched is often host-homed;
+    the pool is still made for the NVMe tier that registers device memory, when it first asks."""
+    nvme = kvikio_nvme(tmp_path, monkeypatch, events)
+    host = HostTier(64 * MiB)
+    device = DeviceTier(64 * MiB, "cpu")
+    try:
+        from_host = FakeStorage(pool)
+        device.resize_for_io(from_host, MiB, host)
+        assert not from_host.routed and device.io_pool is None
+        from_nvme = FakeStorage(pool)
+        device.resize_for_io(from_nvme, MiB, nvme)
+        assert from_nvme.routed and device.io_pool is not None
+        again = FakeStorage(pool)
+        device.resize_for_io(again, MiB, host)
+        assert not again.routed  # host-homed chunks never draw from the registered pool
+    finally:
+        device.close()
+        host.close()
+        nvme.close()
+    assert [e for e, _ in events] == ["register", "deregister", "release pool"]

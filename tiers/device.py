@@ -43,7 +43,8 @@ class DeviceTier(MemoryTier):
             copier = WorkerCopier(name="tiermem-device-copy")
         super().__init__("device", capacity, resolved, copier)
         self._io_lock = threading.Lock()
-        #: the I/O peer the registered pool was decided for (the first one asked: a runtime has one NVMe tier)
+        #: the I/O peer the registered pool was made for: the first one asked that registers device
+        #: memory (a runtime has one NVMe tier; host-homed chunks ask too and are never it)
         self._io_peer: Any = None
         self._io_pool: device_pool.RegisteredDevicePool | None = None
 
@@ -58,7 +59,7 @@ class DeviceTier(MemoryTier):
         registered with ``io``'s backend where that pays and is safe (rules 1, 5), else a plain
         ``resize_``. The caller accounts the storage as before (``adopt``)."""
         with self._io_lock:
-            if self._io_peer is None and io is not None and not self._closed:
+            if self._io_peer is None and getattr(io, "registers_device_memory", False) and not self._closed:
                 self._io_peer = io
                 self._io_pool = device_pool.open_pool(self.device, io)
             pool = self._io_pool if io is self._io_peer else None

@@ -40,7 +40,10 @@ the allocator keeps behind those blocks. So:
    and the free-everything retry for *every* thread's allocations (``malloc``: both need an empty
    ``captures_underway``), so an allocation on another thread in that window that would only
    have succeeded after freeing cached blocks raises out of memory instead: the window is one
-   allocation long, and tiermem allocates streamed chunks on the thread that computes.
+   allocation long, and tiermem allocates streamed chunks on the thread that computes. The
+   routed allocation itself loses that retry too (in the sources read; newer ones gate it on
+   a capture context instead): one that runs out of memory is retried once after
+   ``torch.cuda.empty_cache()`` outside the routing, then takes a plain, unregistered block.
 4. Segments are found from the pool's own snapshot when a buffer lands outside the segments
    seen so far (rare: the allocator only grows a pool by ``cudaMalloc``); an expandable segment
    is never registered (NOTE [ Registered device buffers ] rule 3).
@@ -204,8 +207,19 @@ class RegisteredDevicePool:
             if self._closed or nbytes == 0:
                 storage.resize_(nbytes)
                 return
-            with self._source.route():
-                storage.resize_(nbytes)
+            try:
+                with self._source.route():
+                    storage.resize_(nbytes)
+            except torch.cuda.OutOfMemoryError:
+                # Routed, the allocator skips its free-the-cache retry (rule 3): retry once after
+                # emptying the cache outside the routing, then fall back to a plain block.
+                torch.cuda.empty_cache()
+                try:
+                    with self._source.route():
+                        storage.resize_(nbytes)
+                except torch.cuda.OutOfMemoryError:
+                    storage.resize_(nbytes)  # unregistered: its I/O still works (rule 1)
+                    return
             address = int(storage.data_ptr())
             if not any(s.base <= address < s.base + s.size for s in self._known.values()):
                 self._register_new_segments()
