@@ -12,10 +12,12 @@ change speed within a process (they throttle sustained load after about 20 s: th
 step took 2.4 s in one process and 3.3 s in the next). So each worker also steps a plain copy of
 the model, three steps before the managed steps and three after (B A B: the managed steps run
 back to back, as a loop runs them, and the plain ones do not share the cores with the managed
-model's background moves), and reports the error twice: raw, and with the profile's compute
-replaced by the plain copy's forward and backward measured around the managed steps (median of
-the warm ones; ``drift``: that over the profiled compute). The second is the cost model's own
-error (copies, optimizer, stalls, overheads); the first adds the machine's drift.
+model's foreground work; a write-back the last managed step left may still run), and reports
+the error twice: raw, and compute-corrected, with the profile's compute replaced by the plain
+copy's forward and backward measured around the managed steps (median of the warm ones;
+``drift``: that over the profiled compute). The correction is additive: the optimizer, copy and
+overhead parts were timed at profiling too and drift alike, and stalls depend on compute, so
+it removes most of the machine's drift from the error, not all of it.
 
 Usage::
 

@@ -568,3 +568,43 @@ def device_pool_reason() -> str | None:
     from tiermem.tiers.device_pool import pool_unavailable_reason
 
     return pool_unavailable_reason(torch.device("cuda", torch.cuda.current_device()))
+
+
+def test_queued_early_steps_keep_streamed_gradients_within_the_host_budget(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 9 with ``keep_gradients=False`` on CUDA: the gradients of queued
+    chunks wait on the host, which budgets two chunks' worth, so one step waits at most."""
+    import time
+
+    from tiermem.states.chunk_step import ChunkStep
+    from tiermem.states.stepping import Stepper
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    compute = ChunkStep.compute
+    monkeypatch.setattr(ChunkStep, "compute", lambda self: (time.sleep(0.2), compute(self))[1])
+    queued: list[int] = []
+    complete = Stepper.gradients_complete
+
+    def watched(self, chunk):
+        complete(self, chunk)
+        queued.append(len(self._queued))
+
+    monkeypatch.setattr(Stepper, "gradients_complete", watched)
+    model = cuda_model()
+    capacity = int(test_states.state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(cuda_config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(
+            model,
+            test_states.OPTIMIZERS["adamw"](test_states.param_groups(model)),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        for step in range(3):
+            tokens, targets = (t.cuda() for t in test_states.batch(step, 0))
+            torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        stats = rt.stats().as_dict()
+    assert queued and max(queued) <= 1
+    assert stats["tiers"]["host"]["peak_bytes"] <= stats["tiers"]["host"]["capacity"]
+    assert list(tmp_path.iterdir()) == []

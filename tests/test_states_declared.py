@@ -496,3 +496,61 @@ def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch):
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 9: a step's error ends backward with steps still queued; those
+    chunks are stepped by ``optimizer.step()`` (none skipped, none twice), no home stays staged."""
+    from tiermem.registry import ObjectState
+    from tiermem.states import chunk_step
+    from tiermem.states.stepping import Stepper
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    run_step = chunk_step.run_step
+    calls: list[int] = []
+
+    def slow_then_failing(*args):
+        calls.append(1)
+        time.sleep(0.3)  # the rest of backward ends meanwhile, every later chunk queued
+        if len(calls) == 1:
+            raise RuntimeError("boom in the step")
+        return run_step(*args)
+
+    stepped: list[tuple[int, int]] = []  # (window, chunk) of each step handed over
+    run_chunk_step = Stepper._run_chunk_step
+
+    queue_lengths: list[int] = []
+
+    def recorded(self, chunk, *args, **kwargs):
+        queue_lengths.append(len(self._queued))
+        run_chunk_step(self, chunk, *args, **kwargs)
+        stepped.append((self._windows, chunk.index))
+
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"}, grad_accumulation_steps=1
+        )
+        plain_loop(model, optimizer, 1, 1, None)  # the first window: no early steps yet
+        monkeypatch.setattr(chunk_step, "run_step", slow_then_failing)
+        monkeypatch.setattr(Stepper, "_run_chunk_step", recorded)
+        tokens, targets = batch(1, 0)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        with pytest.raises(RuntimeError, match="boom in the step"):
+            loss.backward()
+        states = managed(rt)
+        states.backward.settle()
+        assert not states.stepper._queued
+        for chunk in states.chunks:
+            if chunk.home_tier == "nvme":
+                chunk.home.wait()
+                assert chunk.home.tier == "nvme" and chunk.home.state is ObjectState.RESIDENT
+        monkeypatch.setattr(chunk_step, "run_step", run_step)
+        optimizer.step()
+        optimizer.zero_grad()
+        plain_loop(model, optimizer, 1, 1, None)  # trains on
+    window = [index for w, index in stepped if w == 1]
+    assert len(window) == len(set(window)), "a chunk was stepped twice in one window"
+    assert max(queue_lengths) >= 1  # steps were queued when the error came
+    assert list(tmp_path.iterdir()) == []

@@ -34,7 +34,7 @@ def optimizer_seconds_per_byte(
     params: Sequence[nn.Parameter],
     sample_bytes: int | None = None,
 ) -> float:
-    """Rule 5: one warm step of ``optimizer_class`` over CPU copies of (a sample of) the
+    """Rule 5: the fastest warm step of ``optimizer_class`` over CPU copies of (a sample of) the
     trainable parameters, per byte: offloaded chunks step on the CPU, also beside a GPU.
     Copies: the model's own parameters and states stay untouched. Streamed (rule 8): synthetic
     tensors of the parameters' shapes and dtypes. ``sample_bytes``: the parameter bytes to time
@@ -47,8 +47,10 @@ def optimizer_seconds_per_byte(
     for p in params:
         if not p.requires_grad:
             continue
-        # a parameter larger than the limit is timed on its first elements, flat
-        numel = p.numel() if p.numel() * p.element_size() <= limit else max(limit // p.element_size(), 1)
+        # a parameter larger than what is left of the sample is timed on its first elements, flat:
+        # the optimizers tiermem steps (SUPPORTED) are element-wise, so the shape does not matter
+        left = limit - total
+        numel = p.numel() if p.numel() * p.element_size() <= left else max(left // p.element_size(), 1)
         if synthetic:
             copy = torch.randn(p.shape if numel == p.numel() else (numel,), generator=generator).to(p.dtype)
         else:

@@ -226,6 +226,7 @@ class BackwardTracker:
             # Complete: every parameter used with grad got its gradient (NOTE [ Declared steps ] rule 2).
             self.stepper.backward_ended(complete=not any(chunk.pending for chunk in chunks))
         finally:
+            self.stepper.abandon_queued()  # NOTE [ Declared steps ] rule 9: after an error, none ran twice
             for chunk in self.store.chunks:
                 chunk.entered = False
                 chunk.pending.clear()

@@ -56,14 +56,14 @@ generation, the pool's residency (releases), and gradients through
    to the host first (what rule 4 of the manager's NOTE does for gradients that are kept,
    and what a CUDA device needs for a CPU step) would cost a memory copy of 4 bytes a
    parameter on the cores that compute, and the training thread would wait for it.
-9. Backward never waits for an early step when the chunk's gradients went home (kept
-   gradients, or a CUDA device, where backward's hooks run on autograd's device thread and
-   a wait would stop it launching kernels): a chunk whose gradients complete while another
-   step computes, or whose NVMe home has not landed on the host, joins a queue, and its home
-   is prefetched when there is room (rule 3). Later hooks start the queued steps in order
-   once nothing holds them up; the end of backward runs what is left. Under rule 8 the
-   gradients sit in the device gradient buffer, which the cost model frees as the chunk
-   completes, so those steps still run at once.
+9. Where a chunk's gradients went home (kept, or on CUDA, whose backward hooks run on
+   autograd's device thread), backward does not wait for the step in flight or a home read:
+   the chunk joins a queue; later hooks read the first queued home before any other (rule
+   3's room) and start queued steps in order; the end of backward runs the rest. With
+   ``keep_gradients=False`` (two chunks' gradients budgeted on the host) one step waits at
+   most; under rule 8 steps run at once. Gradients stored on NVMe are still read when the
+   step starts. An error ending backward leaves queued chunks to ``optimizer.step()``
+   (never skipped nor stepped twice) and sends their homes back.
 """
 
 from __future__ import annotations
@@ -160,6 +160,7 @@ class Stepper:
 
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""
+        self.abandon_queued()
         self.steps.close()
 
     # -- rule 2 and 3: told from forward and backward ------------------------------------------
@@ -182,21 +183,18 @@ class Stepper:
         )
 
     def backward_entered(self, chunk: Chunk) -> None:
-        """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan
-        keeps host room for ``STAGED_HOMES`` homes (placement rule 3). At most one home waits
-        for its step (prefetched, not yet stepped), so a step whose home was not prefetched
-        always finds room once the write-backs in flight land (``Homes.on_host`` waits for
-        them); homes on their way back after their step take the rest of the room, so the
-        next home is read while the last one is written (measured: the training thread waited
-        for homes 9% of a 100M step when a prefetch also waited for the write-back). Never the
-        home of a chunk holding shared parameters (tied weights: it steps only once the whole
-        backward is over, and would hold the room)."""
+        """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan keeps
+        host room for ``STAGED_HOMES`` homes (placement rule 3); at most one waits for its step, so
+        a step whose home was not prefetched finds room once the write-backs in flight land; the
+        rest of the room lets the next home be read while the last is written (measured: the
+        training thread waited for homes 9% of a 100M step otherwise). Never a chunk holding
+        shared parameters (tied weights step after the whole backward, and would hold the room)."""
         if self.save_guard is not None:
             self.save_guard.pump()
         self.steps.poll()  # a finished step's write-back starts now (NOTE [ Step threads ] rule 4)
         self._start_queued()
-        if not (self._early and chunk.home_tier == "nvme" and chunk.trainable and chunk.home is not None):
-            return
+        if self._queued or not (self._early and chunk.home_tier == "nvme" and chunk.trainable):
+            return  # rule 9: a queued step's home is read first
         self._prefetch_home(chunk)
 
     def _prefetch_home(self, chunk: Chunk) -> None:
@@ -212,7 +210,7 @@ class Stepper:
         if self.save_guard is not None:
             self.save_guard.before_move(chunk)
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
-            chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk, claimed=False))
+            chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
 
     def _finish_steps(self) -> None:
         """NOTE [ Step threads ] rules 2-4; a step's error leaves no NVMe home staged: homes
@@ -229,8 +227,7 @@ class Stepper:
             raise
 
     def _homes_off_nvme(self) -> tuple[int, int]:
-        """NVMe homes that hold host bytes (staged on the host, or moving either way): those
-        of chunks not stepped yet in this window (prefetched, waiting for their step), and all."""
+        """NVMe homes holding host bytes (staged, or moving): of chunks waiting for their step, and all."""
         waiting = off_nvme = 0
         queued = {c.index for c, _, _ in self._queued}
         for c in self.store.chunks:
@@ -249,6 +246,8 @@ class Stepper:
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
+        if slots and went_home and not keep and self._queued:
+            self._run_head()  # rule 9: streamed gradients wait on the host for two chunks at most
         if went_home:
             self.gradients.flush(chunk)
         if not slots:
@@ -264,7 +263,7 @@ class Stepper:
 
     def _run_early_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
         assert self.optimizer is not None
-        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk, claimed=False))
+        self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk))
 
     @staticmethod
     def _home_ready(chunk: Chunk) -> bool:
@@ -275,31 +274,46 @@ class Stepper:
         )
 
     def _start_queued(self) -> None:
-        """Rule 9: start queued early steps in order while nothing holds them up; never waits."""
+        """Rule 9: start queued early steps in order while nothing holds them up; never waits.
+        The head's home is read first, also while a step computes."""
         while self._queued:
             self.steps.poll()
-            if self.steps.busy:
-                return
-            chunk, slots, group_of = self._queued[0]
+            chunk, _, _ = self._queued[0]
             if not self._home_ready(chunk):
                 self._prefetch_home(chunk)
                 return
-            del self._queued[0]
-            self._run_early_step(chunk, slots, group_of)
+            if self.steps.busy:
+                return
+            self._run_head()
 
-    def _run_queued(self) -> None:
-        """Rule 9, at the end of backward: the queued steps, waiting as needed. Those a step's
-        error leaves unrun are stepped by ``optimizer.step()``, never skipped."""
+    def _run_head(self) -> None:
+        """Rule 9: the first queued step, waiting as needed; it leaves the queue once handed over,
+        so an error before that leaves it to :meth:`abandon_queued`."""
+        chunk, slots, group_of = self._queued[0]
+        self._run_early_step(chunk, slots, group_of)
+        del self._queued[0]
+
+    def _run_queued(self) -> None:  # rule 9, at the end of backward: waiting as needed
         try:
             while self._queued:
-                chunk, slots, group_of = self._queued.pop(0)
-                self._run_early_step(chunk, slots, group_of)
+                self._run_head()
         except BaseException:
-            for chunk, _, _ in self._queued:
-                self._stepped.discard(chunk.index)
-                self.early_chunk_steps -= 1
-            self._queued.clear()
+            self.abandon_queued()
             raise
+
+    def abandon_queued(self) -> None:
+        """Rule 9: queued steps that will not run in this backward (an error ended it) are left to
+        ``optimizer.step()``, never skipped nor run twice; homes read for them go back."""
+        queued, self._queued = self._queued, []
+        for chunk, _, _ in queued:
+            self._stepped.discard(chunk.index)
+            self.early_chunk_steps -= 1
+            home = chunk.home
+            if chunk.home_tier == "nvme" and home is not None:
+                with contextlib.suppress(Exception):  # the error that ended backward is the one to report
+                    home.wait()
+                    if home.tier != "nvme":
+                        self.homes.send_back(chunk)
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
@@ -341,6 +355,7 @@ class Stepper:
     # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
+        self.abandon_queued()  # rule 9: none is left after a backward that ended well
         self._finish_steps()
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
@@ -474,14 +489,12 @@ class Stepper:
                 self.facts.params[slot.index].grad = None
             self.gradients.drop(chunk)
 
-    def _known_home_bytes(self, chunk: Chunk, claimed: bool = True) -> KnownBytes | None:
+    def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's
-        as fetched: landed, not written to since (``dirty``), and not stale (a chunk stepped in
-        this window keeps its old copy until backward ends; ``claimed=False``: the caller knows
-        this chunk's step has not run yet, though it counts as stepped). Staging the home then
-        reads only the optimizer states from NVMe (NOTE [ Managed object rules ] rule 6)."""
+        as fetched: landed and not written to since (``dirty``). Only for a chunk whose step has
+        not run (a chunk stepped in this window keeps its old copy until backward ends). Staging
+        the home then reads only the optimizer states from NVMe (NOTE [ Managed object rules ] 6)."""
         dev = chunk.dev
-        stale = claimed and chunk.index in self._stepped
-        if dev is None or chunk.fetching is not None or chunk.dirty or stale:
+        if dev is None or chunk.fetching is not None or chunk.dirty:
             return None
         return dev.known_bytes(chunk.working_base, chunk.nbytes)

@@ -124,6 +124,8 @@ class _NoSteps:
 
     def backward_ended(self, complete: bool) -> None: ...
 
+    def abandon_queued(self) -> None: ...
+
 
 class StreamedProfiling:
     """``with StreamedProfiling(store, facts, held):`` the model runs with its chunks streamed
