@@ -454,10 +454,12 @@ def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
-def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("grad_home", ["host", "nvme"])
+def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home):
     """NOTE [ Declared steps ] rule 9: with kept gradients, a chunk whose gradients complete while
     another chunk's step computes is queued and started by a later hook, so no hook of backward
-    waits for a step (on CUDA they run on autograd's device thread); training stays bitwise."""
+    waits for a step (on CUDA they run on autograd's device thread), also with gradients stored
+    on NVMe (NOTE [ Stored gradients ]); training stays bitwise."""
     from tiermem.states.chunk_step import ChunkStep
     from tiermem.states.stepping import Stepper
 
@@ -485,11 +487,14 @@ def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch):
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
     model = make_model()
     total = state_bytes("adamw", model)
-    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
+    host = int(total * (0.6 if grad_home == "host" else 0.3))  # room for every gradient, or too little
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=host)) as rt:
+        plan = {"state_home": "nvme", "grad_home": grad_home}
         model, optimizer = rt.manage(
-            model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"}, grad_accumulation_steps=1
+            model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan, grad_accumulation_steps=1
         )
         got = plain_loop(model, optimizer, steps, 1, None)
+        assert rt.plan.grad_home == grad_home
         assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] >= 2
     assert max(queued) >= 1, "no early step was ever queued behind one computing"
     assert max(hook_seconds) < 0.1, f"a backward hook waited {max(hook_seconds):.3f}s for an early step"

@@ -61,8 +61,8 @@ generation, the pool's residency (releases), and gradients through
    the chunk joins a queue; later hooks read the first queued home before any other (rule
    3's room) and start queued steps in order; the end of backward runs the rest. With
    ``keep_gradients=False`` (two chunks' gradients budgeted on the host) one step waits at
-   most; under rule 8 steps run at once. Gradients stored on NVMe are still read when the
-   step starts. An error ending backward leaves queued chunks to ``optimizer.step()``
+   most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
+   [ Stored gradients ]). An error ending backward leaves queued chunks to ``optimizer.step()``
    (never skipped nor stepped twice) and sends their homes back.
 """
 
@@ -255,7 +255,7 @@ class Stepper:
             return
         self._stepped.add(chunk.index)
         self.early_chunk_steps += 1
-        if went_home and (self._queued or self.steps.busy or not self._home_ready(chunk)):
+        if went_home and (self._queued or self.steps.busy or not self._ready(chunk)):
             self._queued.append((chunk, slots, group_of))  # rule 9
             self._start_queued()
             return
@@ -265,13 +265,12 @@ class Stepper:
         assert self.optimizer is not None
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk))
 
-    @staticmethod
-    def _home_ready(chunk: Chunk) -> bool:
-        """Staging ``chunk``'s home would not wait: it is in memory, or landed on the host."""
+    def _ready(self, chunk: Chunk) -> bool:
+        """Starting ``chunk``'s step would not wait: its home is in memory or landed on the host, and
+        its gradients are where they go (staged, if stored on NVMe)."""
         home = chunk.home
-        return chunk.home_tier != "nvme" or (
-            home is not None and home.state is not ObjectState.MOVING and home.tier == "host"
-        )
+        landed = home is not None and home.state is not ObjectState.MOVING and home.tier == "host"
+        return self.gradients.stash.ready(chunk) and (chunk.home_tier != "nvme" or landed)
 
     def _start_queued(self) -> None:
         """Rule 9: start queued early steps in order while nothing holds them up; never waits.
@@ -279,8 +278,9 @@ class Stepper:
         while self._queued:
             self.steps.poll()
             chunk, _, _ = self._queued[0]
-            if not self._home_ready(chunk):
+            if not self._ready(chunk):
                 self._prefetch_home(chunk)
+                self.gradients.stash.prefetch(chunk)
                 return
             if self.steps.busy:
                 return

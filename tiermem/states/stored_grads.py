@@ -111,6 +111,15 @@ class GradientStash:
         """The chunk's gradient buffer lives on NVMe now (rule 1)."""
         return chunk.grad is not None and chunk.grad.tier == "nvme"
 
+    def ready(self, chunk: Chunk) -> bool:
+        """Reading ``chunk``'s gradient bytes would not wait: they are not moving, and not stored
+        or staged and landed (NOTE [ Declared steps ] rule 9 asks before a hook starts a step)."""
+        grad = chunk.grad
+        if grad is None or not self.stored(chunk):
+            return grad is None or grad.state is not ObjectState.MOVING
+        staged = self._staged.get(chunk.index)
+        return staged is not None and (staged.filling is None or staged.filling.done())
+
     def buffer(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:
         """The chunk's gradient bytes on the host, staged from NVMe if need be; ``write``: the
         caller writes them (they go back to NVMe before the copy is dropped)."""
