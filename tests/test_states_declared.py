@@ -466,8 +466,12 @@ def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home
     monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
     compute = ChunkStep.compute
 
+    slow: list[int] = []
+
     def slow_compute(self):
-        time.sleep(0.2)  # a slow CPU optimizer: the next chunk's gradients complete meanwhile
+        if len(slow) < 4:  # a slow CPU optimizer: later chunks' gradients complete meanwhile
+            slow.append(1)
+            time.sleep(0.2)
         compute(self)
 
     monkeypatch.setattr(ChunkStep, "compute", slow_compute)
