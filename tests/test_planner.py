@@ -606,3 +606,35 @@ def test_tiermem_plan_json_is_well_formed(tmp_path):
     config.write_text(config.read_text().replace("48MiB", "1MiB"))
     done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 1 and "device short by" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_optimizer_timing_takes_the_fastest_warm_step_and_samples_large_parameters(monkeypatch):
+    """NOTE [ Profiling step ] rule 5 (TRAPS 38): a process's first steps run slow; the timing keeps
+    stepping within its budget and takes the fastest, and a parameter larger than the sample is
+    timed on its first elements only."""
+    import time as time_module
+
+    from tiermem.planner import optimizer_probe
+
+    seen_numel: list[int] = []
+
+    class WarmingSGD(torch.optim.SGD):
+        """Steps that take 50 ms until the fourth, then 5 ms: a cold start, then the steady state."""
+
+        calls = 0
+
+        def step(self, closure=None):  # type: ignore[override]
+            WarmingSGD.calls += 1
+            seen_numel.extend(p.numel() for group in self.param_groups for p in group["params"])
+            time_module.sleep(0.05 if WarmingSGD.calls <= 4 else 0.005)
+
+    big = nn.Parameter(torch.zeros(1 << 20))  # 4 MiB of fp32
+    sample = 1 << 20  # a 1 MiB sample: the parameter is timed on its first 262144 elements
+    per_byte = optimizer_probe.optimizer_seconds_per_byte(WarmingSGD, {"lr": 0.1}, [big], sample)
+    assert WarmingSGD.calls > 5  # it kept stepping past the cold ones
+    assert set(seen_numel) == {sample // 4}
+    assert 0.004 / sample < per_byte < 0.02 / sample  # the warm step's time (5 ms), not a cold one's (50 ms)
+    monkeypatch.setattr(optimizer_probe, "OPTIMIZER_TIMING_BUDGET_S", 0.0)
+    WarmingSGD.calls = 0
+    optimizer_probe.optimizer_seconds_per_byte(WarmingSGD, {"lr": 0.1}, [big], sample)
+    assert WarmingSGD.calls == 3  # the creating step and two timed ones: the budget bounds it
