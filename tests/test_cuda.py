@@ -448,30 +448,9 @@ def test_backward_hooks_on_autograds_device_thread_never_wait_for_an_early_step(
     """NOTE [ Declared steps ] rule 9 on CUDA: backward's hooks run on autograd's device thread; an
     early step that would wait for a slow CPU step is queued, so the thread keeps launching
     kernels. The CPU's Adam and the GPU's round differently: compared within float tolerance."""
-    import time
+    from tests.test_states_declared import watch_early_steps
 
-    from tiermem.states.chunk_step import ChunkStep
-    from tiermem.states.stepping import Stepper
-
-    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
-    compute = ChunkStep.compute
-
-    def slow_compute(self):
-        time.sleep(0.2)
-        compute(self)
-
-    monkeypatch.setattr(ChunkStep, "compute", slow_compute)
-    hook_seconds: list[float] = []
-    queued: list[int] = []
-    complete = Stepper.gradients_complete
-
-    def timed(self, chunk):
-        start = time.perf_counter()
-        complete(self, chunk)
-        hook_seconds.append(time.perf_counter() - start)
-        queued.append(len(self._queued))
-
-    monkeypatch.setattr(Stepper, "gradients_complete", timed)
+    hook_seconds, queued = watch_early_steps(monkeypatch)
 
     def loop(model, optimizer):
         out = []
@@ -573,22 +552,9 @@ def device_pool_reason() -> str | None:
 def test_queued_early_steps_keep_streamed_gradients_within_the_host_budget(tmp_path, monkeypatch):
     """NOTE [ Declared steps ] rule 9 with ``keep_gradients=False`` on CUDA: the gradients of queued
     chunks wait on the host, which budgets two chunks' worth, so one step waits at most."""
-    import time
+    from tests.test_states_declared import watch_early_steps
 
-    from tiermem.states.chunk_step import ChunkStep
-    from tiermem.states.stepping import Stepper
-
-    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
-    compute = ChunkStep.compute
-    monkeypatch.setattr(ChunkStep, "compute", lambda self: (time.sleep(0.2), compute(self))[1])
-    queued: list[int] = []
-    complete = Stepper.gradients_complete
-
-    def watched(self, chunk):
-        complete(self, chunk)
-        queued.append(len(self._queued))
-
-    monkeypatch.setattr(Stepper, "gradients_complete", watched)
+    _, queued = watch_early_steps(monkeypatch, slow_steps=1000)  # every step slow: the queue would grow
     model = cuda_model()
     capacity = int(test_states.state_bytes("adamw", model) * 0.1)
     with tiermem.Runtime(cuda_config(tmp_path, capacity)) as rt:

@@ -454,38 +454,43 @@ def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+def watch_early_steps(monkeypatch: pytest.MonkeyPatch, slow_steps: int = 4) -> tuple[list[float], list[int]]:
+    """NOTE [ Declared steps ] rule 9's tests: the step thread on and the first ``slow_steps`` chunk
+    steps 0.2 s slow (a slow CPU optimizer: later chunks' gradients complete meanwhile). Returns
+    the seconds each ``gradients_complete`` hook took and the queue's length after it."""
+    from tiermem.states.chunk_step import ChunkStep
+    from tiermem.states.stepping import Stepper
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    compute, complete = ChunkStep.compute, Stepper.gradients_complete
+    slowed: list[int] = []
+    hook_seconds: list[float] = []
+    queued: list[int] = []
+
+    def slow_compute(self: ChunkStep) -> None:
+        if len(slowed) < slow_steps:
+            slowed.append(1)
+            time.sleep(0.2)
+        compute(self)
+
+    def timed(self: Stepper, chunk: Any) -> None:
+        start = time.perf_counter()
+        complete(self, chunk)
+        hook_seconds.append(time.perf_counter() - start)
+        queued.append(len(self._queued))
+
+    monkeypatch.setattr(ChunkStep, "compute", slow_compute)
+    monkeypatch.setattr(Stepper, "gradients_complete", timed)
+    return hook_seconds, queued
+
+
 @pytest.mark.parametrize("grad_home", ["host", "nvme"])
 def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home):
     """NOTE [ Declared steps ] rule 9: with kept gradients, a chunk whose gradients complete while
     another chunk's step computes is queued and started by a later hook, so no hook of backward
     waits for a step (on CUDA they run on autograd's device thread), also with gradients stored
     on NVMe (NOTE [ Stored gradients ]); training stays bitwise."""
-    from tiermem.states.chunk_step import ChunkStep
-    from tiermem.states.stepping import Stepper
-
-    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
-    compute = ChunkStep.compute
-
-    slow: list[int] = []
-
-    def slow_compute(self):
-        if len(slow) < 4:  # a slow CPU optimizer: later chunks' gradients complete meanwhile
-            slow.append(1)
-            time.sleep(0.2)
-        compute(self)
-
-    monkeypatch.setattr(ChunkStep, "compute", slow_compute)
-    hook_seconds: list[float] = []
-    queued: list[int] = []
-    complete = Stepper.gradients_complete
-
-    def timed(self, chunk):
-        start = time.perf_counter()
-        complete(self, chunk)
-        hook_seconds.append(time.perf_counter() - start)
-        queued.append(len(self._queued))
-
-    monkeypatch.setattr(Stepper, "gradients_complete", timed)
+    hook_seconds, queued = watch_early_steps(monkeypatch)
     steps = 3
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
@@ -509,7 +514,8 @@ def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home
 
 def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp_path, monkeypatch):
     """NOTE [ Declared steps ] rule 9: a step's error ends backward with steps still queued; those
-    chunks are stepped by ``optimizer.step()`` (none skipped, none twice), no home stays staged."""
+    chunks no longer count as stepped, no home stays staged, and no chunk steps twice in a window:
+    the next one steps every chunk exactly once (stale queue entries once stepped them again)."""
     from tiermem.registry import ObjectState
     from tiermem.states import chunk_step
     from tiermem.states.stepping import Stepper
@@ -525,15 +531,19 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
             raise RuntimeError("boom in the step")
         return run_step(*args)
 
-    stepped: list[tuple[int, int]] = []  # (window, chunk) of each step handed over
-    run_chunk_step = Stepper._run_chunk_step
-
+    # each chunk step handed over, and None when an optimizer.step() returned: windows between
+    stepped: list[int | None] = []
+    run_chunk_step, stepper_step = Stepper._run_chunk_step, Stepper.step
     queue_lengths: list[int] = []
 
     def recorded(self, chunk, *args, **kwargs):
         queue_lengths.append(len(self._queued))
         run_chunk_step(self, chunk, *args, **kwargs)
-        stepped.append((self._windows, chunk.index))
+        stepped.append(chunk.index)
+
+    def window_ended(self, optimizer):
+        stepper_step(self, optimizer)
+        stepped.append(None)
 
     model = make_model()
     total = state_bytes("adamw", model)
@@ -544,6 +554,7 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
         plain_loop(model, optimizer, 1, 1, None)  # the first window: no early steps yet
         monkeypatch.setattr(chunk_step, "run_step", slow_then_failing)
         monkeypatch.setattr(Stepper, "_run_chunk_step", recorded)
+        monkeypatch.setattr(Stepper, "step", window_ended)
         tokens, targets = batch(1, 0)
         loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
         with pytest.raises(RuntimeError, match="boom in the step"):
@@ -551,6 +562,7 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
         states = managed(rt)
         states.backward.settle()
         assert not states.stepper._queued
+        assert states.stepper._stepped <= set(stepped)  # the queued ones are not marked stepped
         for chunk in states.chunks:
             if chunk.home_tier == "nvme":
                 chunk.home.wait()
@@ -558,8 +570,10 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
         monkeypatch.setattr(chunk_step, "run_step", run_step)
         optimizer.step()
         optimizer.zero_grad()
+        trainable = {c.index for c in states.chunks if c.trainable}
         plain_loop(model, optimizer, 1, 1, None)  # trains on
-    window = [index for w, index in stepped if w == 1]
-    assert len(window) == len(set(window)), "a chunk was stepped twice in one window"
+    failed, after = stepped[: stepped.index(None)], stepped[stepped.index(None) + 1 : -1]
+    assert len(failed) == len(set(failed)), "a chunk was stepped twice in the failed window"
+    assert sorted(after) == sorted(trainable), "the next window did not step every chunk exactly once"
     assert max(queue_lengths) >= 1  # steps were queued when the error came
     assert list(tmp_path.iterdir()) == []

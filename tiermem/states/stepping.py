@@ -62,8 +62,8 @@ generation, the pool's residency (releases), and gradients through
    3's room) and start queued steps in order; the end of backward runs the rest. With
    ``keep_gradients=False`` (two chunks' gradients budgeted on the host) one step waits at
    most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
-   [ Stored gradients ]). An error ending backward leaves queued chunks to ``optimizer.step()``
-   (never skipped nor stepped twice) and sends their homes back.
+   [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
+   in a window, as for any chunk a failed step never reached) and sends their homes back.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import contextlib
 import functools
 import itertools
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
 import torch
@@ -218,13 +218,18 @@ class Stepper:
         try:
             self.steps.finish_all()
         except BaseException:
-            for c in self.store.chunks:
-                if c.home_tier == "nvme" and c.home is not None:
-                    with contextlib.suppress(Exception):  # the step's error is the one to report
-                        c.home.wait()
-                        if c.home.tier != "nvme":
-                            self.homes.send_back(c)
+            self._send_back_staged(self.store.chunks)
             raise
+
+    def _send_back_staged(self, chunks: Iterable[Chunk]) -> None:
+        """Write back the NVMe homes of ``chunks`` staged for steps that will not run (their bytes
+        are unchanged); after an error, which is the one to report."""
+        for c in chunks:
+            if c.home_tier == "nvme" and c.home is not None:
+                with contextlib.suppress(Exception):
+                    c.home.wait()
+                    if c.home.tier != "nvme":
+                        self.homes.send_back(c)
 
     def _homes_off_nvme(self) -> tuple[int, int]:
         """NVMe homes holding host bytes (staged, or moving): of chunks waiting for their step, and all."""
@@ -302,18 +307,13 @@ class Stepper:
             raise
 
     def abandon_queued(self) -> None:
-        """Rule 9: queued steps that will not run in this backward (an error ended it) are left to
-        ``optimizer.step()``, never skipped nor run twice; homes read for them go back."""
+        """Rule 9: queued steps that will not run in this backward (an error ended it) no longer
+        count as stepped, so nothing steps twice; homes read for them go back."""
         queued, self._queued = self._queued, []
         for chunk, _, _ in queued:
             self._stepped.discard(chunk.index)
             self.early_chunk_steps -= 1
-            home = chunk.home
-            if chunk.home_tier == "nvme" and home is not None:
-                with contextlib.suppress(Exception):  # the error that ended backward is the one to report
-                    home.wait()
-                    if home.tier != "nvme":
-                        self.homes.send_back(chunk)
+        self._send_back_staged(chunk for chunk, _, _ in queued)
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
