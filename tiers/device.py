@@ -47,6 +47,7 @@ class DeviceTier(MemoryTier):
         #: memory (a runtime has one NVMe tier; host-homed chunks ask too and are never it)
         self._io_peer: Any = None
         self._io_pool: device_pool.RegisteredDevicePool | None = None
+        self._no_pool: bool | None = None
 
     @property
     def io_pool(self) -> device_pool.RegisteredDevicePool | None:
@@ -58,6 +59,11 @@ class DeviceTier(MemoryTier):
         written to ``io`` again and again (a streamed chunk and its home tier): from the pool
         registered with ``io``'s backend where that pays and is safe (rules 1, 5), else a plain
         ``resize_``. The caller accounts the storage as before (``adopt``)."""
+        if self._no_pool is None:  # decided once: the CPU device never has one (rule 1)
+            self._no_pool = self.device.type != "cuda" and device_pool.pool_unavailable_reason(self.device) is not None
+        if self._no_pool:
+            storage.resize_(nbytes)
+            return
         with self._io_lock:
             if self._io_peer is None and getattr(io, "registers_device_memory", False) and not self._closed:
                 self._io_peer = io

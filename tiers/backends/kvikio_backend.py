@@ -206,9 +206,13 @@ class DeviceRegistrations:
     def active(self) -> bool:
         """Whether a registration would be made (GDS active: rule 1); decided once, at first need."""
         with self._lock:
-            if self._active is None:
-                self._active = gds_active(self._kvikio)
-            return self._active
+            return self._active_locked()
+
+    def _active_locked(self) -> bool:
+        """:attr:`active`, with ``self._lock`` held."""
+        if self._active is None:
+            self._active = gds_active(self._kvikio)
+        return self._active
 
     @property
     def registered_segments(self) -> dict[int, int]:
@@ -227,9 +231,7 @@ class DeviceRegistrations:
                 base, count = self._buffers[address]
                 self._buffers[address] = (base, count + 1)
                 return True
-            if self._active is None:
-                self._active = gds_active(self._kvikio)
-            if not self._active:
+            if not self._active_locked():
                 return False  # rule 1: a no-op in compatibility mode, so no bookkeeping either
             segment = (self._segment_of or cuda_segment_of)(address)
             if segment is None or segment.expandable:
