@@ -5,13 +5,50 @@ for exhausted capacity, ``OSError`` for storage faults, ``ValueError`` for bad
 configuration), so generic handlers keep working. Messages name the subsystem,
 the tier, the path and the sizes involved, and what to do about it.
 
-This module is a leaf: it imports nothing from tiermem, so tiers and schedulers
-can raise these without pulling in the core.
+This module is a leaf: it imports nothing from tiermem but :mod:`tiermem.units`, so tiers
+and schedulers can raise these without pulling in the core. :func:`describe_os_error` words an
+``OSError`` the same way wherever tiermem writes files (checkpoints, NVMe tier files, the
+profile cache).
 """
 
 from __future__ import annotations
 
 import errno as _errno
+import os as _os
+
+from tiermem.units import format_size
+
+#: the errnos that mean a filesystem has no room left for a write (a full disk, a quota)
+NO_SPACE_ERRNOS = frozenset({_errno.ENOSPC, _errno.EDQUOT})
+
+
+def sized(nbytes: int) -> str:
+    """Bytes for a message, exact and readable: ``1258291 bytes (1.2MiB)``."""
+    return f"{nbytes} bytes" if abs(nbytes) < 1024 else f"{nbytes} bytes ({format_size(nbytes)})"
+
+
+def describe_os_error(
+    exc: OSError,
+    path: str | _os.PathLike[str],
+    *,
+    op: str = "writing",
+    nbytes: int | None = None,
+    free: int | None = None,
+) -> str:
+    """``exc``, met ``op`` ``path``, in words for a message: its errno's name and the system's
+    text for it, the path, and for a full filesystem (:data:`NO_SPACE_ERRNOS`) the bytes needed
+    against the bytes free there, where the caller knows them (this measures nothing). E.g.
+    ``ENOSPC (No space left on device) writing /ckpt/x: 1258291 bytes (1.2MiB) needed, free: 0 bytes``.
+    """
+    code = exc.errno
+    if code is None:
+        return f"{type(exc).__name__} ({exc}) {op} {_os.fspath(path)}"
+    words = f"{_errno.errorcode.get(code, f'errno {code}')} ({_os.strerror(code)}) {op} {_os.fspath(path)}"
+    if code in NO_SPACE_ERRNOS:
+        sizes = [f"{sized(nbytes)} needed"] if nbytes is not None else []
+        sizes += [f"free: {'unknown' if free is None else sized(free)}"]
+        words += ": " + ", ".join(sizes)
+    return words
 
 
 class TiermemError(Exception):
@@ -59,14 +96,17 @@ class StorageError(TiermemError, OSError):
 
 
 class DiskFullError(StorageError):
-    """Raised when a write to the NVMe tier runs out of space (ENOSPC)."""
+    """Raised when a write to the NVMe tier runs out of space (ENOSPC, or EDQUOT: a quota)."""
 
-    def __init__(self, path: str, nbytes: int, free_bytes: int | None = None) -> None:
-        free = "unknown" if free_bytes is None else f"{free_bytes} bytes"
+    def __init__(
+        self, path: str, nbytes: int, free_bytes: int | None = None, *, op: str = "writing", errno: int | None = None
+    ) -> None:
+        code = _errno.ENOSPC if errno is None else errno
+        what = describe_os_error(OSError(code, _os.strerror(code)), path, op=op, nbytes=nbytes, free=free_bytes)
         super().__init__(
-            f"tiermem nvme tier: disk full writing {nbytes} bytes to {path} (free: {free}). "
-            "Free space on that filesystem, add another path to [nvme] paths, or lower [nvme] capacity.",
-            _errno.ENOSPC,
+            f"tiermem nvme tier: disk full: {what}. Free space on that filesystem, lower [nvme] capacity, or "
+            "point [nvme] paths at another filesystem (or add one).",
+            code,
             path,
         )
 
@@ -181,8 +221,12 @@ class CheckpointError(TiermemError, OSError):
     checkpoint, or one that does not match the managed model. ``path`` names the file or
     directory at fault; the message says what to do."""
 
-    def __init__(self, message: str, path: str | None = None) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, path: str | None = None, errno: int | None = None) -> None:
+        # with an errno (ENOSPC for a save without room), OSError's .errno and .filename say it too
+        if errno is not None:
+            super().__init__(errno, message, path)
+        else:
+            super().__init__(message)
         self.path = path
         self.message = message
 

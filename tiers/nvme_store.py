@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from tiermem.errors import (
+    NO_SPACE_ERRNOS,
     ChecksumError,
     DiskFullError,
     ShortReadError,
@@ -194,8 +195,8 @@ class NvmeStore:
                 backend.pread(handle, bounce.view(ALIGNMENT), 0)
         except OSError as exc:
             backend.close(handle)
-            if exc.errno == errno.ENOSPC:
-                raise DiskFullError(path, ALIGNMENT, free_bytes(path)) from exc
+            if exc.errno in NO_SPACE_ERRNOS:
+                raise DiskFullError(path, ALIGNMENT, free_bytes(path), errno=exc.errno) from exc
             if exc.errno != errno.EINVAL:
                 raise StorageIOError(path, "O_DIRECT probe", 0, ALIGNMENT, exc) from exc
             return self._refuse_direct(path, exc)
@@ -337,8 +338,9 @@ class NvmeStore:
         if isinstance(exc, StorageError):
             return exc
         path = self.data_paths[file]
-        if exc.errno == errno.ENOSPC:
-            return DiskFullError(path, nbytes, free_bytes(path))
+        if exc.errno in NO_SPACE_ERRNOS:
+            verb = {"write": "writing", "fallocate": "reserving space in"}.get(op, op)
+            return DiskFullError(path, nbytes, free_bytes(path), op=verb, errno=exc.errno)
         return StorageIOError(path, op, offset, nbytes, exc)
 
     # -- lifecycle ---------------------------------------------------------------------------
