@@ -8,6 +8,7 @@ import torch
 
 from tiermem.layout.chunks import ChunkLayout
 from tiermem.registry import Handle, Transfer
+from tiermem.states.access import GuardedParameter
 
 
 class Chunk:
@@ -50,8 +51,10 @@ class Chunk:
         #: "host" | "nvme": where an offloaded chunk's gradients wait for the step (NOTE
         #: [ Stored gradients ] rule 1; the store sets it from the plan)
         self.grad_home = "host"
-        #: modules running forward with it, plus uses pinned through backward
-        self.pins = 0
+        #: modules running forward with it, plus uses pinned through backward (``pins``)
+        self._pins = 0
+        #: its parameters while guarded (NOTE [ Parameter access ] rule 2 in ``access.py``)
+        self._guarded: tuple[torch.Tensor, ...] = ()
         self.last_use = 0
         #: the device copy holds bytes newer than the master (load_state_dict)
         self.dirty = False
@@ -80,6 +83,30 @@ class Chunk:
             return spare
         storage.resize_(0)
         return None
+
+    @property
+    def pins(self) -> int:
+        """Uses holding the chunk resident now: modules running forward with it, uses pinned
+        through backward, an op on a guarded parameter (NOTE [ Parameter access ] rule 2)."""
+        return self._pins
+
+    @pins.setter
+    def pins(self, count: int) -> None:
+        if self._guarded and (count > 0) != (self._pins > 0):
+            _set_class(self._guarded, torch.nn.Parameter if count > 0 else GuardedParameter)
+        self._pins = count
+
+    def guard(self, params: list[torch.Tensor]) -> None:
+        """Guard ``params`` (this chunk's) whenever nothing pins it (NOTE [ Parameter access ] rule 2)."""
+        self._guarded = tuple(params)
+        if self._pins == 0:
+            _set_class(self._guarded, GuardedParameter)
+
+    def unguard(self) -> None:
+        """Its parameters are plain ``nn.Parameter`` again, for good."""
+        if self._guarded:
+            _set_class(self._guarded, torch.nn.Parameter)
+        self._guarded = ()
 
     @property
     def trainable(self) -> bool:
@@ -120,3 +147,8 @@ class Chunk:
         where = "persistent" if self.persistent else ("resident" if self.resident else "released")
         params = len(self.layout.slots)
         return f"Chunk#{self.index}({kind}, {params} params, {self.nbytes} bytes, {where}, home {self.home_tier})"
+
+
+def _set_class(params: tuple[torch.Tensor, ...], cls: type) -> None:
+    for p in params:
+        p.__class__ = cls

@@ -52,7 +52,25 @@ class Gradients:
 
     # -- in backward ---------------------------------------------------------------------------
     def device_grads(self, chunk: Chunk) -> torch.Tensor:
-        """The chunk's gradient buffer on the device (allocated, or brought back to accumulate)."""
+        """The chunk's gradient buffer on the device (allocated, or brought back to accumulate).
+        Without room, offloaded chunks whose gradients no module's backward is waiting for (a
+        loss over parameters used outside any forward: an L2 penalty by hand, NOTE [ Parameter
+        access ] rule 5) go where they wait first; a later gradient brings them back to add."""
+        try:
+            return self._device_grads(chunk)
+        except StatesMemoryError:
+            idle = [
+                c
+                for c in self.store.chunks
+                if c is not chunk and c.offloaded and c.pins == 0 and not c.entered and not c.pending
+            ]
+            if not idle:
+                raise
+            for other in idle:
+                self.flush(other)
+            return self._device_grads(chunk)
+
+    def _device_grads(self, chunk: Chunk) -> torch.Tensor:
         self.fence(chunk)
         handle = chunk.grad
         pool = self.store.pool

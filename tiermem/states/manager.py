@@ -127,6 +127,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
+from tiermem.states.access import ParameterAccess
 from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
 from tiermem.states.compile import (
@@ -136,6 +137,7 @@ from tiermem.states.compile import (
     refuse_compile,
     without_regions,
 )
+from tiermem.states.copies import PlainCopies
 from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesUsageError
@@ -219,6 +221,8 @@ class ModelStates:
         tracked = dataclasses.replace(facts, trainable=self.training.now)
         self.backward = BackwardTracker(tracked, self.store, self.gradients, self.stepper, self.lifecycle)
         self.moves = ParameterMoves(facts)
+        self.copies = PlainCopies(facts.model)
+        self.access = ParameterAccess(facts, self.store, self.homes, self.lifecycle, self.stepper.stepped_early)
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int]] = []
         self._hooks: list[RemovableHandle] = []
@@ -244,6 +248,7 @@ class ModelStates:
         self.stepper.optimizer = self.optimizer
         self._register_hooks()
         self.moves.install()
+        self.copies.install()
         _MANAGED[model] = self
 
     def _move_buffers(self) -> None:
@@ -437,6 +442,7 @@ class ModelStates:
         if lifecycle.closed:
             return
         try:
+            self.access.close()  # parameters are plain again before they become ordinary tensors
             self.backward.settle()
             self.stepper.close()  # the step in flight finishes; the step thread stops
             self.store.pool.clear()
@@ -463,6 +469,7 @@ class ModelStates:
             log.exception("tiermem model states: releasing the chunks failed")
         finally:
             self.moves.remove()
+            self.copies.remove()
             self.store.pstate.clear()
             _MANAGED.pop(self.facts.model, None)
 

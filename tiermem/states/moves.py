@@ -52,6 +52,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tiermem.states.access import internal
 from tiermem.states.core import ModelFacts
 from tiermem.states.errors import StatesUsageError
 
@@ -142,13 +143,14 @@ class ParameterMoves:
             mode = FakeTensorMode()
             for p in reached:
                 self._check_unchanged(p, fn, mode)
-        views = [(p, p.detach(), _view_of(p)) for p in reached]
-        with _conversion_flags_off():
-            out = cls_apply(module, fn, recurse)
-        moved = [p for p, _, view in views if _view_of(p) != view]
-        for p, alias, _ in views:
-            if _view_of(p) != _view_of(alias):
-                p.data = alias  # rule 2: back into its chunk
+        with internal():  # fn leaves them unchanged: no bytes are read (NOTE [ Parameter access ])
+            views = [(p, p.detach(), _view_of(p)) for p in reached]
+            with _conversion_flags_off():
+                out = cls_apply(module, fn, recurse)
+            moved = [p for p, _, view in views if _view_of(p) != view]
+            for p, alias, _ in views:
+                if _view_of(p) != _view_of(alias):
+                    p.data = alias  # rule 2: back into its chunk
         if moved:
             raise StatesUsageError(
                 f"tiermem: nn.Module._apply (model.to(), .half(), ...) replaced the managed parameter "

@@ -241,7 +241,7 @@ class ChunkPool:
             with contextlib.suppress(Exception):  # cancelled or landed: either way nobody reads it now
                 transfer.wait()
         elif chunk.dirty:
-            self._write_home(chunk)
+            self.write_home(chunk)
         chunk.dirty = False
         dev, chunk.dev = chunk.dev, None
         self.resident.pop(chunk.index, None)
@@ -295,7 +295,8 @@ class ChunkPool:
             spare.free()
         return bool(spares)
 
-    def _write_home(self, chunk: Chunk) -> None:
+    def write_home(self, chunk: Chunk) -> None:
+        """Write the device copy of a streamed chunk into its home's working bytes, and wait."""
         assert chunk.home is not None and chunk.dev is not None
         chunk.home.wait()
         transfer = chunk.home.fill_from(chunk.dev, nbytes=chunk.nbytes, offset=chunk.working_base)

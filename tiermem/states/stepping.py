@@ -336,6 +336,10 @@ class Stepper:
             i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
         }
 
+    def stepped_early(self, chunk: Chunk) -> bool:
+        """``chunk`` stepped during a backward of this window, before ``optimizer.step()``."""
+        return chunk.index in self._stepped
+
     # -- the loop's position, for checkpoints -------------------------------------------------
     def loop_position(self) -> dict[str, int]:
         """Where a declared loop stands (rule 2): windows stepped so far (early steps start after

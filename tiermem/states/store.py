@@ -117,6 +117,8 @@ class ChunkStore:
             self._fill_persistent(chunk, snapshot)
         else:
             self._fill_streamed(chunk, snapshot)
+        if not persistent or chunk.master_scale > 1:  # NOTE [ Parameter access ] rule 2 in access.py
+            chunk.guard([self.facts.params[slot.index] for slot in layout.slots])
         grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
         if any(grad is not None for _, grad in grads):
             tier = "host" if chunk.offloaded else "device"
@@ -168,6 +170,7 @@ class ChunkStore:
     def free(self) -> None:
         """Free every chunk's bytes (accounting included); parameters keep dangling views."""
         for chunk in self.chunks:
+            chunk.unguard()
             if chunk.fetching is not None:
                 transfer, chunk.fetching = chunk.fetching, None
                 transfer.cancel()
