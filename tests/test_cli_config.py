@@ -279,7 +279,7 @@ def test_show_says_when_the_default_nvme_directory_is_used_and_makes_no_rank_dir
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert comments(out)["nvme.paths"].startswith("default: ")
-    assert tomllib.loads(out)["nvme"]["paths"] == [str(tmp_path / "tiermem-nvme")]
+    assert tomllib.loads(out)["nvme"]["paths"] == [str(tmp_path / f"tiermem-nvme-{os.geteuid()}")]
     assert list(tmp_path.iterdir()) == []  # neither the default directory nor rank1 in it stays
 
 

@@ -433,12 +433,12 @@ def test_cuda_requested_without_cuda_is_a_problem_collected_with_the_others() ->
     probe = cpu_machine(disk_space=lambda path: (_ for _ in ()).throw(PermissionError(13, "Permission denied")))
     with pytest.raises(ConfigError) as info:
         config.resolve(probe)
+    default_nvme = os.path.join(tempfile.gettempdir(), f"tiermem-nvme-{os.geteuid()}")
     assert info.value.problems == [
         'device.device: "cuda:0" needs CUDA, but torch sees no CUDA device on this machine; use "auto" or "cpu"',
         "host.pinned: true needs CUDA (pinned memory is page-locked for CUDA copies) and this machine has no "
         'CUDA device; use "auto" or false',
-        f'nvme.paths: cannot read the free space for "{os.path.join(tempfile.gettempdir(), "tiermem-nvme")}": '
-        "Permission denied",
+        f'nvme.paths: cannot read the free space for "{default_nvme}": Permission denied',
     ]
 
 
@@ -459,7 +459,7 @@ def test_nvme_capacity_counts_each_filesystem_once(tmp_path: Path) -> None:
 
 def test_resolve_makes_paths_concrete_and_leaves_non_machine_autos() -> None:
     r = Config().resolve(cpu_machine())
-    assert r.nvme.paths == (os.path.join(tempfile.gettempdir(), "tiermem-nvme"),)
+    assert r.nvme.paths == (os.path.join(tempfile.gettempdir(), f"tiermem-nvme-{os.geteuid()}"),)
     assert r.nvme.capacity == 90 * GiB
     assert (r.nvme.backend, r.nvme.direct, r.model_states.chunk_size, r.activations.policy) == ("auto",) * 4
     assert r.resolve(cpu_machine()) == r  # resolving twice changes nothing

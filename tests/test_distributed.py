@@ -123,14 +123,14 @@ def test_a_rank_directory_the_user_made_is_kept(tmp_path: Path, monkeypatch: pyt
 
 
 def test_default_path_per_rank_is_removed_by_the_last_rank(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default $TMPDIR/tiermem-nvme, private
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the default $TMPDIR/tiermem-nvme-<uid>, private
     config = {"device": {"capacity": "64MiB"}, "host": {"capacity": "64MiB"}}
     runtimes = []
     for rank in (0, 1):  # two ranks in one process stand for two processes on one machine
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("WORLD_SIZE", "2")
         runtimes.append(tiermem.Runtime(config).start())
-    base = tmp_path / "tiermem-nvme"
+    base = tmp_path / f"tiermem-nvme-{os.geteuid()}"
     assert sorted(p.name for p in base.iterdir()) == ["rank0", "rank1"]
     for rt in runtimes:  # rank 0 made the default directory and leaves first: rank 1 removes it
         rt.close()

@@ -398,7 +398,9 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
     )
     try:
         deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and not list(tmp_path.glob("tiermem-nvme/tiermem-run-*/data")):
+        while time.monotonic() < deadline and not list(
+            tmp_path.glob(f"tiermem-nvme-{os.geteuid()}/tiermem-run-*/data")
+        ):
             time.sleep(0.05)
         time.sleep(1.0)  # planning or the steps, depending on the machine: either must stop
         child.send_signal(sig)

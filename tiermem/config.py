@@ -30,7 +30,6 @@ import difflib
 import os
 import shutil
 import sys
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +56,7 @@ from tiermem.config_fields import (
     _show,
 )
 from tiermem.errors import ConfigError
-from tiermem.tiers.rundir import DEFAULT_DIR_NAME
+from tiermem.tiers.rundir import default_parent
 from tiermem.units import format_size
 
 __all__ = [
@@ -74,10 +73,6 @@ __all__ = [
     "NvmeConfig",
     "SchedulerConfig",
 ]
-
-# Under tempfile.gettempdir(); the runtime makes a private run dir inside. Not an importable
-# name: a "tiermem" directory in the current directory would shadow the package.
-_DEFAULT_NVME_DIR = DEFAULT_DIR_NAME
 
 
 def _suggest(name: str, known: list[str], label: str) -> str:
@@ -311,7 +306,7 @@ class Config:
 
         Resolved: device name, device/host/nvme capacities (per rank: ``auto`` is this rank's share
         of the machine, ``probe.local_world_size`` ranks), host pinning, nvme paths (absolute;
-        ``[]`` becomes ``<tempdir>/tiermem-nvme``; a rank's ``rank<R>`` under them is the
+        ``[]`` becomes ``<tempdir>/tiermem-nvme-<uid>``; a rank's ``rank<R>`` under them is the
         runtime's). Left as they are: nvme backend and direct (chosen by a probe I/O in the NVMe
         tier), chunk_size (the planner), activation policy, tier max_inflight None (meaning the
         scheduler's) and [distributed] (used when tiermem makes the process group). Problems are
@@ -459,11 +454,11 @@ def _cpu_capacities(config: Config, probe: MachineProbe, problems: list[str]) ->
 
 
 def _resolve_nvme(nvme: NvmeConfig, probe: MachineProbe, problems: list[str]) -> NvmeConfig:
-    """Absolute paths (default ``<tempdir>/tiermem-nvme``; a multi-process job's ranks use
-    ``<path>/rank<R>`` under them, decided by the runtime: ``tiermem.distributed``); capacity auto
+    """Absolute paths (default ``<tempdir>/tiermem-nvme-<uid>``, private to the user; a multi-process
+    job's ranks use ``<path>/rank<R>`` under them, decided by the runtime: ``tiermem.distributed``); capacity auto
     = 90% of the free space of the distinct filesystems holding them (two paths on one
     filesystem share its free space), shared among the ranks on this machine."""
-    paths = nvme.paths or (os.path.join(tempfile.gettempdir(), _DEFAULT_NVME_DIR),)
+    paths = nvme.paths or (default_parent(),)
     paths = tuple(os.path.abspath(os.path.expanduser(p)) for p in paths)
     capacity: Any = nvme.capacity
     if capacity == AUTO:

@@ -123,6 +123,26 @@ class StoragePathError(StorageError):
         )
 
 
+class UnsafeDirectoryError(StoragePathError):
+    """Raised when a directory tiermem makes or reuses on its own initiative (the default NVMe
+    directory, a rank directory, a checkpoint's temporary sibling, the profile cache) is not
+    private to this user: a symlink or not a directory, owned by another user, or writable by
+    group or others (NOTE [ Private directories ] in :mod:`tiermem.private_dirs`). Another local
+    user could read, replace or redirect what tiermem writes there, so it is refused, never
+    used, repaired or removed. ``owner`` and ``mode`` say what was found."""
+
+    def __init__(self, path: str, problem: str, owner: str, mode: str, me: str, advice: str) -> None:
+        self.owner, self.mode = owner, mode
+        StorageError.__init__(
+            self,
+            f"tiermem: refusing to use {path!r}: {problem} (owner {owner}, mode {mode}). tiermem keeps its "
+            f"files only in directories private to this user ({me}): a real directory it owns, not writable "
+            f"by group or others. {advice}.",
+            _errno.EPERM,
+            path,
+        )
+
+
 class ShortReadError(StorageError):
     """Raised when a read from the NVMe tier returns fewer bytes than were written there."""
 

@@ -104,7 +104,8 @@ class NvmeTier(Tier):
     number of concurrent I/Os (worker threads). ``direct``: True requires O_DIRECT, "auto"
     uses it where the filesystem accepts it, False never. ``checksum`` verifies every read
     (see NOTE [ NVMe tier layout and I/O ] rule 4). An empty ``paths`` uses the default
-    ``$TMPDIR/tiermem-nvme`` (created on demand and removed again when empty).
+    ``$TMPDIR/tiermem-nvme-<uid>`` (private to the user: created on demand, mode 0700, and removed
+    again when empty).
     ``subdirectory`` (one rank's ``rank<N>`` in a multi-process job) puts everything in
     ``<path>/<subdirectory>`` instead, created on demand and removed again when empty.
     """

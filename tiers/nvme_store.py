@@ -33,7 +33,7 @@ from tiermem.tiers.base import ALIGNMENT
 from tiermem.tiers.extents import ExtentAllocator
 from tiermem.tiers.fsinfo import filesystem_of, free_bytes
 from tiermem.tiers.nvme_checksums import ChecksumIndex, ChecksumRecord, digest_of
-from tiermem.tiers.rundir import RunDirectory, default_parent
+from tiermem.tiers.rundir import RunDirectory, check_own_directories, default_parent
 from tiermem.tiers.staging import BouncePool
 from tiermem.units import round_up
 
@@ -85,6 +85,8 @@ def resolve_parents(
             raise StoragePathError(parent, "not writable by this process", errno.EACCES)
     if subdirectory is not None:
         parents = [os.path.join(parent, subdirectory) for parent in parents]
+    for parent, make in zip(parents, create, strict=True):
+        check_own_directories(parent, make)  # NOTE [ Run directory rules ] rule 6, before the backend's probe
     return parents, create
 
 
@@ -137,6 +139,8 @@ class NvmeStore:
         self._alloc_lock = threading.Lock()  # allocator + file growth
         self.sums = ChecksumIndex(block_size) if checksum else None
         self._rundirs: list[RunDirectory] = []
+        #: data file path -> the path the backend opens it by (through its run directory's descriptor)
+        self._opening: dict[str, str] = {}
         self.handles: list[Any] = []
         self.data_paths: list[str] = []
         self.aligned: list[bool] = []  # per file: buffer/offset/length must be 4096-aligned
@@ -160,9 +164,13 @@ class NvmeStore:
     def _open_path(self, parent: str, create_parent: bool) -> None:
         try:
             rundir = RunDirectory.create(parent, create_parent=create_parent)
+            self._rundirs.append(rundir)
+            # NOTE [ Run directory rules ] rule 7: opened through the run directory's held descriptor
+            self._opening[os.path.join(rundir.path, _DATA_NAME)] = rundir.new_file(_DATA_NAME)
+        except StoragePathError:
+            raise  # a directory that is not private to the user (rule 6) says so itself
         except OSError as exc:
             raise StoragePathError(parent, f"cannot create a run directory: {exc.strerror or exc}", exc.errno) from exc
-        self._rundirs.append(rundir)
         path = os.path.join(rundir.path, _DATA_NAME)
         handle, direct, reason = self._open_data_file(path)
         self.handles.append(handle)
@@ -178,7 +186,7 @@ class NvmeStore:
         if self._direct_arg is False:
             return self._open(path, direct=False), False, "buffered I/O requested (direct=False)"
         try:
-            handle = backend.open(path, direct=True)
+            handle = backend.open(self._opening.get(path, path), direct=True)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise StoragePathError(path, f"cannot open: {exc.strerror or exc}", exc.errno) from exc
@@ -216,7 +224,7 @@ class NvmeStore:
 
     def _open(self, path: str, *, direct: bool) -> Any:
         try:
-            return self.backend.open(path, direct=direct)
+            return self.backend.open(self._opening.get(path, path), direct=direct)
         except OSError as exc:
             raise StoragePathError(path, f"cannot open: {exc.strerror or exc}", exc.errno) from exc
 

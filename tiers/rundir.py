@@ -29,6 +29,18 @@ Layout under a parent directory (one of ``[nvme] paths``)::
    so a dead rank's run directory is reclaimed by the next run on the same path whatever its
    world size. A rank directory the sweep emptied is removed; one a live run is about to use
    may vanish under it, which creating with ``create_parent`` retries (rule 2 still holds).
+6. The default parent is private to the user: ``<tempdir>/tiermem-nvme-<uid>``, made with mode
+   0700. It, a ``rank<N>`` directory and any missing parent tiermem makes are used only when
+   they are real directories of this user, not writable by group or others, and refused with
+   ``UnsafeDirectoryError`` otherwise (NOTE [ Private directories ] in
+   :mod:`tiermem.private_dirs`); a path the user configured is trusted as given. Every level
+   is opened relative to the one above it, never through a symlink.
+7. A run directory is made, locked, renamed and removed relative to a descriptor of its parent,
+   and holds a descriptor of itself, both kept for its life: files in it are opened relative to
+   that (:meth:`RunDirectory.open`, :meth:`RunDirectory.new_file`, :attr:`RunDirectory.held_path`),
+   so renaming the parent's entries mid-run cannot redirect a read, a write or the removal.
+8. A sweep only reclaims run, temporary and rank directories that are real directories owned
+   by this user: never another user's (their locks are not ours to judge), never a symlink.
 """
 
 from __future__ import annotations
@@ -40,12 +52,24 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import tempfile
 import time
 import weakref
 from dataclasses import dataclass
 
-__all__ = ["RANK_PREFIX", "RUN_PREFIX", "RunDirectory", "default_parent", "rank_directory_name", "sweep_stale"]
+from tiermem.private_dirs import MADE_ADVICE, held_path, open_private, open_tree, private_existing
+
+__all__ = [
+    "DEFAULT_DIR_PREFIX",
+    "RANK_PREFIX",
+    "RUN_PREFIX",
+    "RunDirectory",
+    "check_own_directories",
+    "default_parent",
+    "rank_directory_name",
+    "sweep_stale",
+]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -57,6 +81,8 @@ _LOCK_NAME = "lock"
 #: Temporary (new/dead) directories older than this are leftovers of a crash mid-create or
 #: mid-remove; nothing legitimate keeps one that long.
 STALE_TEMP_AGE_S = 600.0
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | getattr(os, "O_NOFOLLOW", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
 #: Prefix of one rank's directory under a parent (rule 5): ``rank0``, ``rank1``, ...
@@ -75,16 +101,27 @@ def _is_rank_directory(name: str) -> bool:
     return name.startswith(RANK_PREFIX) and digits.isdigit() and digits == str(int(digits))
 
 
-#: The default NVMe parent's name under the temp dir (the config resolves to the same).
-DEFAULT_DIR_NAME = "tiermem-nvme"
+#: The default NVMe parent's name under the temp dir, before the user's uid (rule 6).
+DEFAULT_DIR_PREFIX = "tiermem-nvme-"
+_DEFAULT_ADVICE = (
+    "It is tiermem's default NVMe directory: remove it if you did not make it (another local user may "
+    "have planted it; look at what it holds first), or set [nvme] paths to a directory of your own"
+)
+_RANK_ADVICE = (
+    "It is a rank's directory tiermem makes under an NVMe path: remove it if you did not make it, or set "
+    "[nvme] paths to a directory of your own"
+)
 
 
 def default_parent() -> str:
-    """The default NVMe parent: ``$TMPDIR/tiermem-nvme`` (created on demand, removed when empty).
+    """The default NVMe parent: ``$TMPDIR/tiermem-nvme-<uid>``, private to the user (rule 6;
+    created on demand with mode 0700, removed when empty).
 
+    Per user: a fixed name in a world-writable directory is another local user's to take first.
+    Not under ``$XDG_RUNTIME_DIR``: that is a tmpfs, where offloaded bytes would stay in RAM.
     Not ``tiermem``: run from ``$TMPDIR``, ``python -m tiermem`` would import that directory
     as a namespace package instead of tiermem itself."""
-    return os.path.join(tempfile.gettempdir(), DEFAULT_DIR_NAME)
+    return os.path.join(tempfile.gettempdir(), f"{DEFAULT_DIR_PREFIX}{os.geteuid()}")
 
 
 @dataclass(eq=False)
@@ -99,6 +136,9 @@ class _RunState:
     #: Directories this process made for ``parent`` (``parent`` first, then its missing
     #: ancestors), removed at cleanup once empty.
     created: tuple[str, ...]
+    #: Descriptors of ``parent`` and of the run directory itself, held for its life (rule 7).
+    parent_fd: int = -1
+    dir_fd: int = -1
     owner: bool = True
     done: bool = False
 
@@ -123,17 +163,22 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _close(fd: int) -> None:
+    if fd >= 0:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
 def _cleanup_state(state: _RunState) -> None:
     """Remove a run directory if this process owns it; a no-op anywhere else (rule 4)."""
     if state.done or not state.owner or state.owner_pid != os.getpid():
         return
     state.done = True
     _STATES.discard(state)
-    _remove_locked_dir(state.path, state.parent)
-    if state.lock_fd >= 0:
-        with contextlib.suppress(OSError):
-            os.close(state.lock_fd)
-        state.lock_fd = -1
+    _remove_locked_dir(state.parent_fd, os.path.basename(state.path), state.parent)
+    for fd in (state.lock_fd, state.dir_fd, state.parent_fd):
+        _close(fd)
+    state.lock_fd = state.dir_fd = state.parent_fd = -1
     # Only directories this process created, and only when empty: another runtime may be
     # using them, and a user's own directory is never removed.
     for directory in state.created:
@@ -143,32 +188,58 @@ def _cleanup_state(state: _RunState) -> None:
             break  # not empty (or gone): its ancestors are not empty either
 
 
-def _remove_locked_dir(path: str, parent: str) -> bool:
-    """Remove ``path`` (whose lock the caller holds): rename out of the final namespace, then
-    delete (rule 3). Returns False when it was already gone."""
-    dead = os.path.join(parent, _DEAD_PREFIX + secrets.token_hex(6))
+def _rmtree_at(parent_fd: int, name: str, parent: str) -> None:
+    """Remove ``name`` in the directory ``parent_fd`` holds, and everything in it (rule 7)."""
     try:
-        os.rename(path, dead)
+        shutil.rmtree(name, dir_fd=parent_fd, ignore_errors=True)  # type: ignore[call-arg,unused-ignore]
+    except TypeError:  # Python 3.10: no dir_fd; through the held descriptor where /proc has it
+        shutil.rmtree(held_path(parent_fd, name) or os.path.join(parent, name), ignore_errors=True)
+
+
+def _remove_locked_dir(parent_fd: int, name: str, parent: str) -> bool:
+    """Remove ``name`` under ``parent_fd`` (whose lock the caller holds): rename out of the final
+    namespace, then delete (rule 3). Returns False when it was already gone."""
+    dead = _DEAD_PREFIX + secrets.token_hex(6)
+    try:
+        os.rename(name, dead, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
     except FileNotFoundError:
         return False
     except OSError:
-        dead = path  # e.g. a parent that refuses renames: delete in place
-    shutil.rmtree(dead, ignore_errors=True)
+        dead = name  # e.g. a parent that refuses renames: delete in place
+    _rmtree_at(parent_fd, dead, parent)
     return True
 
 
-def _try_lock(lock_path: str) -> int | None:
-    """An fd holding ``lock_path`` exclusively, or None when someone holds it (or it is gone)."""
+def _try_lock(parent_fd: int, name: str) -> tuple[int | None, bool]:
+    """An fd holding ``name``'s lock exclusively, or None when someone holds it (or it is gone);
+    and whether the lock file exists. Never through a symlink (rule 8)."""
     try:
-        fd = os.open(lock_path, os.O_RDWR | os.O_CLOEXEC)
+        dir_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError:
-        return None
+        return None, False
+    try:
+        fd = os.open(_LOCK_NAME, os.O_RDWR | os.O_CLOEXEC | _NOFOLLOW, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None, False
+    except OSError:
+        return None, True
+    finally:
+        os.close(dir_fd)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
+        return None, True
+    return fd, True
+
+
+def _ours(parent_fd: int, name: str) -> os.stat_result | None:
+    """Rule 8: ``lstat`` of ``name`` when it is a real directory owned by this user, else None."""
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except OSError:
         return None
-    return fd
+    return st if stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() else None
 
 
 def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
@@ -178,22 +249,37 @@ def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
     A run directory is stale when its lock can be taken (its owner died, rule 1). Temporary
     ``.tiermem-new-*`` / ``.tiermem-dead-*`` directories are removed once older than
     :data:`STALE_TEMP_AGE_S` (and, for new ones, when no one holds their lock). Live
-    directories of other runtimes are never touched. A rank directory left empty by the
-    sweep (a dead rank's) is removed too (rule 5).
+    directories of other runtimes are never touched, nor anything of another user (rule 8).
+    A rank directory left empty by the sweep (a dead rank's) is removed too (rule 5).
     """
     parent = os.fspath(parent)
-    removed = _sweep_one(parent)
     try:
-        ranks = [name for name in os.listdir(parent) if _is_rank_directory(name)]
+        parent_fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
-        ranks = []
-    for name in ranks:
-        rank_dir = os.path.join(parent, name)
-        swept = _sweep_one(rank_dir)
-        if swept:
-            removed += swept
-            with contextlib.suppress(OSError):
-                os.rmdir(rank_dir)  # only when empty: a live rank's directory stays
+        return []
+    try:
+        removed = _sweep_one(parent_fd, parent)
+        try:
+            ranks = [name for name in os.listdir(parent_fd) if _is_rank_directory(name)]
+        except OSError:
+            ranks = []
+        for name in ranks:
+            if _ours(parent_fd, name) is None:
+                continue  # rule 8
+            try:
+                rank_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+            except OSError:
+                continue
+            try:
+                swept = _sweep_one(rank_fd, os.path.join(parent, name))
+            finally:
+                os.close(rank_fd)
+            if swept:
+                removed += swept
+                with contextlib.suppress(OSError):
+                    os.rmdir(name, dir_fd=parent_fd)  # only when empty: a live rank's directory stays
+    finally:
+        os.close(parent_fd)
     if removed:
         logger.info(
             "tiermem: removed %d stale run director%s under %s: %s",
@@ -205,58 +291,61 @@ def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
     return removed
 
 
-def _sweep_one(parent: str) -> list[str]:
+def _sweep_one(parent_fd: int, parent: str) -> list[str]:
     """:func:`sweep_stale` for the entries of ``parent`` itself (not its rank directories)."""
     removed: list[str] = []
     try:
-        names = os.listdir(parent)
+        names = os.listdir(parent_fd)
     except OSError:
         return removed
     now = time.time()
     for name in names:
+        if not name.startswith((RUN_PREFIX, _NEW_PREFIX, _DEAD_PREFIX)):
+            continue
+        st = _ours(parent_fd, name)
+        if st is None:
+            continue  # rule 8: another user's, or not a directory
         path = os.path.join(parent, name)
-        if name.startswith(RUN_PREFIX):
-            fd = _try_lock(os.path.join(path, _LOCK_NAME))
-            if fd is None:
-                # Held (owner alive), or no lock file: a sweeper mid-remove, or a leftover of
-                # a crash during removal, which only age tells apart.
-                if not os.path.exists(os.path.join(path, _LOCK_NAME)) and _older_than(path, now):
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
-                continue
-            try:
-                if _remove_locked_dir(path, parent):
-                    removed.append(path)
-            finally:
-                os.close(fd)
-        elif name.startswith((_NEW_PREFIX, _DEAD_PREFIX)) and _older_than(path, now):
-            fd = _try_lock(os.path.join(path, _LOCK_NAME))
-            if fd is None and os.path.exists(os.path.join(path, _LOCK_NAME)):
-                continue  # a creator is (very slowly) alive
-            try:
-                shutil.rmtree(path, ignore_errors=True)
-                removed.append(path)
-            finally:
+        old = now - st.st_mtime > STALE_TEMP_AGE_S
+        if not old and not name.startswith(RUN_PREFIX):
+            continue  # a young temporary: its creator may be about to lock it (rule 2)
+        fd, has_lock = _try_lock(parent_fd, name)
+        try:
+            if name.startswith(RUN_PREFIX):
                 if fd is not None:
-                    os.close(fd)
+                    if _remove_locked_dir(parent_fd, name, parent):
+                        removed.append(path)
+                elif not has_lock and old:
+                    # No lock file: a sweeper mid-remove, or a leftover of a crash during
+                    # removal, which only age tells apart.
+                    _rmtree_at(parent_fd, name, parent)
+                    removed.append(path)
+            elif old and (fd is not None or not has_lock):  # else a creator is (very slowly) alive
+                _rmtree_at(parent_fd, name, parent)
+                removed.append(path)
+        finally:
+            if fd is not None:
+                os.close(fd)
     return removed
 
 
-def _make_missing(parent: str) -> list[str]:
-    """Make ``parent`` and its missing ancestors; the ones this call made, innermost first."""
-    missing: list[str] = []
-    probe = parent
-    while not os.path.isdir(probe) and os.path.dirname(probe) != probe:
-        missing.append(probe)
-        probe = os.path.dirname(probe)
-    made: list[str] = []
-    for directory in reversed(missing):
-        try:
-            os.mkdir(directory, mode=0o700)
-            made.append(directory)
-        except FileExistsError:
-            pass  # another runtime made it: it is not ours to remove
-    return made[::-1]
+def _own_directories(parent: str, create_parent: bool) -> dict[str, str]:
+    """Rule 6: the directories on the way to ``parent`` that are tiermem's own (checked private
+    even when they exist), each with what its error advises."""
+    own = {default_parent(): _DEFAULT_ADVICE}
+    if create_parent and _is_rank_directory(os.path.basename(parent)):
+        own[parent] = _RANK_ADVICE
+    return own
+
+
+def check_own_directories(parent: str | os.PathLike[str], create_parent: bool) -> None:
+    """Rule 6 before anything probes or writes under ``parent``: raise
+    :class:`~tiermem.errors.UnsafeDirectoryError` when one of tiermem's own directories on the way
+    to it (the default parent, a rank directory) exists and is not private to the user."""
+    parent = os.path.abspath(os.fspath(parent))
+    for directory, advice in sorted(_own_directories(parent, create_parent).items(), key=lambda item: len(item[0])):
+        if parent == directory or parent.startswith(directory + os.sep):
+            private_existing(directory, advice)
 
 
 def _removable(parent: str, created: list[str]) -> tuple[str, ...]:
@@ -268,13 +357,6 @@ def _removable(parent: str, created: list[str]) -> tuple[str, ...]:
     if os.path.dirname(parent) == default and default not in directories:
         directories.append(default)
     return tuple(directories)
-
-
-def _older_than(path: str, now: float, age: float = STALE_TEMP_AGE_S) -> bool:
-    try:
-        return now - os.stat(path).st_mtime > age
-    except OSError:
-        return False
 
 
 class RunDirectory:
@@ -292,47 +374,88 @@ class RunDirectory:
     def create(cls, parent: str | os.PathLike[str], *, create_parent: bool = False) -> RunDirectory:
         """Sweep ``parent`` of stale run directories, then make a fresh one there.
 
-        ``create_parent`` makes ``parent`` (and its missing ancestors) when missing: the default
-        ``$TMPDIR/tiermem-nvme`` and rank directories; :meth:`cleanup` removes what it made once
-        empty. Otherwise a missing parent raises ``FileNotFoundError``. In a rank directory
+        ``create_parent`` makes ``parent`` (and its missing ancestors) when missing, mode 0700:
+        the default ``$TMPDIR/tiermem-nvme-<uid>`` and rank directories; :meth:`cleanup` removes
+        what it made once empty. Otherwise a missing parent raises ``FileNotFoundError``. The
+        default parent and a rank directory are checked private to the user, and raise
+        :class:`~tiermem.errors.UnsafeDirectoryError` when not (rule 6). In a rank directory
         (``rank<N>``) the sweep covers the sibling ranks too (rule 5).
         """
         parent = os.path.abspath(os.fspath(parent))
         base = os.path.dirname(parent)
         sweep_root = base if _is_rank_directory(os.path.basename(parent)) else parent
+        own = _own_directories(parent, create_parent)
         created: list[str] = []
         for _attempt in range(5):
-            if create_parent:
-                created += _make_missing(parent)
-            sweep_stale(sweep_root)
+            parent_fd = -1
             try:
-                return cls(cls._make(parent, _removable(parent, created) if create_parent else ()))
+                parent_fd, made = open_tree(parent, own, create=create_parent)
+                created += made
+                sweep_stale(sweep_root)
+                state = cls._make(parent, parent_fd, _removable(parent, created) if create_parent else ())
             except FileNotFoundError:
                 # Another runtime (or a sweeper, rule 5) removed the empty parent between our
-                # makedirs and mkdtemp: make it again.
+                # mkdir and the run directory's: make it again.
+                _close(parent_fd)
                 if not create_parent:
                     raise
+                continue
+            except BaseException:
+                _close(parent_fd)
+                raise
+            return cls(state)
         raise OSError(errno.ENOENT, "tiermem: the run directory parent keeps disappearing", parent)
 
     @staticmethod
-    def _make(parent: str, created: tuple[str, ...]) -> _RunState:
-        # Rule 2: lock under a temporary name, then rename to the final name.
-        temp = tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=parent)
-        fd = -1
+    def _make(parent: str, parent_fd: int, created: tuple[str, ...]) -> _RunState:
+        # Rule 2: lock under a temporary name, then rename to the final name; rule 7: all of it
+        # relative to the parent's descriptor.
+        temp = _NEW_PREFIX + secrets.token_hex(6)
+        os.mkdir(temp, 0o700, dir_fd=parent_fd)
+        dir_fd = fd = -1
         try:
-            fd = os.open(os.path.join(temp, _LOCK_NAME), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            dir_fd, _ = open_private(temp, MADE_ADVICE, dir_fd=parent_fd, path=os.path.join(parent, temp))
+            fd = os.open(
+                _LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | _NOFOLLOW, 0o600, dir_fd=dir_fd
+            )
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             pid = os.getpid()
-            final = os.path.join(parent, f"{RUN_PREFIX}{pid}-{secrets.token_hex(6)}")
-            os.rename(temp, final)
+            name = f"{RUN_PREFIX}{pid}-{secrets.token_hex(6)}"
+            os.rename(temp, name, src_dir_fd=parent_fd, dst_dir_fd=parent_fd)
         except BaseException:
-            if fd >= 0:
-                os.close(fd)
-            shutil.rmtree(temp, ignore_errors=True)
+            _close(fd)
+            _close(dir_fd)
+            _rmtree_at(parent_fd, temp, parent)
             raise
-        state = _RunState(path=final, parent=parent, lock_fd=fd, owner_pid=pid, created=created)
+        final = os.path.join(parent, name)
+        state = _RunState(
+            path=final, parent=parent, lock_fd=fd, owner_pid=pid, created=created, parent_fd=parent_fd, dir_fd=dir_fd
+        )
         _STATES.add(state)
         return state
+
+    @property
+    def fd(self) -> int:
+        """A descriptor of the run directory, held until :meth:`cleanup` (rule 7)."""
+        return self._state.dir_fd
+
+    @property
+    def held_path(self) -> str:
+        """A path to the run directory through its held descriptor (``/proc/self/fd/<fd>``), for
+        libraries that only take a path: renames above it cannot redirect it (rule 7). The
+        plain :attr:`path` where ``/proc`` is not mounted."""
+        return held_path(self._state.dir_fd) or self._state.path
+
+    def open(self, name: str, flags: int, mode: int = 0o600) -> int:
+        """``os.open`` of ``name`` in the run directory, relative to its held descriptor and never
+        through a symlink (rule 7)."""
+        return os.open(name, flags | os.O_CLOEXEC | _NOFOLLOW, mode, dir_fd=self._state.dir_fd)
+
+    def new_file(self, name: str) -> str:
+        """Create the file ``name`` (mode 0600; it must not exist) and return a path that opens it
+        through the held descriptor, for libraries that only take a path (rule 7)."""
+        os.close(self.open(name, os.O_RDWR | os.O_CREAT | os.O_EXCL))
+        return held_path(self._state.dir_fd, name) or os.path.join(self._state.path, name)
 
     @property
     def path(self) -> str:
