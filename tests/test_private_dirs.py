@@ -21,6 +21,8 @@ import torch
 
 import tiermem
 from tiermem.errors import StoragePathError, UnsafeDirectoryError
+from tiermem.planner import cache
+from tiermem.planner.profile import BlockStats, Profile
 from tiermem.private_dirs import open_private, open_tree
 from tiermem.tiers import nvme as nvme_module
 from tiermem.tiers.nvme import NvmeTier
@@ -286,6 +288,57 @@ def test_the_sweep_never_follows_a_symlink(tmp_path: Path) -> None:
     (parent / "rank3").symlink_to(tmp_path / "victim")
     assert sweep_stale(parent) == []
     assert victim.is_dir() and (victim / "lock").exists()
+
+
+# -- the profile cache (NOTE [ Profile cache ] rule 4) -------------------------------------------------
+
+
+def _profile(key: str) -> Profile:
+    return Profile(
+        blocks=(),
+        outside=BlockStats("outside", 0.001, 0.002, MiB),
+        params=(),
+        order=(),
+        modules=(),
+        shared=(),
+        links={"device->host": 1e9},
+        optimizer_s_per_byte=1e-10,
+        key=key,
+    )
+
+
+def test_the_profile_cache_is_made_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert cache.load("k" * 32) is None and cache.clear() == 0  # nothing yet, nothing made
+    assert not (tmp_path / "cache").exists()
+    stored = cache.store(_profile("k" * 32))
+    assert stored is not None and cache.load("k" * 32) == _profile("k" * 32)
+    for directory in (tmp_path / "cache" / "tiermem", tmp_path / "cache" / "tiermem" / "profiles"):
+        assert oct(directory.stat().st_mode & 0o777) == oct(0o700)
+
+
+def test_a_planted_profile_cache_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    target = tmp_path / "elsewhere"
+    (target / "profiles").mkdir(parents=True)
+    (target / "profiles" / f"{'k' * 32}.json").write_text(_profile("k" * 32).to_json())
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "tiermem").symlink_to(target)
+    for use in (lambda: cache.load("k" * 32), lambda: cache.store(_profile("j" * 32)), cache.clear):
+        with pytest.raises(UnsafeDirectoryError, match="profile cache"):
+            use()
+    assert tree(target) == ["profiles", f"profiles/{'k' * 32}.json"], "nothing written or removed there"
+
+
+@needs_root
+def test_a_profile_cache_owned_by_another_user_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    profiles = tmp_path / "cache" / "tiermem" / "profiles"
+    profiles.mkdir(parents=True, mode=0o700)
+    os.chown(profiles, NOBODY, NOBODY)
+    with pytest.raises(UnsafeDirectoryError, match=f"owner uid {NOBODY}"):
+        cache.store(_profile("k" * 32))
+    assert tree(profiles) == []
 
 
 # -- the layering: a leaf every layer may import ---------------------------------------------------

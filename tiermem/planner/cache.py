@@ -31,6 +31,15 @@
 3. Writes are atomic (a temporary file renamed), so two processes never read half a profile.
    Profiles live in the user's cache, never in an NVMe run directory (a run directory is
    private to one run and removed with it: NOTE [ Run directory rules ]).
+4. The cache's ``tiermem`` and ``tiermem/profiles`` are tiermem's own directories (NOTE
+   [ Private directories ]): made with mode 0700, and read or written only while they are real
+   directories of this user, not writable by group or others; otherwise :func:`load` and
+   :func:`store` raise :class:`~tiermem.errors.UnsafeDirectoryError` (never a silent miss: a
+   profile planted there would steer the plan).
+5. Caching is best effort: a write that fails (a full disk, a quota) leaves no temporary
+   file and warns (:class:`~tiermem.errors.TiermemWarning`) naming the error, the path and, for
+   a full disk, ENOSPC and the bytes needed and free; the run goes on with the profile it
+   measured, and the next one profiles again.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +61,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from tiermem.errors import NO_SPACE_ERRNOS, TiermemWarning, UnsafeDirectoryError, describe_os_error
 from tiermem.planner.probes import (
     MIN_PROBE_BYTES,
     move_seconds,
@@ -61,6 +73,7 @@ from tiermem.planner.probes import (
 )
 from tiermem.planner.profile import PROFILE_VERSION, Profile
 from tiermem.planner.profiler import Batch
+from tiermem.private_dirs import open_tree
 from tiermem.registry import Registry
 from tiermem.units import ALIGNMENT
 
@@ -74,6 +87,27 @@ def cache_dir() -> Path:
     """Rule 3: where profiles are kept."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "tiermem" / "profiles"
+
+
+_CACHE_ADVICE = (
+    "It is tiermem's profile cache: if you made it, 'chmod 700' it; if you did not, remove it (tiermem makes it again)"
+)
+
+
+def private_cache_dir(*, create: bool) -> Path | None:
+    """Rule 4: :func:`cache_dir`, checked private to the user (made with mode 0700 when ``create``);
+    None when it does not exist or cannot be made (caching is best effort). Raises
+    :class:`~tiermem.errors.UnsafeDirectoryError`."""
+    directory = Path(os.path.abspath(cache_dir()))
+    own = {str(directory.parent): _CACHE_ADVICE, str(directory): _CACHE_ADVICE}
+    try:
+        fd, _ = open_tree(str(directory), own, create=create)
+    except UnsafeDirectoryError:
+        raise
+    except OSError:
+        return None
+    os.close(fd)
+    return directory
 
 
 def model_signature(model: nn.Module) -> list[Any]:
@@ -121,6 +155,8 @@ def profile_key(
 
 def load(key: str) -> Profile | None:
     """The cached profile for ``key``, or None (missing, unreadable or from another version)."""
+    if private_cache_dir(create=False) is None:  # rule 4
+        return None
     path = cache_dir() / f"{key}.json"
     try:
         profile = Profile.from_json(path.read_text(encoding="utf-8"))
@@ -133,22 +169,45 @@ def store(profile: Profile) -> Path | None:
     """Rule 3; None when the cache directory cannot be written (caching is best effort)."""
     directory = cache_dir()
     path = directory / f"{profile.key}.json"
+    text, tmp = profile.to_json(), None
+    if private_cache_dir(create=True) is None:  # rule 4
+        return None
     try:
-        directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(profile.to_json())
+            f.write(text)
         os.replace(tmp, path)
-    except OSError:
+    except OSError as exc:  # rule 5
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+        _warn_not_stored(exc, path, len(text.encode()))
         return None
     return path
+
+
+def _warn_not_stored(exc: OSError, path: Path, nbytes: int) -> None:
+    """Rule 5: what failed, where, and for a full disk the bytes needed and free."""
+    free = None
+    if exc.errno in NO_SPACE_ERRNOS:
+        existing = next((p for p in (path.parent, *path.parents) if p.is_dir()), path.anchor)
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(existing).free
+    what = describe_os_error(exc, exc.filename or path, nbytes=nbytes, free=free)
+    warnings.warn(
+        TiermemWarning(
+            f"tiermem planner: the profile was not cached: {what}. This run goes on with the profile it measured; "
+            "the next one profiles again. Free space there, or set XDG_CACHE_HOME to a writable directory."
+        ),
+        stacklevel=3,
+    )
 
 
 def clear() -> int:
     """Remove every cached profile; returns how many were removed."""
     removed = 0
     directory = cache_dir()
-    if not directory.is_dir():
+    if private_cache_dir(create=False) is None:  # rule 4
         return 0
     for path in directory.glob("*.json"):
         with contextlib.suppress(OSError):
