@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 import tiermem
+from tiermem.checkpoint import files
 from tiermem.errors import StoragePathError, UnsafeDirectoryError
 from tiermem.planner import cache
 from tiermem.planner.profile import BlockStats, Profile
@@ -339,6 +341,32 @@ def test_a_profile_cache_owned_by_another_user_is_refused(tmp_path: Path, monkey
     with pytest.raises(UnsafeDirectoryError, match=f"owner uid {NOBODY}"):
         cache.store(_profile("k" * 32))
     assert tree(profiles) == []
+
+
+# -- checkpoint temporaries (NOTE [ Checkpoint commit rules ] rule 1) ----------------------------------
+
+
+def test_a_checkpoints_temporary_sibling_is_private(tmp_path: Path) -> None:
+    staging = files.Staging(tmp_path / "ckpt")
+    try:
+        assert staging.dir.parent == tmp_path and not staging.dir.is_symlink()
+        assert oct(staging.dir.stat().st_mode & 0o777) == oct(0o700)
+    finally:
+        staging.discard()
+    assert tree(tmp_path) == []
+
+
+def test_a_checkpoints_temporary_sibling_is_never_made_through_a_planted_symlink(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    fixed = uuid.UUID(int=35)
+    monkeypatch.setattr(files.uuid, "uuid4", lambda: fixed)
+    (tmp_path / f".ckpt.tiermem-tmp-{fixed.hex}").symlink_to(target)  # its name guessed in advance
+    with pytest.raises(FileExistsError):
+        files.Staging(tmp_path / "ckpt")
+    assert tree(target) == []
 
 
 # -- the layering: a leaf every layer may import ---------------------------------------------------

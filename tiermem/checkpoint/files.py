@@ -9,7 +9,8 @@ rename, with a digest per file verified before anything is loaded.
    by a PID, which the system reuses (TRAPS 5). Making the sibling and locking it, removing
    dead siblings and recovering (rule 3) happen under an ``flock`` on the parent directory,
    taken first: no save ever sees another's sibling unlocked, and a failure in between removes
-   the sibling it made.
+   the sibling it made. The sibling is made with mode 0700 and opened never through a symlink,
+   checked private to the user (NOTE [ Private directories ]), so a save's files are only its own.
 2. Durability before visibility: every file is written and ``fsync``-ed (DCP's data and
    ``.metadata`` with ``sync_files``, tensorstore's with ``file_io_sync``, ours explicitly),
    every folder below the checkpoint, the manifest last, then the directory itself; only then
@@ -59,6 +60,7 @@ from pathlib import Path
 import xxhash
 
 from tiermem.errors import CheckpointError
+from tiermem.private_dirs import MADE_ADVICE, PRIVATE_MODE, open_private
 
 MANIFEST = "tiermem-manifest.json"
 #: extra, RNG states and loop positions (pickled)
@@ -246,10 +248,10 @@ class Staging:
             check_replaceable(path)
             _remove_stale(path)
             self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
-            self.dir.mkdir()
+            self.dir.mkdir(mode=PRIVATE_MODE)  # rule 1: nobody else writes into it
             self._fd: int | None = None
             try:
-                self._fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY)
+                self._fd, _ = open_private(str(self.dir), MADE_ADVICE)  # never through a symlink, checked
                 fcntl.flock(self._fd, fcntl.LOCK_EX)  # blocking: an inspect may test it this instant
             except BaseException:
                 self.discard()  # rule 5: nothing left behind
