@@ -62,6 +62,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 from tiermem.checkpoint import files, ranks
 from tiermem.checkpoint.content import LoadTree, rng_state, save_tree, set_rng_state
 from tiermem.checkpoint.planners import StreamingLoadPlanner, StreamingSavePlanner
+from tiermem.checkpoint.room import bytes_to_write
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.sharded import ShardedModelStates
@@ -99,12 +100,16 @@ def _writer(directory: Path, format: str) -> StorageWriter:
     return FileSystemWriter(directory, sync_files=True, thread_count=1, per_thread_copy_ahead=0)
 
 
-def _unwrap(exc: CheckpointException, path: Path, what: str) -> BaseException:
-    """DCP wraps every failure; ours (tiermem's, Ctrl-C) come out as they were."""
+def _unwrap(exc: CheckpointException, path: Path, what: str, staging: files.Staging | None = None) -> BaseException:
+    """DCP wraps every failure; ours (tiermem's, Ctrl-C) come out as they were, a disk that filled
+    during a save as such (NOTE [ Checkpoint commit rules ] rule 8)."""
     failures = [failure[0] for failure in exc.failures.values()]
     first = failures[0] if failures else exc
     if isinstance(first, (TiermemError, KeyboardInterrupt)):
         return first
+    full = None if staging is None else staging.no_room(first)
+    if full is not None:
+        return full
     return CheckpointError(f"tiermem checkpoint: {what} {path} failed: {first}", str(path))
 
 
@@ -166,7 +171,8 @@ def save(
         _save_on_ranks(group, all_states, where, extra)
         return
     tree, sources, own = _prepare(all_states, extra)
-    with files.staged(where) as staging:
+    needed = bytes_to_write(tree, len(pickle.dumps(own)))
+    with files.staged(where, needed) as staging:  # refused here, before writing, where it cannot fit
         staging.storage = format
         writer = _writer(staging.dir, format)
         planner = StreamingSavePlanner(sources)
@@ -175,7 +181,7 @@ def save(
                 warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
                 dcp.save(tree, storage_writer=writer, planner=planner, no_dist=True)
         except CheckpointException as exc:
-            raise _unwrap(exc, where, "saving") from None
+            raise _unwrap(exc, where, "saving", staging) from None
         finally:
             planner.release()
         _write_state(staging.dir, own)

@@ -63,6 +63,7 @@ from tiermem.checkpoint import _SINGLE_PROCESS, DEFAULT_FORMAT, FORMATS, _unwrap
 from tiermem.checkpoint.capture import Capture
 from tiermem.checkpoint.content import rng_state, save_tree
 from tiermem.checkpoint.planners import ObjPath, Source, StreamingSavePlanner
+from tiermem.checkpoint.room import bytes_to_write, check_room
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.registry import Registry
 from tiermem.states import ModelStates, StatesUsageError
@@ -136,13 +137,13 @@ class PendingSave:
     def _write(self, tree: dict[str, Any], sources: dict[ObjPath, Source], payload: bytes) -> None:
         """The writer thread (rule 1)."""
         try:
-            with files.staged(self.path) as staging:
-                staging.storage = self.format
+            with files.staged(self.path, bytes_to_write(tree, len(payload))) as staging:
+                staging.storage, staging.room.what = self.format, "the asynchronous save to"
                 planner = StreamingSavePlanner(sources)
                 try:
                     dcp.save(tree, storage_writer=_writer(staging.dir, self.format), planner=planner, no_dist=True)
                 except CheckpointException as exc:
-                    raise _unwrap(exc, self.path, "saving") from None
+                    raise _unwrap(exc, self.path, "saving", staging) from None
                 finally:
                     planner.release()
                 with open(staging.dir / files.STATE_FILE, "wb") as f:
@@ -288,6 +289,7 @@ def start(
     except (pickle.PicklingError, TypeError, AttributeError) as exc:
         raise CheckpointError(f"tiermem checkpoint: extra= cannot be pickled ({exc}); pass picklable values") from exc
     tree, sources = save_tree(all_states)
+    check_room(where, bytes_to_write(tree, len(payload)))  # NOTE [ Checkpoint commit rules ] rule 8: at the call
     tree = _detached(tree, (), sources)
     # DCP warns at every single-process save; the writer thread cannot scope a filter
     # (warnings filters are process-wide), so this one message is ignored from now on.

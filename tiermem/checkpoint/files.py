@@ -42,6 +42,13 @@ rename, with a digest per file verified before anything is loaded.
    holds it until that one is removed), so it waits for those reads; a read that locked a
    directory no longer at ``path`` locks the new one instead. Every file a load reads is the
    verified checkpoint's, never a mix with a concurrent save's.
+8. Room (:mod:`~tiermem.checkpoint.room`): before it makes its temporary sibling (after removing
+   dead ones, which frees theirs), a save compares the bytes it writes at least with the free
+   bytes of the filesystem and, short, refuses naming the lack of space, the path, both sizes
+   and what to do, having written nothing (a lower bound: a save that fits is never refused). A
+   disk that fills during the write anyway (ENOSPC in an ``OSError`` or a storage library's
+   message, or torch's serializer failing with less free than the rest needs) is named as such:
+   ENOSPC, the file, the bytes needed and free, measured before rule 5 removes what was written.
 """
 
 from __future__ import annotations
@@ -59,6 +66,7 @@ from pathlib import Path
 
 import xxhash
 
+from tiermem.checkpoint.room import Room
 from tiermem.errors import CheckpointError
 from tiermem.private_dirs import MADE_ADVICE, PRIVATE_MODE, open_private
 
@@ -238,15 +246,18 @@ def check_replaceable(path: Path) -> None:
 class Staging:
     """The temporary sibling a save writes into (rules 1, 3, 5, 6, 7)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, needed: int = 0) -> None:
         self.path = path
         #: the storage format written (recorded in the manifest)
         self.storage = "dcp"
+        #: rule 8: the bytes this save writes at least (0: unknown, not checked)
+        self.room = Room(needed)
         path.parent.mkdir(parents=True, exist_ok=True)
         with _parent_locked(path):  # rule 1: first, so no other save sees ours unlocked
             _recover(path)
             check_replaceable(path)
             _remove_stale(path)
+            self.room.check(path)  # rule 8: before anything is written
             self.dir = path.parent / f".{path.name}{_TMP}{uuid.uuid4().hex}"
             self.dir.mkdir(mode=PRIVATE_MODE)  # rule 1: nobody else writes into it
             self._fd: int | None = None
@@ -261,6 +272,10 @@ class Staging:
         fd, self._fd = self._fd, None
         if fd is not None:
             os.close(fd)
+
+    def no_room(self, exc: BaseException) -> CheckpointError | None:
+        """Rule 8: the error naming ENOSPC where ``exc`` is the disk filling (before :meth:`discard`)."""
+        return self.room.error(exc, self.dir, self.path)
 
     def discard(self) -> None:
         """Rule 5: remove everything this save wrote."""
@@ -443,16 +458,25 @@ def verify(directory: Path, only: Collection[str] | None = None) -> bool:
 
 
 @contextlib.contextmanager
-def staged(path: Path) -> Iterator[Staging]:
-    """A :class:`Staging` committed when the block succeeds, discarded when it raises."""
-    staging = Staging(path)
+def staged(path: Path, needed: int = 0) -> Iterator[Staging]:
+    """A :class:`Staging` (of a save writing at least ``needed`` bytes, rule 8) committed when the
+    block succeeds, discarded when it raises, a disk that filled named as such (rule 8)."""
+    staging = Staging(path, needed)
     try:
         yield staging
-    except BaseException:
-        staging.discard()
+    except BaseException as exc:
+        _discard(staging, exc)
         raise
     try:
         staging.commit()
-    except BaseException:
-        staging.discard()
+    except BaseException as exc:
+        _discard(staging, exc)
         raise
+
+
+def _discard(staging: Staging, exc: BaseException) -> None:
+    """Rules 5 and 8: remove what the save wrote; raise the disk-full error where ``exc`` is one."""
+    full = staging.no_room(exc)
+    staging.discard()
+    if full is not None:
+        raise full from exc
