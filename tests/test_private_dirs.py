@@ -239,6 +239,33 @@ def test_files_opened_through_the_held_run_directory_follow_it(tmp_path: Path) -
     assert tree(tmp_path / "moved") == []
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_rt_init_backs_parameters_with_files_in_the_held_run_directory(tmp_path: Path) -> None:
+    parent = tmp_path / "nvme"
+    parent.mkdir()
+    config = {
+        "device": {"capacity": "64MiB", "device": "cpu"},
+        "host": {"capacity": "64MiB"},
+        "nvme": {"paths": [str(parent)], "capacity": "64MiB", "block_size": "64KiB"},
+    }
+    with tiermem.Runtime(config) as rt:
+        before = {p.name for p in parent.iterdir()}
+        with rt.init(min_bytes=4096):
+            names = {p.name for p in parent.iterdir()} - before
+            assert len(names) == 1  # rt.init's own run directory
+            moved = tmp_path / "moved"
+            parent.rename(moved)
+            for name in {*before, *names}:
+                (parent / name).mkdir(parents=True)  # look-alikes at the old paths
+            weight = torch.ones(1 << 14)  # 64 KiB: on a file-backed page
+            with open("/proc/self/maps") as maps:
+                backing = [line.split(None, 5)[-1] for line in maps if "init-" in line]
+        assert weight.sum().item() == 1 << 14
+        assert backing and all(line.startswith(str(moved)) for line in backing), backing
+        assert all(tree(parent / name) == [] for name in {*before, *names}), "nothing in the look-alikes"
+        del weight
+
+
 # -- the stale-run sweep (rule 8) -----------------------------------------------------------------
 
 

@@ -18,7 +18,8 @@ import contextlib
 import functools
 import logging
 import os
-from collections.abc import Mapping
+import types
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,15 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiermem")
 
 ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+@contextlib.contextmanager
+def _held_run_directory(parent: str) -> Iterator[Any]:
+    """``rt.init()``'s run directory, its ``path`` reaching it through the descriptor it holds
+    (NOTE [ Run directory rules ] rule 7): renaming entries above it while the model is built
+    cannot redirect the files that back its parameters."""
+    with RunDirectory.create(parent) as run:
+        yield types.SimpleNamespace(path=run.held_path)
 
 
 class Runtime:
@@ -232,7 +242,7 @@ class Runtime:
         return file_backed_init(
             paths[0],
             DEFAULT_MIN_BYTES if min_bytes is None else min_bytes,
-            run_directory=RunDirectory.create,
+            run_directory=_held_run_directory,
             is_tmpfs=lambda path: filesystem_of(path).fstype == "tmpfs",
         )
 
