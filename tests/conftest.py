@@ -1,9 +1,10 @@
-"""Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py), and the
-suite's own profile cache."""
+"""Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py), the
+suite's own profile cache, and the signal dispositions of tests that signal themselves."""
 
 from __future__ import annotations
 
 import os
+import signal
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -37,6 +38,22 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def interrupt_signals() -> Iterator[None]:
+    """SIGINT and SIGTERM as an interactive Python process has them (``default_int_handler``,
+    ``SIG_DFL``) for a test that sends them to itself, restored after. A non-interactive shell
+    starts a background job (``cmd &``, ``setsid nohup``, some CI runners) with SIGINT ignored,
+    and tiermem, as Python, leaves an ignored signal ignored: without this the test's signal
+    would do nothing. A child process inherits an ignored signal too: a test that signals a
+    child resets it there (``preexec_fn``)."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, signal.SIG_DFL if handler is None else handler)
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ waited for reads. Gradients stay bitwise those of plain PyTorch."""
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
+import types
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from tests.test_activations import Decoder, _assert_identical, _step
 from tests.test_activations_fallbacks import _config, _synchronous_write_backs
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.layout.activation_policy import PREFETCH_START, WAIT_TOLERANCE, next_prefetch_window
+from tiermem.registry import Handle, ObjectState
 from tiermem.tiers.backends.posix import PosixBackend
 
 
@@ -72,34 +74,95 @@ def test_prefetch_keeps_within_the_window(tmp_path, monkeypatch, policy):
     assert list(tmp_path.iterdir()) == []
 
 
+class _ReadsHeldUntilWaited:
+    """The drive of :func:`test_the_window_grows_after_a_backward_that_waited_for_reads`: a read
+    is held (its ``pread`` blocks) until backward waits for an object still moving from NVMe;
+    that wait then takes one second of a virtual clock, which nothing else advances (compute
+    takes no time on it). So a backward provably waits for reads, and waits for nearly all of
+    its duration, however loaded the machine is."""
+
+    HOLD_LIMIT_S = 30.0  # a read held this long means nothing waits for it: the test fails
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.held = False  # the runtime's start probes the drive: reads pass until armed
+        self.waits = 0
+        self.stuck = 0
+        self.cond = threading.Condition()
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def pread_allowed(self) -> None:
+        with self.cond:
+            if not self.cond.wait_for(lambda: not self.held, self.HOLD_LIMIT_S):
+                self.stuck += 1
+
+    def set_held(self, held: bool) -> None:
+        with self.cond:
+            self.held = held
+            self.cond.notify_all()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        drive = self
+
+        class HeldReads(PosixBackend):
+            def pread(self, handle, buffer, offset):
+                drive.pread_allowed()
+                return super().pread(handle, buffer, offset)
+
+        original_tensor = Handle.tensor
+
+        def tensor(handle: Handle, tier: str = "device") -> torch.Tensor:
+            obj = handle.obj
+            if not (drive.held and obj.state is ObjectState.MOVING and obj.tier == "nvme"):
+                return original_tensor(handle, tier)
+            drive.now += 1.0  # the virtual drive time this wait takes
+            drive.waits += 1
+            drive.set_held(False)
+            try:
+                return original_tensor(handle, tier)
+            finally:
+                drive.set_held(True)
+
+        clock = types.SimpleNamespace(perf_counter=self.perf_counter)
+        monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (HeldReads(), "test"))
+        monkeypatch.setattr(Handle, "tensor", tensor)
+        monkeypatch.setattr("tiermem.activations.hooks.time", clock)
+        monkeypatch.setattr("tiermem.activations.prefetch.time", clock)
+
+
 @pytest.mark.parametrize("contexts", ["one per step", "one for all steps"])
 def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monkeypatch, contexts):
-    """A drive slower than backward (each NVMe read here takes 20 ms): backward waits, so
-    the next backward prefetches twice as far ahead, up to the block-wise cap; also when
-    one context stays open over every step (the window is settled at each new forward)."""
+    """A drive slower than backward: every read is held until backward waits for it (on a
+    virtual clock, the waits are all of backward's time), so the next backward prefetches
+    twice as far ahead, up to the block-wise cap; also when one context stays open over every
+    step (the window is settled at each new forward). Deterministic: no sleep, no wall clock."""
     _synchronous_write_backs(monkeypatch)
-
-    class SlowReads(PosixBackend):
-        def pread(self, handle, buffer, offset):
-            time.sleep(0.02)
-            return super().pread(handle, buffer, offset)
-
-    monkeypatch.setattr("tiermem.tiers.nvme.select_backend", lambda name, probe_dir: (SlowReads(), "test"))
+    drive = _ReadsHeldUntilWaited()
+    drive.install(monkeypatch)
     torch.manual_seed(0)
     model = Decoder(layers=4)
     want = _step(model, contextlib.nullcontext())
     with tiermem.Runtime(_config(tmp_path, "64MiB")) as rt:
         offloader = rt.offload_activations(model, policy="nvme")
+        drive.set_held(True)
         idle = contextlib.nullcontext()
         outer, each = (idle, offloader) if contexts == "one per step" else (offloader, idle)
         windows = []
         with outer:
-            _assert_identical(_step(model, each), want)
-            for _ in range(3):
+            for _ in range(4):
+                waits = drive.waits
                 _assert_identical(_step(model, each), want)
+                assert drive.waits > waits  # this backward waited for reads
                 windows.append(offloader.memory.prefetch_window)
         windows.append(offloader.memory.prefetch_window)
-        assert windows[0] is not None and windows == sorted(windows)
-        assert windows[2] > windows[0]  # grown between steps, before any context closed
-        assert windows[-1] <= offloader.prefetcher.cap()
+        drive.set_held(False)
+        cap = offloader.prefetcher.cap()
+        start = int(PREFETCH_START * max(offloader.memory.block_bytes.values()))
+    assert drive.stuck == 0
+    # Settled after each backward (one per step), or at the next forward and the context's end.
+    settled = [1, 2, 3, 4, 4] if contexts == "one per step" else [0, 1, 2, 3, 4]
+    assert windows == [min(cap, start << n) for n in settled]
+    assert windows[0] < windows[2] <= cap
     assert list(tmp_path.iterdir()) == []

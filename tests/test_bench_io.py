@@ -251,8 +251,10 @@ def _start_long_run(argv: list[str], env: dict[str, str]) -> subprocess.Popen[st
 
 def _default_sigint() -> None:
     # A shell runs background jobs with SIGINT ignored, and children inherit that: the
-    # child would never see the Ctrl-C this test sends. Give it the default disposition.
+    # child would never see the Ctrl-C this test sends (tiermem leaves an ignored signal
+    # ignored). Give it the default dispositions.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _data_file_written(root: Path) -> bool:
@@ -263,6 +265,7 @@ def _data_file_written(root: Path) -> bool:
         return False
 
 
+@pytest.mark.usefixtures("interrupt_signals")
 @pytest.mark.parametrize("through", ["raw", "scheduler"])
 def test_a_signal_stops_the_run_between_two_calls_to_the_tier(
     through: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch

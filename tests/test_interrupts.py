@@ -19,6 +19,10 @@ from tiermem.registry import Registry
 from tiermem.rok import sweep
 from tiermem.runtime import Runtime
 
+# The tests send SIGINT and SIGTERM to themselves: they need the dispositions an interactive
+# Python has, whatever the suite started with (a background job starts with SIGINT ignored).
+pytestmark = pytest.mark.usefixtures("interrupt_signals")
+
 
 class SignalledInDel:
     """Sends ``sig`` to this process from inside ``__del__``, where Python drops a raised
@@ -238,6 +242,26 @@ def test_every_runtime_module_is_internal_and_the_drivers_are_not() -> None:
     for module in (tiermem.checkpoint, tiermem.objects, tiermem.registry, tiermem.states.manager):
         assert module.__file__ is not None and module.__file__.startswith(internal), module.__name__
     assert tiermem.train.__file__ is not None and not tiermem.train.__file__.startswith(internal)
+
+
+def test_an_ignored_signal_stays_ignored(tmp_path: Path) -> None:
+    """A process started with SIGINT and SIGTERM ignored (a background job of a non-interactive
+    shell ignores SIGINT, so that a Ctrl-C meant for the foreground job does not stop it) keeps
+    them ignored: neither a runtime, nor DeferredInterrupts (``tiermem train``, the sweeps), nor
+    the CLI's SIGTERM handler turns them back on, and none stops the work."""
+    from tiermem.cli import sigterm_as_interrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    with _runtime(tmp_path), sigterm_as_interrupt(), DeferredInterrupts() as stop:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            assert signal.getsignal(sig) == signal.SIG_IGN
+            os.kill(os.getpid(), sig)
+        for _ in range(20):  # a handler would have run by now (the main thread runs it)
+            time.sleep(0.005)
+        stop.check()
+    assert not stop.requested
+    assert all(signal.getsignal(sig) == signal.SIG_IGN for sig in (signal.SIGINT, signal.SIGTERM))
 
 
 @pytest.mark.parametrize("close_order", ["opened", "reverse"])

@@ -361,6 +361,12 @@ def test_drive_capacity_counts_each_filesystem_once(tmp_path: Path) -> None:
     assert drive_capacity([str(tmp_path / "not" / "yet")]) == one  # measured where it would live
 
 
+def _default_signals() -> None:
+    """In the child, before it runs: the dispositions a process started from a terminal has."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path, sig):
     """One Ctrl-C (or SIGTERM) stops the run between steps, exit status 130, no files left:
@@ -387,14 +393,15 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
         "nvme",
         "--json",
     ]
-    # SIGINT reset to default: a shell runs background jobs (and so this suite) with it ignored.
+    # SIGINT (and SIGTERM) reset to default: a shell runs background jobs (and so this suite)
+    # with SIGINT ignored, the child inherits that, and tiermem leaves an ignored signal ignored.
     child = subprocess.Popen(
         argv,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        preexec_fn=_default_signals,
     )
     try:
         deadline = time.monotonic() + 60
@@ -419,6 +426,7 @@ def test_interrupted_training_stops_after_the_step_and_leaves_no_files(tmp_path,
 
 
 @needs_offload
+@pytest.mark.usefixtures("interrupt_signals")
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_while_planning_stops_before_the_first_step(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, sig: signal.Signals
@@ -458,6 +466,7 @@ def test_a_signal_while_planning_stops_before_the_first_step(
 
 
 @needs_offload
+@pytest.mark.usefixtures("interrupt_signals")
 def test_a_signal_during_a_step_stops_after_that_step(tmp_path: Path) -> None:
     """The first signal lets the step it lands in finish (its loss is reported), then stops."""
     steps: list[int] = []

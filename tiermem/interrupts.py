@@ -29,7 +29,9 @@ class DeferredInterrupts:
     once, wherever it lands: the user's way out of a step that hangs. With ``False`` every
     signal is held to the end: for cleanup that must not be cut short (files would be
     left behind). Outside the main thread, where Python never runs handlers, nothing is
-    installed and ``requested`` stays false.
+    installed and ``requested`` stays false. A signal the process ignores stays ignored (a
+    background job of a non-interactive shell starts with SIGINT ignored, so that a Ctrl-C
+    meant for the foreground job does not stop it; Python leaves it so too).
     """
 
     def __init__(self, *, second_interrupts: bool = True) -> None:
@@ -40,7 +42,8 @@ class DeferredInterrupts:
     def __enter__(self) -> DeferredInterrupts:
         if threading.current_thread() is threading.main_thread():
             for sig in HANDLED_SIGNALS:
-                self._previous[sig] = signal.signal(sig, self._handle)
+                if signal.getsignal(sig) != signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(

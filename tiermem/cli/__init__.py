@@ -83,11 +83,15 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt while a command runs, so its ``finally`` blocks
-    (leaving ``with rt``) remove every file it made, as for Ctrl-C."""
+    (leaving ``with rt``) remove every file it made, as for Ctrl-C. A SIGTERM the process
+    ignores stays ignored."""
 
     def interrupt(_signum: int, _frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
+    if signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield
+        return
     try:
         previous = signal.signal(signal.SIGTERM, interrupt)
     except ValueError:  # not the main thread: signals cannot be handled here anyway
