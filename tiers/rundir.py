@@ -402,6 +402,9 @@ class RunDirectory:
                 continue
             except BaseException:
                 _close(parent_fd)
+                for directory in sorted(set(created), key=len, reverse=True):  # what it made, if empty
+                    with contextlib.suppress(OSError):
+                        os.rmdir(directory)
                 raise
             return cls(state)
         raise OSError(errno.ENOENT, "tiermem: the run directory parent keeps disappearing", parent)
