@@ -32,7 +32,9 @@
    A write to a chunk a declared loop has already stepped in this window (NOTE [ Declared
    steps ]) cannot come before that step as it would in plain PyTorch: it raises
    :class:`StatesUsageError`. ``p.data = t`` copies ``t`` in when shape and dtype match
-   (raises otherwise); ``set_``/``resize_`` raise.
+   (raises otherwise). ``p.set_(...)`` never reaches ``__torch_function__`` and is not
+   supported: the parameter would leave its chunk, and its next guarded use raises as a stale
+   view's does (rule 3).
 5. Autograd: an op recorded by autograd (grad mode on, a parameter that requires grad: an L2
    penalty written by hand, a module using a parameter it does not own) runs on a copy of the
    values made by :class:`_Materialized`, whose backward hands the gradient to the parameter
@@ -87,7 +89,12 @@ _NO_FETCH: frozenset[Callable[..., Any]] = frozenset(
 )
 _DATA_GET = _T.data.__get__
 _DATA_SET = _T.data.__set__
-_REFUSED = frozenset(getattr(_T, name) for name in ("set_", "resize_", "resize_as_") if hasattr(_T, name))
+#: ops whose result autograd never records: they run on the real bytes, as outside grad mode
+_UNRECORDED = frozenset([_T.detach, torch.detach] + [getattr(_T, n) for n in ("equal", "allclose", "tolist", "item")])
+#: ops that print a tensor
+_PRINTS = frozenset([_T.__repr__, _T.__str__, _T.__format__])
+#: ops that hand the memory itself to another library: they get a copy (rule 3)
+_EXPORTS = frozenset(getattr(_T, n) for n in ("numpy", "__array__", "__dlpack__") if hasattr(_T, n))
 
 _STATE = threading.local()
 #: id(parameter) -> the access of the manager that owns it
@@ -124,10 +131,12 @@ class _Guarded:
         kwargs = kwargs or {}
         if func in _NO_FETCH or _inside():
             return _plain(func, args, kwargs)
-        if func is _DATA_SET:
+        if func == _DATA_SET:
             return _access_of(args[0]).assign(args[0], args[1])
-        if func is _DATA_GET:
+        if func == _DATA_GET:
             return _access_of(args[0]).view_of(args[0], _plain(func, args, kwargs))
+        if func in _EXPORTS:
+            return _exported(func, args, kwargs)
         return _run(func, args, kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.Tensor:
@@ -160,6 +169,23 @@ def _value_copy(tensor: torch.Tensor) -> torch.Tensor:
     return _run(_T.clone, (tensor,), {"memory_format": torch.preserve_format}, record=False)
 
 
+def _exported(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any]) -> Any:
+    """``numpy()``, ``__array__`` and DLPack of a guarded tensor: memory shared with another
+    library would outlive the chunk's bytes, so it gets a copy of the values; a NumPy copy is
+    read-only, so a write meant for the parameter fails loudly instead of being lost."""
+    out = _plain(func, (_value_copy(args[0]), *args[1:]), kwargs)
+    if hasattr(out, "flags"):
+        out.flags.writeable = False
+    return out
+
+
+def _printable(tensor: Any) -> Any:
+    """A plain alias of ``tensor`` that prints as the plain parameter or tensor would."""
+    if not isinstance(tensor, _Guarded):
+        return tensor
+    return tensor.detach().requires_grad_(tensor.requires_grad)  # type: ignore[attr-defined]
+
+
 def _access_of(tensor: torch.Tensor) -> ParameterAccess:
     owner = getattr(tensor, "_tiermem_owner", None) if type(tensor) is GuardedView else None
     if owner is not None:
@@ -178,11 +204,6 @@ def _access_of(tensor: torch.Tensor) -> ParameterAccess:
 def _run(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], *, record: bool = True) -> Any:
     """Rules 2, 4, 5: ``func`` over the guarded tensors among its arguments, with their chunks
     resident and pinned for its duration."""
-    if func in _REFUSED:
-        raise StatesUsageError(
-            f"tiermem parameter access: {getattr(func, '__name__', func)}() would replace a managed parameter's "
-            "storage; copy new values in instead (with torch.no_grad(): p.copy_(t))"
-        )
     flat, _ = tree_flatten((args, kwargs))
     guarded = [t for t in flat if isinstance(t, _Guarded)]
     by_access: dict[int, tuple[ParameterAccess, list[torch.Tensor]]] = {}
@@ -192,7 +213,10 @@ def _run(func: Callable[..., Any], args: Sequence[Any], kwargs: dict[str, Any], 
     with contextlib.ExitStack() as stack:
         for access, tensors in by_access.values():
             stack.enter_context(access.resident(tensors))
-        if record and torch.is_grad_enabled() and any(t.requires_grad for t in guarded):
+        if func in _PRINTS:  # printed as the plain tensor would be: no subclass name, no grad_fn
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(_printable(args[0]), *args[1:], **kwargs)
+        if record and func not in _UNRECORDED and torch.is_grad_enabled() and any(t.requires_grad for t in guarded):
             return _run_recorded(func, args, kwargs, guarded)
         versions = [t._version for t in guarded]
         with torch._C.DisableTorchFunctionSubclass():

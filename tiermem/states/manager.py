@@ -127,7 +127,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
-from tiermem.states.access import ParameterAccess
+from tiermem.states.access import ParameterAccess, internal
 from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
 from tiermem.states.compile import (
@@ -240,7 +240,8 @@ class ModelStates:
         except BaseException:
             self.relayout.free()
             for p, data, grad in zip(facts.params, snapshot.data, snapshot.grads, strict=True):
-                p.data, p.grad = data, grad
+                with internal():
+                    p.data, p.grad = data, grad
             raise
         base.state.clear()  # its states now live in chunks
         self._move_buffers()

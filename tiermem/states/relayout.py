@@ -33,6 +33,7 @@ from tiermem.layout.chunks import ChunkLayout, outlier_candidates, pack, packing
 from tiermem.layout.placement import Budgets, Plan, PlanRequest
 from tiermem.registry import Registry
 from tiermem.states import core
+from tiermem.states.access import internal
 from tiermem.states.core import ModelFacts, Snapshot
 from tiermem.states.errors import PlanError, StatesMemoryError
 from tiermem.states.gradients import Gradients
@@ -232,7 +233,8 @@ class Relayout:
             working = self.facts.param_dtype
             for p, data in zip(self.facts.params, snapshot.data, strict=True):
                 # What training computes with, where it computes (snapshots are CPU copies).
-                p.data = data.to(self.facts.device, working or data.dtype)
+                with internal():  # a new tensor, not a write (NOTE [ Parameter access ] rule 4)
+                    p.data = data.to(self.facts.device, working or data.dtype)
                 p.grad = None
             new = self._plan_on_plain(planner, batch, old)
         finally:

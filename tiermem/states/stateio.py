@@ -21,6 +21,7 @@ from torch import nn
 from tiermem.errors import internal_error
 from tiermem.registry import Handle, Priority
 from tiermem.states import core
+from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import Lifecycle, ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesUsageError
@@ -310,7 +311,8 @@ class StateIO:
             p = self.facts.params[slot.index]
             value = slot.master_view(source, base, scale)
             p.grad = None
-            p.data = ordinary(value)
+            with internal():  # a new tensor, not a write (NOTE [ Parameter access ] rule 4)
+                p.data = ordinary(value)
             if grads is not None and self.store.has_grad[slot.index]:
                 p.grad = ordinary(slot.view(grads))
         # Give this chunk's memory back before the next one is copied.

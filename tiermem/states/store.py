@@ -20,6 +20,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, Slot
 from tiermem.layout.placement import Plan
 from tiermem.registry import Handle, Priority, Registry
+from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesMemoryError
@@ -94,7 +95,8 @@ class ChunkStore:
             if chunk.persistent:
                 if p.dtype != slot.dtype:
                     p.grad = None  # a working dtype: the gradient comes back as a view
-                p.data = slot.view(chunk.data)
+                with internal():  # a new view, not a write (NOTE [ Parameter access ] rule 4)
+                    p.data = slot.view(chunk.data)
         self.module_chunks = {
             module: tuple(sorted({self.slots[i][0] for _, i in names}, key=lambda c: c.index))
             for module, names in facts.module_names.items()
@@ -157,7 +159,8 @@ class ChunkStore:
             p = self.facts.params[slot.index]
             if p.dtype != slot.dtype:
                 p.grad = None  # a working dtype: the gradient comes back as a view
-            p.data = slot.view(chunk.data)
+            with internal():  # a new view, not a write (NOTE [ Parameter access ] rule 4)
+                p.data = slot.view(chunk.data)
         chunk.data.untyped_storage().resize_(0)
         home = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
         for slot in chunk.layout.slots:
