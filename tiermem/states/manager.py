@@ -24,13 +24,15 @@ backend, ``describe``, ``close``) and the wiring:
    into it for the manager's whole life, so tied weights, optimizers and autograd's saved
    ``weight.t()`` stay attached (TRAPS 2). A non-persistent chunk is released with
    ``untyped_storage().resize_(0)`` (on the CPU device its bytes move to a spare the next
-   fetch takes: NOTE [ Spare chunk storage ]) and refilled in place before use. While it is
-   released its parameters' values cannot be read (their storage is empty; reading them outside the
-   model's forward, backward and state-dict calls is not supported): ``model.state_dict()``
-   serves them from the chunk's home, and leaving the Runtime restores ordinary tensors.
-   Parameters are stored contiguous. A module may use its own and its submodules'
-   parameters through those submodules; a parameter read directly by a module that does
-   not own it is not fetched for it.
+   fetch takes: NOTE [ Spare chunk storage ]) and refilled in place before use. While no
+   module uses a chunk its parameters are guarded: any op on them fetches the chunk first and
+   a write goes home at once (NOTE [ Parameter access ] in ``access.py``), so code between steps
+   reads and writes true values; ``model.state_dict()`` serves them from the chunk's home, and
+   leaving the Runtime restores ordinary tensors.
+   Parameters are stored contiguous. A module's forward pre-hook fetches its own and its
+   submodules' parameters; a parameter read directly by a module that does not own it is
+   fetched by its guard for that op, and autograd records the op on a copy (NOTE [ Parameter
+   access ] rule 5).
 2. Layout order: module registration order from ``rt.manage()`` until the first complete
    forward, which records the execution order (each module's own parameters as its forward
    pre-hook runs, unused ones last); when it differs, the chunks are re-packed at the next

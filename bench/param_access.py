@@ -1,0 +1,125 @@
+"""What guarding managed parameters costs a training step that touches none (NOTE [ Parameter access ]).
+
+Modes, each a fresh process, alternating A B A B over ``--rounds`` so a slow stretch of a noisy
+machine falls on both:
+
+- ``guarded``: ``rt.manage`` as shipped: a chunk no module pins has its parameters guarded (their
+  class swapped to ``GuardedParameter``) and swapped back when a module pins it;
+- ``unguarded``: the same, with ``Chunk.guard`` made a no-op in that process, so parameters stay
+  ``nn.Parameter`` throughout (reading a released one would then crash: this mode only trains).
+
+The model is tiermem's GPT (``--layers``, ``--width``), AdamW, homes on the host, device capacity a
+half the parameter bytes (at least 16 MiB) and no persistent chunk, so every chunk is streamed and guarded/unguarded at every use.
+After ``--warmup`` steps, ``--steps`` steps (forward, backward, ``optimizer.step()``,
+``zero_grad``) are timed; reported: median step time per mode, the ratio guarded / unguarded per
+round and overall, and the final loss (identical across modes: the run fails otherwise).
+
+    .venv/bin/python bench/param_access.py --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+MODES = ("guarded", "unguarded")
+
+
+def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    import tiermem
+    from tiermem.models.data import MarkovChainData
+    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.states.chunks import Chunk
+
+    if mode == "unguarded":
+        Chunk.guard = lambda self, params: None  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    config = GPTConfig(n_layer=args.layers, d_model=args.width, n_head=4, vocab_size=512, seq_len=128)
+    model = GPT(config)
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    data = MarkovChainData(vocab_size=512, seq_len=128, seed=0)
+    tiers = {
+        "device": {"capacity": max(param_bytes // 2, 16 << 20)},
+        "host": {"capacity": 24 * param_bytes},
+        "nvme": {"capacity": 0},
+    }
+    times, loss = [], None
+    with tiermem.Runtime(tiers) as rt:
+        model, opt = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan={"state_home": "host", "persistent_chunks": 0, "buffers": 2})
+        for step in range(args.warmup + args.steps):
+            x, y = data.batch(args.batch)
+            start = time.perf_counter()
+            _, loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if step >= args.warmup:
+                times.append(time.perf_counter() - start)
+    assert loss is not None
+    return {"mode": mode, "step_s": statistics.median(times), "loss": float(loss), "param_bytes": param_bytes}
+
+
+def _machine() -> dict[str, Any]:
+    import psutil
+    import torch
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    model = next((line.split(":", 1)[1].strip() for line in lines if "model name" in line), platform.processor())
+    return {
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "torch": torch.__version__,
+        "kernel": platform.release(),
+        "load": os.getloadavg(),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--child", choices=MODES)
+    args = parser.parse_args()
+    if args.child:
+        print(json.dumps(_child(args.child, args)))
+        return
+    print(json.dumps({"machine": _machine(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
+    passthrough = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "warmup", "steps")]
+    rounds: list[dict[str, dict[str, Any]]] = []
+    for _ in range(args.rounds):
+        row = {}
+        for mode in MODES:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", mode, *passthrough], capture_output=True, text=True, check=False
+            )
+            if out.returncode:
+                sys.exit(f"bench param_access: {mode} failed:\n{out.stderr[-3000:]}")
+            row[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+            print(json.dumps(row[mode]), flush=True)
+        if row["guarded"]["loss"] != row["unguarded"]["loss"]:
+            sys.exit(f"bench param_access: the losses differ: {row}")
+        rounds.append(row)
+    ratios = [r["guarded"]["step_s"] / r["unguarded"]["step_s"] for r in rounds]
+    summary = {
+        mode: statistics.median(r[mode]["step_s"] for r in rounds) for mode in MODES
+    } | {"ratio_per_round": [round(x, 3) for x in ratios], "ratio_median": round(statistics.median(ratios), 3)}
+    print(json.dumps({"summary": summary}))
+
+
+if __name__ == "__main__":
+    main()
