@@ -8,8 +8,9 @@ machine falls on both:
 - ``unguarded``: the same, with ``Chunk.guard`` made a no-op in that process, so parameters stay
   ``nn.Parameter`` throughout (reading a released one would then crash: this mode only trains).
 
-The model is tiermem's GPT (``--layers``, ``--width``), AdamW, homes on the host, device capacity a
-half the parameter bytes (at least 16 MiB) and no persistent chunk, so every chunk is streamed and guarded/unguarded at every use.
+The model is tiermem's GPT (``--layers``, ``--width``), AdamW, homes on the host, device capacity
+half the parameter bytes (at least 16 MiB) and no persistent chunk, so every chunk is streamed and
+guarded and unguarded at every use.
 After ``--warmup`` steps, ``--steps`` steps (forward, backward, ``optimizer.step()``,
 ``zero_grad``) are timed; reported: median step time per mode, the ratio guarded / unguarded per
 round and overall, and the final loss (identical across modes: the run fails otherwise).
@@ -55,7 +56,8 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     times, loss = [], None
     with tiermem.Runtime(tiers) as rt:
-        model, opt = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan={"state_home": "host", "persistent_chunks": 0, "buffers": 2})
+        plan = {"state_home": "host", "persistent_chunks": 0, "buffers": 2}
+        model, opt = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan=plan)
         for step in range(args.warmup + args.steps):
             x, y = data.batch(args.batch)
             start = time.perf_counter()
