@@ -246,7 +246,6 @@ class Stepper:
         """Every used parameter of an offloaded chunk has its gradient: send them home, and step
         early (rule 3), from where they are when nothing keeps them (rule 8)."""
         assert self.optimizer is not None
-        self.steps.finish_all()  # MUTANT 4a: gradients_complete waits for the step in flight
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         group_of = self._group_of(self.optimizer) if early else {}
