@@ -123,7 +123,9 @@ class RecordingBackend(PosixBackend):
 
     def open(self, path: str, *, direct: bool) -> int:
         handle = super().open(path, direct=direct)
-        self.files[handle] = os.path.dirname(os.path.dirname(path))  # parent / run dir / data
+        # parent / run dir / data; the tier opens it through the run directory's held descriptor
+        # (/proc/self/fd/N/data, NOTE [ Run directory rules ]): resolve to the real path
+        self.files[handle] = os.path.dirname(os.path.dirname(os.path.realpath(path)))
         return handle
 
     def pread(self, handle: int, buffer: Any, offset: int) -> int:
