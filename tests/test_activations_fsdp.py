@@ -149,6 +149,80 @@ def test_parameters_swapped_in_at_forward_are_never_offloaded(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+class GatheredFresh(nn.Module):
+    """Adds a bias gathered anew for each forward (a framework that allocates the full parameter
+    per forward, instead of FSDP2's one storage resized) and dropped right after it: nothing
+    saves it, so its storage, protected while the module ran (rule 3), is freed in the middle of
+    the forward. Right then storage objects are made until Python gives one the freed one's id
+    (it reuses the memory of freed objects at once); :class:`ReusesTheId` saves a tensor on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("bias", torch.zeros(WIDTH))
+        self.register_forward_pre_hook(self._gather, prepend=True)
+        self.register_forward_hook(self._drop)
+        self.reused: torch.UntypedStorage | None = None
+
+    def _gather(self, _module: nn.Module, _args: object) -> None:
+        self._buffers["bias"] = torch.full((WIDTH,), 0.5)
+
+    def _drop(self, _module: nn.Module, _args: object, output: torch.Tensor) -> None:
+        freed = id(self._buffers["bias"].untyped_storage())  # the object rule 3's set saw
+        self._buffers["bias"] = torch.zeros(WIDTH)
+        made = []
+        for _ in range(10_000):
+            storage = torch.UntypedStorage(output.numel() * output.element_size())
+            if id(storage) == freed:
+                self.reused = storage
+                return
+            made.append(storage)
+        raise AssertionError("no storage object took the freed storage's id")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bias
+
+
+class ReusesTheId(nn.Module):
+    """Multiplies by a tensor on ``source``'s reused storage, which autograd saves for backward."""
+
+    def __init__(self, source: GatheredFresh) -> None:
+        super().__init__()
+        self.source = source
+        self.storage: torch.UntypedStorage | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.storage, self.source.reused = self.source.reused, None
+        assert self.storage is not None
+        return x * torch.empty(0).set_(self.storage, 0, x.shape).fill_(2.0)
+
+
+def test_an_activation_whose_storage_reuses_a_freed_parameters_id_is_offloaded(tmp_path):
+    """Rule 3 matches storages by identity, never by ``id`` alone: a protected storage freed in
+    the middle of a forward, and an activation's storage object that Python then gives the same
+    id, is an activation (captured and written out), not taken for the parameter."""
+    torch.manual_seed(0)
+    gathered = GatheredFresh()
+    reuses = ReusesTheId(gathered)
+    model = nn.Sequential(gathered, reuses, nn.Linear(WIDTH, WIDTH))
+    captured: list[bool] = []
+    x = torch.randn(BATCH, WIDTH, requires_grad=True)
+    (want,) = torch.autograd.grad(model(x).sum(), x)
+    with tiermem.Runtime(_config(tmp_path)) as rt:
+        offloader = rt.offload_activations(model, policy="nvme", blocks=["0", "1", "2"])
+        register = offloader.hooks.fallbacks.register
+
+        def spy(tensor, group):
+            captured.append(tensor.untyped_storage() is reuses.storage)
+            return register(tensor, group)
+
+        offloader.hooks.fallbacks.register = spy
+        with offloader:
+            (got,) = torch.autograd.grad(model(x).sum(), x)
+    assert any(captured), "the activation on the reused id was taken for the freed parameter"
+    assert torch.equal(got, want)
+    assert list(tmp_path.iterdir()) == []
+
+
 class HeldWrites(FaultyBackend):
     """Posix writes held *before* they read their bytes, until the test says; the write then
     reads the storage as it is by then. A storage the test freed and gave other bytes, at an

@@ -455,7 +455,8 @@ def test_early_steps_read_gradients_in_place_on_the_cpu(tmp_path):
 
 
 def watch_early_steps(monkeypatch: pytest.MonkeyPatch, slow_steps: int = 4) -> tuple[list[float], list[int]]:
-    """NOTE [ Declared steps ] rule 9's tests: the step thread on and the first ``slow_steps`` chunk
+    """NOTE [ Declared steps ] rule 9's CUDA tests (tests/test_cuda.py; the CPU test holds steps
+    instead: :class:`HeldEarlySteps`): the step thread on and the first ``slow_steps`` chunk
     steps 0.2 s slow (a slow CPU optimizer: later chunks' gradients complete meanwhile). Returns
     the seconds each ``gradients_complete`` hook took and the queue's length after it."""
     from tiermem.states.chunk_step import ChunkStep
@@ -484,13 +485,96 @@ def watch_early_steps(monkeypatch: pytest.MonkeyPatch, slow_steps: int = 4) -> t
     return hook_seconds, queued
 
 
+class HeldEarlySteps:
+    """NOTE [ Declared steps ] rule 9's never-waits test, without timing: every chunk step that
+    computes during a backward stepping early is held on the step thread until ``RELEASE_AFTER``
+    more of backward's hooks (``backward_entered``, ``gradients_complete``) have returned, or
+    backward's final callback begins (it waits for steps, as rule 9 lets it). A hook that waits
+    for a step in flight can then never return before that step is let go: it stays until the
+    hold's time-out (``HOLD_S``), which only a wait reaches. Each hook records the held steps in
+    flight when it began and which of them had been let go by its return."""
+
+    RELEASE_AFTER = 2
+    HOLD_S = 5.0
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        from tiermem.states.backward import BackwardTracker
+        from tiermem.states.chunk_step import ChunkStep
+        from tiermem.states.stepping import Stepper
+
+        monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+        self.lock = threading.Lock()
+        self.early = False  # inside a backward that steps chunks early
+        self.returned = 0  # hooks returned so far
+        self.holds: list[dict[str, Any]] = []  # per held step: its event, when it began, let go, timed out
+        #: per hook: its name, its seconds, the held steps in flight at its start, those let go by its return
+        self.hooks: list[tuple[str, float, int, int]] = []
+        self.queued: list[int] = []
+        compute, arm, end = ChunkStep.compute, Stepper.arm_early_steps, BackwardTracker._end
+
+        def held_compute(step: ChunkStep) -> None:
+            hold = {"event": threading.Event(), "since": self.returned, "let_go": False, "timed_out": False}
+            with self.lock:  # atomic with backward's end, which lets every hold go
+                held = self.early and threading.current_thread() is not threading.main_thread()
+                if held:
+                    self.holds.append(hold)
+            if held:
+                timed_out = not hold["event"].wait(self.HOLD_S)
+                with self.lock:
+                    hold["let_go"], hold["timed_out"] = True, timed_out
+            compute(step)
+
+        def armed(stepper: Stepper) -> None:
+            arm(stepper)
+            with self.lock:
+                self.early = stepper._early
+
+        def backward_ends(tracker: BackwardTracker) -> None:  # autograd's final callback: may wait
+            self._let_go(everything=True)
+            end(tracker)
+
+        monkeypatch.setattr(ChunkStep, "compute", held_compute)
+        monkeypatch.setattr(Stepper, "arm_early_steps", armed)
+        monkeypatch.setattr(BackwardTracker, "_end", backward_ends)
+        for name in ("backward_entered", "gradients_complete"):
+            monkeypatch.setattr(Stepper, name, self._timed(name, getattr(Stepper, name)))
+
+    def _timed(self, name: str, hook: Any) -> Any:
+        def timed(stepper: Any, chunk: Any) -> None:
+            with self.lock:
+                in_flight = [hold for hold in self.holds if not hold["let_go"]]
+            start = time.perf_counter()
+            hook(stepper, chunk)
+            seconds = time.perf_counter() - start
+            with self.lock:
+                let_go = sum(hold["let_go"] for hold in in_flight)  # only by the time-out, while we ran
+            self.hooks.append((name, seconds, len(in_flight), let_go))
+            if name == "gradients_complete":
+                self.queued.append(len(stepper._queued))
+            self.returned += 1
+            self._let_go()
+
+        return timed
+
+    def _let_go(self, everything: bool = False) -> None:
+        with self.lock:
+            if everything:  # backward ends: no step computing from now on is held
+                self.early = False
+            for hold in self.holds:
+                if not hold["let_go"] and (everything or self.returned - hold["since"] >= self.RELEASE_AFTER):
+                    hold["let_go"] = True
+                    hold["event"].set()
+
+
 @pytest.mark.parametrize("grad_home", ["host", "nvme"])
 def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home):
     """NOTE [ Declared steps ] rule 9: with kept gradients, a chunk whose gradients complete while
     another chunk's step computes is queued and started by a later hook, so no hook of backward
     waits for a step (on CUDA they run on autograd's device thread), also with gradients stored
-    on NVMe (NOTE [ Stored gradients ]); training stays bitwise."""
-    hook_seconds, queued = watch_early_steps(monkeypatch)
+    on NVMe (NOTE [ Stored gradients ]); training stays bitwise. The steps computing during
+    backward are held until later hooks returned (:class:`HeldEarlySteps`): each hook that began
+    while one was held returned while it still was, however loaded the machine."""
+    held = HeldEarlySteps(monkeypatch)
     steps = 3
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
@@ -505,8 +589,16 @@ def test_backward_never_waits_for_an_early_step(tmp_path, monkeypatch, grad_home
         got = plain_loop(model, optimizer, steps, 1, None)
         assert rt.plan.grad_home == grad_home
         assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] >= 2
-    assert max(queued) >= 1, "no early step was ever queued behind one computing"
-    assert max(hook_seconds) < 0.1, f"a backward hook waited {max(hook_seconds):.3f}s for an early step"
+    assert held.holds, "no early step computed during a backward"
+    overlapping = {
+        name: [h for h in held.hooks if h[0] == name and h[2]] for name in ("backward_entered", "gradients_complete")
+    }
+    for name, hooks in overlapping.items():
+        assert hooks, f"no {name} hook ran while an early step computed"
+        waited = [seconds for _, seconds, _, let_go in hooks if let_go]
+        assert not waited, f"{name} waited {max(waited):.2f}s for an early step computing when it began"
+    assert not [hold for hold in held.holds if hold["timed_out"]], "a held step was let go by its time-out only"
+    assert max(held.queued) >= 1, "no early step was ever queued behind one computing"
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []

@@ -59,6 +59,41 @@ def test_a_plain_loop_with_gradients_on_nvme_is_bitwise(tmp_path, set_to_none):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_plain_loop_that_edits_then_reads_each_gradient_is_bitwise(tmp_path):
+    """Rule 2: a staged copy that was written goes back to NVMe before it is dropped, also when
+    a read followed the write. The loop clips each gradient by value and logs its largest entry
+    right after (a write, then a read, of the same staged chunk); later chunks push the copy out
+    before the step reads it again from NVMe."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen = []
+        for step in range(2):
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            seen.append(loss.detach())
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.clamp_(-1e-3, 1e-3)
+                    seen.append(p.grad.abs().max().as_subclass(torch.Tensor))
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        got = run(model, optimizer)
+        stash = _states(rt).gradients.stash
+        assert stash.write_backs > 0  # edited copies went back to NVMe
+        _within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_grad_is_a_stored_gradient_that_reads_and_edits_like_plain_pytorch(tmp_path):
     """``.grad`` after backward: values, views, in-place edits, replacement, ``deepcopy`` and
     ``model.zero_grad()`` all behave as in plain PyTorch (NOTE [ Host gradients ] rules 2-6)."""
