@@ -133,3 +133,20 @@ def test_states_and_activations_reach_bytes_only_through_the_registry(package):
             offenders += [f"{path.name}:{node.lineno} imports {n}" for n in names if n.startswith(DOOR_BYPASSES)]
             offenders += [f"{path.name}:{node.lineno} uses {what}" for what in _door_bypass(node)]
     assert not offenders, offenders
+
+
+def test_every_module_is_named_in_the_module_map_and_every_name_exists() -> None:
+    """docs/ARCHITECTURE.md's module map stays true: drift either way fails."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    mapped = doc.split("## Module map", 1)[1]
+    named: set[str] = set()
+    package = ""
+    for line in mapped.splitlines():
+        if line.startswith("`") and line.rstrip().endswith("/`:"):
+            package = line.strip().strip(":").strip("`")
+        elif line.startswith("- `") and package:
+            named.add(f"{package}{line[3:].split('`', 1)[0]}")
+    present = {str(p.relative_to(ROOT)) for p in _library_modules()}
+    missing, gone = sorted(present - named), sorted(named - present)
+    assert not missing, f"add a line for each of these to docs/ARCHITECTURE.md's module map: {missing}"
+    assert not gone, f"docs/ARCHITECTURE.md's module map names modules that no longer exist: {gone}"
