@@ -17,7 +17,7 @@ import torch
 
 from tiermem.tiers.backends.posix import PosixBackend
 from tiermem.tiers.nvme import NvmeTier
-from tiermem.tiers.nvme_request import Request
+from tiermem.tiers.nvme_engine import _Request as Request
 from tiermem.tiers.staging import memview
 
 

@@ -37,7 +37,7 @@
 
 The tier composes two parts: :class:`~tiermem.tiers.nvme_store.NvmeStore`, what is stored
 where (run directories, data files, extents, checksum records: rules 1, 3, 4), and
-:class:`~tiermem.tiers.nvme_requests.NvmeRequests`, the request engine (segments, the worker
+:class:`~tiermem.tiers.nvme_engine.NvmeEngine`, the request engine (segments, the worker
 pool and submission queue, futures, frees deferred behind I/O in flight: rules 2, 3, 5, 6).
 """
 
@@ -61,7 +61,7 @@ from tiermem.tiers.backends.base import (
 )
 from tiermem.tiers.base import ALIGNMENT, Allocation, Tier
 from tiermem.tiers.fsinfo import filesystem_of
-from tiermem.tiers.nvme_requests import NvmeRequests
+from tiermem.tiers.nvme_engine import NvmeEngine
 from tiermem.tiers.nvme_store import NvmeStore, resolve_parents
 from tiermem.tiers.staging import BouncePool
 
@@ -164,7 +164,7 @@ class NvmeTier(Tier):
             bounces=self._bounces,
         )
         try:
-            self._requests = NvmeRequests(self._store, self.queue_depth, self._bounces, self._pinned_bounces)
+            self._requests = NvmeEngine(self._store, self.queue_depth, self._bounces, self._pinned_bounces)
         except BaseException:
             self._store.close()
             raise

@@ -3,7 +3,7 @@ logical space, the checksums of its bytes, and the system calls on its files.
 
 :class:`NvmeStore` keeps NOTE [ NVMe tier layout and I/O ] (in :mod:`tiermem.tiers.nvme`)
 rule 1 (files, stripes, growth), the alignment facts of rule 3 and the records of rule 4;
-it does no request bookkeeping (that is :mod:`tiermem.tiers.nvme_requests`).
+it does no request bookkeeping (that is :mod:`tiermem.tiers.nvme_engine`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Staging memory for storage I/O: page-aligned bounce buffers and raw-memory views.
 
-Used by the NVMe tier (:mod:`tiermem.tiers.nvme_store`, :mod:`tiermem.tiers.nvme_requests`)
+Used by the NVMe tier (:mod:`tiermem.tiers.nvme_store`, :mod:`tiermem.tiers.nvme_engine`)
 where a segment cannot go straight between the caller's memory and the file: O_DIRECT
 padding, CUDA tensors, checksum records wider than the request
 (NOTE [ NVMe tier layout and I/O ] rule 3).

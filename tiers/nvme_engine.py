@@ -1,5 +1,6 @@
 """The NVMe tier's request engine: splitting reads and writes into segments, running them on
-the worker pool or the backend's submission queue, and completing each request's future.
+the worker pool or the backend's submission queue, and completing each request's future (one
+:class:`_Request` per read or write in flight, counted down as its segments complete).
 
 NOTE [ NVMe tier layout and I/O ] (in :mod:`tiermem.tiers.nvme`) rules 2, 3, 5 and 6 are
 kept here; where the bytes are (files, extents, checksum records) is
@@ -22,12 +23,11 @@ from tiermem.errors import ShortReadError, internal_error
 from tiermem.tiers.backends.base import IoOp, IoQueue, open_queue
 from tiermem.tiers.base import ALIGNMENT, Allocation
 from tiermem.tiers.nvme_checksums import ChecksumRecord, digest_of
-from tiermem.tiers.nvme_request import Request as _Request
 from tiermem.tiers.nvme_store import NvmeStore, Segment
 from tiermem.tiers.staging import BounceBuffer, BouncePool, is_aligned, memview
 from tiermem.units import round_up
 
-__all__ = ["NvmeRequests", "gather"]
+__all__ = ["NvmeEngine", "gather"]
 
 logger = logging.getLogger("tiermem.nvme")
 
@@ -35,6 +35,47 @@ logger = logging.getLogger("tiermem.nvme")
 # without a getpid system call per request (TRAPS 15).
 _pid = [os.getpid()]
 os.register_at_fork(after_in_child=lambda: _pid.__setitem__(0, os.getpid()))
+
+
+class _Request:
+    """One read or write in flight. Holds the caller's tensor only until it completes (TRAPS 14).
+
+    A plain class with slots, not a dataclass: one is made per request, and small requests
+    are counted in tens of thousands a second (TRAPS 15)."""
+
+    __slots__ = (
+        "address", "allocation_id", "cuda", "data_end", "error", "fence", "future", "lock", "op", "queued",
+        "remaining", "tensor",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        op: str,
+        allocation_id: int,
+        data_end: int,
+        tensor: torch.Tensor | None,
+        address: int,
+        cuda: bool,
+        future: Future[None] | None,
+        remaining: int,
+    ) -> None:
+        self.op = op
+        self.allocation_id = allocation_id
+        self.data_end = data_end  # logical end of the allocation's meaningful bytes (location + nbytes)
+        self.tensor = tensor
+        self.address = address  # host address of the buffer, 0 for CUDA tensors
+        self.cuda = cuda
+        self.future = future
+        self.remaining = remaining
+        self.error: BaseException | None = None
+        self.queued = 0  # segments the submission queue completed (counted as zero-copy at the end)
+        self.lock = threading.Lock()
+        self.fence: Any = None  # rule 7: the CUDA event a worker waits for before touching the tensor
+
+    def wait_fence(self) -> None:
+        """Rule 7: block until the device work queued before this request's fence has run."""
+        if self.fence is not None:
+            self.fence.synchronize()
 
 
 class _WritePlan(NamedTuple):
@@ -74,7 +115,7 @@ def gather(futures: list[Future[None]]) -> Future[None]:
     return out
 
 
-class NvmeRequests:
+class NvmeEngine:
     """Carries out the reads and writes of one :class:`NvmeStore` on ``queue_depth`` worker
     threads (and the backend's submission queue, rule 6), one future per request.
 
