@@ -20,7 +20,7 @@ PLANNER_PURE = {
     "tiermem.planner.costmodel",
     "tiermem.planner.errors",
     "tiermem.planner.profile",
-    "tiermem.planner.raises",
+    "tiermem.planner.no_fit",
     "tiermem.planner.scan",
     "tiermem.planner.state_costs",
 }

@@ -11,7 +11,7 @@ Pure (importing them loads no registry, scheduler, tier, offloader or manager):
   :mod:`~tiermem.planner.activation_costs` (the activations).
 - :mod:`~tiermem.planner.search`: the fastest plan that fits (NOTE [ Plan search ]), from
   :mod:`~tiermem.planner.candidates` (packings, the activation front),
-  :mod:`~tiermem.planner.scan` (scan and pick) and :mod:`~tiermem.planner.raises` (no fit).
+  :mod:`~tiermem.planner.scan` (scan and pick) and :mod:`~tiermem.planner.no_fit` (no fit).
 
 Measuring (on the live model and tiers):
 

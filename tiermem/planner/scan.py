@@ -2,7 +2,7 @@
 :mod:`tiermem.planner.search`): every states choice at some capacities with the fastest
 activation front entry it can take (a separable estimate), then the fastest candidates
 predicted again in full. Memoised in a :class:`Space`, which the raises of rules 4 and 5
-(:mod:`tiermem.planner.raises`) scan again at other capacities. Pure."""
+(:mod:`tiermem.planner.no_fit`) scan again at other capacities. Pure."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The search: the fastest plan whose predicted peaks fit every tier. Pure (profile + budgets in).
 Rules 1 and 2 enumerate in :mod:`~tiermem.planner.candidates`, rules 1-3 scan and pick in
-:mod:`~tiermem.planner.scan`, rules 4 and 5 are in :mod:`~tiermem.planner.raises`; this module
+:mod:`~tiermem.planner.scan`, rules 4 and 5 are in :mod:`~tiermem.planner.no_fit`; this module
 runs them and explains the plan (and re-exports their public names).
 
 # NOTE [ Plan search ]
@@ -73,8 +73,8 @@ from tiermem.planner.costmodel import (
     combine,
     states_cost,
 )
+from tiermem.planner.no_fit import GALLOP_TRIES, IN_TURN_TRIES, NARROW_TRIES, WIDEN_TRIES, no_fit
 from tiermem.planner.profile import Profile
-from tiermem.planner.raises import GALLOP_TRIES, IN_TURN_TRIES, NARROW_TRIES, WIDEN_TRIES, no_fit
 from tiermem.planner.scan import FINALISTS, MAX_EXACT, Space
 from tiermem.units import format_size
 
