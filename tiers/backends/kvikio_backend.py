@@ -328,10 +328,6 @@ class KvikioBackend:
     def deregister_buffer(self, buffer: Any) -> None:
         self.registrations.deregister(buffer)
 
-    def release_registrations(self) -> None:
-        """Deregister every buffer still registered (rule 4); the backend stays usable."""
-        self.registrations.release_all()
-
     def open(self, path: str, *, direct: bool) -> Any:
         # CuFile "r+" needs an existing file and "w" would truncate: create it first.
         os.close(os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600))
