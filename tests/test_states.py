@@ -571,11 +571,11 @@ def test_unsupported_optimizers_and_misuse_get_clear_errors(tmp_path):
 
     with tiermem.Runtime(config(tmp_path, 1 << 20)) as rt:
         model = make_model()
-        for optimizer in (torch.optim.RMSprop(model.parameters()), MyAdam(model.parameters()), "adam"):
-            with pytest.raises(UnsupportedOptimizerError, match=r"AdamW, torch\.optim\.Adam and torch\.optim\.SGD"):
+        for optimizer in (MyAdam(model.parameters()), "adam"):
+            with pytest.raises(UnsupportedOptimizerError, match=r"per-parameter torch\.optim optimizers"):
                 rt.manage(model, optimizer)
-        with pytest.raises(UnsupportedOptimizerError, match="Adagrad is not supported"):
-            rt.manage(model, torch.optim.Adagrad, lr=0.1)
+        with pytest.raises(UnsupportedOptimizerError, match=r"LBFGS is not supported: its step\(\) needs a closure"):
+            rt.manage(model, torch.optim.LBFGS, lr=0.1)
         with pytest.raises(ValueError, match="not in the model"):
             rt.manage(model, torch.optim.SGD(make_model().parameters(), lr=0.1))
         model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1)

@@ -143,7 +143,7 @@ class LoadTree:
         stateio = self.stateios[m]
         if isinstance(stateio, ShardedStateIO):
             return stateio.section(i, key) if stateio.has_section(i, key) else None
-        if key not in states.state_names:
+        if not states.facts.is_section(i, key):  # a small state (NOTE [ Exact optimizer step ] rule 3)
             return None
         entry = stateio.state_entries(i).get(key)
         if isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections:

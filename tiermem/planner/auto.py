@@ -29,7 +29,7 @@ from tiermem.planner.profiler import Sample, measure
 from tiermem.planner.search import Decision, search
 from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, streamed
 from tiermem.registry import Registry
-from tiermem.states.optimizer import SUPPORTED
+from tiermem.states.optimizer import learn_state
 
 log = logging.getLogger("tiermem.planner")
 
@@ -104,10 +104,12 @@ def profile_model(
             log.info("tiermem planner: using the cached profile %s", key)
             return cached
     start = time.perf_counter()
-    names = SUPPORTED[cls](groups) if cls in SUPPORTED else ("exp_avg", "exp_avg_sq")
     params = list(model.parameters())
-    optimized = {id(p) for group in groups for p in group["params"]}
-    sections = [len(names) if id(p) in optimized else 0 for p in params]
+    # the real state bytes per parameter, learned from the optimizer (NOTE [ Exact optimizer step ] rule 3):
+    # Adafactor's factored statistics and SGD without momentum need no sections, AdamW two
+    state = learn_state(cls, defaults, groups)
+    sections = [state.sections(p) for p in params]
+    names = state.names
     info = streamed()
     stalled = info.stalled() if info is not None else 0.0
     blocks_stats, outside, param_stats, order, modules, shared, param_block = measure(

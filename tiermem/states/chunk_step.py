@@ -81,14 +81,16 @@ class ChunkStep:
         sections: dict[tuple[int, str], torch.Tensor] = {}
         if home is not None:
             for slot in slots:
-                for k, name in enumerate(names):
-                    sections[slot.index, name] = slot.master_view(home, chunk.section_base(k), scale)
+                for name in facts.section_keys[slot.index]:
+                    base = chunk.section_base(names.index(name))
+                    sections[slot.index, name] = slot.master_view(home, base, scale)
         state: dict[torch.Tensor, dict[str, Any]] = {}
         for slot in slots:
             record = store.pstate.get(slot.index)
             if record is not None:
                 state[objects[slot.index]] = {
-                    key: sections[slot.index, key] if key in names else record.scalars[key] for key in record.keys
+                    key: record.scalars[key] if key in record.scalars else sections[slot.index, key]
+                    for key in record.keys
                 }
         by_group: dict[int, list[torch.Tensor]] = {}
         for slot in slots:
@@ -126,7 +128,12 @@ class ChunkStep:
                 record = ParamState(list(entry))
                 for key, value in entry.items():
                     target = self.sections.get((index, key))
-                    if target is not None and isinstance(value, torch.Tensor) and value.shape == obj.shape:
+                    if (
+                        target is not None
+                        and isinstance(value, torch.Tensor)
+                        and value.shape == target.shape
+                        and value.dtype == target.dtype
+                    ):
                         if not same(value, target):
                             target.copy_(value)
                     else:

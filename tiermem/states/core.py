@@ -19,7 +19,7 @@ from tiermem.layout.chunks import ChunkLayout, ParamInfo
 from tiermem.layout.placement import ChunkNeeds
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesClosedError, StatesUsageError
-from tiermem.states.optimizer import coerce_optimizer, state_names
+from tiermem.states.optimizer import coerce_optimizer, learn_state
 from tiermem.units import format_size
 
 
@@ -104,8 +104,10 @@ class ModelFacts:
     #: parameters the optimizer steps
     optimized: set[int]
     optimizer_class: type[torch.optim.Optimizer]
-    #: the optimizer-state tensors kept per parameter (NOTE [ Exact optimizer step ] rule 1)
+    #: the optimizer-state sections, in home order (NOTE [ Exact optimizer step ] rule 3)
     state_names: tuple[str, ...]
+    #: per parameter index: its state keys that have sections (the rest are small states)
+    section_keys: tuple[tuple[str, ...], ...]
     #: rt.manage(param_dtype=): the working dtype, None without mixed precision
     param_dtype: torch.dtype | None
     #: fp32 master bytes per working byte (chunk layout rule 6)
@@ -138,6 +140,9 @@ class ModelFacts:
             names = [(n, index[id(p)]) for n, p in module._parameters.items() if p is not None]
             if names:
                 module_names[module] = names
+        layout = learn_state(
+            type(base), base.defaults, base.param_groups, torch.float32 if working is not None else None
+        )
         owners = Counter(i for names in module_names.values() for _, i in names)
         facts = cls(
             model=model,
@@ -150,15 +155,27 @@ class ModelFacts:
             shared={i for i, count in owners.items() if count > 1},
             optimized={index[id(p)] for group in base.param_groups for p in group["params"]},
             optimizer_class=type(base),
-            state_names=state_names(type(base), base.param_groups),
+            state_names=layout.names,
+            section_keys=tuple(layout.keys.get(id(p), ()) for p in params),
             param_dtype=working,
             master_scale=master_scale,
         )
         return facts, base
 
+    def param_sections(self, i: int) -> int:
+        """Sections parameter ``i`` needs: its last section key's index + 1 (0: nothing steps it,
+        or all its state is small, NOTE [ Exact optimizer step ] rule 3)."""
+        keys = self.section_keys[i] if i in self.optimized else ()
+        return 1 + max(self.state_names.index(k) for k in keys) if keys else 0
+
     def sections(self, layout: ChunkLayout) -> int:
-        """Optimizer-state sections of a chunk's home: none for a chunk nothing steps."""
-        return len(self.state_names) if any(s.index in self.optimized for s in layout.slots) else 0
+        """Optimizer-state sections of a chunk's home: what its parameters need, none for a
+        chunk nothing steps or whose parameters keep only small states."""
+        return max((self.param_sections(s.index) for s in layout.slots), default=0)
+
+    def is_section(self, i: int, key: str) -> bool:
+        """State ``key`` of parameter ``i`` lives in a section of its chunk's home."""
+        return key in self.section_keys[i]
 
     def needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
         return [

@@ -1,28 +1,48 @@
 """The optimizer ``rt.manage`` returns, and torch's own step run on per-parameter views.
 
 # NOTE [ Exact optimizer step ]
-1. Supported: ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (exactly these classes: a subclass
-   may change the math). Anything else raises :class:`UnsupportedOptimizerError`.
+1. Accepted: every per-parameter optimizer of ``torch.optim`` (``AdamW``, ``Adam``, ``SGD``,
+   ``Adagrad``, ``RMSprop``, ``Adamax``, ``NAdam``, ``RAdam``, ``Adadelta``, ``Rprop``,
+   ``ASGD``; exactly these classes, a subclass may change the math), Hugging Face's
+   ``transformers.optimization.Adafactor``, and any optimizer class that declares the contract
+   with ``tiermem_per_parameter = True`` (README, "Your optimizer"): torch.optim's param groups,
+   per-parameter ``state``, and a ``step()`` that updates each parameter from its own gradient,
+   state and group only. ``LBFGS`` (a closure re-evaluating the whole model, one state for all
+   parameters) and ``SparseAdam`` (sparse gradients) are refused, as is anything else, with
+   :class:`UnsupportedOptimizerError` naming what to do.
 2. The step of a chunk runs the user's optimizer class's own ``step`` (its ``_init_group``
-   and the functional ``adam``/``sgd`` it calls, with the group's ``foreach``/``fused``/
-   ``capturable`` settings) on a throw-away instance whose parameters are per-parameter
+   and the functional ``adam``/``sgd``/... it calls, with the group's ``foreach``/``fused``/
+   ``capturable``/``maximize`` settings) on a throw-away instance whose parameters are per-parameter
    views into the chunk and whose state entries are views into the chunk's state sections.
    Per-parameter math is then torch's, bit for bit (TRAPS 3: never one call over a flat
    chunk). The instance is rebuilt through the unpickling path (``__setstate__``) and its
    unhooked ``step`` is called, so global optimizer hooks fire once, on the managed
    optimizer, not per chunk.
-3. State the class creates lazily (Adam's moments at the first step, SGD's momentum buffer)
-   is copied into the chunk's sections after the step and the views take its place; scalars
-   (``step``) stay small CPU tensors in memory.
-4. ``param_groups`` are live: each step reads every hyper-parameter from them, so LR
+3. State of any shape: the layout is learned from the optimizer, never from a list of names.
+   :func:`learn_state` runs the class's own constructor and two steps on small CPU samples (one
+   per group, dimensionality and dtype of the parameters it steps) and classifies every state
+   entry: a tensor with its parameter's shape and dtype (Adam's moments, Rprop's step sizes,
+   Adafactor's unfactored second moment) gets a *section* of the chunk's home (host or NVMe), the
+   same bytes as the parameter; anything else (``step``, ASGD's ``eta``, Adafactor's factored
+   row/column statistics: rows + columns elements, not rows x columns) is a *small state* kept with
+   the parameter's record in memory, as ``step`` always was. State the class creates lazily is
+   copied into the sections after the step and the views take its place; a state the samples did
+   not predict is kept as a small state (correct, only not offloaded).
+4. A declared optimizer (rule 1's attribute) is checked on the same samples: two parameters
+   stepped together must end bitwise as each stepped alone, else it reads across parameters
+   (a global norm, a shared statistic) and is refused before the first step. Built-in ones are
+   known per-parameter and skip the check.
+5. ``param_groups`` are live: each step reads every hyper-parameter from them, so LR
    schedulers and hand edits take effect at the next step. ``optimizer.state`` stays empty:
    states live in chunks; ``state_dict()``/``load_state_dict()`` speak PyTorch's format.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -30,18 +50,59 @@ from torch import nn
 
 from tiermem.states.errors import StatesUsageError, UnsupportedOptimizerError
 
-#: Rule 1: class -> the per-parameter state tensors it keeps, given its param groups.
-SUPPORTED: dict[type[torch.optim.Optimizer], Callable[[list[dict[str, Any]]], tuple[str, ...]]] = {
-    torch.optim.AdamW: lambda groups: (
-        ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if any(g.get("amsgrad") for g in groups) else ())
+#: Rule 1: the per-parameter optimizers of torch.optim (exactly these classes)
+SUPPORTED: frozenset[type[torch.optim.Optimizer]] = frozenset(
+    {
+        torch.optim.AdamW,
+        torch.optim.Adam,
+        torch.optim.SGD,
+        torch.optim.Adagrad,
+        torch.optim.RMSprop,
+        torch.optim.Adamax,
+        torch.optim.NAdam,
+        torch.optim.RAdam,
+        torch.optim.Adadelta,
+        torch.optim.Rprop,
+        torch.optim.ASGD,
+    }
+)
+#: Rule 1: third-party per-parameter optimizers accepted by their qualified name (not imported here)
+KNOWN_PER_PARAMETER = frozenset({"transformers.optimization.Adafactor"})
+#: Rule 1: the class attribute a per-parameter optimizer declares the contract with
+DECLARATION = "tiermem_per_parameter"
+#: Rule 1: refused even when declared, with why
+REFUSED: dict[type[torch.optim.Optimizer], str] = {
+    torch.optim.LBFGS: (
+        "its step() needs a closure that re-evaluates the whole model several times per step and it keeps one "
+        "state for all parameters together; use a per-parameter optimizer (AdamW, SGD, Adafactor, ...) with "
+        "rt.manage, or train without tiermem's model states"
     ),
-    torch.optim.Adam: lambda groups: (
-        ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if any(g.get("amsgrad") for g in groups) else ())
+    torch.optim.SparseAdam: (
+        "it needs sparse gradients and tiermem's chunks hold dense ones; use Adam or AdamW (dense gradients)"
     ),
-    torch.optim.SGD: lambda groups: ("momentum_buffer",) if any(g.get("momentum", 0) != 0 for g in groups) else (),
 }
 
-_SUPPORTED_NAMES = "torch.optim.AdamW, torch.optim.Adam and torch.optim.SGD"
+_SUPPORTED_NAMES = (
+    "the per-parameter torch.optim optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, Adamax, NAdam, RAdam, "
+    "Adadelta, Rprop, ASGD), transformers' Adafactor, and optimizer classes declaring "
+    f"{DECLARATION} = True"
+)
+
+
+def qualified_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def accepted(cls: type) -> bool:
+    """Rule 1: whether ``cls`` is stepped (before the declared-contract check of rule 4)."""
+    if cls in REFUSED:
+        return False
+    return cls in SUPPORTED or qualified_name(cls) in KNOWN_PER_PARAMETER or cls.__dict__.get(DECLARATION) is True
+
+
+def declared(cls: type) -> bool:
+    """Rule 4: accepted on the class's own word (so checked on samples)."""
+    return cls not in SUPPORTED and qualified_name(cls) not in KNOWN_PER_PARAMETER
 
 
 def coerce_optimizer(
@@ -56,17 +117,22 @@ def coerce_optimizer(
                 "not with a constructed optimizer"
             )
         cls = type(optimizer)
-    elif isinstance(optimizer, type):
+    elif isinstance(optimizer, type) and issubclass(optimizer, torch.optim.Optimizer):
         cls = optimizer
     else:
         raise UnsupportedOptimizerError(
-            f"tiermem manage: the optimizer must be a torch.optim optimizer or its class, got "
+            f"tiermem manage: the optimizer must be a torch.optim.Optimizer or its class, got "
             f"{type(optimizer).__name__}; supported: {_SUPPORTED_NAMES}"
         )
-    if cls not in SUPPORTED:
+    for refused, why in REFUSED.items():
+        if issubclass(cls, refused):
+            raise UnsupportedOptimizerError(f"tiermem manage: {qualified_name(cls)} is not supported: {why}")
+    if not accepted(cls):
         raise UnsupportedOptimizerError(
-            f"tiermem manage: {cls.__module__}.{cls.__qualname__} is not supported; tiermem reproduces "
-            f"{_SUPPORTED_NAMES} exactly (subclasses excluded, they may change the math)"
+            f"tiermem manage: {qualified_name(cls)} is not supported; tiermem steps {_SUPPORTED_NAMES} "
+            "(a subclass of a supported class is not trusted: it may change the math). If its step() updates "
+            "each parameter from its own gradient, state and param group only, declare it: "
+            f"`{cls.__qualname__}.{DECLARATION} = True` (README, 'Your optimizer'; NOTE [ Exact optimizer step ])"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
         optimizer = cls([p for p in params if p.requires_grad], **kwargs)
@@ -82,8 +148,154 @@ def coerce_optimizer(
     return optimizer
 
 
-def state_names(cls: type[torch.optim.Optimizer], groups: list[dict[str, Any]]) -> tuple[str, ...]:
-    return SUPPORTED[cls](groups)
+@dataclass(frozen=True)
+class StateLayout:
+    """Rule 3: what the optimizer keeps per parameter, learned on samples."""
+
+    #: section keys, in the order of the chunk's sections
+    names: tuple[str, ...]
+    #: per parameter (by id) the optimizer steps: its section keys
+    keys: dict[int, tuple[str, ...]]
+
+    def sections(self, p: torch.Tensor) -> int:
+        """Sections a chunk holding ``p`` needs for it: its last section key's index + 1."""
+        keys = self.keys.get(id(p), ())
+        return 1 + max(self.names.index(k) for k in keys) if keys else 0
+
+
+_PROBE_FLAGS = {"capturable": False, "fused": False, "differentiable": False}
+"""Settings a CPU sample cannot take; none of them changes what state is kept or its shape."""
+
+
+def _unhooked_step(cls: type[torch.optim.Optimizer]) -> Callable[[Any], Any]:
+    step = cls.step
+    return step.__wrapped__ if getattr(step, "hooked", False) else step  # type: ignore[attr-defined]
+
+
+def _construct(
+    cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], groups: list[dict[str, Any]]
+) -> torch.optim.Optimizer:
+    """A fresh instance over sample groups (its constructor may create state, as Adagrad's does);
+    the unpickling path where the constructor needs more than its defaults."""
+    accepted_args = inspect.signature(cls.__init__).parameters
+    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted_args.values())
+    kwargs = {k: v for k, v in defaults.items() if (takes_any or k in accepted_args) and k not in _PROBE_FLAGS}
+    try:
+        return cls(groups, **kwargs)
+    except TypeError:
+        shadow = cls.__new__(cls)
+        shadow.__setstate__({"defaults": dict(defaults), "state": defaultdict(dict), "param_groups": groups})
+        return shadow
+
+
+def _probe(
+    cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], groups: list[dict[str, Any]], steps: int
+) -> torch.optim.Optimizer:
+    """``steps`` steps of ``cls`` over ``groups`` (sample parameters whose ``.grad`` is set)."""
+    instance = _construct(cls, defaults, groups)
+    instance._warned_capturable_if_run_uncaptured = True  # type: ignore[attr-defined]
+    step = _unhooked_step(cls)
+    for _ in range(steps):
+        step(instance)
+    return instance
+
+
+def _sample(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    t = torch.randn(shape, generator=generator).to(dtype).requires_grad_(True)
+    t.grad = torch.randn(shape, generator=generator).to(dtype)
+    return t
+
+
+def _sample_shape(ndim: int) -> tuple[int, ...]:
+    return tuple(3 + k for k in range(ndim))  # distinct sizes: a row statistic never looks like a column one
+
+
+def learn_state(
+    cls: type[torch.optim.Optimizer],
+    defaults: Mapping[str, Any],
+    groups: list[dict[str, Any]],
+    master_dtype: torch.dtype | None = None,
+) -> StateLayout:
+    """Rules 3 and 4: the state ``cls`` keeps for each parameter of ``groups`` (stepped in
+    ``master_dtype`` when given, else its own dtype), learned on CPU samples; raises
+    UnsupportedOptimizerError for a declared optimizer that reads across parameters."""
+    generator = torch.Generator().manual_seed(0)
+    kinds: list[list[tuple[int, torch.dtype]]] = []
+    sample_groups: list[dict[str, Any]] = []
+    for group in groups:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper.update({k: v for k, v in _PROBE_FLAGS.items() if k in hyper})
+        found = sorted(
+            {(p.dim(), master_dtype or p.dtype) for p in group["params"]} | {(1, master_dtype or torch.float32)},
+            key=str,
+        )
+        kinds.append(found)
+        params = [_sample(_sample_shape(ndim), dtype, generator) for ndim, dtype in found]
+        sample_groups.append({**hyper, "params": params})
+    instance = _probe(cls, defaults, sample_groups, steps=2)
+    by_kind: list[dict[tuple[int, torch.dtype], tuple[str, ...]]] = []
+    order: list[str] = []
+    for found, group in zip(kinds, sample_groups, strict=True):
+        classified: dict[tuple[int, torch.dtype], tuple[str, ...]] = {}
+        one_d = {}
+        for (ndim, dtype), p in zip(found, group["params"], strict=True):
+            entry = instance.state.get(p, {})
+            keys = tuple(
+                k
+                for k, v in entry.items()
+                if isinstance(v, torch.Tensor) and v.shape == p.shape and v.dtype == p.dtype and v.dim() > 0
+            )
+            classified[ndim, dtype] = keys
+            if ndim == 1:
+                one_d[dtype] = keys
+        for (ndim, dtype), p in zip(found, group["params"], strict=True):
+            if ndim == 0:  # a 0-d state of a 0-d parameter is a section where a 1-d one's is
+                entry = instance.state.get(p, {})
+                classified[ndim, dtype] = tuple(
+                    k
+                    for k in one_d.get(dtype, ())
+                    if isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == dtype and entry[k].dim() == 0
+                )
+        for keys in classified.values():
+            order += [k for k in keys if k not in order]
+        by_kind.append(classified)
+    if declared(cls):
+        _check_independent(cls, defaults, sample_groups)
+    keys = {
+        id(p): by_kind[g][p.dim(), master_dtype or p.dtype] for g, group in enumerate(groups) for p in group["params"]
+    }
+    return StateLayout(tuple(order), keys)
+
+
+def _check_independent(
+    cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any], sample_groups: list[dict[str, Any]]
+) -> None:
+    """Rule 4: two sample parameters stepped together end bitwise as each stepped alone."""
+    hyper = {k: v for k, v in sample_groups[0].items() if k != "params"}
+    generator = torch.Generator().manual_seed(1)
+    pair = [_sample((3, 4), torch.float32, generator), _sample((5,), torch.float32, generator)]
+    pair[1].grad.mul_(100.0)  # type: ignore[union-attr]  # different scales: a global norm shows
+
+    def fresh() -> list[torch.Tensor]:
+        out = []
+        for t in pair:
+            c = t.detach().clone().requires_grad_(True)
+            c.grad = t.grad.clone()  # type: ignore[union-attr]
+            out.append(c)
+        return out
+
+    together = fresh()
+    _probe(cls, defaults, [{**hyper, "params": together}], steps=3)
+    for k, t in enumerate(fresh()):
+        _probe(cls, defaults, [{**hyper, "params": [t]}], steps=3)
+        if not torch.equal(t.detach(), together[k].detach()):
+            raise UnsupportedOptimizerError(
+                f"tiermem manage: {qualified_name(cls)} declares {DECLARATION} = True, but its step reads across "
+                "parameters: two parameters stepped together end differently from each stepped alone (a global "
+                "norm or shared statistic?). tiermem steps chunk by chunk and would change its math; remove the "
+                "cross-parameter part (clip with rt.manage(clip_grad_norm=) instead) or train without tiermem's "
+                "model states (NOTE [ Exact optimizer step ] rule 4)"
+            )
 
 
 def run_step(
@@ -104,10 +316,7 @@ def run_step(
     shadow._warned_capturable_if_run_uncaptured = True
     for name, value in attributes.items():  # e.g. GradScaler's grad_scale/found_inf
         setattr(shadow, name, value)
-    step = cls.step
-    if getattr(step, "hooked", False):
-        step = step.__wrapped__  # type: ignore[attr-defined]
-    step(shadow)
+    _unhooked_step(cls)(shadow)
     return shadow.state
 
 

@@ -292,8 +292,10 @@ class Relayout:
     def _snapshot_bytes(self) -> int:
         """A snapshot's bytes: every value, gradient and optimizer state as a plain copy."""
         facts = self.facts
-        per_param = 1 + len(facts.state_names)
-        return sum(info.nbytes * facts.master_scale * (per_param + info.trainable) for info in facts.info)
+        return sum(
+            info.nbytes * facts.master_scale * (1 + facts.param_sections(i) + info.trainable)
+            for i, info in enumerate(facts.info)
+        )
 
     def _beyond_capacities(self, copy: int, grads: int) -> str | None:
         """Rule 9: the plain copy (``copy`` bytes, and on the CPU device the profiling step's

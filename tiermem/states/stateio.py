@@ -127,7 +127,12 @@ class StateIO:
             slots = [s for s in chunk.layout.slots if s.index in states or s.index in pstate]
             if not slots:
                 continue
-            tensors = [s for s in slots if chunk.sections and any(k in names for k in states.get(s.index, {}))]
+            facts = self.facts
+            tensors = [
+                s
+                for s in slots
+                if chunk.sections and any(facts.is_section(s.index, k) for k in states.get(s.index, {}))
+            ]
             home_ctx = self.homes.writable(chunk) if tensors else contextlib.nullcontext(None)
             with home_ctx as home:
                 for slot in slots:
@@ -137,7 +142,7 @@ class StateIO:
                         continue
                     record = ParamState(list(entry))
                     for key, value in entry.items():
-                        if key in names and chunk.sections and isinstance(value, torch.Tensor):
+                        if facts.is_section(slot.index, key) and chunk.sections and isinstance(value, torch.Tensor):
                             if tuple(value.shape) != slot.shape:
                                 raise ValueError(
                                     f"tiermem: optimizer state {key!r} has shape {list(value.shape)} but its "
