@@ -17,9 +17,9 @@ from tests.test_activations import Decoder, _assert_identical, _batch, _settled_
 from tests.test_registry import DeviceCache
 from tiermem.activations import ActivationMemoryError, BlockPolicy
 from tiermem.activations.fallback import decide
+from tiermem.activations.history import MAX_OUTAGE_FORWARDS, OffloadHistory
 from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.ledger import WriteLedger
-from tiermem.activations.memory import MAX_OUTAGE_FORWARDS, ModelMemory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.tiers.backends.faulty import FaultyBackend
 from tiermem.tiers.backends.posix import PosixBackend
@@ -276,7 +276,7 @@ def test_decide_rule():
     assert decide(recompute, "disk_full", 2000, 0) == (recompute, "")
 
 
-def _out_forwards(memory: ModelMemory, forwards: range) -> list[int]:
+def _out_forwards(memory: OffloadHistory, forwards: range) -> list[int]:
     """The forwards in ``forwards`` for which nvme is out."""
     out = []
     for forward in forwards:
@@ -287,7 +287,7 @@ def _out_forwards(memory: ModelMemory, forwards: range) -> list[int]:
 
 
 def test_outages_back_off_and_clear_when_a_write_lands():
-    memory = ModelMemory(WriteLedger({}, threading.Lock()))
+    memory = OffloadHistory(WriteLedger({}, threading.Lock()))
     memory.forwards = 1
     assert memory.tier_failed("nvme", "disk_full", "full")
     assert not memory.tier_failed("nvme", "disk_full", "full")  # the same outage
@@ -306,7 +306,7 @@ def test_outages_back_off_and_clear_when_a_write_lands():
 
 
 def test_sizes_are_estimated_from_the_input_and_from_similar_blocks():
-    memory = ModelMemory(WriteLedger({}, threading.Lock()))
+    memory = OffloadHistory(WriteLedger({}, threading.Lock()))
     assert memory.estimate(0, 100) is None
     memory.measured(0, 1000, 100)
     assert memory.estimate(0, 200) == 2000  # twice the tokens, twice the bytes

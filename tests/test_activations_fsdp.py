@@ -320,7 +320,7 @@ def test_a_storage_freed_under_its_write_is_never_returned(tmp_path, monkeypatch
             if seen != "never-freed":
                 backend.freed = storage
             backend.go.set()
-            offloader.memory.ledger.wait_idle()
+            offloader.history.ledger.wait_idle()
             deadline = time.monotonic() + 10
             while offloader.hooks.watch._watched and time.monotonic() < deadline:
                 time.sleep(0.001)  # the watch's own callback runs after the ledger's
@@ -382,7 +382,7 @@ def test_only_a_write_that_landed_is_judged(tmp_path, monkeypatch, caplog, write
                 given_zeros()
                 assert torch.equal(torch.autograd.grad(out, block.lin.weight, retain_graph=True)[0], want)
             backend.go.set()
-            offloader.memory.ledger.wait_idle()
+            offloader.history.ledger.wait_idle()
             if write != "cancelled":
                 given_zeros()
             assert offloader.hooks.watch._watched  # judged at unpack, not by the callback

@@ -60,8 +60,8 @@ def test_prefetch_keeps_within_the_window(tmp_path, monkeypatch, policy):
         _assert_identical(_step(model, offloader), want)  # measures the blocks
         seen.clear()
         _assert_identical(_step(model, offloader), want)
-        largest_block = max(offloader.memory.block_bytes.values())
-        window = offloader.memory.prefetch_window
+        largest_block = max(offloader.history.block_bytes.values())
+        window = offloader.history.prefetch_window
         assert window == int(PREFETCH_START * largest_block)
         largest_object = max(largest for _, largest in seen)
         bounded = max(ahead for ahead, _ in seen)
@@ -155,11 +155,11 @@ def test_the_window_grows_after_a_backward_that_waited_for_reads(tmp_path, monke
                 waits = drive.waits
                 _assert_identical(_step(model, each), want)
                 assert drive.waits > waits  # this backward waited for reads
-                windows.append(offloader.memory.prefetch_window)
-        windows.append(offloader.memory.prefetch_window)
+                windows.append(offloader.history.prefetch_window)
+        windows.append(offloader.history.prefetch_window)
         drive.set_held(False)
         cap = offloader.prefetcher.cap()
-        start = int(PREFETCH_START * max(offloader.memory.block_bytes.values()))
+        start = int(PREFETCH_START * max(offloader.history.block_bytes.values()))
     assert drive.stuck == 0
     # Settled after each backward (one per step), or at the next forward and the context's end.
     settled = [1, 2, 3, 4, 4] if contexts == "one per step" else [0, 1, 2, 3, 4]

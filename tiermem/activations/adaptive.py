@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from tiermem.activations.memory import ModelMemory
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.saved import Forwards
 from tiermem.layout.activation_policy import BlockPolicy, BlockProfile, adaptive_keep
 from tiermem.registry import Registry
@@ -16,14 +16,14 @@ log = logging.getLogger("tiermem.activations")
 
 class AdaptiveKeep:
     """Chooses an ``auto`` offloader's policies. ``policies`` is the offloader's own list,
-    updated in place (its collaborators hold it); the choice is also kept in ``memory``, so
+    updated in place (its collaborators hold it); the choice is also kept in ``history``, so
     the next context starts from it (NOTE [ Activation offload rules ] rule 8)."""
 
     def __init__(
-        self, registry: Registry, memory: ModelMemory, forwards: Forwards, policies: list[BlockPolicy]
+        self, registry: Registry, history: OffloadHistory, forwards: Forwards, policies: list[BlockPolicy]
     ) -> None:
         self.registry = registry
-        self.memory = memory
+        self.history = history
         self.forwards = forwards
         self.policies = policies
 
@@ -38,7 +38,7 @@ class AdaptiveKeep:
         blocks = len(self.policies)
         profile = [
             # A block recomputed by a fallback saved nothing this time: use its last size.
-            BlockProfile(g.forward_s, self.memory.estimate(i, g.input_numel) or g.saved_bytes)
+            BlockProfile(g.forward_s, self.history.estimate(i, g.input_numel) or g.saved_bytes)
             for i in range(blocks)
             if (g := self.forwards.group(forward_id, i)) is not None
         ]
@@ -55,4 +55,4 @@ class AdaptiveKeep:
                 blocks,
             )
             self.policies[:] = policies  # in place: the offloader and its collaborators hold this list
-        self.memory.adapted = list(policies)
+        self.history.adapted = list(policies)

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.ledger import WriteLedger
-from tiermem.activations.memory import ModelMemory
 
 
 @dataclass
@@ -32,18 +32,18 @@ class ActivationCounters:
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     #: What offloading each model learned (NOTE [ Activation offload rules ] rule 8), by model
     #: (weakly) and block names.
-    models: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], ModelMemory]] = field(
+    models: weakref.WeakKeyDictionary[nn.Module, dict[tuple[str, ...], OffloadHistory]] = field(
         default_factory=weakref.WeakKeyDictionary, repr=False
     )
 
-    def memory_for(self, model: nn.Module, block_names: tuple[str, ...]) -> ModelMemory:
+    def history_for(self, model: nn.Module, block_names: tuple[str, ...]) -> OffloadHistory:
         with self.lock:
             per_model = self.models.setdefault(model, {})
-            memory = per_model.get(block_names)
-            if memory is None:
+            history = per_model.get(block_names)
+            if history is None:
                 # The ledger adds landed bytes to offloaded_bytes under this same lock.
-                memory = per_model[block_names] = ModelMemory(WriteLedger(self.offloaded_bytes, self.lock))
-            return memory
+                history = per_model[block_names] = OffloadHistory(WriteLedger(self.offloaded_bytes, self.lock))
+            return history
 
     def add_offloaded(self, tier: str, nbytes: int) -> None:
         """Bytes written to ``tier`` synchronously (an eviction or a spill)."""

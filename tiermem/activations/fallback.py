@@ -74,8 +74,8 @@ from collections.abc import Sequence
 import torch
 
 from tiermem.activations.counters import ActivationCounters
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.ledger import failure_cause
-from tiermem.activations.memory import ModelMemory
 from tiermem.activations.saved import BlockGroup, Forwards, live_handles
 from tiermem.errors import StorageError, TierCapacityError, TiermemError
 from tiermem.layout.activation_policy import BlockPolicy
@@ -125,7 +125,7 @@ class Fallbacks:
     def __init__(
         self,
         registry: Registry,
-        memory: ModelMemory,
+        history: OffloadHistory,
         counters: ActivationCounters,
         forwards: Forwards,
         *,
@@ -134,7 +134,7 @@ class Fallbacks:
         flexible: Sequence[bool],
     ) -> None:
         self.registry = registry
-        self.memory = memory
+        self.history = history
         self.counters = counters
         self.forwards = forwards
         self.names = names
@@ -151,24 +151,24 @@ class Fallbacks:
         """Rule 4: the device budget minus what stays resident (write-backs in flight to
         working tiers free their bytes on landing) and what the tensors saved outside the
         blocks will need."""
-        working = [t for t in ("host", "nvme") if self.memory.outage(t) is None]
-        room = self.registry.free_bytes("device") + self.memory.ledger.inflight_bytes(working)
-        return room - self.memory.outside_bytes
+        working = [t for t in ("host", "nvme") if self.history.outage(t) is None]
+        room = self.registry.free_bytes("device") + self.history.ledger.inflight_bytes(working)
+        return room - self.history.outside_bytes
 
     def decide(self, group: BlockGroup) -> BlockPolicy:
         """Rules 3 and 4: this forward's policy for a flexible block, as it starts."""
         planned = group.policy
         if planned is BlockPolicy.RECOMPUTE:
             return planned
-        expected = group.expected = self.memory.estimate(group.index, group.input_numel)
-        ledger = self.memory.ledger
+        expected = group.expected = self.history.estimate(group.index, group.input_numel)
+        ledger = self.history.ledger
         if expected is not None and expected > self.registry.free_bytes("device") and ledger.inflight_bytes():
             # Tight: whether the block fits depends on write-backs in flight landing (the
             # block would wait for them at its first saved tensor anyway). Learn how they
             # end first, so a failing disk is known before the room is counted on.
             ledger.wait_idle()
             self.drain()
-        outage = self.memory.outage(planned.value) if planned.offloads else None
+        outage = self.history.outage(planned.value) if planned.offloads else None
         room = self.room()
         policy, fallback = decide(planned, outage.cause if outage else None, expected, room)
         if fallback:
@@ -187,11 +187,11 @@ class Fallbacks:
     def drain(self) -> None:
         """Act on write-backs that ended since the last look (rule 3): a failure puts its
         tier out and keeps the rest of its block, including the block running now."""
-        failures, landed = self.memory.ledger.take_failures()
+        failures, landed = self.history.ledger.take_failures()
         for tier in landed:
-            self.memory.tier_worked(tier)
+            self.history.tier_worked(tier)
         for failure in failures:
-            self.memory.tier_failed(failure.tier, failure.cause, failure.message)
+            self.history.tier_failed(failure.tier, failure.cause, failure.message)
             group = self.forwards.group(failure.forward_id, failure.index)
             if group is not None and group.policy.value == failure.tier:
                 group.policy = BlockPolicy.KEEP
@@ -204,7 +204,7 @@ class Fallbacks:
             )
         current = self.forwards.current
         if current is not None and current.policy.offloads:
-            outage = self.memory.outage(current.policy.value)
+            outage = self.history.outage(current.policy.value)
             if outage is not None:
                 current.policy = BlockPolicy.KEEP
                 self.report(
@@ -239,7 +239,7 @@ class Fallbacks:
         if self.registry.reclaim("device"):
             with contextlib.suppress(TierCapacityError):
                 return self.registry.register(tensor, "device", kind="activation")
-        self.memory.ledger.wait_idle()
+        self.history.ledger.wait_idle()
         self.drain()
         try:
             return self.registry.register(tensor, "device", kind="activation")
@@ -260,14 +260,14 @@ class Fallbacks:
             with contextlib.suppress(TierCapacityError):
                 return self.registry.register(tensor, "device", kind="activation")
         for tier in self.spill_tiers(group) if spill else []:
-            outage = self.memory.outage(tier)
+            outage = self.history.outage(tier)
             if outage is not None:
                 tried.append(f"{tier} is out ({outage.message})")
                 continue
             try:
                 handle = self.registry.register(tensor, tier, kind="activation")
             except (StorageError, TierCapacityError) as exc:
-                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                self.history.tier_failed(tier, failure_cause(exc), str(exc))
                 tried.append(f"{tier}: {exc}")
                 continue
             self.counters.add_offloaded(tier, handle.obj.nbytes)
@@ -329,7 +329,7 @@ class Fallbacks:
 
     def usable_spill_tier(self, group: BlockGroup | None) -> str | None:
         """The first of :meth:`spill_tiers` without an outage now; None when none is left."""
-        return next((t for t in self.spill_tiers(group) if self.memory.outage(t) is None), None)
+        return next((t for t in self.spill_tiers(group) if self.history.outage(t) is None), None)
 
     def write_out(self, handle: Handle, tier: str) -> bool:
         """Rule 5: move a kept saved tensor to ``tier`` and wait (counted as offloaded); False
@@ -339,7 +339,7 @@ class Fallbacks:
             handle.wait()
         except (StorageError, TierCapacityError) as exc:
             exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
-            self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+            self.history.tier_failed(tier, failure_cause(exc), str(exc))
             return False
         self.counters.add_offloaded(tier, handle.obj.nbytes)
         return True

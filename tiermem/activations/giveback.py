@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from tiermem.activations.fallback import Fallbacks
-from tiermem.activations.memory import ModelMemory
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, live_handles
 from tiermem.registry import Handle, ObjectState, Registry
@@ -26,13 +26,13 @@ class DeviceGiveBack:
     def __init__(
         self,
         registry: Registry,
-        memory: ModelMemory,
+        history: OffloadHistory,
         forwards: Forwards,
         fallbacks: Fallbacks,
         prefetcher: Prefetcher,
     ) -> None:
         self.registry = registry
-        self.memory = memory
+        self.history = history
         self.forwards = forwards
         self.fallbacks = fallbacks
         self.prefetcher = prefetcher
@@ -44,8 +44,8 @@ class DeviceGiveBack:
         kept saved tensors are written out, the one backward needs last first. True when bytes
         were freed (the caller tries again)."""
         freed = False
-        if self.memory.ledger.inflight_bytes():
-            self.memory.ledger.wait_idle()  # they free device bytes as they land
+        if self.history.ledger.inflight_bytes():
+            self.history.ledger.wait_idle()  # they free device bytes as they land
             self.fallbacks.drain()
             freed = True
         for group, handle in self._candidates():

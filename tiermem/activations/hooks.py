@@ -15,8 +15,8 @@ from torch import nn
 
 from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import ActivationMemoryError, Fallbacks
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.ledger import failure_cause
-from tiermem.activations.memory import ModelMemory
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, version_error
 from tiermem.activations.storages import ProtectedStorages, StorageWatch
@@ -33,7 +33,7 @@ class SavedTensorHooks:
     def __init__(
         self,
         registry: Registry,
-        memory: ModelMemory,
+        history: OffloadHistory,
         counters: ActivationCounters,
         forwards: Forwards,
         fallbacks: Fallbacks,
@@ -43,7 +43,7 @@ class SavedTensorHooks:
         min_bytes: int,
     ) -> None:
         self.registry = registry
-        self.memory = memory
+        self.history = history
         self.counters = counters
         self.forwards = forwards
         self.fallbacks = fallbacks
@@ -93,7 +93,7 @@ class SavedTensorHooks:
         storage = tensor.untyped_storage()
         if storage.nbytes() < self.min_bytes or storage in self.protected or tensor.device != self.device:
             return tensor  # rule 3
-        if self.memory.ledger.pending_failures:
+        if self.history.ledger.pending_failures:
             self.fallbacks.drain()
         group = self.forwards.current
         handle = self.fallbacks.register(tensor, group)
@@ -105,7 +105,7 @@ class SavedTensorHooks:
             else:
                 self.counters.captured_bytes += handle.obj.nbytes
         if group is None and not hit:
-            self.memory.outside_now += handle.obj.nbytes
+            self.history.outside_now += handle.obj.nbytes
         if group is not None:
             group.saved.append(weakref.ref(saved))
             group.pending.append((saved, tensor))
@@ -124,7 +124,7 @@ class SavedTensorHooks:
         except (StorageError, TierCapacityError) as exc:
             # NOTE [ Activation fallbacks ] rule 3, found at once: keep this block resident.
             cause = failure_cause(exc)
-            self.memory.tier_failed(tier, cause, str(exc))
+            self.history.tier_failed(tier, cause, str(exc))
             group.policy = BlockPolicy.KEEP
             self.fallbacks.report(group.forward_id, group.index, f"{cause}->keep", f"writing to {tier} failed: {exc}")
             return
@@ -136,7 +136,7 @@ class SavedTensorHooks:
             # Cut it; the failure is still reported, by message (TRAPS 16).
             error.__traceback__ = None
         if transfer is not None:
-            self.memory.ledger.started(transfer, handle.obj, handle.obj.nbytes, tier, group.forward_id, group.index)
+            self.history.ledger.started(transfer, handle.obj, handle.obj.nbytes, tier, group.forward_id, group.index)
 
     # -- unpack --------------------------------------------------------------------------------
     def unpack(self, saved: Any) -> torch.Tensor:
@@ -208,9 +208,9 @@ class SavedTensorHooks:
             except TierCapacityError as exc:
                 if self.registry.reclaim("device"):  # caches first (registry rule 7)
                     continue
-                if not waited and self.memory.ledger.inflight_bytes():
+                if not waited and self.history.ledger.inflight_bytes():
                     waited = True
-                    self.memory.ledger.wait_idle()
+                    self.history.ledger.wait_idle()
                     continue
                 if self.prefetcher.release(needed, exclude=obj):
                     continue

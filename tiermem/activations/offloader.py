@@ -70,7 +70,7 @@ The offloader composes collaborators, each given what it reads and writes explic
 :class:`~tiermem.activations.fallback.Fallbacks` (rule 7), :class:`~tiermem.activations.prefetch.Prefetcher`
 (rule 5's prefetches and their window) and :class:`~tiermem.activations.adaptive.AdaptiveKeep`; it
 tracks the blocks (rule 1) in a :class:`~tiermem.activations.saved.Forwards` they share, and the
-model's :class:`~tiermem.activations.memory.ModelMemory` (rule 8). Bytes move only through the
+model's :class:`~tiermem.activations.history.OffloadHistory` (rule 8). Bytes move only through the
 registry.
 """
 
@@ -128,24 +128,24 @@ class ActivationOffloader:
         self.flexible = flexible_blocks(policy if policy is not None else default_policy, self.policies, self.adaptive)
         if chosen:
             self.flexible = [True] * len(self.policies)
-        self.memory = counters.memory_for(model, tuple(self.names))
-        if self.adaptive and self.memory.adapted is not None:
-            self.policies = list(self.memory.adapted)  # rule 8: what the last step chose
+        self.history = counters.history_for(model, tuple(self.names))
+        if self.adaptive and self.history.adapted is not None:
+            self.policies = list(self.history.adapted)  # rule 8: what the last step chose
         # ``self.policies`` is shared from here on: adaptive keep updates it in place.
-        self.forwards = Forwards(self.memory.forwards, len(self.blocks))
+        self.forwards = Forwards(self.history.forwards, len(self.blocks))
         self.fallbacks = Fallbacks(
             registry,
-            self.memory,
+            self.history,
             counters,
             self.forwards,
             names=self.names,
             policies=self.policies,
             flexible=self.flexible,
         )
-        self.prefetcher = Prefetcher(registry, self.memory, counters, self.forwards, lookahead=lookahead)
+        self.prefetcher = Prefetcher(registry, self.history, counters, self.forwards, lookahead=lookahead)
         self.hooks = SavedTensorHooks(
             registry,
-            self.memory,
+            self.history,
             counters,
             self.forwards,
             self.fallbacks,
@@ -153,9 +153,9 @@ class ActivationOffloader:
             names=self.names,
             min_bytes=min_bytes,
         )
-        self.adaptive_keep = AdaptiveKeep(registry, self.memory, self.forwards, self.policies)
+        self.adaptive_keep = AdaptiveKeep(registry, self.history, self.forwards, self.policies)
         #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
-        self.give_back = DeviceGiveBack(registry, self.memory, self.forwards, self.fallbacks, self.prefetcher)
+        self.give_back = DeviceGiveBack(registry, self.history, self.forwards, self.fallbacks, self.prefetcher)
         self._module_hooks: list[Any] = []
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
@@ -292,8 +292,8 @@ class ActivationOffloader:
 
     def _forward_started(self) -> None:
         self.prefetcher.settle()  # after a backward in this same context
-        self.memory.forward_started()
-        self.forwards.forward_id = self.memory.forwards
+        self.history.forward_started()
+        self.forwards.forward_id = self.history.forwards
         self.fallbacks.forward_started()
         self.prefetcher.forward_started()
         self.forwards.prune()
@@ -311,7 +311,7 @@ class ActivationOffloader:
                     saved.modified = version_error(tensor, saved.version)
             group.pending.clear()
             if group.policy is not BlockPolicy.RECOMPUTE:  # a recomputed block saves ~nothing here
-                self.memory.measured(index, group.saved_bytes, group.input_numel)
+                self.history.measured(index, group.saved_bytes, group.input_numel)
             if self.adaptive and index == len(self.blocks) - 1:
                 self.adaptive_keep.forward_ended(group.forward_id)
 

@@ -11,8 +11,8 @@ import time
 import weakref
 
 from tiermem.activations.counters import ActivationCounters
+from tiermem.activations.history import OffloadHistory
 from tiermem.activations.ledger import failure_cause
-from tiermem.activations.memory import ModelMemory
 from tiermem.activations.saved import BlockGroup, Forwards, live_handles
 from tiermem.errors import ObjectFreedError, StorageError, TierCapacityError
 from tiermem.layout.activation_policy import PREFETCH_START, next_prefetch_window
@@ -27,14 +27,14 @@ class Prefetcher:
     def __init__(
         self,
         registry: Registry,
-        memory: ModelMemory,
+        history: OffloadHistory,
         counters: ActivationCounters,
         forwards: Forwards,
         *,
         lookahead: int,
     ) -> None:
         self.registry = registry
-        self.memory = memory
+        self.history = history
         self.counters = counters
         self.forwards = forwards
         self.lookahead = lookahead
@@ -153,7 +153,7 @@ class Prefetcher:
                 self.registry.wait(obj)
             except (StorageError, TierCapacityError) as exc:
                 exc.__traceback__ = None  # TRAPS 16
-                self.memory.tier_failed(tier, failure_cause(exc), str(exc))
+                self.history.tier_failed(tier, failure_cause(exc), str(exc))
                 continue
             except ObjectFreedError:
                 continue
@@ -175,16 +175,16 @@ class Prefetcher:
 
     def cap(self) -> int:
         """NOTE [ Prefetch window ] rule 3: the ``lookahead + 1`` blocks the window grows to at most."""
-        return (self.lookahead + 1) * max(self.memory.block_bytes.values(), default=0)
+        return (self.lookahead + 1) * max(self.history.block_bytes.values(), default=0)
 
     def window(self) -> int:
         """NOTE [ Prefetch window ] rule 2: the bytes backward prefetches ahead of need."""
-        if self.memory.prefetch_window is None:
-            largest = max(self.memory.block_bytes.values(), default=0)
+        if self.history.prefetch_window is None:
+            largest = max(self.history.block_bytes.values(), default=0)
             if not largest:
                 return sys.maxsize  # nothing measured: only ``lookahead`` bounds it, block-wise
-            self.memory.prefetch_window = max(1, int(PREFETCH_START * largest))
-        return self.memory.prefetch_window
+            self.history.prefetch_window = max(1, int(PREFETCH_START * largest))
+        return self.history.prefetch_window
 
     def settle(self) -> None:
         """NOTE [ Prefetch window ] rule 3: grow the window when the backward since the last
@@ -193,8 +193,8 @@ class Prefetcher:
         with self.counters.lock:
             total = self.counters.backward_wait_s
         waited, self._wait_seen = total - self._wait_seen, total
-        if len(span) < 2 or self.memory.prefetch_window is None:
+        if len(span) < 2 or self.history.prefetch_window is None:
             return
-        self.memory.prefetch_window = next_prefetch_window(
-            self.memory.prefetch_window, waited, span[1] - span[0], self.cap()
+        self.history.prefetch_window = next_prefetch_window(
+            self.history.prefetch_window, waited, span[1] - span[0], self.cap()
         )

@@ -30,7 +30,7 @@ where recompute peaks too (TRAPS 23). So prefetch is bounded by bytes, not block
    ``WAIT_TOLERANCE`` of its duration (a GPU consuming faster than the drive reads), up to
    the ``lookahead + 1`` blocks the block-wise prefetch held; it never shrinks, so it
    settles instead of oscillating. What was learned outlives the context (the model's
-   ``ModelMemory``, like adaptive keep's choice).
+   ``OffloadHistory``, like adaptive keep's choice).
 """
 
 from __future__ import annotations

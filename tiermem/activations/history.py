@@ -23,7 +23,7 @@ class Outage:
 
 
 @dataclass
-class ModelMemory:
+class OffloadHistory:
     """What offloading one model has learned, kept across ``offload_activations`` contexts
     (``tiermem train`` opens one per step): forward count, block sizes, adaptive keep's
     policies, tier outages and the write ledger."""
