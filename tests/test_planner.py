@@ -352,7 +352,7 @@ def test_a_cuda_profile_streams_states_and_charges_only_offloaded_chunks_cpu_ste
     n = packing.chunks
     for persistent in (0, n // 2, n):
         choice = StatesChoice(packing, persistent, n, n)
-        stepped = [need.nbytes if need.sections and need.trainable else 0 for need in packing.needs]
+        stepped = [need.nbytes if need.trainable else 0 for need in packing.needs]
         cuda, cpu = predict(profile, choice, policies), predict(synthetic(8, saved=MiB), choice, policies)
         assert cuda.parts_s["optimizer"] == pytest.approx(1e-10 * sum(stepped[persistent:]))
         assert cpu.parts_s["optimizer"] == pytest.approx(1e-10 * sum(stepped)) and sum(stepped) > 0

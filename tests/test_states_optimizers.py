@@ -237,3 +237,20 @@ def test_a_checkpoint_of_adafactor_resumes_bitwise(tmp_path, fmt):
         got += loop(resumed, optimizer, range(2, 4))
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in resumed.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_homes_and_the_plan_hold_the_real_state_bytes(tmp_path):
+    """AdamW keeps two sections a chunk, Adafactor one (the biases' unfactored second moment),
+    SGD without momentum none: the NVMe homes (what placement and the planner cost) follow."""
+    pytest.importorskip("transformers")
+    homes: dict[str, int] = {}
+    for name in ("adamw-2", "adafactor", "sgd-plain"):
+        make = OPTIMIZERS[name] if name != "adamw-2" else (lambda p: torch.optim.AdamW(p, lr=1e-2))
+        with tiermem.Runtime(config(tmp_path, DEVICE)) as rt:
+            manage(rt, make_model(), make, "nvme", declared=False)
+            states = rt._model_states[-1]
+            offloaded = [c for c in states.store.chunks if c.offloaded]
+            assert offloaded
+            homes[name] = sum(c.home_bytes for c in offloaded)
+            assert {c.sections for c in offloaded} == {{"adamw-2": 2, "adafactor": 1, "sgd-plain": 0}[name]}
+    assert homes["adamw-2"] == 3 * homes["sgd-plain"] and homes["adafactor"] == 2 * homes["sgd-plain"]

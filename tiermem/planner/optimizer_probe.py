@@ -47,14 +47,17 @@ def optimizer_seconds_per_byte(
     for p in params:
         if not p.requires_grad:
             continue
-        # a parameter larger than what is left of the sample is timed on its first elements, flat:
-        # the optimizers tiermem steps (SUPPORTED) are element-wise, so the shape does not matter
+        # a parameter larger than what is left of the sample is timed on its first rows, its other
+        # dimensions kept: a factored optimizer (Adafactor) keeps other state for a matrix than
+        # for a vector (NOTE [ Exact optimizer step ] rule 3)
         left = limit - total
-        numel = p.numel() if p.numel() * p.element_size() <= left else max(left // p.element_size(), 1)
+        row = p.numel() // p.shape[0] if p.dim() > 0 and p.shape[0] else max(p.numel(), 1)
+        rows = p.shape[0] if p.numel() * p.element_size() <= left else max(left // (row * p.element_size()), 1)
+        shape = (rows, *p.shape[1:]) if p.dim() > 0 else p.shape
         if synthetic:
-            copy = torch.randn(p.shape if numel == p.numel() else (numel,), generator=generator).to(p.dtype)
+            copy = torch.randn(shape, generator=generator).to(p.dtype)
         else:
-            source = p.detach() if numel == p.numel() else p.detach().reshape(-1)[:numel]
+            source = p.detach()[:rows] if p.dim() > 0 else p.detach()
             copy = source.to("cpu", copy=True)
         sample.append(copy.requires_grad_(True))
         total += copy.numel() * copy.element_size()
@@ -84,4 +87,3 @@ def optimizer_seconds_per_byte(
         if timed >= 1 and time.perf_counter() >= deadline:
             break
     return best / total
-

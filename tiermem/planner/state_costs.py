@@ -44,7 +44,9 @@ class Packing:
         self._home = [0, *acc(n.home_bytes for n in needs)]
         self._grad = [0, *acc(n.grad_bytes for n in needs)]
         self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
-        self._optim = [0, *acc(n.nbytes if n.sections and n.trainable else 0 for n in needs)]
+        # the step's time follows the parameter bytes it updates, with state or without (SGD
+        # without momentum); its I/O follows the real state bytes, through home_bytes
+        self._optim = [0, *acc(n.nbytes if n.trainable else 0 for n in needs)]
         suffix = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
             suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
