@@ -265,7 +265,7 @@ def sweep_stale(parent: str | os.PathLike[str]) -> list[str]:
             ranks = []
         for name in ranks:
             if _ours(parent_fd, name) is None:
-                continue  # rule 8
+                continue  # rule 8: never another user's, never a symlink
             try:
                 rank_fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
             except OSError:

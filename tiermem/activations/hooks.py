@@ -89,10 +89,10 @@ class SavedTensorHooks:
     # -- pack ----------------------------------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> Any:
         if in_backward():
-            return tensor  # rule 2
+            return tensor  # rule 2: a recomputing backward needs it at once
         storage = tensor.untyped_storage()
         if storage.nbytes() < self.min_bytes or storage in self.protected or tensor.device != self.device:
-            return tensor  # rule 3
+            return tensor  # rule 3: small, a parameter's, or on another device: kept as it is
         if self.history.ledger.pending_failures:
             self.fallbacks.drain()
         group = self.forwards.current

@@ -184,7 +184,8 @@ class ActivationOffloader:
         """Rules 1 and 3: the block hooks, the protecting pre-hooks and the recompute wrappers;
         on failure the model is left as it was."""
         try:
-            self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))  # rule 3
+            # rule 3: the parameters a module holds when it runs stay where they are
+            self._module_hooks.extend(self.hooks.protect(self.model, [block for _, block in self.blocks]))
             for index, (_name, block) in enumerate(self.blocks):
                 self._module_hooks.append(block.register_forward_pre_hook(self._block_started(index)))
                 self._module_hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
@@ -268,7 +269,7 @@ class ActivationOffloader:
         def hook(_module: nn.Module, args: Any) -> None:
             if in_backward() or not torch.is_grad_enabled():
                 return
-            self.hooks.watch.check()  # rule 9
+            self.hooks.watch.check()  # rule 9: a storage freed mid-write would be written from freed memory
             with self._lock:
                 forwards = self.forwards
                 if index <= forwards.last_index:  # a new forward pass begins

@@ -181,7 +181,7 @@ def inspect_checkpoint(path: str | os.PathLike[str], *, largest: int = 5) -> Che
     on_disk = [p for p in where.rglob("*") if p.is_file()]
     report.files, report.bytes_on_disk = len(on_disk), sum(p.stat().st_size for p in on_disk)
     report.format = _format_of(where)
-    with files.reading(where):  # rule 5
+    with files.reading(where):  # a shared lock: no commit swaps it out while it is read
         _inspect_files(report, where, largest)
     return report
 

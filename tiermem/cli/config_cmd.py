@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     ranks = distributed.detect()
     explained = explain(config, MachineProbe.detect(), ranks)
     print(f"# tiermem configuration from {config.source}, resolved for this machine")
-    if ranks.multi_process:  # NOTE [ Ranks ] rules 2 and 3
+    if ranks.multi_process:  # capacities are per rank (NOTE [ Ranks ] rules 2 and 3)
         print(
             f"# {ranks.describe()} ({ranks.local_world_size} on this machine): capacities are this rank's; "
             f"its NVMe files go to {', '.join(ranks.rank_paths(explained.config.nvme.paths))}"

@@ -155,7 +155,7 @@ def profile_key(
 
 def load(key: str) -> Profile | None:
     """The cached profile for ``key``, or None (missing, unreadable or from another version)."""
-    if private_cache_dir(create=False) is None:  # rule 4
+    if private_cache_dir(create=False) is None:  # rule 4: not a private directory of ours, not read
         return None
     path = cache_dir() / f"{key}.json"
     try:
@@ -170,14 +170,14 @@ def store(profile: Profile) -> Path | None:
     directory = cache_dir()
     path = directory / f"{profile.key}.json"
     text, tmp = profile.to_json(), None
-    if private_cache_dir(create=True) is None:  # rule 4
+    if private_cache_dir(create=True) is None:  # rule 4: never write where another user can
         return None
     try:
         fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
-    except OSError as exc:  # rule 5
+    except OSError as exc:  # rule 5: best effort, the run goes on with what it measured
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
@@ -207,7 +207,7 @@ def clear() -> int:
     """Remove every cached profile; returns how many were removed."""
     removed = 0
     directory = cache_dir()
-    if private_cache_dir(create=False) is None:  # rule 4
+    if private_cache_dir(create=False) is None:  # rule 4: not a private directory of ours, not read
         return 0
     for path in directory.glob("*.json"):
         with contextlib.suppress(OSError):

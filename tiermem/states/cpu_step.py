@@ -73,7 +73,7 @@ def for_cpu_step(
             )
         copy = {key: _on_cpu(value) for key, value in group.items() if key != "params"}
         if copy.get("capturable"):
-            copy["capturable"] = False  # rule 2
+            copy["capturable"] = False  # rule 2: a CPU step is never captured, same math
         cleaned.append((copy, params))
     moved = {param: {key: _on_cpu(value) for key, value in entry.items()} for param, entry in state.items()}
     return cleaned, moved, {name: _on_cpu(value) for name, value in attributes.items()}

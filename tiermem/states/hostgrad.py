@@ -186,7 +186,7 @@ class HostGradient(torch.Tensor):
             return args[0]
         if torch.Tag.inplace_view in func.tags:
             return _change_metadata(func, args, kwargs)
-        if _is_view(func):  # rule 4
+        if _is_view(func):  # rule 4: a view's writes must land in the gradient
             source = mine[0]
             unwrapped = tree_map_only(HostGradient, lambda t: t.host, (args, kwargs))
             views = func(*unwrapped[0], **unwrapped[1])

@@ -166,7 +166,7 @@ class Relayout:
         """The root's forward starts: record its order if none was, keep the first-step batch."""
         if self.recorded is None and self._recording is None:
             self._recording, self._seen = [], set()
-        if torch.is_grad_enabled() and self._planner is not None and self._plan_batch is None:  # rule 9
+        if torch.is_grad_enabled() and self._planner is not None and self._plan_batch is None:  # kept to plan from
             detach = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.detach)
             self._plan_batch = (detach(tuple(args)), detach(dict(kwargs)))
 

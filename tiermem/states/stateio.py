@@ -309,7 +309,7 @@ class StateIO:
             if spill_to is None or like.numel() * like.element_size() < DEFAULT_MIN_BYTES:
                 return torch.empty(like.shape, dtype=like.dtype, device=device).copy_(like)
             out = file_backed_empty(spill_to, like.shape, like.dtype).copy_(like)
-            release_file_pages(out)  # NOTE [ Materialising under rt.init() ] rule 6
+            release_file_pages(out)  # its pages go back to the file (NOTE [ Materialising under rt.init() ] rule 6)
             return out
 
         for slot in chunk.layout.slots:

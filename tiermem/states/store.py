@@ -132,7 +132,7 @@ class ChunkStore:
                     self.has_grad[slot.index] = True
             chunk.grad = self.register(buffer, tier)
             del buffer
-            if chunk.grad_home == "nvme":  # NOTE [ Stored gradients ] rule 1
+            if chunk.grad_home == "nvme":  # they wait on NVMe (NOTE [ Stored gradients ] rule 1)
                 chunk.grad.move_to("nvme", Priority.WRITEBACK)
                 chunk.grad.wait()
         return chunk
@@ -149,7 +149,8 @@ class ChunkStore:
                 for slot in chunk.layout.slots:
                     slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             chunk.home = self.register(home, "device")
-        for slot in chunk.layout.slots:  # NOTE [ Materialising under rt.init() ] rule 5
+        # Copied in: the file-backed pages go (NOTE [ Materialising under rt.init() ] rule 5).
+        for slot in chunk.layout.slots:
             release_file_pages(snapshot.data[slot.index])
 
     def _fill_streamed(self, chunk: Chunk, snapshot: Snapshot) -> None:
@@ -167,7 +168,7 @@ class ChunkStore:
             if chunk.master_scale > 1:
                 slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
-            release_file_pages(snapshot.data[slot.index])  # NOTE [ Materialising under rt.init() ] rule 5
+            release_file_pages(snapshot.data[slot.index])  # copied in (NOTE [ Materialising under rt.init() ] 5)
         chunk.home = self.register(home, chunk.home_tier)
 
     def free(self) -> None:

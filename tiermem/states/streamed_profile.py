@@ -72,7 +72,7 @@ class _TimedPool:
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         start = time.perf_counter()
         try:
-            with _disable_current_modes():  # rule 5
+            with _disable_current_modes():  # rule 5: the profiler's byte counts must not see the pool
                 self._store.pool.acquire(chunks, direction)
         finally:
             self.waited += time.perf_counter() - start

@@ -235,7 +235,7 @@ class DeviceRegistrations:
                 return False  # rule 1: a no-op in compatibility mode, so no bookkeeping either
             segment = (self._segment_of or cuda_segment_of)(address)
             if segment is None or segment.expandable:
-                return False  # rule 3
+                return False  # rule 3: memory the allocator cannot vouch for is not registered
             if segment.base not in self._segments:
                 try:
                     self._kvikio.memory_register(DevicePointer(segment.base))
@@ -255,7 +255,7 @@ class DeviceRegistrations:
         with self._lock:
             entry = self._buffers.get(address)
             if entry is None:
-                return  # rule 5
+                return  # rule 5: never registered, nothing to undo
             base, count = entry
             if count > 1:
                 self._buffers[address] = (base, count - 1)
