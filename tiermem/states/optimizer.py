@@ -22,10 +22,12 @@
    :func:`learn_state` runs the class's own constructor and two steps on small CPU samples (one
    per group, dimensionality and dtype of the parameters it steps) and classifies every state
    entry: a tensor with its parameter's shape and dtype (Adam's moments, Rprop's step sizes,
-   Adafactor's unfactored second moment) gets a *section* of the chunk's home (host or NVMe), the
-   same bytes as the parameter; anything else (``step``, ASGD's ``eta``, Adafactor's factored
-   row/column statistics: rows + columns elements, not rows x columns) is a *small state* kept with
-   the parameter's record in memory, as ``step`` always was. State the class creates lazily is
+   Adafactor's first moment) gets a *section* of the chunk's home (host or NVMe), the same bytes
+   as the parameter; anything else (``step``, ASGD's ``eta``, Adafactor's factored row/column
+   statistics: rows + columns elements, not rows x columns) is a *small state* kept with the
+   parameter's record in memory, as ``step`` always was. So is a vector's state that matrices do
+   not keep whole (Adafactor's unfactored second moment of biases and norms): a vector's state
+   gets a section only where a matrix's of the same name does. State the class creates lazily is
    copied into the sections after the step and the views take its place; a state the samples did
    not predict is kept as a small state (correct, only not offloaded).
 4. A declared optimizer (rule 1's attribute) is checked on the same samples: two parameters
@@ -226,7 +228,8 @@ def learn_state(
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
         hyper.update({k: v for k, v in _PROBE_FLAGS.items() if k in hyper})
         found = sorted(
-            {(p.dim(), master_dtype or p.dtype) for p in group["params"]} | {(1, master_dtype or torch.float32)},
+            {(p.dim(), master_dtype or p.dtype) for p in group["params"]}
+            | {(n, master_dtype or torch.float32) for n in (1, 2)},
             key=str,
         )
         kinds.append(found)
@@ -256,6 +259,12 @@ def learn_state(
                     for k in one_d.get(dtype, ())
                     if isinstance(entry.get(k), torch.Tensor) and entry[k].dtype == dtype and entry[k].dim() == 0
                 )
+        # a vector's state gets a section only where a matrix's of the same name does: state a
+        # factored optimizer keeps whole only for vectors (Adafactor's) is small, as theirs is
+        matrix = {k for (ndim, _), keys in classified.items() if ndim >= 2 for k in keys}
+        for kind, keys in classified.items():
+            if kind[0] <= 1:
+                classified[kind] = tuple(k for k in keys if k in matrix)
         for keys in classified.values():
             order += [k for k in keys if k not in order]
         by_kind.append(classified)
