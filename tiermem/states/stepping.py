@@ -501,4 +501,6 @@ class Stepper:
         dev = chunk.dev
         if dev is None or chunk.fetching is not None or chunk.dirty:
             return None
+        if chunk.home_bytes <= chunk.nbytes:  # no state sections (SGD, Adafactor): nothing else to read
+            return None
         return dev.known_bytes(chunk.working_base, chunk.nbytes)
