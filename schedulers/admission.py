@@ -54,6 +54,11 @@ class Move:
     link: Link | None = None
     #: The most blocks one call to the executor may carry (rule 7); 1 for tiers that are not vectored.
     max_run: int = 1
+    landed: int = 0  # bytes landed so far
+    #: For the timeline trace (NOTE [ Timeline trace ]): when it was submitted (0.0: not traced)
+    #: and its first block issued.
+    queued_at: float = 0.0
+    started_at: float | None = None
 
     @property
     def remaining(self) -> int:

@@ -50,6 +50,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from tiermem import tracing
 from tiermem.errors import RuntimeClosedError, internal_error
 from tiermem.schedulers.admission import (
     MEMORY_BLOCK_SIZE,
@@ -70,6 +71,7 @@ from tiermem.schedulers.base import (
     WaitRecorder,
 )
 from tiermem.tiers.base import Allocation
+from tiermem.units import format_size
 
 __all__ = ["MEMORY_BLOCK_SIZE", "RUN_SHARE", "AsyncioScheduler"]
 
@@ -143,6 +145,7 @@ class AsyncioScheduler(Scheduler):
         src_offset: int = 0,
         dst_offset: int = 0,
         priority: Priority = Priority.PREFETCH,
+        label: str = "",
     ) -> Transfer:
         """Queue a move of ``nbytes`` (default: all of ``src``) from ``src`` to ``dst``."""
         if self._closed:
@@ -157,7 +160,10 @@ class AsyncioScheduler(Scheduler):
         for tier in {src.tier, dst.tier}:
             tier.fence()  # on this thread: its current stream is the one that produced the bytes
         transfer = Transfer(src, dst, nbytes, Priority(priority), self._cancel, self._promote, self._waits)
+        transfer.label = label
         move = new_move(transfer, src_offset, dst_offset, executor, self.block_size)
+        if tracing.RECORDER is not None:  # NOTE [ Timeline trace ]: the time it waits in the queue starts now
+            move.queued_at = tracing.now()
         with self._close_lock:  # close() cannot begin between the check and the hand-over
             if self._closed:
                 raise RuntimeClosedError("the scheduler")
@@ -329,6 +335,10 @@ class AsyncioScheduler(Scheduler):
         if link.inflight == 0:
             link.busy_since = issued_at
         link.inflight += 1
+        if (recorder := tracing.RECORDER) is not None:
+            if move.started_at is None:
+                move.started_at = issued_at
+            recorder.inflight(transfer.link, span)
         future.add_done_callback(lambda f: self._block_landed((move, span, length, blocks, f, issued_at)))
 
     def _block_landed(self, block: tuple[Move, int, int, int, Future[None], float]) -> None:
@@ -368,8 +378,11 @@ class AsyncioScheduler(Scheduler):
         link.inflight -= 1
         if link.inflight == 0:
             link.busy_s += time.perf_counter() - link.busy_since
+        if (recorder := tracing.RECORDER) is not None:
+            recorder.inflight(transfer.link, -span)
         exc = future.exception()
         if exc is None:
+            move.landed += length
             link.bytes += length
             link.requests += blocks  # blocks, as the device counts requests (a run is several)
         elif move.error is None:
@@ -395,6 +408,22 @@ class AsyncioScheduler(Scheduler):
         else:
             self._counters.completed += 1
             future.set_result(None)
+        if (recorder := tracing.RECORDER) is not None and move.queued_at:
+            self._trace(recorder, move)
+
+    @staticmethod
+    def _trace(recorder: tracing.Recorder, move: Move) -> None:
+        """The ended move on its link's track, and the two tiers' bytes in use after it
+        (the registry freed the source in the transfer's callback): NOTE [ Timeline trace ]."""
+        transfer = move.transfer
+        outcome = "failed" if move.error is not None else "cancelled" if move.cancelled else "done"
+        args = {"bytes": move.landed, "nbytes": transfer.nbytes, "priority": transfer.priority.name}
+        args["object"], args["outcome"] = transfer.label, outcome
+        ended = tracing.now()
+        name = f"{transfer.label or 'move'} {format_size(transfer.nbytes)}"
+        recorder.transfer(transfer.link, name, move.queued_at, move.started_at, ended, args)
+        for tier in {transfer.src.tier, transfer.dst.tier}:
+            recorder.counter(f"{tier.name} bytes in use", {"bytes": tier.statistics().current_bytes}, ended)
 
     def _begin_close(self, drained: Future[None], cancel_pending: bool) -> None:
         if cancel_pending:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from tiermem import tracing
 from tiermem.errors import TransferCancelledError
 
 if TYPE_CHECKING:
@@ -96,6 +97,9 @@ class Transfer:
     an error stays on the handle until someone waits or checks ``exception()``.
     """
 
+    #: What the caller said the bytes are (the registry: the object's kind), for the timeline trace.
+    label = ""
+
     def __init__(
         self,
         src: Allocation,
@@ -125,6 +129,7 @@ class Transfer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until the move completes; raise its error if it failed or was cancelled."""
         if not self._future.done():
+            traced = tracing.span(f"wait {self.label or 'move'} {self.link}", "wait", args=self._trace_args())
             start = time.perf_counter()
             try:
                 self._future.result(timeout)
@@ -132,7 +137,13 @@ class Transfer:
                 pass  # (KeyboardInterrupt and other BaseExceptions propagate as they are)
             finally:
                 self._waits.record(time.perf_counter() - start)
+                if traced is not None:
+                    traced.end()
         self._raise_if_failed()
+
+    def _trace_args(self) -> dict[str, object]:
+        """What a wait on this move says in the timeline trace (NOTE [ Timeline trace ])."""
+        return {"link": self.link, "object": self.label, "bytes": self.nbytes, "priority": self.priority.name}
 
     def _raise_if_failed(self) -> None:
         try:
@@ -209,9 +220,11 @@ class Scheduler(Protocol):
         src_offset: int = 0,
         dst_offset: int = 0,
         priority: Priority = Priority.PREFETCH,
+        label: str = "",
     ) -> Transfer:
         """Queue a move of ``nbytes`` (default: ``src.nbytes - src_offset``) from ``src`` at
         ``src_offset`` to ``dst`` at ``dst_offset`` and return its handle without blocking.
+        ``label`` says what the bytes are, for the timeline trace only (``Transfer.label``).
 
         Promises: out-of-bounds ranges and a move between two storage tiers raise at once
         (internal errors); a closed scheduler raises :class:`~tiermem.errors.RuntimeClosedError`.

@@ -52,6 +52,7 @@ from tiermem.config_fields import (
     ModelStatesConfig,
     NvmeConfig,
     SchedulerConfig,
+    TraceConfig,
     _Section,
     _show,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "ModelStatesConfig",
     "NvmeConfig",
     "SchedulerConfig",
+    "TraceConfig",
 ]
 
 
@@ -187,6 +189,7 @@ class Config:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     model_states: ModelStatesConfig = field(default_factory=ModelStatesConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     source: str = field(default="configuration", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -344,6 +347,8 @@ def _read_env(env: Mapping[str, str], given: set[tuple[str, str]], values: dict[
     An empty value counts as unset.
     """
     problems = []
+    if env.get(ENV_PREFIX + "TRACE") and ("trace", "path") not in given and not env.get(ENV_PREFIX + "TRACE_PATH"):
+        values["trace"]["path"] = env[ENV_PREFIX + "TRACE"]  # the short name for [trace] path
     for var in sorted(env):
         upper = var.upper()
         if not upper.startswith(ENV_PREFIX):

@@ -36,6 +36,7 @@ __all__ = [
     "ModelStatesConfig",
     "NvmeConfig",
     "SchedulerConfig",
+    "TraceConfig",
 ]
 
 AUTO: Literal["auto"] = "auto"
@@ -227,6 +228,12 @@ def _parse_paths(value: Any) -> tuple[str, ...]:
     return tuple(value)
 
 
+def _parse_trace_path(value: Any) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f'{_show(value)} is not a file path; use a path such as "trace.json", or "" for no trace')
+    return value
+
+
 def _paths_from_env(text: str) -> Any:
     # Like PATH: separated by os.pathsep, empty pieces ignored.
     return [piece for piece in text.split(os.pathsep) if piece]
@@ -362,6 +369,17 @@ class DistributedConfig(_Section):
     )
 
 
+@dataclass(frozen=True)
+class TraceConfig(_Section):
+    """[trace]: a timeline trace of the run (NOTE [ Timeline trace ] in ``tiermem.tracing``), written to
+    ``path`` as Chrome trace JSON from the runtime's start to its end (``""``: none; also
+    ``TIERMEM_TRACE=path``); once the file reaches ``max_size`` further events are dropped and counted."""
+
+    NAME: ClassVar[str] = "trace"
+    path: str = _setting("", _Rule(_parse_trace_path))
+    max_size: int = _setting(1024 * _MiB, _size_rule(positive=True))
+
+
 _SECTIONS: dict[str, type[_Section]] = {
     cls.NAME: cls
     for cls in (
@@ -372,5 +390,6 @@ _SECTIONS: dict[str, type[_Section]] = {
         ActivationsConfig,
         ModelStatesConfig,
         DistributedConfig,
+        TraceConfig,
     )
 }

@@ -192,10 +192,21 @@ class Registry:
         try:
             if known is not None:
                 copy = self.scheduler.submit(
-                    known.source, target, nbytes=known.nbytes, dst_offset=known.offset, priority=priority
+                    known.source,
+                    target,
+                    nbytes=known.nbytes,
+                    dst_offset=known.offset,
+                    priority=priority,
+                    label=f"{obj.kind} known bytes",
                 )
             transfer = self.scheduler.submit(
-                obj.home, target, nbytes=nbytes, src_offset=offset, dst_offset=offset, priority=priority
+                obj.home,
+                target,
+                nbytes=nbytes,
+                src_offset=offset,
+                dst_offset=offset,
+                priority=priority,
+                label=obj.kind,
             )
         except BaseException:
             if copy is not None:  # rule 4: the target is freed only once nothing writes into it
@@ -338,7 +349,13 @@ class Registry:
                 raise internal_error(f"{target!r}: filled while it moves (the move would drop the copy)")
             src, dst = source.home, target.home
         return self.scheduler.submit(
-            src, dst, nbytes=nbytes, src_offset=source_offset, dst_offset=target_offset, priority=priority
+            src,
+            dst,
+            nbytes=nbytes,
+            src_offset=source_offset,
+            dst_offset=target_offset,
+            priority=priority,
+            label=f"{target.kind} fill",
         )
 
     def known_bytes(self, obj: ManagedObject, offset: int, nbytes: int) -> KnownBytes:

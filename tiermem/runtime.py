@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiermem import distributed, runtime_manage
+from tiermem import distributed, runtime_manage, tracing
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
@@ -79,6 +79,7 @@ class Runtime:
         self._model_states: list[ModelStates] = []
         self._interrupt_guard: RuntimeInterruptGuard | None = None
         self._pending_save: PendingSave | None = None  # rt.save(blocking=False) in progress
+        self._recorder: tracing.Recorder | None = None  # rt.trace / [trace] path
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -131,6 +132,9 @@ class Runtime:
         self._interrupt_guard = RuntimeInterruptGuard()
         self._interrupt_guard.install()
         log.info("tiermem runtime started: %s", {name: t.describe() for name, t in tiers.items()})
+        if resolved.trace.path:  # [trace] path or TIERMEM_TRACE: the whole run, until close()
+            suffix = f".rank{ranks.rank}" if ranks.multi_process else ""
+            self.start_trace(resolved.trace.path + suffix)
         return self
 
     def close(self) -> None:
@@ -154,6 +158,7 @@ class Runtime:
             self._scheduler.close()
         finally:
             try:
+                self.stop_trace()  # every move has ended: the trace's bytes are the links'
                 for tier in self._tiers.values():
                     tier.close()
             finally:
@@ -175,6 +180,48 @@ class Runtime:
     @property
     def running(self) -> bool:
         return self._scheduler is not None
+
+    # -- the timeline trace (NOTE [ Timeline trace ] in tiermem.tracing) ------------------------
+    def trace(
+        self, path: str | os.PathLike[str], *, max_size: int | None = None
+    ) -> contextlib.AbstractContextManager[tracing.Recorder]:
+        """Record a timeline of the ``with`` block to ``path`` (Chrome trace JSON: Perfetto,
+        chrome://tracing, ``tiermem trace summary|plot``): the training and step threads' phases,
+        every move over every link, every wait, and each tier's bytes in use."""
+        return self._tracing(path, max_size)
+
+    @contextlib.contextmanager
+    def _tracing(self, path: str | os.PathLike[str], max_size: int | None) -> Iterator[tracing.Recorder]:
+        recorder = self.start_trace(path, max_size=max_size)
+        try:
+            yield recorder
+        finally:
+            if self._recorder is recorder:
+                self.stop_trace()
+
+    def start_trace(self, path: str | os.PathLike[str], *, max_size: int | None = None) -> tracing.Recorder:
+        """Start recording to ``path`` (``max_size``: bytes of file after which events are dropped,
+        default ``[trace] max_size``); :meth:`stop_trace` ends it, as does leaving ``with rt``."""
+        scheduler = self.scheduler  # raises a clear error outside `with rt`
+        settings = (self.resolved or self.config).trace
+        recorder = tracing.Recorder(path, max_bytes=settings.max_size if max_size is None else max_size)
+        recorder.start()
+        recorder.info["links_at_start"] = {k: v.as_dict() for k, v in scheduler.statistics().links.items()}
+        self._recorder = recorder
+        return recorder
+
+    def stop_trace(self) -> str | None:
+        """Stop the trace in progress and close its file; its path, or None when none was on."""
+        recorder, self._recorder = self._recorder, None
+        if recorder is None:
+            return None
+        try:
+            if self._scheduler is not None:
+                links = self._scheduler.statistics().links
+                recorder.info["links_at_stop"] = {k: v.as_dict() for k, v in links.items()}
+        finally:
+            recorder.stop()
+        return recorder.path
 
     # -- objects ----------------------------------------------------------------------------
     def register(self, tensor: torch.Tensor, tier: str = "device") -> Handle:
@@ -356,9 +403,10 @@ class Runtime:
     ) -> PlanRequest:
         """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build."""
         assert self.resolved is not None  # set whenever registry is reachable
-        request, decision = runtime_manage.plan_request(
-            self.registry, self.resolved, optimizer, optimizer_kwargs, block_policy, streams, model, sample
-        )
+        with tracing.traced("profile and plan", "profile"):  # NOTE [ Timeline trace ]
+            request, decision = runtime_manage.plan_request(
+                self.registry, self.resolved, optimizer, optimizer_kwargs, block_policy, streams, model, sample
+            )
         self.__dict__["_decision"] = decision  # the summary of tiermem train reads the planner's reasons
         return request
 

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from tiermem import distributed, train_ranks
+from tiermem import distributed, tracing, train_ranks
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.models.data import MarkovChainData
 from tiermem.models.gpt import GPT, GPTConfig
@@ -330,13 +330,19 @@ def train_step(
 ) -> tuple[float, float]:
     """One optimizer step with forward and backward under ``policy``: (loss, wall seconds)."""
     start = time.perf_counter()
+    traced = tracing.span("step", "step")  # the steps of `tiermem trace summary` (NOTE [ Timeline trace ])
     with rt.offload_activations(model, policy=policy):
-        _, loss = model(x, y)
+        with tracing.traced("forward pass", "phase"):
+            _, loss = model(x, y)
         assert loss is not None
-        loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+        with tracing.traced("backward pass", "phase"):
+            loss.backward()
+    with tracing.traced("optimizer.step", "phase"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
     value = loss.item()  # also waits for the device, so the time covers the whole step
+    if traced is not None:
+        traced.end()
     return value, time.perf_counter() - start
 
 

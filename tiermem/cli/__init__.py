@@ -45,6 +45,7 @@ COMMANDS: dict[str, Command] = {
     "plan": Command("tiermem.cli.plan_cmd", "show the plan the planner picks, with its predictions"),
     "rok": Command("tiermem.cli.rok_cmd", "the recompute-offload-keep curve (CSV and PNG)"),
     "checkpoint": Command("tiermem.cli.checkpoint_cmd", "inspect a checkpoint: step, tensors, format, complete"),
+    "trace": Command("tiermem.cli.trace_cmd", "read a timeline trace: a per-step summary, or a PNG of it"),
 }
 """Subcommand name -> module. Add a line here and a ``<name>_cmd.py`` module to add a command."""
 

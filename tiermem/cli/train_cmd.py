@@ -105,6 +105,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="continue the run saved in DIR up to --steps in total (give the same model, batch, lr and seed flags)",
     )
+    parser.add_argument(
+        "--trace",
+        metavar="FILE",
+        help="record a timeline of the run to FILE (Chrome trace JSON: Perfetto; tiermem trace summary|plot FILE)",
+    )
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object, nothing else")
 
 
@@ -133,6 +138,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         checkpoints = TrainCheckpoints(path=args.checkpoint, save_every=args.save_every, resume=args.resume)
         config = Config.coerce(args.config)
+        if args.trace:  # [trace] path for this run (NOTE [ Timeline trace ] in tiermem.tracing)
+            config = dataclasses.replace(config, trace=dataclasses.replace(config.trace, path=args.trace))
         owned = distributed.setup_process_group(config.resolve().distributed)
         ranks = distributed.detect()
     except TiermemError as exc:  # a configuration or environment that does not work

@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
+from tiermem import tracing
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import Lifecycle, ModelFacts, Use
 from tiermem.states.gradients import Gradients
@@ -46,6 +47,7 @@ class BackwardTracker:
         self.stepper = stepper
         self.lifecycle = lifecycle
         self.in_backward = False
+        self._traced: tracing.Span | None = None  # the backward pass (NOTE [ Timeline trace ])
         self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
         #: per trainable parameter index: the uses waiting for its gradient
         self._waiters: dict[int, weakref.WeakSet[Use]] = {}
@@ -179,6 +181,7 @@ class BackwardTracker:
         if self.in_backward:
             return
         self.in_backward = True
+        self._traced = tracing.span("backward", "backward")
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
         self.gradients.reconcile()
         self.gradients.send_offloaded_back()
@@ -231,6 +234,9 @@ class BackwardTracker:
                 chunk.entered = False
                 chunk.pending.clear()
             self.in_backward = False
+            traced, self._traced = self._traced, None
+            if traced is not None:
+                traced.end()
 
     def settle(self) -> None:
         """Finish a backward whose final callback never ran (it raised half-way)."""

@@ -127,6 +127,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from tiermem import tracing
 from tiermem.layout.placement import Plan, parse_plan
 from tiermem.registry import Registry
 from tiermem.states.access import ParameterAccess, internal
@@ -226,7 +227,8 @@ class ModelStates:
         self.copies = PlainCopies(facts.model)
         self.access = ParameterAccess(facts, self.store, self.homes, self.lifecycle, self.stepper.stepped_early)
         #: modules whose forward runs, with the autograd sequence number their forward started at
-        self._active: list[tuple[nn.Module, int]] = []
+        self._active: list[tuple[nn.Module, int, tracing.Span | None]] = []
+        self._trace_names = {module: name or "model" for name, module in facts.model.named_modules()}
         self._hooks: list[RemovableHandle] = []
         #: the activation policy rt.manage applies (NOTE [ Managed activations ]); None: not applied
         self.activations: ManagedActivations | None = None
@@ -325,7 +327,12 @@ class ModelStates:
         self._outside_backward("step")
         if self.activations is not None:
             self.activations.close_step()  # NOTE [ Managed activations ] rules 4, 6
-        self.stepper.step(optimizer)
+        traced = tracing.span("optimizer step", "optimizer")
+        try:
+            self.stepper.step(optimizer)
+        finally:
+            if traced is not None:
+                traced.end()
 
     def zero_grad(self, optimizer: ManagedOptimizer, set_to_none: bool) -> None:
         self._outside_backward("zero_grad")
@@ -421,12 +428,15 @@ class ModelStates:
         self.store.pool.acquire(chunks, +1)
         for chunk in chunks:
             chunk.pins += 1
-        self._active.append((module, torch._C._autograd._get_sequence_nr()))
+        traced = tracing.span("forward", "forward", self._trace_names.get(module))  # NOTE [ Timeline trace ]
+        self._active.append((module, torch._C._autograd._get_sequence_nr(), traced))
 
     def _forward_ended(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self._active or self._active[-1][0] is not module:
             return  # its pre-hook failed: nothing was pinned
-        _, first_node = self._active.pop()
+        _, first_node, traced = self._active.pop()
+        if traced is not None:
+            traced.end()
         for chunk in self.store.module_chunks[module]:
             chunk.pins -= 1
         if output is not None and not self.lifecycle.closed and torch.is_grad_enabled():

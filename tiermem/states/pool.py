@@ -51,6 +51,7 @@ from typing import TypeVar
 
 import torch
 
+from tiermem import tracing
 from tiermem.errors import TierCapacityError
 from tiermem.registry import CachedBytes, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
@@ -97,6 +98,14 @@ class ChunkPool:
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
+        traced = tracing.span("fetch chunk", "fetch", chunks[0].index)  # NOTE [ Timeline trace ]
+        try:
+            self._acquire(chunks, direction)
+        finally:
+            if traced is not None:
+                traced.end()
+
+    def _acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         self._clock += 1
         for chunk in chunks:
             chunk.last_use = self._clock

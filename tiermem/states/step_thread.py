@@ -49,6 +49,8 @@ from typing import Any
 
 import torch
 
+from tiermem import tracing
+
 __all__ = ["AUTO_MIN_CORES", "ENV_VAR", "StepThread", "step_thread_setting", "step_thread_wanted"]
 
 ENV_VAR = "TIERMEM_MODEL_STATES_STEP_THREAD"
@@ -140,12 +142,16 @@ class StepThread:
         entry, self._in_flight = self._in_flight, None
         if entry is None:
             return
-        _, future, finish = entry
+        chunk, future, finish = entry
+        traced = None if future.done() else tracing.span("wait chunk step", "wait", chunk)  # NOTE [ Timeline trace ]
         try:
             future.result()
         except BaseException:
             finish(False)  # the home goes back as it is; the compute's error follows
             raise
+        finally:
+            if traced is not None:
+                traced.end()
         finish(True)
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ from typing import Any, Protocol
 
 import torch
 
+from tiermem import tracing
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
@@ -377,7 +378,8 @@ class Stepper:
                 self.save_guard.before_rewrite()
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
             # parameters hold no gradient now, so the new chunks step exactly the others.
-            self.repacker.run()
+            with tracing.traced("re-pack", "repack"):
+                self.repacker.run()
             stepped = set()
         self.store.pool.release_all()
         self.store.generation += 1
@@ -457,6 +459,7 @@ class Stepper:
         """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
         :meth:`_finish_chunk_step` follows on this thread."""
         self._finish_steps()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
+        traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]: this thread's part
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
         staged = chunk.home_tier == "nvme"
@@ -474,8 +477,11 @@ class Stepper:
                 self.homes.send_back(chunk)
             raise
         finish = functools.partial(self._finish_chunk_step, chunk, job, staged)
+        compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
         fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
-        self.steps.run(chunk.index, job.compute, finish, inline=not on_cpu or fused)  # rules 2, 6
+        self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # rules 2, 6
+        if traced is not None:
+            traced.end()
 
     def _finish_chunk_step(self, chunk: Chunk, job: ChunkStep, staged: bool, ok: bool) -> None:
         """NOTE [ Step threads ] rule 3, on the training thread once ``job`` computed."""

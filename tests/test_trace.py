@@ -1,0 +1,227 @@
+"""The timeline trace (NOTE [ Timeline trace ] in tiermem.tracing): a traced ``tiermem train``
+writes a valid Chrome trace whose bytes per link are the runtime's, torch.profiler sees
+tiermem's ranges, and ``tiermem trace summary|plot`` read it."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import tiermem
+from tiermem import trace_report, tracing
+from tiermem.cli import main
+from tiermem.config import Config
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY_ARGS = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "64", "--seq-len", "32"]
+
+
+@pytest.fixture(autouse=True)
+def _clean_environment(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    for name in list(os.environ):
+        if name.upper().startswith("TIERMEM_"):
+            monkeypatch.delenv(name)
+
+
+def _config(tmp_path: Path) -> str:
+    """NVMe under tmp_path; every saved tensor offloaded (the tiny model's are all below 1MiB)."""
+    (tmp_path / "nvme").mkdir(exist_ok=True)
+    path = tmp_path / "tiers.toml"
+    path.write_text(
+        f'[device]\ndevice = "cpu"\n[nvme]\npaths = ["{tmp_path / "nvme"}"]\n'
+        f'[scheduler]\nloop = "asyncio"\n[activations]\nmin_bytes = 0\n'
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def traced_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """``tiermem train --steps 3 --trace FILE`` with activations on NVMe: the file and the run's summary."""
+    tmp = tmp_path_factory.mktemp("traced")
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.upper().startswith("TIERMEM_")}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = tmp / "summary.json"
+        trace = tmp / "run.trace.json"
+        args = ["train", *TINY_ARGS, "--steps", "3", "--config", _config(tmp), "--policy", "nvme"]
+        import contextlib
+        import io
+
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            assert main([*args, "--json", "--trace", str(trace)]) == 0
+        out.write_text(buffer.getvalue())
+        return trace, json.loads(buffer.getvalue())
+    finally:
+        torch.set_num_threads(threads)
+        os.environ.update(saved)
+
+
+def _check_nested(events: list[dict[str, Any]]) -> None:
+    """Complete events of one track nest: each is inside the one open before it, or after it."""
+    stack: list[float] = []
+    for event in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        end = event["ts"] + event["dur"]
+        while stack and stack[-1] <= event["ts"]:
+            stack.pop()
+        assert not stack or end <= stack[-1] + 1e-3, f"{event['name']} overlaps its parent on its track"
+        stack.append(end)
+
+
+def test_traced_train_writes_a_valid_chrome_trace(traced_run: tuple[Path, dict[str, Any]]) -> None:
+    path, _ = traced_run
+    data = json.loads(path.read_text())  # the whole file is one JSON object
+    events = data["traceEvents"]
+    tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
+    named: set[tuple[int, int]] = set()
+    phases: dict[str, int] = defaultdict(int)
+    for event in events:
+        assert {"name", "ph", "pid", "tid"} <= set(event), event
+        assert isinstance(event["pid"], int) and isinstance(event["tid"], int)
+        phases[event["ph"]] += 1
+        if event["ph"] == "M":
+            if event["name"] == "thread_name":
+                named.add((event["pid"], event["tid"]))
+            continue
+        assert isinstance(event["ts"], (int, float)) and event["ts"] >= 0
+        if event["ph"] == "X":
+            assert event["dur"] >= 0 and isinstance(event.get("cat"), str)
+            tracks[(event["pid"], event["tid"])].append(event)
+        elif event["ph"] == "C":
+            assert event["args"] and all(isinstance(v, (int, float)) for v in event["args"].values())
+    assert phases["X"] and phases["C"] and phases["M"]
+    for key, track in tracks.items():
+        assert key in named, f"track {key} has no name"
+        _check_nested(track)
+    cats = {e.get("cat") for e in events}
+    assert {"step", "forward", "backward", "optimizer", "chunk_step", "wait", "transfer"} <= cats
+    assert sum(1 for e in events if e.get("cat") == "step") == 3
+    counters = {e["name"] for e in events if e["ph"] == "C"}
+    assert any(name.endswith("bytes in use") for name in counters)
+    assert any(name.startswith("in flight ") for name in counters)
+    transfer = next(e for e in events if e.get("cat") == "transfer" and e["args"]["link"] == "device->nvme")
+    assert {"bytes", "priority", "object", "outcome", "queued_ms", "link"} <= set(transfer["args"])
+    assert data["tiermem"]["dropped_events"] == 0
+
+
+def test_every_wait_is_inside_a_phase_of_its_thread(traced_run: tuple[Path, dict[str, Any]]) -> None:
+    trace = trace_report.load(traced_run[0])
+    waits = 0
+    for events in trace.spans.values():
+        work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] not in ("wait", "fetch", "chunk_step")]
+        for event in events:
+            if event["cat"] == "wait" and trace.thread_names.get(event["tid"]) == "MainThread":
+                waits += 1
+                inside = any(s <= event["ts"] and event["ts"] + event["dur"] <= e + 1e-6 for s, e in work)
+                assert inside, f"{event['name']} at {event['ts']} is in no phase"
+    assert waits > 0
+
+
+def test_trace_bytes_per_link_are_the_runtimes(traced_run: tuple[Path, dict[str, Any]]) -> None:
+    path, summary = traced_run
+    trace = trace_report.load(path)
+    start, stop = trace.info["links_at_start"], trace.info["links_at_stop"]
+    span = {link: stats["bytes"] - start.get(link, {}).get("bytes", 0) for link, stats in stop.items()}
+    assert trace.link_bytes() == {link: n for link, n in span.items() if n}
+    assert trace.link_bytes().get("device->nvme", 0) > 0
+    # the run's own summary (rt.stats() at its end) counts the same bytes over the run
+    assert summary["tiers"]["nvme"]["bytes_written"] == sum(
+        n for link, n in trace.link_bytes().items() if link.endswith("->nvme")
+    )
+
+
+def test_rt_trace_bytes_equal_rt_stats_over_the_span(tmp_path: Path) -> None:
+    config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
+    with tiermem.Runtime(config) as rt:
+        before = rt.stats().as_dict()["links"]
+        with rt.trace(tmp_path / "t.json"):
+            handles = [rt.store(torch.full((300_000,), i, dtype=torch.uint8), "nvme") for i in range(3)]
+            for handle in handles:
+                handle.wait()
+            assert [int(h.tensor()[0]) for h in handles] == [0, 1, 2]
+            for handle in handles:
+                handle.free()
+        after = rt.stats().as_dict()["links"]
+        assert tracing.RECORDER is None
+    moved = {link: after[link]["bytes"] - before.get(link, {}).get("bytes", 0) for link in after}
+    assert trace_report.load(tmp_path / "t.json").link_bytes() == {k: v for k, v in moved.items() if v}
+
+
+def test_torch_profiler_shows_tiermem_ranges(tmp_path: Path) -> None:
+    config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    with tiermem.Runtime(config) as rt:
+        plan = {"chunk_size": 64 * 65 * 4, "persistent_chunks": 0, "state_home": "host", "buffers": 2}
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=1e-3)
+        model(x).sum().backward()  # a first step outside the profiler
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    names = {event.name for event in prof.events()}
+    ours = {name for name in names if name.startswith("tiermem.")}
+    assert any(name.startswith("tiermem.forward") for name in ours), sorted(names)[:30]
+    assert any(name.startswith("tiermem.fetch chunk") for name in ours), ours
+    assert any(name.startswith("tiermem.chunk step") for name in ours), ours
+    assert "tiermem.optimizer step" in ours
+
+
+def test_summary_and_plot(traced_run: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
+    path, _ = traced_run
+    assert main(["trace", "summary", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["steps"]) == 3
+    for step in report["steps"]:
+        assert step["wait_s"] == pytest.approx(step["seconds"] - step["compute_s"], abs=1e-9)
+        assert step["wait_s"] == pytest.approx(sum(step["waits"].values()), abs=1e-9)
+        assert 0.0 <= step["compute_s"] <= step["seconds"]
+        assert step["overlap"] is None or 0.0 <= step["overlap"] <= 1.0 + 1e-9
+        for link in step["links"].values():
+            assert 0.0 <= link["busy_fraction"] <= 1.0 + 1e-9
+    assert main(["trace", "summary", str(path)]) == 0
+    text = capsys.readouterr().out
+    assert "step 3:" in text and "compute" in text and "overlap" in text
+    png = path.parent / "timeline.png"
+    assert main(["trace", "plot", str(path), "-o", str(png), "--steps", "2:3"]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_cut_off_trace_still_reads(tmp_path: Path) -> None:
+    recorder = tracing.Recorder(tmp_path / "cut.json").start()
+    try:
+        with tracing.traced("step", "step"):
+            tracing.span("wait", "wait").end()  # type: ignore[union-attr]
+        time.sleep(3 * tracing.FLUSH_S)  # the writer thread wrote them
+    finally:
+        text = (tmp_path / "cut.json").read_text()  # what a killed run leaves: no closing entry
+        recorder.stop()
+    (tmp_path / "cut.json").write_text(text)
+    trace = trace_report.load(tmp_path / "cut.json")
+    assert [e["cat"] for events in trace.spans.values() for e in events] == ["step", "wait"]
+
+
+def test_trace_config_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert Config().trace.path == "" and Config().to_dict()["trace"]["max_size"] == 1 << 30
+    monkeypatch.setenv("TIERMEM_TRACE", str(tmp_path / "env.json"))
+    assert Config.coerce(None).trace.path == str(tmp_path / "env.json")
+    assert Config.coerce({"trace": {"path": "file.json"}}).trace.path == "file.json"  # the file wins
+    with pytest.raises(tiermem.errors.ConfigError, match=r"trace\.path"):
+        Config.from_dict({"trace": {"path": 3}})
+    config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
+    with tiermem.Runtime(config):
+        assert tracing.RECORDER is not None and tracing.RECORDER.path == str(tmp_path / "env.json")
+    assert tracing.RECORDER is None
+    assert json.loads((tmp_path / "env.json").read_text())["tiermem"]["dropped_events"] == 0

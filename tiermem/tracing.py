@@ -1,0 +1,298 @@
+"""The timeline recorder: where the time goes, on one clock, as a Chrome trace (Perfetto).
+
+A leaf every layer may import (the scheduler and the tiers' callers alike): it imports nothing
+else of tiermem. Off, it costs one module-level ``None`` check at each instrumentation point::
+
+    rec = tracing.RECORDER
+    if rec is not None:
+        rec.transfer(...)
+
+and, for the spans of the training and step threads, :func:`span` (one check of the recorder and
+one of torch.profiler's flag, ``None`` back when both are off).
+
+# NOTE [ Timeline trace ]
+1. One clock: ``time.perf_counter`` (monotonic), the scheduler's own; ``ts`` in the file is
+   microseconds since the recording started.
+2. Tracks: process 1 holds one track per thread (training, autograd, step and scheduler
+   threads: named after the thread); process 2 one track per link (``host->nvme``), split into
+   lanes (``host->nvme #2``) where moves overlap, so every track's slices nest; counters (each
+   tier's bytes in use, each link's bytes in flight) are ``"C"`` events of process 2.
+3. Spans on a thread are complete (``"X"``) events written when they end; they nest because a
+   thread's spans end in the reverse order they began (:func:`span` is used as a bracket).
+   A span whose end never comes (an exception between begin and end) is simply not written.
+4. Under ``torch.profiler.profile`` the same spans are also ``record_function`` ranges named
+   ``tiermem.<name>``, on the thread that runs them, whether a recorder is on or not.
+5. Bounded memory: events wait in a deque that a writer thread drains to the file every
+   ``FLUSH_S``; at most ``MAX_PENDING`` wait (more are dropped and counted), and once the file
+   reaches ``max_bytes`` further events are dropped and counted. The count and the span's link
+   statistics at start and stop go in the file's ``"tiermem"`` entry.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch.autograd import profiler as _profiler
+
+__all__ = ["MAX_PENDING", "RECORDER", "Recorder", "Span", "now", "recording", "span", "traced"]
+
+#: The recorder in force, or None (tracing off). Set only by :meth:`Recorder.start` / ``stop``.
+RECORDER: Recorder | None = None
+
+#: Events that may wait for the writer before new ones are dropped (NOTE [ Timeline trace ] rule 5).
+MAX_PENDING = 1_000_000
+#: How often the writer thread drains the pending events to the file, in seconds.
+FLUSH_S = 0.1
+
+now = time.perf_counter  # rule 1
+
+_THREADS_PID, _LINKS_PID = 1, 2
+
+
+class Span:
+    """One range on the calling thread, begun by :func:`span`; :meth:`end` writes it."""
+
+    __slots__ = ("args", "cat", "name", "range", "recorder", "start")
+
+    def __init__(self, recorder: Recorder | None, name: str, cat: str, args: dict[str, Any] | None) -> None:
+        self.recorder = recorder
+        self.name, self.cat, self.args = name, cat, args
+        self.range: Any = None
+        if _profiler._is_profiler_enabled:  # rule 4
+            self.range = _profiler.record_function("tiermem." + name)
+            self.range.__enter__()
+        self.start = now()
+
+    def end(self, **args: Any) -> None:
+        end = now()
+        if self.range is not None:
+            self.range.__exit__(None, None, None)
+            self.range = None
+        if self.recorder is not None:
+            if args:
+                self.args = {**(self.args or {}), **args}
+            self.recorder.complete(self.name, self.cat, self.start, end, self.args)
+            self.recorder = None
+
+
+def span(name: str, cat: str, detail: object = None, args: dict[str, Any] | None = None) -> Span | None:
+    """Begin a span named ``name`` (``"name detail"`` given a ``detail``, formatted only when on)
+    on this thread when a recorder or torch.profiler is on, else None.
+
+    ``cat`` is the kind of work (``forward``, ``backward``, ``optimizer``, ``chunk_step``,
+    ``wait``, ``fetch``, ``step``, ``profile``, ``repack``); the caller ends it with
+    ``span.end()`` in the same bracket (rule 3)."""
+    recorder = RECORDER
+    if recorder is None and not _profiler._is_profiler_enabled:
+        return None
+    return Span(recorder, name if detail is None else f"{name} {detail}", cat, args)
+
+
+@contextlib.contextmanager
+def traced(name: str, cat: str, args: dict[str, Any] | None = None) -> Iterator[None]:
+    """:func:`span` as a ``with`` block (for call sites that are not hot)."""
+    s = span(name, cat, None, args)
+    try:
+        yield
+    finally:
+        if s is not None:
+            s.end()
+
+
+def wrap(fn: Callable[[], None], name: str, cat: str, args: dict[str, Any] | None = None) -> Callable[[], None]:
+    """``fn`` in a span on whichever thread calls it (a chunk step's compute on the step thread);
+    ``fn`` itself when nothing records now."""
+    if RECORDER is None and not _profiler._is_profiler_enabled:
+        return fn
+
+    def run() -> None:
+        s = span(name, cat, None, args)
+        try:
+            fn()
+        finally:
+            if s is not None:
+                s.end()
+
+    return run
+
+
+class Recorder:
+    """Records events from any thread and streams them to ``path`` as Chrome trace JSON."""
+
+    def __init__(self, path: str | os.PathLike[str], *, max_bytes: int = 1 << 30) -> None:
+        self.path = os.fspath(path)
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        self.info: dict[str, Any] = {}  # the file's "tiermem" entry (stats at start and stop, ...)
+        self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._threads: dict[int, int] = {}  # thread ident -> its track's tid
+        self._lanes: dict[str, list[tuple[int, float]]] = {}  # link -> each lane's tid and last end (rule 2)
+        self._inflight: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._write_lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._writer: threading.Thread | None = None
+        self._file: Any = None
+        self._written = 0
+        self._first = True
+        self.t0 = 0.0
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> Recorder:
+        """Open the file and become :data:`RECORDER` (only one recorder records at a time)."""
+        global RECORDER
+        if RECORDER is not None:
+            raise RuntimeError(f"tiermem trace: already recording to {RECORDER.path}; stop that trace first")
+        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
+        self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
+        self.t0 = now()
+        for pid, label in ((_THREADS_PID, "tiermem threads"), (_LINKS_PID, "tiermem links and tiers")):
+            self._pending.append(("M", "process_name", pid, 0, {"name": label}))
+        self._writer = threading.Thread(target=self._write_loop, name="tiermem-trace-writer", daemon=True)
+        self._writer.start()
+        RECORDER = self
+        return self
+
+    def stop(self) -> None:
+        """Stop recording, write what is pending and the closing entry, close the file. Idempotent."""
+        global RECORDER
+        if RECORDER is self:
+            RECORDER = None
+        if self._writer is None:
+            return
+        self._stopping.set()
+        self._writer.join()
+        self._writer = None
+        self._drain()
+        info = {**self.info, "dropped_events": self.dropped, "clock": "perf_counter", "t0_s": self.t0}
+        self._file.write(f'\n], "tiermem": {json.dumps(info)}}}\n')
+        self._file.close()
+
+    # -- events (any thread) --------------------------------------------------------------
+    def _push(self, event: tuple[Any, ...]) -> None:
+        if len(self._pending) >= MAX_PENDING:
+            self.dropped += 1
+            return
+        self._pending.append(event)
+
+    def _tid(self) -> int:
+        ident = threading.get_ident()
+        tid = self._threads.get(ident)
+        if tid is None:
+            with self._lock:
+                tid = self._threads[ident] = threading.get_native_id()
+            self._push(("M", "thread_name", _THREADS_PID, tid, {"name": threading.current_thread().name}))
+        return tid
+
+    def complete(self, name: str, cat: str, start: float, end: float, args: Mapping[str, Any] | None) -> None:
+        """A range ``start``..``end`` (clock seconds) on the calling thread."""
+        self._push(("X", name, cat, _THREADS_PID, self._tid(), start, end, args))
+
+    def instant(self, name: str, cat: str, args: Mapping[str, Any] | None = None) -> None:
+        self._push(("i", name, cat, _THREADS_PID, self._tid(), now(), None, args))
+
+    def counter(self, name: str, values: Mapping[str, float], at: float | None = None) -> None:
+        """A counter sample (one counter track per ``name``, one series per key of ``values``)."""
+        self._push(("C", name, "counter", _LINKS_PID, 0, now() if at is None else at, None, values))
+
+    def inflight(self, link: str, delta: int) -> None:
+        """``delta`` bytes more (or fewer) in flight over ``link``: its counter track."""
+        with self._lock:
+            value = self._inflight[link] = self._inflight.get(link, 0) + delta
+        self.counter(f"in flight {link}", {"bytes": value})
+
+    def transfer(
+        self,
+        link: str,
+        name: str,
+        queued: float,
+        started: float | None,
+        ended: float,
+        args: dict[str, Any],
+    ) -> None:
+        """A move over ``link`` that waited ``started - queued`` in the queue and was served until
+        ``ended`` (``started`` None: it never started, a cancel in the queue). Put on the
+        link's first lane that is free since ``started`` (rule 2)."""
+        begin = queued if started is None else started
+        args["queued_ms"] = round(((begin if started is not None else ended) - queued) * 1e3, 3)
+        with self._lock:
+            lanes = self._lanes.setdefault(link, [])
+            lane = next((i for i, (_, last) in enumerate(lanes) if last <= begin), len(lanes))
+            if lane == len(lanes):
+                tid = 1 + sum(len(each) for each in self._lanes.values())
+                lanes.append((tid, ended))
+                label = link if lane == 0 else f"{link} #{lane + 1}"
+                self._push(("M", "thread_name", _LINKS_PID, tid, {"name": label}))
+            else:
+                tid = lanes[lane][0]
+                lanes[lane] = (tid, ended)
+        args["link"] = link
+        self._push(("X", name, "transfer", _LINKS_PID, tid, begin, ended, args))
+
+    # -- the writer thread ---------------------------------------------------------------
+    def _write_loop(self) -> None:
+        while not self._stopping.wait(FLUSH_S):
+            self._drain()
+
+    def _drain(self) -> None:
+        with self._write_lock:
+            self._drain_locked()
+            self._file.flush()  # a run killed now leaves a file tiermem trace still reads
+
+    def _drain_locked(self) -> None:
+        pending, parts = self._pending, []
+        t0 = self.t0
+        while pending:
+            event = pending.popleft()
+            if self._written >= self.max_bytes:
+                self.dropped += 1
+                continue
+            parts.append(json.dumps(_chrome(event, t0), separators=(",", ":")))
+            if len(parts) >= 4096:
+                self._emit(parts)
+                parts = []
+        self._emit(parts)
+
+    def _emit(self, parts: list[str]) -> None:
+        if not parts:
+            return
+        text = ",\n".join(parts)
+        if not self._first:
+            text = ",\n" + text
+        self._first = False
+        self._file.write(text)
+        self._written += len(text)
+
+
+def _chrome(event: tuple[Any, ...], t0: float) -> dict[str, Any]:
+    """One pending event as a Chrome trace event (``ts``/``dur`` in microseconds since ``t0``)."""
+    if event[0] == "M":
+        _, name, pid, tid, args = event
+        return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+    ph, name, cat, pid, tid, start, end, args = event
+    out: dict[str, Any] = {"name": name, "cat": cat, "ph": ph, "ts": round((start - t0) * 1e6, 3), "pid": pid}
+    out["tid"] = tid
+    if ph == "X":
+        out["dur"] = round((end - start) * 1e6, 3)
+    elif ph == "i":
+        out["s"] = "t"
+    if args:
+        out["args"] = dict(args)
+    return out
+
+
+@contextlib.contextmanager
+def recording(path: str | os.PathLike[str], *, max_bytes: int = 1 << 30) -> Iterator[Recorder]:
+    """Record to ``path`` for the ``with`` block."""
+    recorder = Recorder(path, max_bytes=max_bytes).start()
+    try:
+        yield recorder
+    finally:
+        recorder.stop()
