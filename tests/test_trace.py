@@ -105,6 +105,7 @@ def test_traced_train_writes_a_valid_chrome_trace(traced_run: tuple[Path, dict[s
     cats = {e.get("cat") for e in events}
     assert {"step", "forward", "backward", "optimizer", "chunk_step", "wait", "transfer"} <= cats
     assert sum(1 for e in events if e.get("cat") == "step") == 3
+    assert any(e["name"].startswith("backward chunk") for e in events if e["ph"] == "X")  # per module call
     counters = {e["name"] for e in events if e["ph"] == "C"}
     assert any(name.endswith("bytes in use") for name in counters)
     assert any(name.startswith("in flight ") for name in counters)

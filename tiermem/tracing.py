@@ -54,6 +54,8 @@ FLUSH_S = 0.1
 now = time.perf_counter  # rule 1
 
 _THREADS_PID, _LINKS_PID = 1, 2
+#: tids of the lane tracks (links, backward per module call): above any thread's native id
+_LANE_TIDS = 1 << 30
 
 
 class Span:
@@ -133,7 +135,7 @@ class Recorder:
         self.info: dict[str, Any] = {}  # the file's "tiermem" entry (stats at start and stop, ...)
         self._pending: collections.deque[tuple[Any, ...]] = collections.deque()
         self._threads: dict[int, int] = {}  # thread ident -> its track's tid
-        self._lanes: dict[str, list[tuple[int, float]]] = {}  # link -> each lane's tid and last end (rule 2)
+        self._lanes: dict[str, list[tuple[int, float]]] = {}  # track -> each lane's tid and last end (rule 2)
         self._inflight: dict[str, int] = {}
         self._lock = threading.Lock()
         self._write_lock = threading.Lock()
@@ -222,19 +224,27 @@ class Recorder:
         link's first lane that is free since ``started`` (rule 2)."""
         begin = queued if started is None else started
         args["queued_ms"] = round(((begin if started is not None else ended) - queued) * 1e3, 3)
+        args["link"] = link
+        self._push(("X", name, "transfer", _LINKS_PID, self._lane(_LINKS_PID, link, begin, ended), begin, ended, args))
+
+    def lane(self, track: str, name: str, cat: str, start: float, end: float, args: Mapping[str, Any] | None) -> None:
+        """A range that need not nest with the others of ``track`` (backward per module call, which
+        end in autograd's order): on the track's first lane free since ``start`` (rule 2)."""
+        self._push(("X", name, cat, _THREADS_PID, self._lane(_THREADS_PID, track, start, end), start, end, args))
+
+    def _lane(self, pid: int, track: str, begin: float, ended: float) -> int:
+        """The tid of ``track``'s first lane whose last range ended by ``begin``; a new lane if none."""
         with self._lock:
-            lanes = self._lanes.setdefault(link, [])
+            lanes = self._lanes.setdefault(track, [])
             lane = next((i for i, (_, last) in enumerate(lanes) if last <= begin), len(lanes))
-            if lane == len(lanes):
-                tid = 1 + sum(len(each) for each in self._lanes.values())
-                lanes.append((tid, ended))
-                label = link if lane == 0 else f"{link} #{lane + 1}"
-                self._push(("M", "thread_name", _LINKS_PID, tid, {"name": label}))
-            else:
+            if lane < len(lanes):
                 tid = lanes[lane][0]
                 lanes[lane] = (tid, ended)
-        args["link"] = link
-        self._push(("X", name, "transfer", _LINKS_PID, tid, begin, ended, args))
+                return tid
+            tid = _LANE_TIDS + sum(len(each) for each in self._lanes.values())
+            lanes.append((tid, ended))
+        self._push(("M", "thread_name", pid, tid, {"name": track if lane == 0 else f"{track} #{lane + 1}"}))
+        return tid
 
     # -- the writer thread ---------------------------------------------------------------
     def _write_loop(self) -> None:

@@ -48,6 +48,7 @@ class BackwardTracker:
         self.lifecycle = lifecycle
         self.in_backward = False
         self._traced: tracing.Span | None = None  # the backward pass (NOTE [ Timeline trace ])
+        self._uses_begun: dict[int, float] = {}  # and each use's backward, by id, while tracing
         self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
         #: per trainable parameter index: the uses waiting for its gradient
         self._waiters: dict[int, weakref.WeakSet[Use]] = {}
@@ -153,6 +154,8 @@ class BackwardTracker:
         if self.lifecycle.closed:
             return
         self._begin()
+        if tracing.RECORDER is not None:
+            self._uses_begun.setdefault(id(use), tracing.now())
         if use.reads_values:
             if not use.done and not use.pinned:
                 use.pinned = True
@@ -171,6 +174,9 @@ class BackwardTracker:
         if use.done:
             return
         use.done = True
+        if (recorder := tracing.RECORDER) is not None and (begun := self._uses_begun.pop(id(use), None)) is not None:
+            name = f"backward chunk {use.chunks[0].index}" if use.chunks else "backward"
+            recorder.lane("backward per module call", name, "backward", begun, tracing.now(), None)
         if use.pinned:
             use.pinned = False
             for chunk in use.chunks:
@@ -234,6 +240,7 @@ class BackwardTracker:
                 chunk.entered = False
                 chunk.pending.clear()
             self.in_backward = False
+            self._uses_begun.clear()
             traced, self._traced = self._traced, None
             if traced is not None:
                 traced.end()
