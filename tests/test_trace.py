@@ -226,3 +226,43 @@ def test_trace_config_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
         assert tracing.RECORDER is not None and tracing.RECORDER.path == str(tmp_path / "env.json")
     assert tracing.RECORDER is None
     assert json.loads((tmp_path / "env.json").read_text())["tiermem"]["dropped_events"] == 0
+
+
+def test_forwarded_reads_and_cancelled_writes_are_marked(tmp_path: Path) -> None:
+    """A read served from a moving object's source and a write cancelled because the object is wanted
+    back (NOTE [ Managed object rules ] rules 1 and 3) are instants; the cancelled move ends as such."""
+    from tests.gated_tier import GatedTier
+    from tiermem.registry import ObjectState, Priority, Registry
+    from tiermem.schedulers import AsyncioScheduler
+    from tiermem.tiers.device import DeviceTier
+    from tiermem.tiers.host import HostTier
+
+    nvme = GatedTier(queue_depth=2)
+    device, host = DeviceTier(64 << 20, "cpu"), HostTier(64 << 20)
+    scheduler = AsyncioScheduler(block_size=1 << 16, loop="asyncio")
+    registry = Registry({"device": device, "host": host, "nvme": nvme}, scheduler)
+    try:
+        with tracing.recording(tmp_path / "t.json"):
+            handle = registry.register(torch.randn(40_000))
+            transfer = handle.move_to("nvme", Priority.WRITEBACK)
+            nvme.wait_pending(1)
+            assert handle.state is ObjectState.MOVING
+            handle.tensor()  # forwarded
+            assert handle.move_to("device", Priority.DEMAND) is None  # the write is cancelled
+            nvme.gated = False
+            nvme.release_all()
+            with pytest.raises(tiermem.errors.TransferCancelledError):
+                transfer.wait(timeout=10)
+            handle.wait()
+            handle.free()
+    finally:
+        nvme.gated = False
+        nvme.release_all()
+        registry.free_all()
+        scheduler.close()
+        for tier in (device, host, nvme):
+            tier.close()
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["name"] for e in events if e["ph"] == "i"] == ["forwarded tensor read", "cancel tensor write"]
+    moves = [e for e in events if e.get("cat") == "transfer"]
+    assert [m["args"]["outcome"] for m in moves] == ["cancelled"]

@@ -60,6 +60,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from tiermem import tracing
 from tiermem.errors import ObjectFreedError, internal_error
 from tiermem.objects import (
     CachedBytes,
@@ -170,6 +171,8 @@ class Registry:
                         obj.cancelling = True
                         self._cancelled += 1
                         obj.transfer.cancel()
+                        if (recorder := tracing.RECORDER) is not None:  # NOTE [ Timeline trace ]
+                            recorder.instant(f"cancel {obj.kind} write", "cancel", {"bytes": obj.nbytes})
                     return None
             elif obj.home.tier is target_tier:
                 return None
@@ -302,6 +305,8 @@ class Registry:
                 if obj.home.tier is target:
                     if obj.state is ObjectState.MOVING:
                         self._forwarded += 1
+                        if (recorder := tracing.RECORDER) is not None:  # NOTE [ Timeline trace ]
+                            recorder.instant(f"forwarded {obj.kind} read", "forwarded", {"bytes": obj.nbytes})
                     return obj.home.view(0, obj.nbytes)
             self.move(obj, tier, Priority.DEMAND)
             self.wait(obj)
