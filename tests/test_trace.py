@@ -224,6 +224,9 @@ def test_trace_config_section(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
     config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
     with tiermem.Runtime(config):
         assert tracing.RECORDER is not None and tracing.RECORDER.path == str(tmp_path / "env.json")
+        with tiermem.Runtime(config):  # a second runtime while the first records: it records nothing
+            assert tracing.RECORDER.path == str(tmp_path / "env.json")
+        assert tracing.RECORDER is not None
     assert tracing.RECORDER is None
     assert json.loads((tmp_path / "env.json").read_text())["tiermem"]["dropped_events"] == 0
 

@@ -132,7 +132,9 @@ class Runtime:
         self._interrupt_guard = RuntimeInterruptGuard()
         self._interrupt_guard.install()
         log.info("tiermem runtime started: %s", {name: t.describe() for name, t in tiers.items()})
-        if resolved.trace.path:  # [trace] path or TIERMEM_TRACE: the whole run, until close()
+        if resolved.trace.path and tracing.RECORDER is not None:  # one recording at a time, the first one's
+            log.warning("tiermem trace: %s is being recorded; this runtime records nothing", tracing.RECORDER.path)
+        elif resolved.trace.path:  # [trace] path or TIERMEM_TRACE: the whole run, until close()
             suffix = f".rank{ranks.rank}" if ranks.multi_process else ""
             self.start_trace(resolved.trace.path + suffix)
         return self
