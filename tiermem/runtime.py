@@ -312,9 +312,10 @@ class Runtime:
         """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers,
         and apply an activation policy to its forwards with grad from now on.
 
-        ``optimizer``: a constructed ``torch.optim`` AdamW, Adam or SGD over the model's
-        parameters (param groups and hyper-parameters kept), or one of those classes plus
-        keyword arguments. ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
+        ``optimizer``: a constructed per-parameter optimizer over the model's parameters (any
+        per-parameter ``torch.optim`` one, transformers' Adafactor, or a class declaring
+        ``tiermem_per_parameter = True``; param groups and hyper-parameters kept), or such a class
+        plus keyword arguments (NOTE [ Exact optimizer step ]). ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
         placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, ``tiermem.layout.placement``).
         Returns the same model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
 
