@@ -6,6 +6,7 @@ cross-parameter optimizer are refused before the first step."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -249,3 +250,44 @@ def test_homes_and_the_plan_hold_the_real_state_bytes(tmp_path):
             assert {c.sections for c in offloaded} == {sections[name]}
     assert homes["adamw-2"] == 3 * homes["sgd-plain"] and homes["adafactor-beta1"] == 2 * homes["sgd-plain"]
     assert homes["adafactor"] == homes["sgd-plain"]
+
+
+class Blocks(nn.Module):
+    """make_model's layers as repeated blocks, which the first-step profile needs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.Tanh()) for _ in range(3))
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+@pytest.mark.parametrize("name", ["adafactor-beta1", "asgd"])
+def test_loaded_state_of_any_shape_goes_through_the_first_step_re_pack(tmp_path, name):
+    """A state dict loaded into the managed optimizer (factored statistics, 0-d tensors and
+    sections), then plan="auto" plans at the first step and re-packs the chunks from a snapshot
+    of it: training goes on bitwise."""
+    if name.startswith("adafactor"):
+        pytest.importorskip("transformers")
+    plain = Blocks()
+    plain_optimizer = OPTIMIZERS[name](plain.parameters())
+    loop(plain, plain_optimizer, range(1))
+    weights, saved = copy.deepcopy(plain.state_dict()), copy.deepcopy(plain_optimizer.state_dict())
+    want = loop(plain, plain_optimizer, range(1, 3))
+    with tiermem.Runtime(config(tmp_path, 96 << 10, host="256KiB")) as rt:
+        model = Blocks()
+        model.load_state_dict(weights)
+        model, optimizer = rt.manage(model, OPTIMIZERS[name](model.parameters()))
+        optimizer.load_state_dict(saved)
+        got = loop(model, optimizer, range(1, 3))
+        assert rt.plan.predicted.step_s is not None  # planned at the first step
+        assert rt.plan.persistent_chunks < rt.plan.chunks
+        state = optimizer.state_dict()["state"]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert_same_state(state, plain_optimizer.state_dict()["state"])
