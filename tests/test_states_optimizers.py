@@ -195,7 +195,10 @@ def test_the_state_layout_is_learned_from_the_optimizer():
         base = make(model.parameters())
         return learn_state(type(base), base.defaults, base.param_groups)
 
+    rng = torch.get_rng_state()
     adamw = layout(OPTIMIZERS["adamw"])
+    layout(OPTIMIZERS["custom"])  # declared: checked on samples too
+    assert torch.equal(torch.get_rng_state(), rng)  # the samples leave the user's RNG alone
     assert adamw.names == ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") and adamw.sections(weight) == 3
     assert layout(OPTIMIZERS["sgd-plain"]).names == ()
     asgd = layout(OPTIMIZERS["asgd"])

@@ -235,7 +235,8 @@ def learn_state(
         kinds.append(found)
         params = [_sample(_sample_shape(ndim), dtype, generator) for ndim, dtype in found]
         sample_groups.append({**hyper, "params": params})
-    instance = _probe(cls, defaults, sample_groups, steps=2)
+    with torch.random.fork_rng(devices=[]):  # an optimizer drawing random numbers leaves the user's RNG as it was
+        instance = _probe(cls, defaults, sample_groups, steps=2)
     by_kind: list[dict[tuple[int, torch.dtype], tuple[str, ...]]] = []
     order: list[str] = []
     for found, group in zip(kinds, sample_groups, strict=True):
@@ -269,7 +270,8 @@ def learn_state(
             order += [k for k in keys if k not in order]
         by_kind.append(classified)
     if declared(cls):
-        _check_independent(cls, defaults, sample_groups)
+        with torch.random.fork_rng(devices=[]):
+            _check_independent(cls, defaults, sample_groups)
     keys = {
         id(p): by_kind[g][p.dim(), master_dtype or p.dtype] for g, group in enumerate(groups) for p in group["params"]
     }
