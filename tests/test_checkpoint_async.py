@@ -21,7 +21,7 @@ import torch
 import tiermem
 from tests.test_checkpoint import assert_bitwise, config, manage, snapshot, train
 from tiermem.checkpoint import background
-from tiermem.checkpoint.planners import StreamingSavePlanner
+from tiermem.checkpoint.dcp_planners import StreamingSavePlanner
 from tiermem.errors import CheckpointError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent

@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter
 
 from tiermem.checkpoint import files, ranks
 from tiermem.checkpoint.content import LoadTree, rng_state, save_tree, set_rng_state
-from tiermem.checkpoint.planners import StreamingLoadPlanner, StreamingSavePlanner
+from tiermem.checkpoint.dcp_planners import StreamingLoadPlanner, StreamingSavePlanner
 from tiermem.checkpoint.room import bytes_to_write
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.states import ModelStates, StatesUsageError

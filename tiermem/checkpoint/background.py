@@ -62,7 +62,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tiermem.checkpoint import _SINGLE_PROCESS, DEFAULT_FORMAT, FORMATS, _unwrap, _writer, files
 from tiermem.checkpoint.capture import Capture
 from tiermem.checkpoint.content import rng_state, save_tree
-from tiermem.checkpoint.planners import ObjPath, Source, StreamingSavePlanner
+from tiermem.checkpoint.dcp_planners import ObjPath, Source, StreamingSavePlanner
 from tiermem.checkpoint.room import bytes_to_write, check_room
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.registry import Registry

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from tiermem.checkpoint.planners import ChunkKey
+from tiermem.checkpoint.dcp_planners import ChunkKey
 from tiermem.errors import CheckpointError, TierCapacityError
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import Handle, ObjectState, Priority, Registry, Transfer

@@ -20,8 +20,8 @@ import numpy as np
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
+from tiermem.checkpoint.dcp_planners import ObjPath, Source, Target, stand_in
 from tiermem.checkpoint.files import FORMAT, FORMAT_VERSION, MARKER
-from tiermem.checkpoint.planners import ObjPath, Source, Target, stand_in
 from tiermem.errors import CheckpointError
 from tiermem.states import ModelStates
 from tiermem.states.sharded_io import ShardedStateIO
