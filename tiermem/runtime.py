@@ -315,8 +315,9 @@ class Runtime:
         ``optimizer``: a constructed per-parameter optimizer over the model's parameters (any
         per-parameter ``torch.optim`` one, transformers' Adafactor, or a class declaring
         ``tiermem_per_parameter = True``; param groups and hyper-parameters kept), or such a class
-        plus keyword arguments (NOTE [ Exact optimizer step ]). ``plan``: ``"auto"`` (or None) asks the planner, or a hand-written
-        placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``, ``tiermem.layout.placement``).
+        plus keyword arguments (NOTE [ Exact optimizer step ]). ``plan``: ``"auto"`` (or None) asks the
+        planner, or a hand-written placement (dict, ``Plan`` or JSON path saved by ``rt.plan.save``,
+        ``tiermem.layout.placement``).
         Returns the same model and the optimizer to use from now on; ``rt.plan`` is the plan in force.
 
         ``sample``: what the planner profiles (NOTE [ Profiling step ] in
