@@ -294,3 +294,13 @@ def test_loaded_state_of_any_shape_goes_through_the_first_step_re_pack(tmp_path,
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert_same_state(state, plain_optimizer.state_dict()["state"])
+
+
+def test_a_sharded_model_takes_only_element_wise_optimizers():
+    """FSDP2 ranks step local shards: Adafactor or a declared optimizer would see a shard."""
+    from tiermem.states.optimizer import require_element_wise
+
+    for cls in (torch.optim.AdamW, torch.optim.Rprop, torch.optim.ASGD):
+        require_element_wise(cls)
+    with pytest.raises(UnsupportedOptimizerError, match=r"PerParameterSGD on an FSDP2-sharded model.*a shard"):
+        require_element_wise(PerParameterSGD)

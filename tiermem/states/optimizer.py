@@ -150,6 +150,20 @@ def coerce_optimizer(
     return optimizer
 
 
+def require_element_wise(cls: type[torch.optim.Optimizer]) -> None:
+    """An FSDP2-sharded model steps each rank's local shards as tensors of their own: exact only for
+    optimizers whose math is element-wise (torch.optim's per-parameter ones, rule 1). Adafactor's
+    factored statistics and parameter RMS, or a declared optimizer's, would be of the shard, not
+    of the parameter: refused with what to do (NOTE [ Sharded model states ])."""
+    if cls not in SUPPORTED:
+        raise UnsupportedOptimizerError(
+            f"tiermem manage: {qualified_name(cls)} on an FSDP2-sharded model: tiermem steps each rank's local "
+            "shards, exact only for the element-wise torch.optim optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, "
+            "Adamax, NAdam, RAdam, Adadelta, Rprop, ASGD); a factored or declared optimizer would see a shard, not "
+            "its parameter. Use one of those, or manage the model unsharded"
+        )
+
+
 @dataclass(frozen=True)
 class StateLayout:
     """Rule 3: what the optimizer keeps per parameter, learned on samples."""

@@ -83,7 +83,7 @@ from tiermem.layout.placement import Budgets, Plan, parse_plan
 from tiermem.registry import Handle, Registry
 from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesClosedError, StatesUsageError
-from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, learn_state
+from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, learn_state, require_element_wise
 from tiermem.states.sharded_fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
 from tiermem.states.sharded_io import ShardedStateIO
 from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, signature
@@ -151,6 +151,7 @@ class ShardedModelStates:
         self._model = model
         self.params = sharded_params(model)
         base = coerce_optimizer(self.params, optimizer, optimizer_kwargs or {})
+        require_element_wise(type(base))
         self.declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         self.optimizer_class = type(base)
         self.group_of = {id(p): g for g, group in enumerate(base.param_groups) for p in group["params"]}
