@@ -41,7 +41,7 @@ from typing import Any
 
 from torch.autograd import profiler as _profiler
 
-__all__ = ["MAX_PENDING", "RECORDER", "Recorder", "Span", "now", "recording", "span", "traced"]
+__all__ = ["FLUSH_S", "MAX_PENDING", "RECORDER", "Recorder", "Span", "now", "recording", "span", "traced", "wrap"]
 
 #: The recorder in force, or None (tracing off). Set only by :meth:`Recorder.start` / ``stop``.
 RECORDER: Recorder | None = None
@@ -264,10 +264,11 @@ class Recorder:
             if self._written >= self.max_bytes:
                 self.dropped += 1
                 continue
-            parts.append(json.dumps(_chrome(event, t0), separators=(",", ":")))
-            if len(parts) >= 4096:
+            parts.append(_chrome(event, t0))
+            if len(parts) >= _BATCH:
                 self._emit(parts)
                 parts = []
+                time.sleep(0)  # let the training and scheduler threads have the GIL between batches
         self._emit(parts)
 
     def _emit(self, parts: list[str]) -> None:
@@ -281,21 +282,38 @@ class Recorder:
         self._written += len(text)
 
 
-def _chrome(event: tuple[Any, ...], t0: float) -> dict[str, Any]:
-    """One pending event as a Chrome trace event (``ts``/``dur`` in microseconds since ``t0``)."""
+def _chrome(event: tuple[Any, ...], t0: float) -> str:
+    """One pending event as Chrome trace JSON (``ts``/``dur`` in microseconds since ``t0``)."""
     if event[0] == "M":
         _, name, pid, tid, args = event
-        return {"name": name, "ph": "M", "pid": pid, "tid": tid, "args": args}
+        return f'{{"name":"{name}","ph":"M","pid":{pid},"tid":{tid},"args":{_dumps(args)}}}'
     ph, name, cat, pid, tid, start, end, args = event
-    out: dict[str, Any] = {"name": name, "cat": cat, "ph": ph, "ts": round((start - t0) * 1e6, 3), "pid": pid}
-    out["tid"] = tid
+    text = f'{{"name":{_dumps(name)},"cat":"{cat}","ph":"{ph}","ts":{(start - t0) * 1e6:.3f},"pid":{pid},"tid":{tid}'
     if ph == "X":
-        out["dur"] = round((end - start) * 1e6, 3)
+        text += f',"dur":{(end - start) * 1e6:.3f}'
     elif ph == "i":
-        out["s"] = "t"
+        text += ',"s":"t"'
     if args:
-        out["args"] = dict(args)
-    return out
+        text += f',"args":{_args(args)}'
+    return text + "}"
+
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
+
+def _args(args: Mapping[str, Any]) -> str:
+    """``args`` as a JSON object: numbers written as they are (the common case: bytes, times), the rest by json."""
+    parts = []
+    for key, value in args.items():
+        if type(value) is int or (type(value) is float and value == value and abs(value) != float("inf")):
+            parts.append(f"{_dumps(key)}:{value}")
+        else:
+            parts.append(f"{_dumps(key)}:{_dumps(value)}")
+    return "{" + ",".join(parts) + "}"
+
+
+#: Events serialised between two chances for the other threads to take the GIL.
+_BATCH = 256
 
 
 @contextlib.contextmanager
