@@ -212,6 +212,9 @@ def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoint
             print(json.dumps(finite(result), allow_nan=False))
         else:
             _print_summary(result)
+            if config.trace.path:  # each rank's own file under torchrun: <path>.rank<R>
+                path = config.trace.path + (".rank0" if result["world_size"] > 1 else "")
+                print(f"\ntimeline trace: {path} (Perfetto; tiermem trace summary|plot FILE)")
         sys.stdout.flush()
     except BrokenPipeError:
         return _stdout_closed()
