@@ -44,11 +44,10 @@ class Gradients:
         self.proxy_host_gradients = proxy_host_gradients
         #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
         self._leases: dict[int, list[bool]] = {}
-        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (the stepper sets it)
+        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight
         self.fence: Callable[[Chunk], None] = homes.fence
         #: NOTE [ Stored gradients ]: host copies of the gradients that wait on NVMe
-        self.stash = GradientStash(store, homes.wait_moves)
-        self.stash.fence = lambda chunk: self.fence(chunk)
+        self.stash = GradientStash(store, homes.wait_moves, homes.fence)
 
     # -- in backward ---------------------------------------------------------------------------
     def device_grads(self, chunk: Chunk) -> torch.Tensor:

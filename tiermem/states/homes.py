@@ -11,7 +11,7 @@ in flight finishes first (NOTE [ Step threads ] rule 4).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -19,6 +19,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
+from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
 from tiermem.units import format_size
 
@@ -26,11 +27,15 @@ from tiermem.units import format_size
 class Homes:
     """Reads and writes of the homes of ``store``'s chunks."""
 
-    def __init__(self, store: ChunkStore) -> None:
+    def __init__(self, store: ChunkStore, steps: StepThread) -> None:
         self.store = store
+        #: where chunk steps compute: a home is touched only once its chunk's step has finished
+        self.steps = steps
         self._read_cache: tuple[int, tuple[int, int], torch.Tensor] | None = None
-        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (the stepper sets it)
-        self.fence: Callable[[Chunk], None] = _no_step_in_flight
+
+    def fence(self, chunk: Chunk) -> None:
+        """NOTE [ Step threads ] rule 4: ``chunk``'s step in flight, if any, finishes first."""
+        self.steps.wait_for(chunk.index)
 
     def forget(self) -> None:
         """Drop the cached home read (its chunk changed, or the chunks were rebuilt)."""
@@ -108,6 +113,3 @@ class Homes:
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
 
-
-def _no_step_in_flight(_chunk: Chunk) -> None:
-    """The fence before a stepper is bound: nothing can be in flight."""

@@ -151,6 +151,7 @@ from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.pool import ChunkPool
 from tiermem.states.relayout import FirstStepPlanner, Relayout
 from tiermem.states.stateio import StateIO
+from tiermem.states.step_thread import StepThread
 from tiermem.states.stepping import Stepper
 from tiermem.states.store import ChunkStore
 
@@ -203,7 +204,9 @@ class ModelStates:
         facts = self.facts
         self.lifecycle = Lifecycle(sum(info.nbytes for info in facts.info))
         self.store = ChunkStore(registry, facts)
-        self.homes = Homes(self.store)
+        #: where chunk steps compute (NOTE [ Step threads ]): homes, gradients and the stepper share it
+        steps = StepThread.configured(step_thread)
+        self.homes = Homes(self.store, steps)
         self.gradients = Gradients(
             registry, facts, self.store, self.homes, proxy_host_gradients=self.proxy_host_gradients
         )
@@ -218,7 +221,7 @@ class ModelStates:
             grads_stream=declared.grads_stream,
             hooks=(self._remove_hooks, self._register_hooks),
         )
-        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared, step_thread)
+        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared, steps)
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
         self.training = Training(facts)
         tracked = dataclasses.replace(facts, trainable=self.training.now)

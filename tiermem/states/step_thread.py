@@ -96,6 +96,12 @@ def _compute_with(compute: Callable[[], None], threads: int) -> None:
 class StepThread:
     """Chunk steps in flight: at most one (rule 2), computed on the step thread or inline."""
 
+    @classmethod
+    def configured(cls, setting: str | None = None) -> StepThread:
+        """Rule 6: from ``[model_states] step_thread`` (None: the environment's, ``auto`` when unset)."""
+        value = step_thread_setting(setting)
+        return cls(step_thread_wanted(value), fused_inline=value == "auto")
+
     def __init__(self, threaded: bool, fused_inline: bool = False) -> None:
         self.threaded = threaded
         #: rule 6 (``auto``): fused steps over homes in memory run inline

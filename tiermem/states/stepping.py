@@ -91,7 +91,7 @@ from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
-from tiermem.states.step_thread import StepThread, step_thread_setting, step_thread_wanted
+from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
 
 log = logging.getLogger("tiermem.states")
@@ -118,7 +118,7 @@ class Stepper:
         homes: Homes,
         repacker: Repacker,
         declared: Declarations,
-        step_thread: str | None = None,
+        steps: StepThread,
     ) -> None:
         self.facts = facts
         self.store = store
@@ -148,16 +148,8 @@ class Stepper:
         self.chunk_steps = 0
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
-        #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on it
-        setting = step_thread_setting(self.step_thread if step_thread is None else step_thread)
-        self.steps = StepThread(step_thread_wanted(setting), fused_inline=setting == "auto")
-        homes.fence = gradients.fence = self._fence
-
-    #: NOTE [ Step threads ] rule 6: "on", "off" or "auto" when rt.manage gives none; None reads the environment
-    step_thread: str | None = None
-
-    def _fence(self, chunk: Chunk) -> None:
-        self.steps.wait_for(chunk.index)
+        #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on the same one
+        self.steps = steps
 
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""

@@ -96,12 +96,14 @@ class _Staged:
 class GradientStash:
     """Host copies of stored gradient buffers, at most ``STAGED_HOMES`` chunks at once (rule 2)."""
 
-    def __init__(self, store: ChunkStore, wait_home_moves: Callable[[], None]) -> None:
+    def __init__(
+        self, store: ChunkStore, wait_home_moves: Callable[[], None], fence: Callable[[Chunk], None]
+    ) -> None:
         self.store = store
         self._wait_home_moves = wait_home_moves
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
-        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight (Gradients sets it)
-        self.fence: Callable[[Chunk], None] = lambda _chunk: None
+        #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight
+        self.fence = fence
         #: chunks staged from NVMe and bytes written back since the manager began (tests, reports)
         self.stagings = 0
         self.write_backs = 0
