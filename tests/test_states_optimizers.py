@@ -216,7 +216,7 @@ def test_a_checkpoint_of_adafactor_resumes_bitwise(tmp_path, fmt):
     sections of the biases go through rt.save/rt.load: 2 steps, save, 2 more in a new runtime."""
     pytest.importorskip("transformers")
     if fmt == "zarr":
-        pytest.importorskip("zarr")
+        pytest.importorskip("tensorstore")
     make = OPTIMIZERS["adafactor-beta1"]
     plain = make_model()
     want = loop(plain, make(plain.parameters()), range(4))

@@ -193,12 +193,12 @@ def _construct(
 ) -> torch.optim.Optimizer:
     """A fresh instance over sample groups (its constructor may create state, as Adagrad's does);
     the unpickling path where the constructor needs more than its defaults."""
-    accepted_args = inspect.signature(cls.__init__).parameters
-    takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted_args.values())
-    kwargs = {k: v for k, v in defaults.items() if (takes_any or k in accepted_args) and k not in _PROBE_FLAGS}
     try:
+        accepted_args = inspect.signature(cls.__init__).parameters
+        takes_any = any(a.kind is inspect.Parameter.VAR_KEYWORD for a in accepted_args.values())
+        kwargs = {k: v for k, v in defaults.items() if (takes_any or k in accepted_args) and k not in _PROBE_FLAGS}
         return cls(groups, **kwargs)
-    except TypeError:
+    except (TypeError, ValueError):
         shadow = cls.__new__(cls)
         shadow.__setstate__({"defaults": dict(defaults), "state": defaultdict(dict), "param_groups": groups})
         return shadow
