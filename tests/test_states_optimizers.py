@@ -304,3 +304,46 @@ def test_a_sharded_model_takes_only_element_wise_optimizers():
         require_element_wise(cls)
     with pytest.raises(UnsupportedOptimizerError, match=r"PerParameterSGD on an FSDP2-sharded model.*a shard"):
         require_element_wise(PerParameterSGD)
+
+
+@pytest.mark.parametrize("name", ["adafactor-beta1", "rprop", "nadam"])
+def test_mixed_precision_steps_fp32_masters_with_any_optimizer(tmp_path, name):
+    """rt.manage(param_dtype=torch.bfloat16): the optimizer steps the fp32 masters (the state
+    learned in fp32), as a master-weights loop over a bf16 working copy does."""
+    if name.startswith("adafactor"):
+        pytest.importorskip("transformers")
+    model = make_model()
+    masters = [nn.Parameter(p.detach().clone()) for p in model.parameters()]
+    optimizer = OPTIMIZERS[name](masters)
+    model.to(torch.bfloat16)
+    want = []
+    for step in range(3):
+        x, y = batch(step)
+        loss = nn.functional.mse_loss(model(x.bfloat16()).float(), y)
+        loss.backward()
+        for p, m in zip(model.parameters(), masters, strict=True):
+            m.grad = p.grad.float()
+        optimizer.step()
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), masters, strict=True):
+                p.copy_(m)
+        model.zero_grad()
+        want.append(loss.detach())
+    with tiermem.Runtime(config(tmp_path, DEVICE)) as rt:
+        managed = make_model()
+        managed, managed_optimizer = rt.manage(
+            managed,
+            OPTIMIZERS[name](managed.parameters()),
+            plan={**PLAN, "state_home": "nvme"},
+            param_dtype=torch.bfloat16,
+        )
+        got = []
+        for step in range(3):
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(managed(x.bfloat16()).float(), y)
+            loss.backward()
+            managed_optimizer.step()
+            managed_optimizer.zero_grad()
+            got.append(loss.detach())
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in managed.parameters()], [m.detach() for m in masters])
