@@ -74,7 +74,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         with tiermem.Runtime(tiers) as rt:
             model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, sample=sample)
             predicted = rt.plan.predicted.as_dict()
-            profiled_compute = rt._decision.estimate.parts_s["compute"]
+            profiled_compute = rt.decision.estimate.parts_s["compute"]
             rt.tiers["device"].reset_peak()
             before = [step(plain, plain_optimizer)[0] for _ in range(3)]
             managed = [step(model, optimizer)[1] for _ in range(args.steps)]  # back to back, as a loop runs

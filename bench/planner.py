@@ -121,7 +121,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             seconds.append(elapsed)
         stats = rt.stats().as_dict()
         result = rt.plan.as_dict()
-        decision = rt.__dict__.get("_decision")
+        decision = rt.decision
     return {
         "plan": result,
         "family": decision.policies_family if decision is not None else None,

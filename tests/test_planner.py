@@ -561,7 +561,7 @@ def test_auto_plan_is_bitwise_plain_pytorch_and_its_device_peak_is_predicted(tmp
     # one a run sees is timing. Above: within 10% (the bound). Below: 15%, since on
     # this tiny model one 16 KiB-granular tensor or one 200 KiB chunk is several percent
     # (measured: 10.3% below at 0.45 of the need; 0-3% on the 4x256 GPT in bench/planner.py).
-    demand = rt.__dict__["_decision"].estimate.device_demand
+    demand = rt.decision.estimate.device_demand
     assert demand * 0.85 <= device["peak_bytes"] <= predicted * 1.1
     if "nvme" in plan.block_policy:
         assert stats["activations"]["bytes_written"]["nvme"] > 0

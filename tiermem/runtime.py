@@ -50,6 +50,7 @@ from tiermem.tiers.rundir import RunDirectory
 
 if TYPE_CHECKING:
     from tiermem.checkpoint.background import PendingSave
+    from tiermem.planner.search import Decision
 
 log = logging.getLogger("tiermem")
 
@@ -80,6 +81,11 @@ class Runtime:
         self._interrupt_guard: RuntimeInterruptGuard | None = None
         self._pending_save: PendingSave | None = None  # rt.save(blocking=False) in progress
         self._recorder: tracing.Recorder | None = None  # rt.trace / [trace] path
+        self._plan: Plan | None = None
+        #: What the planner decided for the model ``rt.manage`` planned last from a ``sample=`` (the
+        #: plan, its predicted step time and peak per tier, its reasons); None otherwise. The
+        #: ``tiermem train`` summary and the planner benchmarks read it.
+        self.decision: Decision | None = None
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> Runtime:
@@ -411,7 +417,7 @@ class Runtime:
             request, decision = runtime_manage.plan_request(
                 self.registry, self.resolved, optimizer, optimizer_kwargs, block_policy, streams, model, sample
             )
-        self.__dict__["_decision"] = decision  # the summary of tiermem train reads the planner's reasons
+        self.decision = decision
         return request
 
     # -- checkpoints (NOTE [ Checkpoint rules ] in tiermem.checkpoint) -------------------------
@@ -460,11 +466,11 @@ class Runtime:
     def plan(self) -> Plan | None:
         """The plan in force for the model ``rt.manage`` managed last (None before); with
         ``sample=`` given, the planner's, with its predictions (``rt.plan.as_dict()``)."""
-        return self.__dict__.get("_plan")
+        return self._plan
 
     @plan.setter
     def plan(self, value: Plan | None) -> None:
-        self.__dict__["_plan"] = value  # the manager keeps it current (re-packs included)
+        self._plan = value  # the manager keeps it current (re-packs included)
 
     @property
     def registry(self) -> Registry:

@@ -105,7 +105,7 @@ def plan_summary(
     assert rt.plan is not None  # rt.manage ran
     plan = rt.plan.as_dict()
     predicted = plan.pop("predicted")
-    decision = rt.__dict__.get("_decision") if planned else None  # what rt.manage's planner returned
+    decision = rt.decision if planned else None
     measured_step = statistics.median(seconds) if seconds else None
     measured_peaks = {tier: int(step_peaks[tier]) for tier in ("device", "host", "nvme")}
     predicted_peaks = predicted.get("peak_bytes") or {}
