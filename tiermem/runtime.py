@@ -19,12 +19,12 @@ import functools
 import logging
 import os
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from tiermem import distributed, runtime_manage, tracing
+from tiermem import distributed, tracing
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
@@ -37,10 +37,10 @@ from tiermem.malloc import return_freed_memory
 from tiermem.registry import Handle, Registry
 from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
-from tiermem.states import ModelStates
+from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
-from tiermem.states.sharded import is_sharded
+from tiermem.states.sharded import ShardedModelStates, is_sharded
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
@@ -55,6 +55,18 @@ if TYPE_CHECKING:
 log = logging.getLogger("tiermem")
 
 ConfigLike = Config | Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+def _plan_from_first_step(
+    planner: Callable[[torch.nn.Module, Any], PlanRequest],
+    model: torch.nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> PlanRequest:
+    """NOTE [ Model-state rules ] rule 9: the first forward's arguments are the planner's sample."""
+    from tiermem.planner.profiler import Batch  # the planner only when asked
+
+    return planner(model, Batch(args, kwargs) if kwargs else args)
 
 
 @contextlib.contextmanager
@@ -349,8 +361,17 @@ class Runtime:
         """
         if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded
             refuse_sharded(activations)
-            declared = (grad_accumulation_steps, clip_grad_norm, keep_gradients, param_dtype)
-            return self._manage_sharded(model, optimizer, plan, sample, optimizer_kwargs, declared)
+            return self._manage_sharded(
+                model,
+                optimizer,
+                plan,
+                sample,
+                optimizer_kwargs,
+                grad_accumulation_steps=grad_accumulation_steps,
+                clip_grad_norm=clip_grad_norm,
+                keep_gradients=keep_gradients,
+                param_dtype=param_dtype,
+            )
         # plan={"block_policy": ...} or activations=<policy>: the planner plans around that policy.
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
         planned = plan is None or plan == "auto" or fixed is not None
@@ -365,7 +386,7 @@ class Runtime:
             plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
         elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
             plan = None
-            first_step_planner = functools.partial(runtime_manage.plan_first_step, planner)
+            first_step_planner = functools.partial(_plan_from_first_step, planner)
         states = ModelStates(
             self.registry,
             model,
@@ -391,12 +412,32 @@ class Runtime:
         plan: Any,
         sample: Any,
         optimizer_kwargs: Mapping[str, Any],
-        declared: tuple[int | None, float | None, bool, torch.dtype | None],
+        *,
+        grad_accumulation_steps: int | None,
+        clip_grad_norm: float | None,
+        keep_gradients: bool,
+        param_dtype: torch.dtype | None,
     ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """``manage`` of an FSDP2-sharded model (NOTE [ Sharded model states ]); collective."""
+        """``manage`` of a model whose parameters FSDP2's ``fully_shard`` made DTensors: each
+        rank's optimizer states in chunks, the parameters left to FSDP2 (NOTE [ Sharded model
+        states ]). Collective: every rank calls it for the same model."""
         assert self.resolved is not None  # set whenever registry is reachable
-        sharded = runtime_manage.manage_sharded(
-            self.registry, self.resolved, model, optimizer, plan, sample, optimizer_kwargs, declared
+        if sample is not None:
+            raise StatesUsageError(
+                "tiermem manage: sample= (profiling a step to plan) is not yet for FSDP2-sharded models; leave it "
+                "out: their optimizer states are placed from each rank's free bytes"
+            )
+        sharded = ShardedModelStates(
+            self.registry,
+            model,
+            optimizer,
+            plan=None if plan == "auto" else plan,
+            optimizer_kwargs=optimizer_kwargs,
+            keep_gradients=keep_gradients,
+            param_dtype=param_dtype,
+            grad_accumulation_steps=grad_accumulation_steps,
+            clip_grad_norm=clip_grad_norm,
+            host_adopts_pageable=not self.resolved.host.pinned,
         )
         self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
         self.plan = sharded.plan
@@ -413,9 +454,18 @@ class Runtime:
     ) -> PlanRequest:
         """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build."""
         assert self.resolved is not None  # set whenever registry is reachable
+        from tiermem.planner.auto import plan_request  # the planner only when asked
+
         with tracing.traced("profile and plan", "profile"):  # NOTE [ Timeline trace ]
-            request, decision = runtime_manage.plan_request(
-                self.registry, self.resolved, optimizer, optimizer_kwargs, block_policy, streams, model, sample
+            request, decision = plan_request(
+                self.registry,
+                self.resolved,
+                model,
+                optimizer,
+                optimizer_kwargs,
+                sample,
+                block_policy=block_policy,
+                grads_stream=streams,
             )
         self.decision = decision
         return request

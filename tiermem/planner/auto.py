@@ -19,6 +19,7 @@ from torch import nn
 
 from tiermem.activations.blocks import BlockSpec
 from tiermem.config import Config
+from tiermem.layout.placement import PlanRequest
 from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
@@ -177,3 +178,39 @@ def plan_model(
     decision = search(profile, caps, block_policy=block_policy, grads_stream=grads_stream)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return decision, profile
+
+
+def plan_request(
+    registry: Registry,
+    resolved: Config,
+    model: nn.Module,
+    optimizer: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    sample: Sample,
+    *,
+    block_policy: str | Sequence[str] | None,
+    grads_stream: bool,
+) -> tuple[PlanRequest, Decision]:
+    """What ``rt.manage`` builds: :func:`plan_model`'s plan as a request packed in the profiled
+    execution order, and the decision (its reasons and predictions)."""
+    decision, profile = plan_model(
+        registry,
+        resolved,
+        model,
+        optimizer,
+        optimizer_kwargs,
+        sample,
+        block_policy=block_policy,
+        grads_stream=grads_stream,
+    )
+    chosen = decision.plan
+    request = PlanRequest(
+        chosen.chunk_size,
+        chosen.persistent_chunks,
+        chosen.buffers,
+        chosen.state_home,
+        chosen.block_policy,
+        chosen.predicted,
+        order=profile.order,
+    )
+    return request, decision
