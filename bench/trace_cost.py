@@ -15,6 +15,7 @@ the instrumentation points are those that emit the events, so the count is their
 ``tiermem trace summary`` of the last "on" run's last step: where the time goes.
 
     .venv/bin/python bench/trace_cost.py --size 200M --rounds 2 --steps 3
+    .venv/bin/python bench/trace_cost.py --size 200M --alternate --steps 8   # one process, off on off on
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 MODES = ("off", "on")
+#: ``--alternate``: one process, the timed steps alternating off, on, off, on (same plan, same load drift)
+ALTERNATE = "alternate"
 SIZES: dict[str, dict[str, int]] = {  # bench/states.py's
     "tiny": {"n_layer": 2, "d_model": 128, "n_head": 4, "vocab_size": 512, "seq_len": 64, "batch": 2},
     "50M": {"n_layer": 3, "d_model": 1024, "n_head": 16, "vocab_size": 8192, "seq_len": 256, "batch": 2},
@@ -88,7 +91,11 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             recording = rt.trace(trace_path) if mode == "on" else None
             if recording is not None:
                 recording.__enter__()
+            alternate_on: list[float] = []
             for i, tokens in enumerate(batches):
+                traced_step = mode == ALTERNATE and i >= args.warmup and (i - args.warmup) % 2 == 1
+                if traced_step:
+                    rt.start_trace(Path(nvme) / f"step{i}.json")
                 start, cpu_start = time.perf_counter(), time.process_time()
                 with rt.offload_activations(managed, policy="nvme"):
                     _, loss = managed(tokens[:, :-1], tokens[:, 1:])
@@ -97,7 +104,10 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 loss_value = loss.item()
-                if i >= args.warmup:
+                if traced_step:
+                    alternate_on.append(time.perf_counter() - start)
+                    rt.stop_trace()
+                elif i >= args.warmup:
                     times.append(time.perf_counter() - start)
                     cpu.append(time.process_time() - cpu_start)  # every thread's: what load inflates least
             if recording is not None:
@@ -106,6 +116,10 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             rt.close()
         result = {"mode": mode, "step_s": statistics.median(times), "times": times, "loss": loss_value}
         result["cpu_s"] = statistics.median(cpu)
+        if mode == ALTERNATE:
+            result.update(on_times=alternate_on, on_step_s=statistics.median(alternate_on))
+            result["ratio"] = round(result["on_step_s"] / result["step_s"], 3)
+            return result
         plan = rt.plan.as_dict() if rt.plan is not None else {}
         result["plan"] = {k: plan.get(k) for k in ("chunk_size", "persistent_chunks", "buffers")}
         result["fraction"] = round(fraction, 3)
@@ -155,10 +169,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fraction", type=float, default=0.10, help="device and host capacity / state bytes")
     parser.add_argument("--nvme-path", default=None, help="where the NVMe tier's files go (default: the temp dir)")
-    parser.add_argument("--child", choices=MODES)
+    parser.add_argument("--alternate", action="store_true", help="one process, timed steps alternating off and on")
+    parser.add_argument("--child", choices=(*MODES, ALTERNATE))
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child, args)))
+        return
+    if args.alternate:
+        print(json.dumps(_child(ALTERNATE, args)))
         return
     print(json.dumps({"machine": _machine(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("size", "warmup", "steps", "fraction")]
