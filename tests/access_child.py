@@ -1,6 +1,6 @@
 """Child of tests/test_states_access.py: ops on managed parameters against a plain model.
 
-Run as ``python access_child.py WHERE DEVICE`` with WHERE one of ``released`` (host homes, every
+Run as ``python access_child.py WHERE[,WHERE...] DEVICE`` with each WHERE one of ``released`` (host homes, every
 chunk released), ``cached`` (host homes, chunks left resident by a forward), ``nvme`` (NVMe
 homes). Every op runs on the managed model and on a plain copy; outputs and every parameter
 after the op must be bitwise equal. Exit status 0: all equal; 1: a difference (printed); a
@@ -22,8 +22,7 @@ from torch import nn
 
 import tiermem
 
-WHERE, DEVICE = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "cpu"
-HOST = {"released": "64MiB", "cached": "64MiB", "nvme": "2500KiB"}[WHERE]
+HOST = {"released": "64MiB", "cached": "64MiB", "nvme": "2500KiB"}
 
 
 def make() -> nn.Module:
@@ -124,16 +123,20 @@ WRITES: list[tuple[str, Op]] = [
 ]
 
 
-def main() -> int:
-    plain = make().to(DEVICE)
-    cfg = {"device": {"capacity": "1MiB", "device": DEVICE}, "host": {"capacity": HOST}, "nvme": {"capacity": "256MiB"}}
+def main(where: str, device: str) -> int:
+    plain = make().to(device)
+    cfg = {
+        "device": {"capacity": "1MiB", "device": device},
+        "host": {"capacity": HOST[where]},
+        "nvme": {"capacity": "256MiB"},
+    }
     failures: list[str] = []
     with tiermem.Runtime(cfg) as rt:
         model, opt = rt.manage(make(), torch.optim.AdamW)
-        if WHERE == "cached":
+        if where == "cached":
             with torch.no_grad():
-                model(X.to(DEVICE))
-                plain(X.to(DEVICE))
+                model(X.to(device))
+                plain(X.to(device))
         mp, pp = list(model.parameters()), list(plain.parameters())
         mk: dict[str, Any] = {}
         pk: dict[str, Any] = {}
@@ -162,7 +165,7 @@ def main() -> int:
             opt.zero_grad(), plain_opt.zero_grad()
             losses = []
             for m, o in ((model, opt), (plain, plain_opt)):
-                loss = m(X.to(DEVICE)).square().mean()
+                loss = m(X.to(device)).square().mean()
                 loss.backward()
                 o.step()
                 losses.append(loss.detach())
@@ -171,10 +174,12 @@ def main() -> int:
             if not all(same(a, b) for a, b in zip(mp, pp, strict=True)):
                 failures.append(f"step {step}: parameters differ")
     for line in failures:
-        print("FAIL", line)
-    print(f"{len(READS)} reads, {len(WRITES)} writes, {len(failures)} failures")
+        print(f"FAIL {where}:", line)
+    print(f"{where}: {len(READS)} reads, {len(WRITES)} writes, {len(failures)} failures", flush=True)
     return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Each WHERE in the same process (one interpreter start for all: suite time); 1 when any differs.
+    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
+    sys.exit(max(main(where, device) for where in sys.argv[1].split(",")))
