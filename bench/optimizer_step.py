@@ -30,7 +30,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -39,6 +38,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 FLAGS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 MODES = (
@@ -131,23 +132,6 @@ def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _machine() -> dict[str, Any]:
-    import psutil
-    import torch
-
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if "model name" in line), platform.processor())
-    return {
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "kernel": platform.release(),
-        "load": os.getloadavg(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
@@ -169,7 +153,7 @@ def main() -> None:
     unknown = [f for f in flags if f not in FLAGS] + [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown flags/modes {unknown}; flags: {', '.join(FLAGS)}; modes: {', '.join(MODES)}")
-    print(json.dumps({"machine": _machine(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
+    print(json.dumps({"machine": machine.facts(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
     results: dict[tuple[str, str], list[dict[str, Any]]] = {}
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "rows", "warmup", "steps", "threads")]
     for _ in range(args.rounds):

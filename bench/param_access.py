@@ -22,14 +22,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
+
+import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 MODES = ("guarded", "unguarded")
 
@@ -71,22 +70,6 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     return {"mode": mode, "step_s": statistics.median(times), "loss": float(loss.detach()), "param_bytes": param_bytes}
 
 
-def _machine() -> dict[str, Any]:
-    import psutil
-    import torch
-
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if "model name" in line), platform.processor())
-    return {
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch": torch.__version__,
-        "kernel": platform.release(),
-        "load": os.getloadavg(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
@@ -100,7 +83,7 @@ def main() -> None:
     if args.child:
         print(json.dumps(_child(args.child, args)))
         return
-    print(json.dumps({"machine": _machine(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
+    print(json.dumps({"machine": machine.facts(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
     passthrough = [f"--{k}={getattr(args, k)}" for k in ("layers", "width", "batch", "warmup", "steps")]
     rounds: list[dict[str, dict[str, Any]]] = []
     for index in range(args.rounds):

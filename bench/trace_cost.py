@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -32,6 +30,8 @@ import time
 import timeit
 from pathlib import Path
 from typing import Any
+
+import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 MODES = ("off", "on")
 #: ``--alternate``: one process, the timed steps alternating off, on, off, on (same plan, same load drift)
@@ -146,21 +146,6 @@ def _off_point_s() -> float:
     return min(timeit.repeat("span('forward', 'forward', 3)", globals={"span": tracing.span}, number=n, repeat=5)) / n
 
 
-def _machine() -> dict[str, Any]:
-    import psutil
-    import torch
-
-    lines = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    model = next((line.split(":", 1)[1].strip() for line in lines if "model name" in line), platform.processor())
-    return {
-        "cpu": model,
-        "cores": len(os.sched_getaffinity(0)),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
-        "torch": torch.__version__,
-        "load": os.getloadavg(),
-    }
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="200M")
@@ -178,7 +163,7 @@ def main() -> None:
     if args.alternate:
         print(json.dumps(_child(ALTERNATE, args)))
         return
-    print(json.dumps({"machine": _machine(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
+    print(json.dumps({"machine": machine.facts(), "args": {k: str(v) for k, v in vars(args).items()}}), flush=True)
     passthrough = [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("size", "warmup", "steps", "fraction")]
     if args.nvme_path:
         passthrough.append(f"--nvme-path={args.nvme_path}")
