@@ -93,7 +93,7 @@ _DATA_SET = _T.data.__set__
 _UNRECORDED = frozenset([_T.detach, torch.detach] + [getattr(_T, n) for n in ("equal", "allclose", "tolist", "item")])
 #: ops that print a tensor
 _PRINTS = frozenset([_T.__repr__, _T.__str__, _T.__format__])
-#: ops that hand the memory itself to another library: they get a copy (rule 3)
+#: ops that hand the memory itself to another library, which would outlive the chunk's bytes: they get a copy
 _EXPORTS = frozenset(getattr(_T, n) for n in ("numpy", "__array__", "__dlpack__") if hasattr(_T, n))
 
 _STATE = threading.local()

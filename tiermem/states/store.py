@@ -149,7 +149,8 @@ class ChunkStore:
                 for slot in chunk.layout.slots:
                     slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             chunk.home = self.register(home, "device")
-        # Copied in: the file-backed pages go (NOTE [ Materialising under rt.init() ] rule 5).
+        # Copied to the device: the snapshot's file-backed pages go back to their file
+        # (NOTE [ Materialising under rt.init() ]).
         for slot in chunk.layout.slots:
             release_file_pages(snapshot.data[slot.index])
 
@@ -168,7 +169,9 @@ class ChunkStore:
             if chunk.master_scale > 1:
                 slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
             slot.view(home, chunk.working_base).copy_(snapshot.data[slot.index])
-            release_file_pages(snapshot.data[slot.index])  # copied in (NOTE [ Materialising under rt.init() ] 5)
+            # Copied into the home: the snapshot's file-backed pages can go back to their file, so a
+            # model built under rt.init() never sits whole in RAM (NOTE [ Materialising under rt.init() ]).
+            release_file_pages(snapshot.data[slot.index])
         chunk.home = self.register(home, chunk.home_tier)
 
     def free(self) -> None:
