@@ -41,8 +41,8 @@ def _worker(args: argparse.Namespace) -> dict:
     import torch
 
     import tiermem
-    from tiermem.models.gpt import GPT, GPTConfig
-    from tiermem.train import train_step
+    from tiermem.app.models.gpt import GPT, GPTConfig
+    from tiermem.app.train import train_step
 
     torch.manual_seed(0)
     config = GPTConfig(

@@ -66,8 +66,8 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: str)
     import torch
 
     import tiermem
-    from tiermem.models.data import MarkovChainData
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.data import MarkovChainData
+    from tiermem.app.models.gpt import GPT, GPTConfig
 
     warnings.simplefilter("ignore", FutureWarning)  # FSDP2/gloo deprecations in torch 2.13
     mode = args["mode"]
@@ -103,9 +103,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], out: str)
         runtime = tiermem.Runtime(config).start()
         plan = {"persistent_chunks": 0, "state_home": "nvme", "chunk_size": args["chunk"]}
         # the declared loop: chunks step during backward and drop their gradients (NOTE [ Declared steps ])
-        model, optimizer = runtime.manage(
-            model, optimizer, plan=plan, grad_accumulation_steps=1, keep_gradients=False
-        )
+        model, optimizer = runtime.manage(model, optimizer, plan=plan, grad_accumulation_steps=1, keep_gradients=False)
     times = []
     step_rss = 0
     process = psutil.Process()
@@ -149,9 +147,17 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.multiprocessing as mp
 
     world = _world(args.worker)
-    settings = {"mode": args.worker, "size": args.size, "batch": args.batch, "warmup": args.warmup,
-                "steps": args.steps, "nvme": args.nvme, "device": args.device, "host": args.host,
-                "chunk": args.chunk}
+    settings = {
+        "mode": args.worker,
+        "size": args.size,
+        "batch": args.batch,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "nvme": args.nvme,
+        "device": args.device,
+        "host": args.host,
+        "chunk": args.chunk,
+    }
     with tempfile.TemporaryDirectory() as out:
         if world == 1:
             _rank_main(0, 1, 0, settings, out)
@@ -206,9 +212,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.nvme) as nvme:
         for _ in range(args.rounds):
             for mode in modes:  # A B A B: every mode once per round, in a fresh process tree
-                cmd = [sys.executable, __file__, "--worker", mode, "--size", args.size, "--batch", str(args.batch),
-                       "--warmup", str(args.warmup), "--steps", str(args.steps), "--nvme", nvme,
-                       "--device", args.device, "--host", args.host, "--chunk", args.chunk]
+                cmd = [
+                    sys.executable,
+                    __file__,
+                    "--worker",
+                    mode,
+                    "--size",
+                    args.size,
+                    "--batch",
+                    str(args.batch),
+                    "--warmup",
+                    str(args.warmup),
+                    "--steps",
+                    str(args.steps),
+                    "--nvme",
+                    nvme,
+                    "--device",
+                    args.device,
+                    "--host",
+                    args.host,
+                    "--chunk",
+                    args.chunk,
+                ]
                 done = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env)
                 results[mode].append(json.loads(done.stdout.strip().splitlines()[-1]))
         machine = _machine(nvme)
@@ -217,11 +242,15 @@ def main() -> None:
         print(json.dumps({"machine": machine, "summary": summary, "runs": results}, indent=2))
         return
     print(f"machine: {machine}")
-    print(f"{'mode':<18}{'ranks':>6}{'step s':>10}{'vs plain1':>11}{'maxrss/rank':>13}{'step RSS/rank':>15}"
-          f"{'NVMe W/rank MiB':>17}")
+    print(
+        f"{'mode':<18}{'ranks':>6}{'step s':>10}{'vs plain1':>11}{'maxrss/rank':>13}{'step RSS/rank':>15}"
+        f"{'NVMe W/rank MiB':>17}"
+    )
     for mode, row in summary.items():
-        print(f"{mode:<18}{row['world']:>6}{row['median_step_s']:>10.3f}{row['step_vs_plain1'] or float('nan'):>11.2f}"
-              f"{row['median_rss_mib']:>13.0f}{row['median_step_rss_mib']:>15.0f}{row['nvme_written_mib']:>17.1f}")
+        print(
+            f"{mode:<18}{row['world']:>6}{row['median_step_s']:>10.3f}{row['step_vs_plain1'] or float('nan'):>11.2f}"
+            f"{row['median_rss_mib']:>13.0f}{row['median_step_rss_mib']:>15.0f}{row['nvme_written_mib']:>17.1f}"
+        )
 
 
 def _summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
@@ -232,9 +261,13 @@ def _summarize(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, 
         rss = [max(r["ru_maxrss_mib"] for r in run["ranks"]) for run in runs]
         step_rss = [max(r["step_rss_mib"] for r in run["ranks"]) for run in runs]
         written = [max(r["nvme"].get("bytes_written", 0) for r in run["ranks"]) / 2**20 for run in runs]
-        summary[mode] = {"world": runs[0]["world"], "median_step_s": statistics.median(steps),
-                         "median_rss_mib": statistics.median(rss), "median_step_rss_mib": statistics.median(step_rss),
-                         "nvme_written_mib": statistics.median(written)}
+        summary[mode] = {
+            "world": runs[0]["world"],
+            "median_step_s": statistics.median(steps),
+            "median_rss_mib": statistics.median(rss),
+            "median_step_rss_mib": statistics.median(step_rss),
+            "nvme_written_mib": statistics.median(written),
+        }
     base = summary.get("plain1", {}).get("median_step_s")
     for row in summary.values():
         row["step_vs_plain1"] = row["median_step_s"] / base if base else None

@@ -32,7 +32,7 @@ from pathlib import Path
 LOOP = textwrap.dedent(
     """
     import sys, torch, tiermem
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.gpt import GPT, GPTConfig
     if sys.argv[2] == "no-guard":
         import tiermem.interrupts
         tiermem.interrupts.RuntimeInterruptGuard.install = lambda self: None

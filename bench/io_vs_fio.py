@@ -19,7 +19,7 @@ Both sides first write the whole file untimed, then time one overwrite (durable 
 end: tiermem ``fdatasync``, fio ``--end_fsync=1``) and one read, with ``O_DIRECT``
 (fio ``--ioengine=libaio --direct=1``). Each side uses a fresh file, removed afterwards.
 Then the scheduler's added latency per request is measured (QD 1, alternating raw and
-scheduler requests in one process, see ``tiermem.benchio.latency``).
+scheduler requests in one process, see ``tiermem.app.benchio.latency``).
 
 It prints the machine's facts, the exact commands, every sample, the medians and the
 ratios tiermem/fio. Without fio installed it prints tiermem's numbers only.
@@ -74,9 +74,7 @@ def run(cmd: list[str], *, timeout: float = 600) -> str:
     return done.stdout
 
 
-def tiermem_cmd(
-    args: argparse.Namespace, backend: str, through: str, block_size: int, queue_depth: int
-) -> list[str]:
+def tiermem_cmd(args: argparse.Namespace, backend: str, through: str, block_size: int, queue_depth: int) -> list[str]:
     return [
         sys.executable, "-m", "tiermem", "bench", "io", "--json", "--tier", "nvme", "--backend", backend,
         "--path", args.path, "--size", str(args.size), "--block-size", str(block_size),
@@ -103,15 +101,15 @@ def fio_cmd(args: argparse.Namespace, filename: str, block_size: int, queue_dept
 # The tiermem child imports torch and tiermem first, says "ready" and waits for "go": its
 # interpreter start-up then happens while the disk is still in its idle gap, not in it.
 _CHILD = (
-    "import sys; import tiermem.benchio, tiermem.tiers.nvme, tiermem.cli.bench_cmd; "
+    "import sys; import tiermem.app.benchio, tiermem.tiers.nvme, tiermem.cli.bench_cmd; "
     "from tiermem.cli import main; sys.stderr.write('ready\\n'); sys.stderr.flush(); "
     "sys.stdin.readline(); sys.exit(main(sys.argv[1:]))"
 )
 
 
-# The latency probe: one process, raw and scheduler requests alternating (tiermem.benchio.latency).
+# The latency probe: one process, raw and scheduler requests alternating (tiermem.app.benchio.latency).
 _PROBE = (
-    "import json, sys; from tiermem.benchio.latency import added_latency; "
+    "import json, sys; from tiermem.app.benchio.latency import added_latency; "
     "print(json.dumps([added_latency([sys.argv[1]], backend=sys.argv[2], block_size=int(b), "
     "samples=int(sys.argv[3])) for b in sys.argv[4:]]))"
 )

@@ -60,8 +60,8 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tiermem
+    from tiermem.app.models.gpt import GPT, GPTConfig
     from tiermem.errors import PlanError, StatesMemoryError
-    from tiermem.models.gpt import GPT, GPTConfig
 
     size = SIZES[args.size]
     config = GPTConfig(**{k: v for k, v in size.items() if k != "batch"})

@@ -37,8 +37,8 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tiermem
-    from tiermem.models.data import MarkovChainData
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.data import MarkovChainData
+    from tiermem.app.models.gpt import GPT, GPTConfig
     from tiermem.states.chunks import Chunk
 
     if mode == "unguarded":
@@ -100,9 +100,10 @@ def main() -> None:
             sys.exit(f"bench param_access: the losses differ: {row}")
         rounds.append(row)
     ratios = [r["guarded"]["step_s"] / r["unguarded"]["step_s"] for r in rounds]
-    summary = {
-        mode: statistics.median(r[mode]["step_s"] for r in rounds) for mode in MODES
-    } | {"ratio_per_round": [round(x, 3) for x in ratios], "ratio_median": round(statistics.median(ratios), 3)}
+    summary = {mode: statistics.median(r[mode]["step_s"] for r in rounds) for mode in MODES} | {
+        "ratio_per_round": [round(x, 3) for x in ratios],
+        "ratio_median": round(statistics.median(ratios), 3),
+    }
     print(json.dumps({"summary": summary}))
 
 

@@ -75,7 +75,7 @@ def hand_plans(layers: int, chunk: int) -> dict[str, dict[str, Any]]:
 
 
 def _model_config(args: argparse.Namespace) -> Any:
-    from tiermem.models.gpt import GPTConfig
+    from tiermem.app.models.gpt import GPTConfig
 
     return GPTConfig(
         n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq
@@ -86,9 +86,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tiermem
-    from tiermem.models.data import MarkovChainData
-    from tiermem.models.gpt import GPT
-    from tiermem.train import train_step
+    from tiermem.app.models.data import MarkovChainData
+    from tiermem.app.models.gpt import GPT
+    from tiermem.app.train import train_step
 
     # TRAPS 7: on two shared cores OpenMP's spinning threads cost more than they give (measured
     # here under load ~8: a step of this model 1.5-3.8 s with 2 threads, 0.7-1.4 s with 1).
@@ -225,7 +225,7 @@ def _mib(n: float | None) -> str:
 
 
 def _need(args: argparse.Namespace) -> tuple[int, int, int]:
-    from tiermem.models.gpt import GPT, measure_activations
+    from tiermem.app.models.gpt import GPT, measure_activations
 
     config = _model_config(args)
     states = 16 * GPT(config).num_parameters()

@@ -147,7 +147,7 @@ def _minimum_bytes(
 def _worker(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.gpt import GPT, GPTConfig
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -283,13 +283,20 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             name: (link["bytes"] - before["links"].get(name, {}).get("bytes", 0)) // steps
             for name, link in after["links"].items()
         }
-        act_w = {t: (after["activations"]["bytes_written"].get(t, 0) - before["activations"]["bytes_written"].get(t, 0))
-                 // steps for t in ("host", "nvme")}
-        act_r = {t: (after["activations"]["bytes_read"].get(t, 0) - before["activations"]["bytes_read"].get(t, 0))
-                 // steps for t in ("host", "nvme")}
+        act_w = {
+            t: (after["activations"]["bytes_written"].get(t, 0) - before["activations"]["bytes_written"].get(t, 0))
+            // steps
+            for t in ("host", "nvme")
+        }
+        act_r = {
+            t: (after["activations"]["bytes_read"].get(t, 0) - before["activations"]["bytes_read"].get(t, 0)) // steps
+            for t in ("host", "nvme")
+        }
         activation_links = {
-            "device->nvme": act_w["nvme"], "nvme->device": act_r["nvme"],
-            "device->host": act_w["host"], "host->device": act_r["host"],
+            "device->nvme": act_w["nvme"],
+            "nvme->device": act_r["nvme"],
+            "device->host": act_w["host"],
+            "host->device": act_r["host"],
         }
         plan = described["plan"]
         chunks = described["chunks"]
@@ -347,7 +354,6 @@ def _machine(path: str) -> dict[str, Any]:
     import psutil
     import torch
 
-
     cpu = "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -375,7 +381,7 @@ def _machine(path: str) -> dict[str, Any]:
 def _params(size: str) -> int:
     import torch
 
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.gpt import GPT, GPTConfig
 
     with torch.device("meta"):  # shapes only: no bytes, no init time
         model = GPT(GPTConfig(**{k: v for k, v in SIZES[size].items() if k != "batch"}))
@@ -472,16 +478,20 @@ def _print_size(size: str, summary: dict[str, Any], args: argparse.Namespace) ->
         return
     if managed.get("refused"):
         print(f"asked capacities refused by the planner: {managed['refused'][0]}")
-    fractions = ", ".join(f"{tier} {managed['capacities'][tier] / 2**20:,.0f} MiB ({f:.0%})"
-                          for tier, f in managed["fractions"].items())
+    fractions = ", ".join(
+        f"{tier} {managed['capacities'][tier] / 2**20:,.0f} MiB ({f:.0%})" for tier, f in managed["fractions"].items()
+    )
     print(f"tiermem capacities: {fractions} of {_mib(managed['params'] * STATE_BYTES_PER_PARAM)} state bytes")
     p = managed["plan"]
     print(
         f"plan: {p['chunks']} chunks of <= {_mib(p['chunk_size'])}, {p['persistent_chunks']} persistent, "
         f"{p['buffers']} buffers, homes {p['homes']}, streamed {_mib(p['streamed_bytes'])}; "
         f"early chunk steps so far {managed['early_chunk_steps']}; "
-        + (f"planned at the first step, predicted step {p['predicted']['step_s']:.2f}s" if p.get("planned")
-           else "default placement rule (no plan fitted)")
+        + (
+            f"planned at the first step, predicted step {p['predicted']['step_s']:.2f}s"
+            if p.get("planned")
+            else "default placement rule (no plan fitted)"
+        )
     )
     print(f"planned at the first step, per run: {managed.get('planned_runs')}")
     for line in managed.get("log", []):
@@ -525,15 +535,29 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds of plain / tiermem")
     parser.add_argument("--device-fraction", type=float, default=0.10, help="device capacity / state bytes")
     parser.add_argument("--host-fraction", type=float, default=0.10, help="host capacity / state bytes")
-    parser.add_argument("--fit", action=argparse.BooleanOptionalAction, default=True,
-                        help="raise a capacity the planner refuses to what it needs (default: on)")
-    parser.add_argument("--activations", default="nvme", choices=["none", "auto", "keep", "nvme", "recompute", "host"],
-                        help="rt.offload_activations policy in tiermem mode ('none': not used)")
+    parser.add_argument(
+        "--fit",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="raise a capacity the planner refuses to what it needs (default: on)",
+    )
+    parser.add_argument(
+        "--activations",
+        default="nvme",
+        choices=["none", "auto", "keep", "nvme", "recompute", "host"],
+        help="rt.offload_activations policy in tiermem mode ('none': not used)",
+    )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--free-gradients", action=argparse.BooleanOptionalAction, default=True,
-                        help="rt.manage(keep_gradients=False): offloaded chunks drop their gradients once they "
-                        "stepped during backward, as the loop's zero_grad() would next (default: on; the host then "
-                        "only holds gradients on their way home)"),
+    (
+        parser.add_argument(
+            "--free-gradients",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="rt.manage(keep_gradients=False): offloaded chunks drop their gradients once they "
+            "stepped during backward, as the loop's zero_grad() would next (default: on; the host then "
+            "only holds gradients on their way home)",
+        ),
+    )
     parser.add_argument("--nvme-path", default=None, help="directory for NVMe files (default: a temp dir in $TMPDIR)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -589,11 +613,26 @@ def main() -> int:
     machine["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     machine["elapsed_s"] = round(time.perf_counter() - started, 1)
     summaries = {size: _summarize(results[size]) for size in sizes}
-    settings = {k: getattr(args, k) for k in ("steps", "warmup", "rounds", "device_fraction", "host_fraction",
-                                              "fit", "activations", "threads", "free_gradients")}
+    settings = {
+        k: getattr(args, k)
+        for k in (
+            "steps",
+            "warmup",
+            "rounds",
+            "device_fraction",
+            "host_fraction",
+            "fit",
+            "activations",
+            "threads",
+            "free_gradients",
+        )
+    }
     if args.json:
-        print(json.dumps({"machine": machine, "settings": settings, "sizes": summaries, "left_behind": leftovers},
-                         indent=2))
+        print(
+            json.dumps(
+                {"machine": machine, "settings": settings, "sizes": summaries, "left_behind": leftovers}, indent=2
+            )
+        )
         return 0
     print(f"machine: {machine}")
     print(f"settings: {settings}")
@@ -601,8 +640,10 @@ def main() -> int:
         _print_size(size, summaries[size], args)
     if args.scaling:
         print("\nscaling, per parameter: median wall and CPU time of a step (ns), bytes moved per step")
-        print(f"{'size':<6} {'params':>8} {'plain wall':>11} {'tiermem wall':>13} {'plain CPU':>10} "
-              f"{'tiermem CPU':>12} {'CPU x':>6} {'state B':>8} {'minimum B':>10} {'act B':>6} {'chunks d/h/n':>13}")
+        print(
+            f"{'size':<6} {'params':>8} {'plain wall':>11} {'tiermem wall':>13} {'plain CPU':>10} "
+            f"{'tiermem CPU':>12} {'CPU x':>6} {'state B':>8} {'minimum B':>10} {'act B':>6} {'chunks d/h/n':>13}"
+        )
         for size in sizes:
             s = summaries[size]
             p, m = s.get("plain", {}), s.get("tiermem", {})

@@ -75,7 +75,7 @@ class PeakSampler:
 
 def size_model(target_params: int, vocab: int, seq: int) -> Any:
     """A GPT near ``target_params``: d_model a multiple of 128, 12 d^2 per layer, 24-40 layers."""
-    from tiermem.models.gpt import GPTConfig
+    from tiermem.app.models.gpt import GPTConfig
 
     best = None
     for layers in range(24, 41, 2):
@@ -115,7 +115,7 @@ def compute_per_parameter(config: Any, batch: int, fused: bool) -> dict[str, flo
 
     import torch
 
-    from tiermem.models.gpt import GPT
+    from tiermem.app.models.gpt import GPT
 
     small = dataclasses.replace(config, n_layer=2)
     torch.manual_seed(0)
@@ -149,7 +149,7 @@ def nvme_moved(moved: dict[str, int]) -> tuple[int, int]:
 # long: one straight run (facts, needs, floor, build, manage, steps, report), kept in order
 def main() -> int:
     if len(sys.argv) == 3 and sys.argv[1] == "--compute-only":  # measure_compute's child
-        from tiermem.models.gpt import GPTConfig
+        from tiermem.app.models.gpt import GPTConfig
 
         spec = json.loads(sys.argv[2])
         print(json.dumps(compute_per_parameter(GPTConfig(**spec["config"]), spec["batch"], spec["fused"])))
@@ -172,7 +172,7 @@ def main() -> int:
     import psutil
     import torch
 
-    from tiermem.models.gpt import GPT
+    from tiermem.app.models.gpt import GPT
     from tiermem.units import format_size, parse_size
 
     ram = psutil.virtual_memory().total
@@ -239,7 +239,7 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
     import torch
 
     import tiermem
-    from tiermem.models.gpt import GPT
+    from tiermem.app.models.gpt import GPT
     from tiermem.units import format_size
 
     tier_config = {

@@ -47,8 +47,8 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     import tiermem
-    from tiermem import trace_report
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app import trace_report
+    from tiermem.app.models.gpt import GPT, GPTConfig
     from tiermem.states import StatesMemoryError
 
     size = SIZES[args.size]

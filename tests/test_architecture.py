@@ -66,6 +66,29 @@ def test_the_layout_vocabulary_imports_only_units_errors_and_itself():
     assert all(m in LEAVES or m.startswith("tiermem.layout") for m in loaded), sorted(loaded)
 
 
+def _imported_modules(path: pathlib.Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def test_the_core_never_imports_the_drivers():
+    """``tiermem/app/`` and ``tiermem/cli/`` sit on top: only they import themselves."""
+    drivers = ("tiermem.app", "tiermem.cli")
+    for path in sorted(p for folder in LIBRARY for p in folder.rglob("*.py")):
+        relative = path.relative_to(ROOT).parts
+        if relative[:2] in {("tiermem", "app"), ("tiermem", "cli")} or relative == ("tiermem", "__main__.py"):
+            continue
+        wrong = sorted(n for n in _imported_modules(path) if n.startswith(drivers))
+        assert not wrong, f"{path.relative_to(ROOT)} imports the drivers {wrong}: the core must not"
+
+
 #: What the library is made of (tests/ and bench/ are not library code).
 LIBRARY = [ROOT / "tiermem", ROOT / "tiers", ROOT / "schedulers"]
 #: Sizes worth a second look; advice, not law: a module is split along a real seam, never to fit

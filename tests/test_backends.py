@@ -145,8 +145,15 @@ def test_kvikio_probe_without_kvikio(tmp_path: Path, monkeypatch: pytest.MonkeyP
 
 # -- fault injector -------------------------------------------------------------------------------
 def test_faulty_injects_each_fault(tmp_path: Path) -> None:
-    faulty = FaultyBackend(PosixBackend(), enospc_after=100, eio_on_read=2, short_read_on=3,
-                           flip_bit_on_read=4, fallocate_limit=4096, refuse_direct=True)
+    faulty = FaultyBackend(
+        PosixBackend(),
+        enospc_after=100,
+        eio_on_read=2,
+        short_read_on=3,
+        flip_bit_on_read=4,
+        fallocate_limit=4096,
+        refuse_direct=True,
+    )
     assert faulty.name == "faulty(posix)"
     with pytest.raises(OSError) as info:
         faulty.open(str(tmp_path / "f"), direct=True)

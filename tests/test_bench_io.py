@@ -202,10 +202,10 @@ def test_raw_runs_move_every_byte_and_count_blocks(
 def test_latency_is_per_call_and_requests_are_blocks(
     run_blocks: int | None, calls_per_pass: int, tmp_path: Path
 ) -> None:
-    """What the docs say is measured (tiermem.benchio, bench/README.md): one latency per call
+    """What the docs say is measured (tiermem.app.benchio, bench/README.md): one latency per call
     to the tier, requests counted in blocks. At QD 8 an auto run is 2 blocks, so a pass of 32
     blocks is 16 calls; with run_blocks=1 a call is one request."""
-    from tiermem.benchio import BenchSpec, run_benchmark
+    from tiermem.app.benchio import BenchSpec, run_benchmark
 
     spec = BenchSpec(
         paths=(str(tmp_path),),
@@ -275,7 +275,7 @@ def test_a_signal_stops_the_run_between_two_calls_to_the_tier(
     forever. So the run holds the signal and raises where no call is half-made: the
     KeyboardInterrupt comes from DeferredInterrupts.check, no call to the tier follows the
     one the signal came in (raw; the scheduler finishes its move first), and the files go."""
-    from tiermem.benchio import BenchSpec, run_benchmark
+    from tiermem.app.benchio import BenchSpec, run_benchmark
     from tiermem.tiers.nvme import NvmeTier
 
     calls: list[int] = []
@@ -427,7 +427,7 @@ def test_device_buffers_without_cuda_are_refused_naming_what_is_missing(
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here: nothing to refuse")
 def test_the_engine_refuses_device_buffers_without_cuda_too(tmp_path: Path) -> None:
-    from tiermem.benchio.passes import CaseEnv
+    from tiermem.app.benchio.passes import CaseEnv
 
     with pytest.raises(ValueError, match="device buffers need a CUDA device"):
         CaseEnv(

@@ -155,7 +155,7 @@ def _failing_saves(rt: Any, rank: int, root: Path) -> list[str]:
     """A rank that cannot see rank 0's directory (rank 1 looks for another probe file: the view
     of another filesystem), and a rank whose write fails: every rank raises, nothing is left."""
     from tiermem.checkpoint import ranks
-    from tiermem.states.sharded_io import ShardedStateIO
+    from tiermem.states.sharded.stateio import ShardedStateIO
 
     messages = []
     probe, read = ranks.PROBE, ShardedStateIO.read_tensor

@@ -21,9 +21,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tiermem.app.models import GPT, GPTConfig
 from tiermem.checkpoint import files, storage_reader
 from tiermem.cli import main
-from tiermem.models import GPT, GPTConfig
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=64, seq_len=32)
 TINY_ARGS = [

@@ -217,7 +217,7 @@ def test_check_refuses_nvme_paths_that_cannot_be_used(tmp_path, capsys):
     assert str(tmp_path) + "' " not in err  # the usable one is not reported
 
 
-# -- config show: what the machine decides, and why (tiermem/config_explain.py) -------------------
+# -- config show: what the machine decides, and why (tiermem/app/config_explain.py) -------------------
 
 MACHINE_KEYS = [
     ("device", "device"), ("device", "capacity"), ("device", "max_inflight"),
@@ -311,8 +311,8 @@ def test_show_names_a_backend_asked_for_by_name_that_cannot_run_here(
 def test_explain_on_a_cuda_machine_pins_and_uses_nccl(tmp_path: Path) -> None:
     """A faked CUDA machine and NVMe tier (explain's machine facts are injected): the capacities,
     pinning and distributed backend auto means there, each with why, and the result reads back."""
+    from tiermem.app.config_explain import StorageFacts, explain
     from tiermem.config import Config
-    from tiermem.config_explain import StorageFacts, explain
 
     cuda = MachineProbe(
         available_ram=10 * GiB,

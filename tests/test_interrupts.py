@@ -12,11 +12,11 @@ from typing import Any
 import pytest
 import torch
 
+from tiermem.app.models.gpt import GPTConfig
+from tiermem.app.rok import sweep
 from tiermem.config import Config
 from tiermem.interrupts import DeferredInterrupts
-from tiermem.models.gpt import GPTConfig
 from tiermem.registry import Registry
-from tiermem.rok import sweep
 from tiermem.runtime import Runtime
 
 # The tests send SIGINT and SIGTERM to themselves: they need the dispositions an interactive
@@ -171,9 +171,7 @@ def test_ctrl_c_in_a_finalizer_is_not_lost(tmp_path: Path) -> None:
         _interrupted_soon()
 
 
-def test_a_second_ctrl_c_while_one_is_held_interrupts_at_once(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_second_ctrl_c_while_one_is_held_interrupts_at_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The way out of a wait that never ends: the second signal is not held."""
     original = Registry.wait
 
@@ -193,9 +191,7 @@ def test_a_second_ctrl_c_while_one_is_held_interrupts_at_once(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_ctrl_c_while_closing_comes_after_the_files_are_gone(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_ctrl_c_while_closing_comes_after_the_files_are_gone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A Ctrl-C during ``with rt``'s exit does not cut the cleanup short: every tier is
     closed (the NVMe files removed) and then the KeyboardInterrupt is raised."""
     from tiermem.tiers.host import HostTier
@@ -231,17 +227,17 @@ def test_ctrl_c_in_a_users_own_wait_interrupts_it_at_once(tmp_path: Path) -> Non
 def test_every_runtime_module_is_internal_and_the_drivers_are_not() -> None:
     """A Ctrl-C is held in every module of the runtime, new ones included (the checkpoint and
     managed objects were missed while the internals were a hand-kept list), never in a driver."""
+    import tiermem.app.train
     import tiermem.checkpoint
     import tiermem.objects
     import tiermem.registry
     import tiermem.states.manager
-    import tiermem.train
     from tiermem.interrupts import _internal_paths
 
     internal = _internal_paths()
     for module in (tiermem.checkpoint, tiermem.objects, tiermem.registry, tiermem.states.manager):
         assert module.__file__ is not None and module.__file__.startswith(internal), module.__name__
-    assert tiermem.train.__file__ is not None and not tiermem.train.__file__.startswith(internal)
+    assert tiermem.app.train.__file__ is not None and not tiermem.app.train.__file__.startswith(internal)
 
 
 def test_an_ignored_signal_stays_ignored(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ CHILD = textwrap.dedent(
     import json, logging, resource, sys
     import torch
     import tiermem
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.gpt import GPT, GPTConfig
 
     torch.set_num_threads(1)
     warnings = []

@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from tiermem.models import GPT, Block, GPTConfig, MarkovChainData, activation_bytes_per_step
-from tiermem.models.gpt import measure_activations
+from tiermem.app.models import GPT, Block, GPTConfig, MarkovChainData, activation_bytes_per_step
+from tiermem.app.models.gpt import measure_activations
 
 TINY = GPTConfig(n_layer=2, d_model=64, n_head=4, vocab_size=64, seq_len=32)
 

@@ -377,8 +377,19 @@ def test_sync_and_describe(make_tier: Callable[..., NvmeTier]) -> None:
     round_trip(tier, 1000)
     assert tier.sync().result() is None
     facts = tier.describe()
-    for key in ("tier", "capacity", "backend", "backend_reason", "paths", "filesystems", "direct",
-                "direct_reason", "block_size", "queue_depth", "checksum"):
+    for key in (
+        "tier",
+        "capacity",
+        "backend",
+        "backend_reason",
+        "paths",
+        "filesystems",
+        "direct",
+        "direct_reason",
+        "block_size",
+        "queue_depth",
+        "checksum",
+    ):
         assert key in facts
     assert facts["tier"] == "nvme" and facts["backend"] == "posix" and facts["checksum"] is True
     assert facts["block_size"] == BLOCK and facts["queue_depth"] == 8 == tier.queue_depth

@@ -17,6 +17,8 @@ import torch
 
 import tiermem
 from tests.test_planner import MiB, bits, synthetic
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import (
@@ -28,8 +30,6 @@ from tiermem.layout.chunks import (
     waste,
 )
 from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest, decide, reserve_bytes
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.planner.candidates import packings
 from tiermem.planner.costmodel import StatesChoice, states_cost
 from tiermem.planner.profile import ParamStats

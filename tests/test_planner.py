@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.layout.placement import Plan
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
 from tiermem.planner.calibrate import calibrate
@@ -452,7 +452,6 @@ def test_streaming_gradients_let_a_small_host_hold_nvme_states():
     assert stored.estimate.peak_bytes["nvme"] > decision.estimate.peak_bytes["nvme"]  # the stored gradients
 
 
-
 def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
     """NOTE [ Plan search ] rules 4-5: the plan that came closest lacks device and host bytes
     both, more on each than raising that tier alone needs: the message names each tier's own
@@ -508,6 +507,7 @@ def test_a_size_to_raise_to_is_never_shown_below_itself():
     assert format_size_up(6 * GiB) == "6GiB" and format_size_up(6 * GiB + 1) == "6.01GiB"
     assert format_size_up(int(6.6 * GiB)) == "6.6GiB" and format_size_up(int(6.6 * GiB) + 1) == "6.61GiB"
     assert format_size_up(1023) == "1023B" and format_size_up(1025) == "1.01KiB"
+
 
 # -- plan="auto" on a real model --------------------------------------------------------------------
 

@@ -17,8 +17,8 @@ import torch
 import tiermem
 import tiermem.planner.auto as auto
 from tests.test_planner import MiB, bits, synthetic
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.planner.candidates import packings
 from tiermem.planner.costmodel import StatesChoice, activation_cost, device_peak, states_cost
 from tiermem.states import StatesMemoryError

@@ -15,8 +15,8 @@ import torch
 
 import tiermem
 from tests.test_planner import one_thread  # noqa: F401  (autouse: one thread, a private cache)
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.planner import BlockStats, Profile, cache
 from tiermem.planner import probes as probes_module
 from tiermem.planner.auto import profile_model

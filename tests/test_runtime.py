@@ -168,7 +168,7 @@ def test_the_readmes_submodules_are_reached_from_a_plain_import_tiermem() -> Non
     README writes them, after ``import tiermem`` alone, in a fresh interpreter."""
     code = (
         "import tiermem, sys; assert 'tiermem.checkpoint' not in sys.modules; "
-        "tiermem.checkpoint.storage_reader; tiermem.distributed.PeerFailureError; tiermem.models.GPT"
+        "tiermem.checkpoint.storage_reader; tiermem.distributed.PeerFailureError"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

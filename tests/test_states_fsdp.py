@@ -19,7 +19,7 @@ from torch import nn
 import tiermem
 from tiermem.layout.placement import Budgets, PlanRequest
 from tiermem.states import PlanError, StatesClosedError, StatesMemoryError, StatesUsageError
-from tiermem.states.sharded_layout import (
+from tiermem.states.sharded.layout import (
     DEFAULT_CHUNK_SIZE,
     ShardSpec,
     decide_homes,

@@ -11,8 +11,8 @@ from torch import nn
 import tiermem
 from tests.test_states import OPTIMIZERS, assert_bitwise, config, make_model, param_groups
 from tests.test_states import train as train_steps
+from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.errors import RuntimeClosedError
-from tiermem.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -95,7 +95,7 @@ def test_building_holds_about_one_tensor_resident(tmp_path):
         import json, resource, sys
         import torch
         import tiermem
-        from tiermem.models.gpt import GPT, GPTConfig
+        from tiermem.app.models.gpt import GPT, GPTConfig
         torch.set_num_threads(1)
         config = GPTConfig(n_layer=8, d_model=1024, n_head=8, vocab_size=4096, seq_len=64)
         with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}) as rt:

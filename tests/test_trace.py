@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import tiermem
-from tiermem import trace_report, tracing
+from tiermem import tracing
+from tiermem.app import trace_report
 from tiermem.cli import main
 from tiermem.config import Config
 

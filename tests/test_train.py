@@ -1,4 +1,4 @@
-"""``tiermem train`` and :func:`tiermem.train.train`: the JSON summary, real NVMe traffic under
+"""``tiermem train`` and :func:`tiermem.app.train.train`: the JSON summary, real NVMe traffic under
 the ``nvme`` policy, losses bitwise equal to plain PyTorch, and one-line errors.
 
 Tests that need ``Runtime.offload_activations`` skip while it is not there; the loop's own
@@ -24,11 +24,11 @@ import pytest
 import torch
 
 import tiermem
+from tiermem.app.models import GPT, GPTConfig, MarkovChainData
+from tiermem.app.models.gpt import ActivationBytes, measure_activations
+from tiermem.app.train import drive_capacity, train
 from tiermem.cli import main
 from tiermem.cli.train_cmd import _budget
-from tiermem.models import GPT, GPTConfig, MarkovChainData
-from tiermem.models.gpt import ActivationBytes, measure_activations
-from tiermem.train import drive_capacity, train
 
 needs_offload = pytest.mark.skipif(
     not hasattr(tiermem.Runtime, "offload_activations"),
@@ -68,7 +68,7 @@ def _train_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any
 
 
 def _plain_losses(config: GPTConfig, *, steps: int, batch_size: int, lr: float, seed: int) -> list[float]:
-    """The same training without tiermem, seeded as tiermem.train documents."""
+    """The same training without tiermem, seeded as tiermem.app.train documents."""
     torch.manual_seed(seed)
     model = GPT(config)
     data = MarkovChainData(config.vocab_size, config.seq_len, seed=seed)
@@ -302,7 +302,7 @@ def test_a_fixed_policy_that_fits_no_plan_is_planned_around_its_fallbacks(
     """NOTE [ Predicted and measured ] rule 3: rt.manage's NoPlanFitsError for a fixed policy
     leads to a plan around the offloader's fallbacks (and ``activations_as_planned`` false);
     under ``auto`` it is the run's error."""
-    import tiermem.train as train_module
+    import tiermem.app.train as train_module
     from tiermem.planner.errors import NoPlanFitsError
 
     no_fit = NoPlanFitsError({"device": 1}, {"device": 1}, {"device": 2}, ["raise device"])
@@ -319,7 +319,7 @@ def test_a_fixed_policy_that_fits_no_plan_is_planned_around_its_fallbacks(
     monkeypatch.setattr(
         train_module, "_manage_around_fallbacks", lambda *args: around.append(args) or ("model", "optimizer")
     )
-    with caplog.at_level("WARNING", logger="tiermem.train"):
+    with caplog.at_level("WARNING", logger="tiermem.app.train"):
         assert train_module._manage_planned(rt, "m", "o", "nvme", "sample") == ("model", "optimizer", False)
     assert plans == [{"block_policy": "nvme"}] and around == [(rt, "m", "o", "nvme", "sample")]
     assert "no plan fits policy 'nvme'" in caplog.text

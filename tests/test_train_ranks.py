@@ -1,6 +1,6 @@
 """``torchrun --nproc-per-node 2 -m tiermem train``: the main job on 2 gloo processes, FSDP2
 sharding the GPT and tiermem tiering each rank's states and activations (NOTE [ Training on
-ranks ] in tiermem.train_ranks), against plain PyTorch in one process trained on the mean loss
+ranks ] in tiermem.app.train_ranks), against plain PyTorch in one process trained on the mean loss
 of both ranks' batches."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.skipif(
     not (torch.distributed.is_available() and torch.distributed.is_gloo_available()),

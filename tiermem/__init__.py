@@ -60,7 +60,7 @@ if TYPE_CHECKING:  # pragma: no cover
 #: Subpackages the README reaches as ``tiermem.<name>`` after a plain ``import tiermem``
 #: (``tiermem.checkpoint.storage_reader``, ``except tiermem.distributed.PeerFailureError``),
 #: imported when first named: DCP and torch.distributed only when asked.
-_SUBMODULES = ("checkpoint", "distributed", "errors", "integrations", "models")
+_SUBMODULES = ("checkpoint", "distributed", "errors", "integrations")
 
 
 def __getattr__(name: str) -> Any:

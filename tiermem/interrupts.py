@@ -148,7 +148,7 @@ class RuntimeInterruptGuard:
         try:
             previous = self._previous[signum]
             second = self._held is not None and not resent
-            # A DeferredInterrupts open below us (``tiermem.train``) only sets its flag: safe anywhere.
+            # A DeferredInterrupts open below us (``tiermem.app.train``) only sets its flag: safe anywhere.
             flag_only = isinstance(getattr(previous, "__self__", None), DeferredInterrupts)
             # A forked child (a DataLoader worker) inherits the handler but not the resending thread.
             forked = os.getpid() != self._owner_pid
@@ -205,18 +205,7 @@ class RuntimeInterruptGuard:
 
 #: What in the ``tiermem`` package drives the runtime instead of being part of it: a Ctrl-C in
 #: these is raised at once, as in the user's own code. Everything else there is the runtime.
-DRIVERS = (
-    "__main__.py",
-    "benchio",
-    "cli",
-    "interrupts.py",
-    "models",
-    "rok.py",
-    "train.py",
-    "train_ranks.py",
-    "train_resume.py",
-    "train_summary.py",
-)
+DRIVERS = ("__main__.py", "app", "cli", "interrupts.py")
 
 
 def _internal_paths() -> tuple[str, ...]:

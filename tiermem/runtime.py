@@ -40,7 +40,7 @@ from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
-from tiermem.states.sharded import ShardedModelStates, is_sharded
+from tiermem.states.sharded.manager import ShardedModelStates, is_sharded
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
 from tiermem.tiers.device import DeviceTier
@@ -359,7 +359,7 @@ class Runtime:
         ``param_dtype`` (``torch.bfloat16``/``torch.float16``): working copies in that dtype on
         the device, fp32 masters stepped with the optimizer states (exactly), restored at the end.
         """
-        if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded
+        if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded.manager
             refuse_sharded(activations)
             return self._manage_sharded(
                 model,

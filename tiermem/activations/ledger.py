@@ -90,9 +90,7 @@ class WriteLedger:
             self._inflight -= 1
             self._inflight_bytes[tier] -= nbytes
             if error is not None:
-                self._failures.append(
-                    WriteFailure(forward_id, index, tier, nbytes, failure_cause(error), str(error))
-                )
+                self._failures.append(WriteFailure(forward_id, index, tier, nbytes, failure_cause(error), str(error)))
             elif landed:
                 self._landed.add(tier)
             self._cond.notify_all()

@@ -65,7 +65,7 @@ from tiermem.checkpoint.dcp_planners import StreamingLoadPlanner, StreamingSaveP
 from tiermem.checkpoint.room import bytes_to_write
 from tiermem.errors import CheckpointError, TiermemError
 from tiermem.states import ModelStates, StatesUsageError
-from tiermem.states.sharded import ShardedModelStates
+from tiermem.states.sharded.manager import ShardedModelStates
 
 __all__ = ["CheckpointError", "load", "read_extra", "save", "storage_reader"]
 

@@ -5,7 +5,7 @@ plus ``"tiermem": {"format", "version"}`` (a tiermem save's mark), the sources a
 each tensor from, and the targets a load writes each one into; plus the RNG states. Bytes
 are reached only through each model's :class:`~tiermem.states.stateio.StateIO` (NOTE
 [ Checkpoint rules ] rule 1), or, for an FSDP2-sharded model, its
-:class:`~tiermem.states.sharded_io.ShardedStateIO`: its parameters are FSDP2's DTensors, saved
+:class:`~tiermem.states.sharded.stateio.ShardedStateIO`: its parameters are FSDP2's DTensors, saved
 and loaded in place, and its optimizer states stand in as DTensors placed like their
 parameters, each rank streaming its local shards (NOTE [ Checkpoints on ranks ]).
 """
@@ -24,8 +24,8 @@ from tiermem.checkpoint.dcp_planners import ObjPath, Source, Target, stand_in
 from tiermem.checkpoint.files import FORMAT, FORMAT_VERSION, MARKER
 from tiermem.errors import CheckpointError
 from tiermem.states import ModelStates
-from tiermem.states.sharded_io import ShardedStateIO
-from tiermem.states.sharded_step import as_like
+from tiermem.states.sharded.stateio import ShardedStateIO
+from tiermem.states.sharded.step import as_like
 from tiermem.states.stateio import StateIO, StateTensor
 
 

@@ -47,7 +47,7 @@ from typing import Any, TypeVar
 
 from tiermem.errors import CheckpointError
 from tiermem.states import ModelStates
-from tiermem.states.sharded import ShardedModelStates
+from tiermem.states.sharded.manager import ShardedModelStates
 
 T = TypeVar("T")
 

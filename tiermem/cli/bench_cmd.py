@@ -2,7 +2,7 @@
 
 Every option is read here rather than by argparse, so a bad value gets one line naming
 the option and what is wrong (exit status 2), not a usage dump. The run is in
-:mod:`tiermem.benchio`; this module turns its report into a table or JSON, shows a
+:mod:`tiermem.app.benchio`; this module turns its report into a table or JSON, shows a
 progress bar on long runs, and makes sure Ctrl-C (or SIGTERM) still removes every file.
 """
 
@@ -21,7 +21,7 @@ from tiermem.tiers.backends import BACKEND_NAMES
 from tiermem.units import format_size, parse_size
 
 if TYPE_CHECKING:  # the engine imports torch: only when a benchmark actually runs
-    from tiermem.benchio import BenchReport, BenchSpec
+    from tiermem.app.benchio import BenchReport, BenchSpec
 
 _BACKENDS = BACKEND_NAMES
 _OPS = {"read": ("read",), "write": ("write",), "both": ("write", "read")}
@@ -168,8 +168,8 @@ def _paths(paths: list[str]) -> tuple[str, ...]:
 
 
 def build_spec(args: argparse.Namespace) -> BenchSpec:
-    """The :class:`~tiermem.benchio.BenchSpec` the options describe; raises UsageError."""
-    from tiermem.benchio import BENCH_TIERS, SWEEP_BLOCK_SIZES, SWEEP_QUEUE_DEPTHS, THROUGH, BenchSpec
+    """The :class:`~tiermem.app.benchio.BenchSpec` the options describe; raises UsageError."""
+    from tiermem.app.benchio import BENCH_TIERS, SWEEP_BLOCK_SIZES, SWEEP_QUEUE_DEPTHS, THROUGH, BenchSpec
 
     if args.action != "io":
         raise UsageError(f"unknown bench {args.action!r}; only 'io' exists")
@@ -426,7 +426,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     from dataclasses import replace
 
-    from tiermem.benchio import run_benchmark
+    from tiermem.app.benchio import run_benchmark
 
     private: str | None = None
     progress: _Progress | None = None

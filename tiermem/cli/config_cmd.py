@@ -6,7 +6,7 @@ environment as a run would, and resolves it for this machine (RAM, CUDA, disks),
 meant for another one. ``show`` prints what a run would use: the configuration as TOML with
 every machine-dependent ``auto`` replaced by its value and a comment saying why, including the
 NVMe backend and O_DIRECT, which it learns by opening the NVMe tier as a run would
-(:mod:`tiermem.config_explain`).
+(:mod:`tiermem.app.config_explain`).
 
 Problems surface as a ConfigError, which ``tiermem.cli.main`` prints without a traceback.
 """
@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"OK: {args.file}")
         return 0
     config = Config.coerce(args.file)
-    from tiermem.config_explain import explain  # opens an NVMe tier: imports torch
+    from tiermem.app.config_explain import explain  # opens an NVMe tier: imports torch
 
     ranks = distributed.detect()
     explained = explain(config, MachineProbe.detect(), ranks)

@@ -28,8 +28,6 @@ MODELS: dict[str, dict[str, int]] = {
 """Built-in GPT sizes (``small`` is ``tiermem train``'s default model)."""
 
 
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="built-in GPT (default: small)")
@@ -45,8 +43,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch  # torch only when the command runs
 
-    from tiermem.models.data import MarkovChainData
-    from tiermem.models.gpt import GPT, GPTConfig
+    from tiermem.app.models.data import MarkovChainData
+    from tiermem.app.models.gpt import GPT, GPTConfig
     from tiermem.planner import cache
     from tiermem.planner.auto import free_bytes, plan_model
     from tiermem.runtime import Runtime

@@ -6,8 +6,8 @@ import argparse
 import json
 from pathlib import Path
 
+from tiermem.app.models.gpt import GPTConfig
 from tiermem.config import Config
-from tiermem.models.gpt import GPTConfig
 from tiermem.units import format_size
 
 
@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiermem import rok  # torch and matplotlib only when the command runs
+    from tiermem.app import rok  # torch and matplotlib only when the command runs
 
     if args.steps < 1:
         raise SystemExit("tiermem rok: --steps must be >= 1")

@@ -3,7 +3,7 @@
 
 ``summary`` prints per step: time, compute, waits by cause, each link's busy fraction and
 bandwidth, and the overlap ratio (the share of link-busy time no wait covered); ``plot`` draws
-the timeline of some steps with matplotlib. The logic is :mod:`tiermem.trace_report`; this
+the timeline of some steps with matplotlib. The logic is :mod:`tiermem.app.trace_report`; this
 module parses and prints.
 """
 
@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from tiermem import trace_report
+    from tiermem.app import trace_report
 
     try:
         trace = trace_report.load(args.path)

@@ -12,8 +12,8 @@ its predicted step time and peak bytes next to the measured ones. ``--state-home
 or ``--plan FILE`` give a hand plan instead; ``--no-states`` leaves the states as ordinary
 tensors outside the tiers. ``--checkpoint DIR`` saves the run there (``--save-every N``
 steps and at the end, each save atomic) and ``--resume DIR`` continues a saved run on its
-exact loss curve (NOTE [ Resuming a train run ] in :mod:`tiermem.train_resume`). The loop
-itself lives in :mod:`tiermem.train`; this module only parses, chooses the budget and prints.
+exact loss curve (NOTE [ Resuming a train run ] in :mod:`tiermem.app.train_resume`). The loop
+itself lives in :mod:`tiermem.app.train`; this module only parses, chooses the budget and prints.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from tiermem.config import AUTO, Config
 from tiermem.units import format_size
 
 if TYPE_CHECKING:  # the real import waits for run(): torch is slow to import for --help
-    from tiermem.models.gpt import ActivationBytes
+    from tiermem.app.models.gpt import ActivationBytes
 
 POLICIES = ("auto", "keep", "recompute", "host", "nvme")
 DEFAULT_BUDGET_FRACTION = 0.5
@@ -117,10 +117,11 @@ def run(args: argparse.Namespace) -> int:
     """Check, choose the budget, train, print the summary. Errors tiermem raises on purpose are
     printed once per job, first and alone (NOTE [ Training on ranks ] rule 7, NOTE [ Resuming a
     train run ] rule 6); exit status 1, 2 for flags that do not go together."""
-    from tiermem import distributed, train_ranks
+    from tiermem import distributed
+    from tiermem.app import train_ranks
+    from tiermem.app.models.gpt import GPTConfig
+    from tiermem.app.train_resume import TrainCheckpoints
     from tiermem.errors import TiermemError
-    from tiermem.models.gpt import GPTConfig
-    from tiermem.train_resume import TrainCheckpoints
 
     ranks = distributed.RankContext()
     try:
@@ -164,8 +165,8 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoints: Any, rank: int) -> int:
     """``run`` once the flags, the configuration and the process group are there."""
     from tiermem import distributed
-    from tiermem.models.gpt import GPT, measure_activations
-    from tiermem.train_resume import run_settings
+    from tiermem.app.models.gpt import GPT, measure_activations
+    from tiermem.app.train_resume import run_settings
 
     settings = run_settings(model_config, args.batch_size, args.lr, args.seed)
     checkpoints.check_before_start(model_config, settings, args.steps)  # before any output
@@ -207,7 +208,7 @@ def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoint
     try:
         if args.json:
             # Strict JSON: a diverged (NaN) loss becomes null rather than the invalid token NaN.
-            from tiermem.train_summary import finite
+            from tiermem.app.train_summary import finite
 
             print(json.dumps(finite(result), allow_nan=False))
         else:
@@ -225,10 +226,10 @@ def _train_here(
     args: argparse.Namespace, config: Config, model_config: Any, plan: Any, checkpoints: Any, rank: int
 ) -> Any:
     """Train in this process: the whole job, or, under torchrun, one rank of it with FSDP2 over
-    the ranks (NOTE [ Training on ranks ] in tiermem.train_ranks); the summary on rank 0, None
+    the ranks (NOTE [ Training on ranks ] in tiermem.app.train_ranks); the summary on rank 0, None
     on the others."""
+    from tiermem.app.train import train
     from tiermem.runtime import Runtime
-    from tiermem.train import train
 
     with Runtime(config) as rt:
         summary = train(
@@ -422,7 +423,7 @@ def _print_summary(result: dict[str, Any]) -> None:
 
     console = Console()
     # The tiers' own peaks cover the Runtime's life, the planner's link probes included; the
-    # plan lines below give the steps' (tiermem.train, NOTE [ Predicted and measured ] rule 2).
+    # plan lines below give the steps' (tiermem.app.train, NOTE [ Predicted and measured ] rule 2).
     tiers = Table(title="tiers (bytes tiermem managed; peaks include the planner's probes)", title_justify="left")
     for column in ("tier", "capacity", "peak", "written", "read"):
         tiers.add_column(column, justify="left" if column == "tier" else "right")

@@ -183,7 +183,7 @@ def _step(
     x: torch.Tensor,
     policy: str | None,
 ) -> Callable[[], None]:
-    """One training step as ``tiermem.train.train_step`` runs it (an offloader per step)."""
+    """One training step as ``tiermem.app.train.train_step`` runs it (an offloader per step)."""
 
     def step() -> None:
         if policy == "forward only":  # the forward a recomputed block runs again

@@ -212,9 +212,7 @@ class _BlockHooks:
         self.marks.forward = [(0.0, 0.0)] * count
         for index, block in enumerate(self.blocks):
             self._handles.append(block.register_forward_pre_hook(functools.partial(self._pre, index)))
-            self._handles.append(
-                block.register_forward_hook(functools.partial(self._post, index), always_call=True)
-            )
+            self._handles.append(block.register_forward_hook(functools.partial(self._post, index), always_call=True))
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -16,7 +16,7 @@ from tiermem.states.errors import (
 )
 from tiermem.states.manager import ModelStates
 from tiermem.states.optimizer import SUPPORTED, ManagedOptimizer
-from tiermem.states.sharded import ShardedModelStates, ShardedOptimizer
+from tiermem.states.sharded.manager import ShardedModelStates, ShardedOptimizer
 
 __all__ = [
     "SUPPORTED",

@@ -71,21 +71,86 @@ __all__ = ["GuardedParameter", "GuardedView", "ParameterAccess", "internal"]
 
 _T = torch.Tensor
 _NO_FETCH: frozenset[Callable[..., Any]] = frozenset(
-    [getattr(_T, name).__get__ for name in (
-        "grad", "shape", "dtype", "device", "requires_grad", "is_leaf", "grad_fn", "_version", "ndim", "layout",
-        "names", "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "is_nested", "itemsize",
-        "nbytes", "_base", "output_nr", "_backward_hooks", "_post_accumulate_grad_hooks", "retains_grad", "_cdata",
-        "is_xpu", "is_mps", "_grad_fn", "_grad",
-    ) if hasattr(_T, name)]
-    + [getattr(_T, name).__set__ for name in (
-        "grad", "requires_grad", "_backward_hooks", "_post_accumulate_grad_hooks", "_grad", "_grad_fn",
-    ) if hasattr(_T, name)]
-    + [getattr(_T, name) for name in (
-        "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "element_size",
-        "untyped_storage", "data_ptr", "is_floating_point", "is_complex", "requires_grad_", "register_hook",
-        "register_post_accumulate_grad_hook", "retain_grad", "__len__", "get_device", "is_inference",
-        "is_signed", "_is_view", "__hash__", "_typed_storage", "storage", "__dir__", "is_pinned",
-    ) if hasattr(_T, name)]
+    [
+        getattr(_T, name).__get__
+        for name in (
+            "grad",
+            "shape",
+            "dtype",
+            "device",
+            "requires_grad",
+            "is_leaf",
+            "grad_fn",
+            "_version",
+            "ndim",
+            "layout",
+            "names",
+            "is_cuda",
+            "is_cpu",
+            "is_meta",
+            "is_sparse",
+            "is_quantized",
+            "is_mkldnn",
+            "is_nested",
+            "itemsize",
+            "nbytes",
+            "_base",
+            "output_nr",
+            "_backward_hooks",
+            "_post_accumulate_grad_hooks",
+            "retains_grad",
+            "_cdata",
+            "is_xpu",
+            "is_mps",
+            "_grad_fn",
+            "_grad",
+        )
+        if hasattr(_T, name)
+    ]
+    + [
+        getattr(_T, name).__set__
+        for name in (
+            "grad",
+            "requires_grad",
+            "_backward_hooks",
+            "_post_accumulate_grad_hooks",
+            "_grad",
+            "_grad_fn",
+        )
+        if hasattr(_T, name)
+    ]
+    + [
+        getattr(_T, name)
+        for name in (
+            "size",
+            "dim",
+            "numel",
+            "nelement",
+            "stride",
+            "storage_offset",
+            "is_contiguous",
+            "element_size",
+            "untyped_storage",
+            "data_ptr",
+            "is_floating_point",
+            "is_complex",
+            "requires_grad_",
+            "register_hook",
+            "register_post_accumulate_grad_hook",
+            "retain_grad",
+            "__len__",
+            "get_device",
+            "is_inference",
+            "is_signed",
+            "_is_view",
+            "__hash__",
+            "_typed_storage",
+            "storage",
+            "__dir__",
+            "is_pinned",
+        )
+        if hasattr(_T, name)
+    ]
 )
 _DATA_GET = _T.data.__get__
 _DATA_SET = _T.data.__set__

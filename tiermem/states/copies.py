@@ -91,4 +91,3 @@ class PlainCopies:
                 vars(module).pop("__deepcopy__", None)
                 vars(module).pop("__reduce_ex__", None)
         self._patched.clear()
-

@@ -112,4 +112,3 @@ class Homes:
         data = handle.read_out()
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
-

@@ -96,9 +96,7 @@ class _Staged:
 class GradientStash:
     """Host copies of stored gradient buffers, at most ``STAGED_HOMES`` chunks at once (rule 2)."""
 
-    def __init__(
-        self, store: ChunkStore, wait_home_moves: Callable[[], None], fence: Callable[[Chunk], None]
-    ) -> None:
+    def __init__(self, store: ChunkStore, wait_home_moves: Callable[[], None], fence: Callable[[Chunk], None]) -> None:
         self.store = store
         self._wait_home_moves = wait_home_moves
         self._staged: OrderedDict[int, _Staged] = OrderedDict()

@@ -19,8 +19,8 @@ import statistics
 import time
 from typing import Any
 
-from tiermem.benchio.passes import CaseEnv
-from tiermem.benchio.pattern import fill_pattern
+from tiermem.app.benchio.passes import CaseEnv
+from tiermem.app.benchio.pattern import fill_pattern
 from tiermem.schedulers.base import Priority
 
 __all__ = ["added_latency"]

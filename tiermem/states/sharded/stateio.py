@@ -1,5 +1,5 @@
 """Checkpoint access to the optimizer states of an FSDP2-sharded model (rule 9 of NOTE [ Sharded
-model states ] in :mod:`tiermem.states.sharded`): the same five calls a checkpoint makes of a
+model states ] in :mod:`tiermem.states.sharded.manager`): the same five calls a checkpoint makes of a
 :class:`~tiermem.states.stateio.StateIO` (``checkpoint_tensors``, ``state_entries``,
 ``read_tensor``, ``chunk_writer``, ``set_scalars``), over this rank's state chunks.
 
@@ -20,7 +20,7 @@ import torch
 
 from tiermem.layout.chunks import Slot
 from tiermem.states.core import ParamState
-from tiermem.states.sharded_step import ShardSteps, StateChunk, local_of, state_view
+from tiermem.states.sharded.step import ShardSteps, StateChunk, local_of, state_view
 from tiermem.states.stateio import StateTensor
 
 

@@ -22,7 +22,7 @@ bytes are durable when the clock stops (TRAPS 5). Read passes never come from th
 cache: the tier uses ``O_DIRECT``; where a filesystem refuses it the cache is dropped
 with ``posix_fadvise(DONTNEED)`` before every read pass (the header says which).
 
-The data is :mod:`tiermem.benchio.pattern`'s pattern, which ``--verify`` checks.
+The data is :mod:`tiermem.app.benchio.pattern`'s pattern, which ``--verify`` checks.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from tiermem.benchio.pattern import fill_pattern, first_mismatch
+from tiermem.app.benchio.pattern import fill_pattern, first_mismatch
 from tiermem.errors import TiermemError, TiermemWarning
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.schedulers.asyncio_scheduler import MEMORY_BLOCK_SIZE, RUN_SHARE, AsyncioScheduler

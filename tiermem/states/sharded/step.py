@@ -1,5 +1,5 @@
 """The optimizer step of FSDP2 shards over optimizer states held in chunks (rules 5-7 of NOTE
-[ Sharded model states ] in :mod:`tiermem.states.sharded`).
+[ Sharded model states ] in :mod:`tiermem.states.sharded.manager`).
 
 :class:`ShardSteps` owns the state chunks (their homes, through registry handles only) and each
 parameter's scalar state (``step``). It may touch: the chunks' homes (``move_to`` / ``wait`` /

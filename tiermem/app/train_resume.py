@@ -54,9 +54,9 @@ from typing import Any
 import torch
 
 from tiermem import distributed
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT
 from tiermem.errors import CheckpointError
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT
 
 __all__ = ["EXTRA_FORMAT", "ResumePoint", "TrainCheckpoints", "run_settings"]
 

@@ -9,7 +9,7 @@ model, and tiermem tiers what each rank holds.
 1. Every rank builds the same GPT from the same seed and shards it with FSDP2: ``fully_shard``
    on each block and at the root, FSDP2's defaults (parameters resharded after forward). Then
    ``rt.manage`` tiers each rank's optimizer states (NOTE [ Sharded model states ] in
-   ``tiermem.states.sharded``) and ``rt.offload_activations`` each rank's saved activations.
+   ``tiermem.states.sharded.manager``) and ``rt.offload_activations`` each rank's saved activations.
 2. Data: the same Markov chain on every rank (the seed's) and a batch stream of each rank's own
    (``MarkovChainData(stream=rank)``). ``--batch-size`` is per rank, so a step trains
    world size x batch size sequences; FSDP2 averages the ranks' gradients, which is plain
@@ -53,7 +53,7 @@ from tiermem import distributed
 
 __all__ = ["close_group", "mean_over_ranks", "report_error", "shard"]
 
-log = logging.getLogger("tiermem.train")
+log = logging.getLogger("tiermem.app.train")
 
 
 def shard(model: nn.Module, ranks: distributed.RankContext) -> bool:

@@ -18,7 +18,7 @@ last block; ``run_blocks=1`` makes a call one request, as it always is on the me
 tiers. Through the scheduler a call is what the scheduler issued: a run on the NVMe tier,
 one block (at least 8 MiB) on a memory tier. The invocation's settings (``through``,
 ``verify``, ``run_blocks``) and page-cache handling are in ``machine``, next to the facts
-they qualify. How the I/O itself is done is in :mod:`tiermem.benchio.passes`.
+they qualify. How the I/O itself is done is in :mod:`tiermem.app.benchio.passes`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 import psutil
 import torch
 
-from tiermem.benchio.passes import CaseEnv, VerificationError
+from tiermem.app.benchio.passes import CaseEnv, VerificationError
 from tiermem.interrupts import DeferredInterrupts
 from tiermem.units import format_size
 

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
+from tiermem.app.models.gpt import GPT, GPTConfig
+from tiermem.app.train import train_step
 from tiermem.config import Config
 from tiermem.interrupts import DeferredInterrupts
-from tiermem.models.gpt import GPT, GPTConfig
 from tiermem.runtime import Runtime
-from tiermem.train import train_step
 
 ROK_POLICIES = ("keep", "recompute", "host", "nvme")
 

@@ -6,7 +6,7 @@ Submodules import torch; this package's ``__init__`` only re-exports them, so im
 
 from __future__ import annotations
 
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, Block, GPTConfig, activation_bytes_per_step
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, Block, GPTConfig, activation_bytes_per_step
 
 __all__ = ["GPT", "Block", "GPTConfig", "MarkovChainData", "activation_bytes_per_step"]

@@ -22,7 +22,7 @@ step leaves the RNG and the model as they were, NOTE [ Profiling step ]) and cho
 size, persistent chunks, buffers, homes and, under activation policy ``auto``, each block's
 policy; a fixed activation policy (``policy="nvme"``, or the configuration's) is planned
 around instead. The summary's ``plan`` block puts the plan's predictions next to what the run
-measured (NOTE [ Predicted and measured ] in :mod:`tiermem.train_summary`).
+measured (NOTE [ Predicted and measured ] in :mod:`tiermem.app.train_summary`).
 
 """
 
@@ -39,14 +39,12 @@ from typing import Any
 
 import torch
 
-from tiermem import distributed, tracing, train_ranks
-from tiermem.interrupts import DeferredInterrupts
-from tiermem.models.data import MarkovChainData
-from tiermem.models.gpt import GPT, GPTConfig
-from tiermem.planner.errors import NoPlanFitsError
-from tiermem.runtime import Runtime
-from tiermem.train_resume import TrainCheckpoints, run_settings
-from tiermem.train_summary import (
+from tiermem import distributed, tracing
+from tiermem.app import train_ranks
+from tiermem.app.models.data import MarkovChainData
+from tiermem.app.models.gpt import GPT, GPTConfig
+from tiermem.app.train_resume import TrainCheckpoints, run_settings
+from tiermem.app.train_summary import (
     ENDURANCE_ASSUMPTION,
     drive_capacity,
     nvme_summary,
@@ -54,6 +52,9 @@ from tiermem.train_summary import (
     split_peaks,
     states_summary,
 )
+from tiermem.interrupts import DeferredInterrupts
+from tiermem.planner.errors import NoPlanFitsError
+from tiermem.runtime import Runtime
 
 __all__ = ["ENDURANCE_ASSUMPTION", "PolicyLike", "TrainSummary", "drive_capacity", "train"]
 
@@ -62,7 +63,7 @@ PolicyLike = str | Mapping[int | str, str] | None
 None for the ``[activations] policy`` of the runtime's configuration."""
 
 
-log = logging.getLogger("tiermem.train")
+log = logging.getLogger("tiermem.app.train")
 
 _TIER_KEYS = ("capacity", "peak_bytes", "bytes_written", "bytes_read")
 
@@ -178,7 +179,7 @@ def train(
     # between steps; leaving ``with rt`` then removes every file the run made. Installed
     # before anything starts: planning's profiling step releases saved activations in
     # __del__ too, where a raised KeyboardInterrupt would be lost.
-    with DeferredInterrupts() as stop, (contextlib.nullcontext() if rt.running else rt):
+    with DeferredInterrupts() as stop, contextlib.nullcontext() if rt.running else rt:
         run = (steps, batch_size, lr, policy, seed)
         return _train(rt, model_config, run, progress, on_step, manage_states, states_plan, checkpoints, stop)
 
@@ -201,7 +202,7 @@ def _train(
     assert rt.resolved is not None  # set by start()
     device = torch.device(rt.resolved.device.device)
     fork_devices = [device] if device.type == "cuda" else []
-    ranks = distributed.detect()  # NOTE [ Training on ranks ] in tiermem.train_ranks
+    ranks = distributed.detect()  # NOTE [ Training on ranks ] in tiermem.app.train_ranks
     with torch.random.fork_rng(devices=fork_devices):
         torch.manual_seed(seed)
         model = GPT(model_config).to(device)

@@ -3,9 +3,9 @@ optimizer states in chunks across the tiers, FSDP2's parameters left where FSDP2
 
 :class:`ShardedModelStates` owns the plan in force, the accounting of the shards it
 adopts, the declared loop's counters and the managed optimizer's backend; the chunks and the
-step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placement
-:mod:`tiermem.states.sharded_layout`'s, what is read of FSDP2 and the collective agreement
-:mod:`tiermem.states.sharded_fsdp`'s.
+step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placement
+:mod:`tiermem.states.sharded.layout`'s, what is read of FSDP2 and the collective agreement
+:mod:`tiermem.states.sharded.fsdp`'s.
 
 # NOTE [ Sharded model states ]
 1. FSDP2 owns the parameters: the DTensor shards and their storage (on the device, or on the
@@ -23,7 +23,7 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
    (one ``all_gather_object`` on the default group); rank 0 checks that the digests are equal.
 3. One plan: rank 0 decides it (a hand plan's ``chunk_size``, ``state_home`` and
    ``persistent_chunks`` are honoured; ``"auto"`` places chunks by the default rule of
-   :func:`~tiermem.states.sharded_layout.decide_homes` on the smallest free bytes of all ranks,
+   :func:`~tiermem.states.sharded.layout.decide_homes` on the smallest free bytes of all ranks,
    since the config's capacities are per rank) and broadcasts it, or the error every rank then
    raises (``broadcast_object_list``): no rank plans alone, none hangs on another's error. So
    ``rt.manage`` is collective: every rank calls it for the same model, in the same order.
@@ -58,7 +58,7 @@ step are :class:`~tiermem.states.sharded_step.ShardSteps`'s, packing and placeme
 9. Checkpoints (``rt.save`` / ``rt.load``, NOTE [ Checkpoints on ranks ] in
    ``tiermem.checkpoint.ranks``): the parameters are FSDP2's DTensors, saved and loaded in place
    as DCP does them; the optimizer states are read from and written into this rank's chunks
-   through :class:`~tiermem.states.sharded_io.ShardedStateIO` (local shards, one home read per
+   through :class:`~tiermem.states.sharded.stateio.ShardedStateIO` (local shards, one home read per
    chunk), in ``get_state_dict``'s layout. Only between steps: a declared window with arrivals
    counted, or any ``.grad`` still set, is refused by the save (gradients are not saved).
 10. Mixed precision is FSDP2's ``MixedPrecisionPolicy(param_dtype=)``: its fp32 shards are the
@@ -84,10 +84,10 @@ from tiermem.registry import Handle, Registry
 from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, learn_state, require_element_wise
-from tiermem.states.sharded_fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
-from tiermem.states.sharded_io import ShardedStateIO
-from tiermem.states.sharded_layout import ShardSpec, decide_homes, pack_shards, signature
-from tiermem.states.sharded_step import ShardSteps, local_of
+from tiermem.states.sharded.fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
+from tiermem.states.sharded.layout import ShardSpec, decide_homes, pack_shards, signature
+from tiermem.states.sharded.stateio import ShardedStateIO
+from tiermem.states.sharded.step import ShardSteps, local_of
 
 __all__ = ["ShardedModelStates", "ShardedOptimizer", "is_sharded"]
 

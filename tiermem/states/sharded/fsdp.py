@@ -1,6 +1,6 @@
 """What tiermem reads of FSDP2 and ``torch.distributed`` for sharded model states: which models
 are sharded, each parameter's shard geometry and offload, and the one collective agreement on
-a plan (rules 1-3 of NOTE [ Sharded model states ] in :mod:`tiermem.states.sharded`)."""
+a plan (rules 1-3 of NOTE [ Sharded model states ] in :mod:`tiermem.states.sharded.manager`)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from torch import nn
 
 from tiermem.layout.placement import Budgets, Plan
 from tiermem.states.errors import PlanError, StatesMemoryError, StatesUsageError
-from tiermem.states.sharded_layout import budgets_of_all, padded_shard_shape
-from tiermem.states.sharded_step import local_of
+from tiermem.states.sharded.layout import budgets_of_all, padded_shard_shape
+from tiermem.states.sharded.step import local_of
 
 __all__ = ["agree", "cpu_offloaded", "is_sharded", "padded_shape", "sharded_params", "staging_tier"]
 

@@ -1,6 +1,6 @@
 """Packing and placing the optimizer states of FSDP2 shards (pure: no torch.distributed, no I/O).
 
-Rules 2 and 4 of NOTE [ Sharded model states ] (in :mod:`tiermem.states.sharded`): every rank
+Rules 2 and 4 of NOTE [ Sharded model states ] (in :mod:`tiermem.states.sharded.manager`): every rank
 packs its local shards by their *padded* shape, the shape FSDP2 pads each rank's shard to
 (``ceil(size / mesh size)`` along each sharded dimension), so every rank builds the same chunks
 from the same global shapes, whatever its own shard's size; and one placement rule, fed the
