@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import ast
+import io
 import json
 import pathlib
+import re
 import subprocess
 import sys
+import tokenize
 
 import pytest
 
@@ -173,3 +176,26 @@ def test_every_module_is_named_in_the_module_map_and_every_name_exists() -> None
     missing, gone = sorted(present - named), sorted(named - present)
     assert not missing, f"add a line for each of these to docs/ARCHITECTURE.md's module map: {missing}"
     assert not gone, f"docs/ARCHITECTURE.md's module map names modules that no longer exist: {gone}"
+
+
+#: A citation of a numbered rule, with where it lives ("rule 3", "rules 1-3 of NOTE [ X ]").
+_RULE_CITATION = re.compile(r"\brules? \d+(?:[-,] ?\d+)*(?:,? (?:of|in|there)\b[^,;:)]*)?", re.IGNORECASE)
+
+
+def test_no_comment_is_only_a_rule_number():
+    """A comment says why in words; "# rule 4" alone makes the reader go and look it up."""
+    bare = []
+    for path in _library_modules():
+        source = path.read_text()
+        lines = source.splitlines()
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type != tokenize.COMMENT or not re.search(r"\brules? \d", token.string):
+                continue
+            row = token.start[0] - 1
+            neighbours = [lines[i].lstrip() for i in (row - 1, row + 1) if 0 <= i < len(lines)]
+            if any(n.startswith("#") for n in neighbours) and lines[row].lstrip().startswith("#"):
+                continue  # a line of a longer comment: the reason is in the lines around it
+            words = re.sub(r"NOTE \[[^\]]*\]", "", _RULE_CITATION.sub("", token.string))
+            if len(re.findall(r"[A-Za-z]{2,}", words)) < 3:
+                bare.append(f"{path.relative_to(ROOT)}:{token.start[0]}: {token.string.strip()}")
+    assert not bare, "say why in words instead of citing only a rule number:\n" + "\n".join(bare)

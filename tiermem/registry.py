@@ -102,7 +102,8 @@ class Registry:
         self._peak_resident: dict[tuple[str, str], int] = {}
         # Moves that may still touch allocations, freed objects' included (rule 4).
         self._inflight: dict[Transfer, ManagedObject] = {}
-        self._reclaimers: dict[str, list[tuple[weakref.WeakMethod[Callable[..., bool]], bool]]] = {}  # rule 7
+        # Per tier, who can free room when it is full (weakly held: a closed offloader drops out).
+        self._reclaimers: dict[str, list[tuple[weakref.WeakMethod[Callable[..., bool]], bool]]] = {}
 
     # -- registration ----------------------------------------------------------------------
     def register(

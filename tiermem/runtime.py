@@ -165,7 +165,7 @@ class Runtime:
             # A forked child shares the parent's files and locks; it must not clean up.
             self._scheduler = None
             return
-        save_error = self._finish_save(raising=False)  # NOTE [ Asynchronous saves ] rule 6
+        save_error = self._finish_save(raising=False)  # an async save commits before the tiers close
         try:
             states, self._model_states = self._model_states, []
             spill_to = self.resolved.nvme.paths[0] if self.resolved is not None and self.resolved.nvme.paths else None

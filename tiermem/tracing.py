@@ -51,7 +51,7 @@ MAX_PENDING = 1_000_000
 #: How often the writer thread drains the pending events to the file, in seconds.
 FLUSH_S = 0.1
 
-now = time.perf_counter  # rule 1
+now = time.perf_counter  # monotonic, and the scheduler's clock
 
 _THREADS_PID, _LINKS_PID = 1, 2
 #: tids of the lane tracks (links, backward per module call): above any thread's native id
@@ -67,7 +67,7 @@ class Span:
         self.recorder = recorder
         self.name, self.cat, self.args = name, cat, args
         self.range: Any = None
-        if _profiler._is_profiler_enabled:  # rule 4
+        if _profiler._is_profiler_enabled:  # shown in the user's torch.profiler trace too
             self.range = _profiler.record_function("tiermem." + name)
             self.range.__enter__()
         self.start = now()

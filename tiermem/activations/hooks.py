@@ -145,7 +145,7 @@ class SavedTensorHooks:
         if self.on_unpack is not None:
             self.on_unpack()
         if saved.modified is not None:
-            raise saved.modified  # rule 5, TRAPS 1
+            raise saved.modified  # changed in place after pack: autograd would use wrong values (TRAPS 1)
         original = saved.tensor_ref()
         if original is not None and original._version != saved.version:
             raise version_error(original, saved.version)

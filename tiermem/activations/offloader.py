@@ -264,7 +264,7 @@ class ActivationOffloader:
         group = self.forwards.current
         return group is not None and group.index == index and group.policy is BlockPolicy.RECOMPUTE
 
-    # -- block tracking (rule 1) -----------------------------------------------------------------
+    # -- block tracking: which block runs, from the hooks ------------------------------------------
     def _block_started(self, index: int) -> Any:
         def hook(_module: nn.Module, args: Any) -> None:
             if in_backward() or not torch.is_grad_enabled():

@@ -219,7 +219,7 @@ def _train(
         elif manage_states:
             model, optimizer = rt.manage(model, optimizer, plan=states_plan, grad_accumulation_steps=1)
         settings = run_settings(model_config, batch_size, lr, seed)
-        start = checkpoints.resume_from(rt, settings, data, steps)  # NOTE [ Resuming a train run ] rule 2
+        start = checkpoints.resume_from(rt, settings, data, steps)  # refuses a checkpoint of other settings
 
         def after_step(done: int, losses: list[float]) -> None:
             if checkpoints.saves_after(done, steps):

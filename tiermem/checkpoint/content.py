@@ -143,7 +143,7 @@ class LoadTree:
         stateio = self.stateios[m]
         if isinstance(stateio, ShardedStateIO):
             return stateio.section(i, key) if stateio.has_section(i, key) else None
-        if not states.facts.is_section(i, key):  # a small state (NOTE [ Exact optimizer step ] rule 3)
+        if not states.facts.is_section(i, key):  # a small state is kept beside the chunks, not in them
             return None
         entry = stateio.state_entries(i).get(key)
         if isinstance(entry, StateTensor) or states.chunk_of(states.params[i]).sections:

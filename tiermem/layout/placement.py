@@ -341,7 +341,8 @@ def _default_persistent(
     if sum(n.device_bytes for n in needs) <= half:
         return len(needs)
     used = 0
-    large = [(i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size]  # rule 1's own slots
+    # Chunks larger than the chunk size (outliers) get device slots of their own.
+    large = [(i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size]
     for count, need in enumerate(needs):
         streamed = len(needs) - count - 1
         slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)

@@ -254,7 +254,7 @@ class _BlockHooks:
         if self.live is not None and ("backward", index) in self._base:
             self.peaks[("backward", index)] = self.live.peak - self._base[("backward", index)]
 
-    # -- saved tensors (rule 3) ------------------------------------------------------------
+    # -- saved tensors, counted per block ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = (id(storage), tensor._version)

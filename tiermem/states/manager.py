@@ -195,10 +195,10 @@ class ModelStates:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
         facts, base = ModelFacts.of(model, registry.device, optimizer, optimizer_kwargs, param_dtype)
-        self.facts = collapse_regions(facts)  # NOTE [ Compiling a managed model ] rule 1
+        self.facts = collapse_regions(facts)  # each compiled region is hooked as one block
         #: the compiled regions rt.manage found (rule 2 there: no others may appear)
         self._regions = set(compiled_regions(model))
-        first_step_planner = without_regions(first_step_planner, self._regions)  # rule 4 there
+        first_step_planner = without_regions(first_step_planner, self._regions)  # profiles uncompiled
         request = parse_plan(plan)
         declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         facts = self.facts
@@ -329,7 +329,7 @@ class ModelStates:
     def step(self, optimizer: ManagedOptimizer) -> None:
         self._outside_backward("step")
         if self.activations is not None:
-            self.activations.close_step()  # NOTE [ Managed activations ] rules 4, 6
+            self.activations.close_step()  # the step's saved activations are all released by now
         traced = tracing.span("optimizer step", "optimizer")
         try:
             self.stepper.step(optimizer)
@@ -378,7 +378,7 @@ class ModelStates:
         self.activations = activations
         activations.install()
 
-    # -- forward hooks (rules 1, 2, 3) ---------------------------------------------------------
+    # -- forward hooks: fetch, pin and release the chunks ------------------------------------------
     def _register_hooks(self) -> None:
         model, stateio = self.facts.model, self.stateio
         self._hooks.append(model.register_forward_pre_hook(self._root_started, with_kwargs=True))
@@ -408,7 +408,7 @@ class ModelStates:
     def _root_started(self, _module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         self.lifecycle.check_usable()
         refuse_compile()
-        check_compiled_modules(self.facts.model, self._regions)  # NOTE [ Compiling a managed model ] rule 2
+        check_compiled_modules(self.facts.model, self._regions)  # a region compiled after rt.manage is refused
         self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)

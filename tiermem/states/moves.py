@@ -128,7 +128,7 @@ class ParameterMoves:
             handle.remove()
         self._hooks.clear()
 
-    # -- rule 1 and 2 --------------------------------------------------------------------------
+    # -- .to(), casts and _apply: refused unless nothing changes -----------------------------------
     def apply(
         self,
         module: nn.Module,
@@ -199,7 +199,7 @@ class ParameterMoves:
     def _name(self, p: torch.Tensor) -> str:
         return self._names.get(id(p), f"parameter {self.facts.index.get(id(p))}")
 
-    # -- rule 3 --------------------------------------------------------------------------------
+    # -- load_state_dict under the swap flag, and freezing -----------------------------------------
     def _load_started(self, _module: nn.Module, *_: Any) -> None:
         if torch.__future__.get_swap_module_params_on_conversion():
             raise StatesUsageError(

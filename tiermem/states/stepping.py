@@ -254,7 +254,7 @@ class Stepper:
         self._stepped.add(chunk.index)
         self.early_chunk_steps += 1
         if went_home and (self._queued or self.steps.busy or not self._ready(chunk)):
-            self._queued.append((chunk, slots, group_of))  # rule 9
+            self._queued.append((chunk, slots, group_of))  # backward never waits on a home read
             self._start_queued()
             return
         self._run_early_step(chunk, slots, group_of)  # rule 6 when it finishes
@@ -310,7 +310,7 @@ class Stepper:
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
-        self._run_queued()  # rule 9
+        self._run_queued()  # steps backward queued rather than waited for
         self._finish_steps()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
@@ -349,7 +349,7 @@ class Stepper:
         self._windows = int(position.get("windows", 0))
         self._counted = self._grad_forwards = 0
 
-    # -- the step (rule 5 of the manager's NOTE) ------------------------------------------------
+    # -- the optimizer step over the chunks, one chunk at a time ----------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
         self.abandon_queued()  # rule 9: none is left after a backward that ended well
@@ -397,7 +397,7 @@ class Stepper:
             if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
                 self.gradients.stash.prefetch(following)
             self.chunk_steps += 1
-        self._finish_steps()  # NOTE [ Step threads ] rule 4
+        self._finish_steps()  # the next forward reads stepped homes
         self.gradients.stash.release_all()
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
             home = self.store.chunks[index].home
@@ -471,7 +471,7 @@ class Stepper:
         finish = functools.partial(self._finish_chunk_step, chunk, job, staged)
         compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
         fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
-        self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # rules 2, 6
+        self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # one thread's compute at a time
         if traced is not None:
             traced.end()
 
@@ -481,7 +481,7 @@ class Stepper:
             if ok:
                 job.commit(self.store)
         finally:
-            self.gradients.stash.release(chunk)  # NOTE [ Stored gradients ] rule 4
+            self.gradients.stash.release(chunk)  # the staged gradient copy dies with its step
             if staged:
                 self.homes.send_back(chunk)
         if ok and chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:

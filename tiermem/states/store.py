@@ -119,7 +119,7 @@ class ChunkStore:
             self._fill_persistent(chunk, snapshot)
         else:
             self._fill_streamed(chunk, snapshot)
-        if not persistent or chunk.master_scale > 1:  # NOTE [ Parameter access ] rule 2 in access.py
+        if not persistent or chunk.master_scale > 1:  # no device copy to read: reads fetch
             chunk.guard([self.facts.params[slot.index] for slot in layout.slots])
         grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
         if any(grad is not None for _, grad in grads):

@@ -188,7 +188,7 @@ class ShardedModelStates:
         self.early_chunk_steps = 0
         _MANAGED[model] = self
 
-    # -- rules 1-3 --------------------------------------------------------------------------------
+    # -- FSDP2's shards adopted, one packing and one plan on every rank ----------------------------
     def _adopt_shards(self, host_adopts_pageable: bool) -> None:
         """Rule 1: account each local shard's storage where it is, without a copy."""
         device = self.registry.device
@@ -294,7 +294,7 @@ class ShardedModelStates:
                 "again inside a running Runtime (and load a checkpoint) before stepping"
             )
 
-    # -- rule 6: declared loops ------------------------------------------------------------------
+    # -- declared loops ------------------------------------------------------------------
     def _register_hooks(self) -> None:
         if self.declared.accumulation is None:
             return

@@ -222,7 +222,7 @@ class ShardSteps:
         groups = [(optimizer.param_groups[g], members) for g, members in sorted(by_group.items())]
         try:
             after = run_step(self.optimizer_class, optimizer.defaults, groups, state, attributes)
-            for slot in slots:  # rule 3 of NOTE [ Exact optimizer step ]: lazily created states into the chunk
+            for slot in slots:  # states the step created lazily move into the chunk
                 alias = aliases[slot.index]
                 entry = after.get(alias)
                 if not entry:
