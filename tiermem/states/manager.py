@@ -214,14 +214,22 @@ class ModelStates:
         self.relayout = Relayout(
             registry,
             facts,
-            (self.store, self.homes, self.gradients, self.stateio),
+            store=self.store,
+            homes=self.homes,
+            gradients=self.gradients,
+            stateio=self.stateio,
             request=request,
             planner=first_step_planner,
             plan_owner=plan_owner,
             grads_stream=declared.grads_stream,
-            hooks=(self._remove_hooks, self._register_hooks),
+            remove_hooks=self._remove_hooks,
+            register_hooks=self._register_hooks,
         )
-        self.stepper = Stepper(facts, self.store, self.gradients, self.homes, self.relayout, declared, steps)
+        #: the optimizer rt.manage returns; its step and early chunk steps both go through the stepper
+        self.optimizer = ManagedOptimizer(self, base)
+        self.stepper = Stepper(
+            facts, self.store, self.gradients, self.homes, self.relayout, declared, steps, self.optimizer
+        )
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
         self.training = Training(facts)
         tracked = dataclasses.replace(facts, trainable=self.training.now)
@@ -252,8 +260,6 @@ class ModelStates:
             raise
         base.state.clear()  # its states now live in chunks
         self._move_buffers()
-        self.optimizer = ManagedOptimizer(self, base)
-        self.stepper.optimizer = self.optimizer
         self._register_hooks()
         self.moves.install()
         self.copies.install()

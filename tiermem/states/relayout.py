@@ -60,22 +60,27 @@ class Relayout:
         self,
         registry: Registry,
         facts: ModelFacts,
-        parts: tuple[ChunkStore, Homes, Gradients, StateIO],
         *,
+        store: ChunkStore,
+        homes: Homes,
+        gradients: Gradients,
+        stateio: StateIO,
         request: PlanRequest,
         planner: FirstStepPlanner | None,
         plan_owner: object | None,
         grads_stream: bool,
-        hooks: tuple[Callable[[], None], Callable[[], None]],
+        remove_hooks: Callable[[], None],
+        register_hooks: Callable[[], None],
     ) -> None:
-        """``parts``: the collaborators a build fills; ``hooks``: (remove, register) the manager's
-        hooks, off while the first-step planner profiles plain parameters."""
+        """``store`` to ``stateio``: the collaborators a build fills; ``remove_hooks`` and
+        ``register_hooks``: the manager's hooks, off while the first-step planner profiles plain
+        parameters."""
         self.registry = registry
         self.facts = facts
-        self.store, self.homes, self.gradients, self.stateio = parts
+        self.store, self.homes, self.gradients, self.stateio = store, homes, gradients, stateio
         self.request = request
         self._grads_stream = grads_stream
-        self._unhook, self._hook = hooks
+        self._unhook, self._hook = remove_hooks, register_hooks
         # ``plan_owner.plan`` follows the plan in force (the Runtime's ``rt.plan``); held weakly.
         self._plan_owner = weakref.ref(plan_owner) if plan_owner is not None else None
         #: rule 2: the order the chunks are packed in; the one being recorded; the recorded one

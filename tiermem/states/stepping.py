@@ -73,7 +73,7 @@ import functools
 import itertools
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -94,17 +94,10 @@ from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
 
+if TYPE_CHECKING:  # the relayout imports the backward tracker, which imports this module
+    from tiermem.states.relayout import Relayout
+
 log = logging.getLogger("tiermem.states")
-
-
-class Repacker(Protocol):
-    """What the step asks of the relayout: a re-pack is due (NOTE [ Model-state rules ] rules 2
-    and 9), and carrying it out."""
-
-    @property
-    def pending(self) -> bool: ...
-
-    def run(self) -> None: ...
 
 
 class Stepper:
@@ -116,18 +109,19 @@ class Stepper:
         store: ChunkStore,
         gradients: Gradients,
         homes: Homes,
-        repacker: Repacker,
+        relayout: Relayout,
         declared: Declarations,
         steps: StepThread,
+        optimizer: ManagedOptimizer,
     ) -> None:
         self.facts = facts
         self.store = store
         self.gradients = gradients
         self.homes = homes
-        self.repacker = repacker
+        self.relayout = relayout
         self.declared = declared
-        #: the managed optimizer early steps use (bound once it exists)
-        self.optimizer: ManagedOptimizer | None = None
+        #: the managed optimizer whose groups early steps use
+        self.optimizer = optimizer
         #: rule 2: counted backwards since the last step; forwards with grad since the last one
         self._counted = 0
         self._grad_forwards = 0
@@ -171,7 +165,7 @@ class Stepper:
             and (self._windows > 0 or not declared.keep_gradients)
             and self._grad_forwards == 1
             and self._counted + 1 == declared.accumulation
-            and (not self.repacker.pending or not declared.keep_gradients)  # see step()
+            and (not self.relayout.pending or not declared.keep_gradients)  # see step()
             and not self._partial_end
         )
 
@@ -238,7 +232,6 @@ class Stepper:
     def gradients_complete(self, chunk: Chunk) -> None:
         """Every used parameter of an offloaded chunk has its gradient: send them home, and step
         early (rule 3), from where they are when nothing keeps them (rule 8)."""
-        assert self.optimizer is not None
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         group_of = self._group_of(self.optimizer) if early else {}
@@ -260,7 +253,6 @@ class Stepper:
         self._run_early_step(chunk, slots, group_of)  # rule 6 when it finishes
 
     def _run_early_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
-        assert self.optimizer is not None
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk))
 
     def _ready(self, chunk: Chunk) -> bool:
@@ -365,13 +357,13 @@ class Stepper:
         self.gradients.reconcile()
         if self.declared.max_norm is not None:
             optimizer.grad_norm = clip_declared(self.facts.params, self.declared.max_norm, self.facts.device)
-        if self.repacker.pending:
+        if self.relayout.pending:
             if self.save_guard is not None:
                 self.save_guard.before_rewrite()
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
             # parameters hold no gradient now, so the new chunks step exactly the others.
             with tracing.traced("re-pack", "repack"):
-                self.repacker.run()
+                self.relayout.run()
             stepped = set()
         self.store.pool.release_all()
         self.store.generation += 1
