@@ -199,3 +199,16 @@ def test_no_comment_is_only_a_rule_number():
             if len(re.findall(r"[A-Za-z]{2,}", words)) < 3:
                 bare.append(f"{path.relative_to(ROOT)}:{token.start[0]}: {token.string.strip()}")
     assert not bare, "say why in words instead of citing only a rule number:\n" + "\n".join(bare)
+
+
+def test_no_module_writes_into_another_objects_dict():
+    """State goes through constructors and attributes, never ``obj.__dict__[name] = ...``: a
+    reader finds who sets what by reading ``__init__`` and attribute assignments."""
+    writes = re.compile(r"__dict__\s*\[[^\]]+\]\s*=(?!=)|__dict__\.(?:__setitem__|update|setdefault)\(")
+    found = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for path in _library_modules()
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if writes.search(line)
+    ]
+    assert not found, "\n".join(found)

@@ -235,6 +235,22 @@ class StatesMemoryError(TiermemError, MemoryError):
     """Raised when model states do not fit the budgets: at ``rt.manage`` when the plan cannot
     fit, or during a step when every device buffer is pinned."""
 
+    @classmethod
+    def tier_full(
+        cls, exc: TierCapacityError, what: str, remedy: str = "", *, sharded: bool = False
+    ) -> StatesMemoryError:
+        """The error of a model-state move a full tier refused: ``what`` needed room in
+        ``exc.tier``; the tier's use, the capacity to raise and ``remedy`` (what else helps)."""
+        from tiermem.units import format_size  # errors is the leaf every layer imports first
+
+        subject = "tiermem sharded model states" if sharded else "tiermem model states"
+        per_rank = " (per rank)" if sharded else ""
+        return cls(
+            f"{subject}: {what} needs {format_size(exc.requested)} in the {exc.tier} tier, but "
+            f"{format_size(exc.used)} of {format_size(exc.capacity)} are in use; raise [{exc.tier}] capacity"
+            f"{per_rank}{remedy}"
+        )
+
 
 class CheckpointError(TiermemError, OSError):
     """Raised when a checkpoint cannot be saved or loaded: damaged or partial files, a missing

@@ -241,10 +241,10 @@ class ActivationOffloader:
             hook.remove()
         self._module_hooks.clear()
         for block, previous in reversed(self._wrapped):
-            if previous is None:
-                block.__dict__.pop("forward", None)
-            else:
-                block.__dict__["forward"] = previous
+            if previous is not None:
+                block.forward = previous  # type: ignore[method-assign]
+            elif "forward" in vars(block):  # ours: the class's forward shows through again
+                del block.forward
         self._wrapped.clear()
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:

@@ -27,7 +27,6 @@ from tiermem.states.hostgrad import HostGradient
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.store import ChunkStore
 from tiermem.states.stored_grads import Geometry, GradientStash, StoredGradient
-from tiermem.units import format_size
 
 
 class Gradients:
@@ -143,10 +142,8 @@ class Gradients:
             try:
                 handle.move_to("nvme", Priority.WRITEBACK)
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem model states: chunk {chunk.index}'s gradients ({format_size(exc.requested)}) wait on "
-                    f"NVMe until the optimizer steps (grad_home 'nvme'), but {format_size(exc.used)} of "
-                    f"{format_size(exc.capacity)} are in use there; raise [nvme] capacity"
+                raise StatesMemoryError.tier_full(
+                    exc, f"chunk {chunk.index}'s gradients, waiting on NVMe until the step (grad_home 'nvme'),"
                 ) from exc
             return
         try:
@@ -157,12 +154,11 @@ class Gradients:
             try:
                 handle.move_to("host", Priority.WRITEBACK)
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem model states: chunk {chunk.index}'s gradients ({format_size(exc.requested)}) go to the "
-                    f"host until the optimizer steps, but {format_size(exc.used)} of {format_size(exc.capacity)} "
-                    "are in use; raise [host] capacity (a plan made for streaming gradients, keep_gradients=False, "
-                    "needs every chunk to step as its backward ends: a nested reentrant backward or accumulation "
-                    "keeps them all)"
+                raise StatesMemoryError.tier_full(
+                    exc,
+                    f"chunk {chunk.index}'s gradients, held on the host until the optimizer steps,",
+                    " (a plan made for streaming gradients, keep_gradients=False, needs every chunk to step as its "
+                    "backward ends: a nested reentrant backward or accumulation keeps them all)",
                 ) from exc
 
     # -- what p.grad is ------------------------------------------------------------------------

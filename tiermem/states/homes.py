@@ -21,7 +21,6 @@ from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
-from tiermem.units import format_size
 
 
 class Homes:
@@ -63,11 +62,8 @@ class Homes:
             try:
                 handle.move_to("host", Priority.DEMAND, known)
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem model states: staging chunk {chunk.index}'s NVMe home ({format_size(exc.requested)}) "
-                    f"needs host memory, but {format_size(exc.used)} of {format_size(exc.capacity)} are in use; "
-                    "raise [host] capacity"
-                ) from exc
+                what = f"staging chunk {chunk.index}'s NVMe home for its step"
+                raise StatesMemoryError.tier_full(exc, what) from exc
         handle.wait()
 
     def send_back(self, chunk: Chunk) -> None:

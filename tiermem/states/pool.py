@@ -56,7 +56,6 @@ from tiermem.errors import TierCapacityError
 from tiermem.registry import CachedBytes, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
-from tiermem.units import format_size
 
 T = TypeVar("T")
 
@@ -225,10 +224,8 @@ class ChunkPool:
                     continue
                 if self.registry.reclaim("device", needed=exc.requested):
                     continue
-                raise StatesMemoryError(
-                    f"tiermem model states: {what} needs {format_size(exc.requested)} on the device but "
-                    f"{format_size(exc.used)} of {format_size(exc.capacity)} are in use and nothing more can be "
-                    "released; raise [device] capacity or give plan= fewer persistent_chunks or buffers"
+                raise StatesMemoryError.tier_full(
+                    exc, what, " and nothing more can be released, or give plan= fewer persistent_chunks or buffers"
                 ) from exc
 
     def _wait_writebacks(self) -> bool:

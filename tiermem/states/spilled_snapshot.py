@@ -50,7 +50,6 @@ from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.stateio import StateIO
 from tiermem.states.store import ChunkStore
-from tiermem.units import format_size
 
 CACHED_CHUNKS = 1
 """Rule 3: old chunks' buffers kept in memory while the new chunks are built (re-packing in
@@ -212,10 +211,7 @@ def spill(
             homes.forget()  # nor an NVMe home's read
     except TierCapacityError as exc:
         spilled.free()
-        raise StatesMemoryError(
-            f"tiermem model states: the re-pack's snapshot does not fit in the NVMe tier ({format_size(exc.requested)} "
-            f"more, {format_size(exc.used)} of {format_size(exc.capacity)} in use)"
-        ) from exc
+        raise StatesMemoryError.tier_full(exc, "the re-pack's snapshot") from exc
     except BaseException:
         spilled.free()
         raise

@@ -26,7 +26,6 @@ from tiermem.states.core import ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesMemoryError
 from tiermem.states.materialize import release_file_pages
 from tiermem.states.pool import ChunkPool
-from tiermem.units import format_size
 
 
 class ChunkStore:
@@ -70,10 +69,8 @@ class ChunkStore:
         try:
             return self.registry.register(tensor, tier, dedup=False, kind="chunk")
         except TierCapacityError as exc:
-            raise StatesMemoryError(
-                f"tiermem model states: {format_size(exc.requested)} do not fit in the {tier} tier "
-                f"({format_size(exc.used)} of {format_size(exc.capacity)} in use). Raise [{tier}] capacity or give "
-                "plan= fewer persistent chunks or a smaller chunk_size."
+            raise StatesMemoryError.tier_full(
+                exc, "a chunk", ", or give plan= fewer persistent chunks or a smaller chunk_size"
             ) from exc
 
     # -- building and freeing ---------------------------------------------------------------

@@ -46,7 +46,6 @@ from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.store import ChunkStore
-from tiermem.units import format_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +179,8 @@ class GradientStash:
             try:
                 return registry.register(buffer, "host", dedup=False, kind="chunk")
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem model states: chunk {chunk.index}'s gradients wait on NVMe (grad_home 'nvme') and "
-                    f"reading them takes {format_size(exc.requested)} of host memory, but {format_size(exc.used)} "
-                    f"of {format_size(exc.capacity)} are in use; raise [host] capacity"
+                raise StatesMemoryError.tier_full(
+                    exc, f"reading chunk {chunk.index}'s gradients, which wait on NVMe (grad_home 'nvme'),"
                 ) from exc
 
     def release(self, chunk: Chunk) -> None:

@@ -24,7 +24,6 @@ from tiermem.registry import Handle, ObjectState, Priority, Registry
 from tiermem.states.core import ParamState, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, run_step
-from tiermem.units import format_size
 
 
 @dataclass(eq=False)
@@ -93,10 +92,8 @@ class ShardSteps:
                     torch.zeros(nbytes, dtype=torch.uint8, device=device), tier, dedup=False, kind="chunk"
                 )
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem sharded model states: chunk {layout.index}'s states ({format_size(nbytes)}) do not fit "
-                    f"in the {tier} tier ({format_size(exc.used)} of {format_size(exc.capacity)} in use); raise "
-                    f"[{tier}] capacity (per rank) or plan state_home elsewhere"
+                raise StatesMemoryError.tier_full(
+                    exc, f"chunk {layout.index}'s states", " or plan state_home elsewhere", sharded=True
                 ) from exc
 
     def free(self) -> None:
@@ -142,10 +139,8 @@ class ShardSteps:
             try:
                 handle.move_to(self.staging, priority)
             except TierCapacityError as exc:
-                raise StatesMemoryError(
-                    f"tiermem sharded model states: staging chunk {chunk.index}'s states ({format_size(exc.requested)})"
-                    f" for its step needs {self.staging} memory, but {format_size(exc.used)} of "
-                    f"{format_size(exc.capacity)} are in use; raise [{self.staging}] capacity"
+                raise StatesMemoryError.tier_full(
+                    exc, f"staging chunk {chunk.index}'s states for its step", sharded=True
                 ) from exc
 
     def prefetch(self, chunk: StateChunk) -> None:
