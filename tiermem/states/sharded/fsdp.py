@@ -55,7 +55,7 @@ def sharded_params(model: nn.Module) -> list[nn.Parameter]:
 
 
 def padded_shape(p: torch.Tensor) -> tuple[int, ...]:
-    """Rule 2: the shard shape of ``p`` on every rank (``sharded_layout.padded_shard_shape``)."""
+    """Rule 2: the shard shape of ``p`` on every rank (``layout.padded_shard_shape``)."""
     mesh = p.device_mesh  # type: ignore[attr-defined]
     shards = [(pl.dim, mesh.size(m)) for m, pl in enumerate(p.placements) if pl.is_shard()]  # type: ignore[attr-defined]
     return padded_shard_shape(tuple(p.shape), shards)
