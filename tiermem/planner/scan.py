@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiermem.layout.placement import GRAD_HOMES
+from tiermem.layout.placement import GRAD_HOMES, STAGED_HOMES
 from tiermem.planner.candidates import ActivationCandidate, activation_candidates, packings, pareto
 from tiermem.planner.costmodel import (
     TIERS,
@@ -140,6 +140,8 @@ class Space:
                     low = min(packing.min_buffers, streamed)
                     options = {low, min(packing.min_buffers + 1, streamed), streamed} if streamed else {0}
                     host_end = packing.host_end(persistent, host_usable) if streamed else n
+                    if host_end == n and packing.staged_homes < STAGED_HOMES:
+                        continue  # no NVMe home to stage: the same choice as with the default staging
                     for buffers in sorted(options):
                         key = (k, persistent, buffers, host_end)
                         hit.append((key, *self.states(key)))

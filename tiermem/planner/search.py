@@ -55,7 +55,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import GRAD_HOMES, Plan, Prediction
+from tiermem.layout.placement import GRAD_HOMES, STAGED_HOMES, Plan, Prediction
 from tiermem.planner.candidates import (
     MAX_SIZES,
     ActivationCandidate,
@@ -152,6 +152,7 @@ def search(
         buffers=choice.buffers,
         state_home=choice.homes,
         grad_home=choice.packing.grad_home if "nvme" in choice.homes else "host",
+        staged_homes=choice.packing.staged_homes if "nvme" in choice.homes else STAGED_HOMES,
         block_policy=act.policies,
         predicted=Prediction(
             step_s=estimate.step_s,
