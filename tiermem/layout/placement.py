@@ -492,7 +492,7 @@ def _check_fits(
     host = _host_bytes(needs, homes, passing, staged)
     nvme = sum(n.home_bytes + (n.grad_bytes if grad_home == "nvme" else 0) for n in nvme_homes)
     waiting = (
-        f"{_count(staged)} NVMe chunks' gradients staged"
+        f"{_count(staged, 'NVMe chunk', 'gradients')} staged"
         if grad_home == "nvme"
         else ("two NVMe chunks' gradients passing through" if grads_stream else "gradients of the NVMe chunks")
     )
@@ -506,7 +506,7 @@ def _check_fits(
     if host > budgets.host:
         problems.append(
             f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
-            f"and room to stage {_count(staged)} NVMe homes) but has {format_size(budgets.host)} free"
+            f"and room to stage {_count(staged, 'NVMe home')}) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -529,8 +529,12 @@ def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], passing: int,
     return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, passing) + staging
 
 
-def _count(number: int) -> str:
-    return {1: "one", 2: "two"}.get(number, str(number))
+def _count(number: int, noun: str, owned: str = "") -> str:
+    """``number`` ``noun`` s in words ("one NVMe home", "two NVMe chunks' gradients")."""
+    words = {1: "one", 2: "two"}.get(number, str(number))
+    if owned:
+        return f"{words} {noun}{chr(39) + 's' if number == 1 else 's' + chr(39)} {owned}"
+    return f"{words} {noun}{'' if number == 1 else 's'}"
 
 
 def _own_slots(large: Sequence[int]) -> str:
