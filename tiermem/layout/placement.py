@@ -530,11 +530,12 @@ def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], passing: int,
 
 
 def _count(number: int, noun: str, owned: str = "") -> str:
-    """``number`` ``noun`` s in words ("one NVMe home", "two NVMe chunks' gradients")."""
+    """``number`` ``noun`` s in words, for a refusal: "one NVMe home", "two NVMe chunks' gradients"."""
     words = {1: "one", 2: "two"}.get(number, str(number))
-    if owned:
-        return f"{words} {noun}{chr(39) + 's' if number == 1 else 's' + chr(39)} {owned}"
-    return f"{words} {noun}{'' if number == 1 else 's'}"
+    if not owned:
+        return f"{words} {noun if number == 1 else noun + 's'}"
+    possessive = f"{noun}'s" if number == 1 else f"{noun}s'"
+    return f"{words} {possessive} {owned}"
 
 
 def _own_slots(large: Sequence[int]) -> str:

@@ -200,6 +200,11 @@ def explain(
             f"streamed states live on the host for {homes.count('host')} chunks and on NVMe for "
             f"{homes.count('nvme')} (the host holds what it can; NVMe takes the rest)"
         )
+        if "nvme" in homes and choice.packing.staged_homes < STAGED_HOMES:
+            reasons.append(
+                "the host stages one NVMe home at a time for the step (room for two would not fit): the step's NVMe "
+                "reads and writes are not hidden behind it"
+            )
     reasons.append(f"activations: {family or 'keep'}")
     parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in estimate.parts_s.items())
     reasons.append(f"predicted step {estimate.step_s * 1000:.1f} ms = {parts}")
