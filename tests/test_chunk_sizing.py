@@ -6,6 +6,7 @@ per rank (tests/test_states_fsdp.py runs them on 2 ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from typing import Any
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 import tiermem
+from tests.test_planner import synthetic
 from tests.test_states import assert_bitwise
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, parse_plan
+from tiermem.planner.errors import NoPlanFitsError
+from tiermem.planner.search import search
 from tiermem.states.sharded.layout import ShardSpec, size_shards
 
 transformers = pytest.importorskip("transformers")
@@ -194,3 +198,21 @@ def test_sharded_plans_shrink_chunks_before_refusing_and_name_the_least():
     least = Budgets(0, figures["host"], figures["nvme"])
     fitted = size_shards(specs, 2, least, auto, "host")
     assert fitted.staged_homes == 1 and set(fitted.state_home) == {"nvme"}
+
+
+def test_the_planner_stages_one_home_only_where_two_do_not_fit_and_charges_its_io():
+    """NOTE [ Plan search ] rule 1: 17 parameters of 1 MiB, states on NVMe, gradients waiting
+    there: two staged homes and gradients need 8 MiB of host, one 4 MiB. Where 8 fit the search
+    stages two; below, one, at a predicted step slower by the step's NVMe I/O, no longer hidden
+    behind the optimizer (NOTE [ Cost model ] rule 5)."""
+    profile = dataclasses.replace(synthetic(8, saved=MiB, nvme=1e9), optimizer_s_per_byte=1e-8)
+    caps = {"device": 16 * MiB, "nvme": 1 << 30}
+    two = search(profile, {**caps, "host": 9 * MiB})
+    one = search(profile, {**caps, "host": 6 * MiB})
+    assert two.plan.staged_homes == 2 and one.plan.staged_homes == 1
+    assert one.plan.grad_home == two.plan.grad_home == "nvme"
+    assert one.estimate.peak_bytes["host"] == 4 * MiB and two.estimate.peak_bytes["host"] == 8 * MiB
+    assert one.estimate.parts_s["io_stall"] > two.estimate.parts_s["io_stall"]
+    assert any("one NVMe home at a time" in reason for reason in one.reasons)
+    with pytest.raises(NoPlanFitsError):
+        search(profile, {**caps, "host": 6 * MiB}, staged_homes=(2,))
