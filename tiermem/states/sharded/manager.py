@@ -37,7 +37,9 @@ step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placeme
    in-place update lands in what FSDP2 all-gathers next) whose ``.grad`` is the local gradient,
    and state entries viewing the chunk. A home the parameters' device cannot address (NVMe; the
    device's for CPU-offloaded shards on a CUDA device; the host's for shards on a CUDA device) is
-   staged on the parameters' tier (DEMAND), the next one prefetched, and written back (WRITEBACK).
+   staged on the parameters' tier (DEMAND), the next one prefetched where the plan has room to
+   stage two (``staged_homes``; with one, each is staged once the one before is written back),
+   and written back (WRITEBACK).
 6. Declared loops: FSDP2 calls each sharded parameter's post-accumulate-grad hooks after its
    reduce-scatter. Each optimized parameter's arrivals are counted per window; without clipping a
    chunk steps in backward as soon as each of its parameters arrived ``grad_accumulation_steps``
