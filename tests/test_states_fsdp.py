@@ -448,23 +448,28 @@ def _hsdp(rank: int, path: str) -> dict[str, Any]:
     return {"params": _gathered(model), "nvme_written": written, "placements": placements}
 
 
-def _sized_to_capacities(rank: int, path: str) -> dict[str, Any]:
+def _sized_to_capacities(plan: dict[str, Any]) -> Callable[[int, str], dict[str, Any]]:
     """Issue 34: a 4-block MLP at per-rank device 30% and host 50% of the rank's state bytes (the
-    device holds the rank's shards, 25%), the chunk size left to the rule: the default size (one
-    chunk, every state) needs two staged homes, 2x the host; smaller chunks fit."""
-    from tiermem.states.sharded.step import local_of
+    device holds the rank's shards, 25%), the chunk size left to the rule (``plan``: the other
+    fields of a hand plan): the default size (one chunk, every state) needs two staged homes,
+    2x the host; smaller chunks fit."""
 
-    model = _sharded(blocks=4)
-    state = 16 * sum(local_of(p).numel() for p in model.parameters())  # parameter, gradient, 2 states
-    config = _config(path)
-    config["device"]["capacity"], config["host"]["capacity"] = int(state * 0.3), int(state * 0.5)
-    with tiermem.Runtime(config) as rt:
-        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=LR)
-        plan = rt.plan.as_dict()
-        _train(rt, model, optimizer, rank)
-        tiers = rt.stats().as_dict()["tiers"]
-    peaks = {tier: (tiers[tier]["peak_bytes"], tiers[tier]["capacity"]) for tier in ("device", "host")}
-    return {"params": _gathered(model), "plan": plan, "peaks": peaks}
+    def run(rank: int, path: str) -> dict[str, Any]:
+        from tiermem.states.sharded.step import local_of
+
+        model = _sharded(blocks=4)
+        state = 16 * sum(local_of(p).numel() for p in model.parameters())  # parameter, gradient, 2 states
+        config = _config(path)
+        config["device"]["capacity"], config["host"]["capacity"] = int(state * 0.3), int(state * 0.5)
+        with tiermem.Runtime(config) as rt:
+            model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=LR)
+            in_force = rt.plan.as_dict()
+            _train(rt, model, optimizer, rank)
+            tiers = rt.stats().as_dict()["tiers"]
+        peaks = {tier: (tiers[tier]["peak_bytes"], tiers[tier]["capacity"]) for tier in ("device", "host")}
+        return {"params": _gathered(model), "plan": in_force, "peaks": peaks}
+
+    return run
 
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
@@ -479,7 +484,8 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "cpu_offload": _cpu_offload,
     "state_dict": _state_dict_round_trip,
     "agreement": _agreement,
-    "sized": _sized_to_capacities,
+    "sized": _sized_to_capacities({}),
+    "sized_one_staged": _sized_to_capacities({"staged_homes": 1}),
 }
 
 
@@ -594,13 +600,16 @@ def test_fsdp2_mixed_precision_policy_composes(ranks):
         assert result["dtypes"] == {"torch.float32"}
 
 
-def test_chunks_are_sized_to_per_rank_capacities(ranks):
+@pytest.mark.parametrize("scenario", ["sized", "sized_one_staged"])
+def test_chunks_are_sized_to_per_rank_capacities(ranks, scenario):
     """Issue 34: where the default chunk size is refused (2x the host for two staged homes), rank 0
     picks a smaller size that fits every rank's capacities, and training is bitwise the
-    single-process reference; no tier went past its capacity."""
-    plans = [rank["sized"]["plan"] for rank in ranks]
+    single-process reference; no tier went past its capacity. Asked to stage one home at a time
+    (``staged_homes=1``), the step stages each home once the one before is back."""
+    plans = [rank[scenario]["plan"] for rank in ranks]
     assert plans[0] == plans[1] and len(plans[0]["state_home"]) > 1 and "nvme" in plans[0]["state_home"]
-    for a, b in zip(ranks[0]["sized"]["params"], reference(blocks=4), strict=True):
+    assert plans[0]["staged_homes"] == (1 if scenario == "sized_one_staged" else 2)
+    for a, b in zip(ranks[0][scenario]["params"], reference(blocks=4), strict=True):
         assert torch.equal(a, b)
     for rank in ranks:
-        assert all(peak <= capacity for peak, capacity in rank["sized"]["peaks"].values())
+        assert all(peak <= capacity for peak, capacity in rank[scenario]["peaks"].values())
