@@ -458,7 +458,8 @@ def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
     raise, the search returns a plan with it, and none with one byte less."""
     profile = synthetic(8, saved=MiB, nvme=1e9)
     caps = {"device": 32 * MiB, "host": 16 * MiB, "nvme": 1 << 30}
-    search_host = functools.partial(search, grad_homes=("host",))  # gradients wait on the host
+    # gradients wait on the host, two NVMe homes staged (with one, a plan fits these capacities)
+    search_host = functools.partial(search, grad_homes=("host",), staged_homes=(2,))
     with pytest.raises(NoPlanFitsError) as info:
         search_host(profile, caps)
     error = info.value

@@ -34,10 +34,10 @@ STEPS = 2
 LR = 1e-2
 
 
-def mlp(seed: int = 0) -> nn.Sequential:
+def mlp(seed: int = 0, blocks: int = 3) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(
-        *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)) for _ in range(3))
+        *(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH)) for _ in range(blocks))
     )
 
 
@@ -47,10 +47,10 @@ def loss_of(model: nn.Module, seed: int) -> torch.Tensor:
     return nn.functional.mse_loss(model(x), y)
 
 
-def reference(steps: int = STEPS, accumulation: int = 1) -> list[torch.Tensor]:
+def reference(steps: int = STEPS, accumulation: int = 1, blocks: int = 3) -> list[torch.Tensor]:
     """Plain PyTorch in one process on the mean loss of both ranks' batches (exact with 2 ranks);
     rank r's batch of micro-batch m in step s has seed ``2 * (s * accumulation + m) + r``."""
-    model = mlp()
+    model = mlp(blocks=blocks)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     for step in range(steps):
         for micro in range(accumulation):
@@ -139,11 +139,11 @@ def _config(path: str, **device: Any) -> dict[str, Any]:
     }
 
 
-def _sharded(offload: bool = False) -> nn.Module:
+def _sharded(offload: bool = False, blocks: int = 3) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     kwargs = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
-    model = mlp()
+    model = mlp(blocks=blocks)
     for block in model:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -448,6 +448,30 @@ def _hsdp(rank: int, path: str) -> dict[str, Any]:
     return {"params": _gathered(model), "nvme_written": written, "placements": placements}
 
 
+def _sized_to_capacities(plan: dict[str, Any]) -> Callable[[int, str], dict[str, Any]]:
+    """Issue 34: a 4-block MLP at per-rank device 30% and host 50% of the rank's state bytes (the
+    device holds the rank's shards, 25%), the chunk size left to the rule (``plan``: the other
+    fields of a hand plan): the default size (one chunk, every state) needs two staged homes,
+    2x the host; smaller chunks fit."""
+
+    def run(rank: int, path: str) -> dict[str, Any]:
+        from tiermem.states.sharded.step import local_of
+
+        model = _sharded(blocks=4)
+        state = 16 * sum(local_of(p).numel() for p in model.parameters())  # parameter, gradient, 2 states
+        config = _config(path)
+        config["device"]["capacity"], config["host"]["capacity"] = int(state * 0.3), int(state * 0.5)
+        with tiermem.Runtime(config) as rt:
+            model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=LR)
+            in_force = rt.plan.as_dict()
+            _train(rt, model, optimizer, rank)
+            tiers = rt.stats().as_dict()["tiers"]
+        peaks = {tier: (tiers[tier]["peak_bytes"], tiers[tier]["capacity"]) for tier in ("device", "host")}
+        return {"params": _gathered(model), "plan": in_force, "peaks": peaks}
+
+    return run
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "host": _homes("host"),
     "nvme": _homes("nvme"),
@@ -460,6 +484,8 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "cpu_offload": _cpu_offload,
     "state_dict": _state_dict_round_trip,
     "agreement": _agreement,
+    "sized": _sized_to_capacities({}),
+    "sized_one_staged": _sized_to_capacities({"staged_homes": 1}),
 }
 
 
@@ -572,3 +598,18 @@ def test_fsdp2_mixed_precision_policy_composes(ranks):
         result = rank["mixed_precision"]
         assert result["same_params"] and result["nvme_written"] > 0
         assert result["dtypes"] == {"torch.float32"}
+
+
+@pytest.mark.parametrize("scenario", ["sized", "sized_one_staged"])
+def test_chunks_are_sized_to_per_rank_capacities(ranks, scenario):
+    """Issue 34: where the default chunk size is refused (2x the host for two staged homes), rank 0
+    picks a smaller size that fits every rank's capacities, and training is bitwise the
+    single-process reference; no tier went past its capacity. Asked to stage one home at a time
+    (``staged_homes=1``), the step stages each home once the one before is back."""
+    plans = [rank[scenario]["plan"] for rank in ranks]
+    assert plans[0] == plans[1] and len(plans[0]["state_home"]) > 1 and "nvme" in plans[0]["state_home"]
+    assert plans[0]["staged_homes"] == (1 if scenario == "sized_one_staged" else 2)
+    for a, b in zip(ranks[0][scenario]["params"], reference(blocks=4), strict=True):
+        assert torch.equal(a, b)
+    for rank in ranks:
+        assert all(peak <= capacity for peak, capacity in rank[scenario]["peaks"].values())

@@ -58,11 +58,13 @@ def choose_layout(
 ) -> tuple[Layouts, Plan]:
     """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
     :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
-    buffers); of the sizes whose plan fits, the one that ``waste`` s least, the larger on a
-    tie (fewer, larger transfers). The ``fallback`` sizes (outliers in chunks of their own,
-    rule 4) are tried the same way when none of ``sizes`` fits. Raises the first size's error
-    when none fits."""
-    best: tuple[int, int, Layouts, Plan] | None = None
+    buffers); of the sizes whose plan fits, those staging the most NVMe homes at once (NOTE
+    [ Default placement rule ] rules 3 and 4: their step overlaps its I/O), then the one that
+    ``waste`` s least, the larger on a tie (fewer, larger transfers). The ``fallback`` sizes
+    (outliers in chunks of their own, rule 4) are tried the same way when none of ``sizes``
+    fits. Raises the first size's error when none fits, with the smallest capacities with
+    which one would."""
+    best: tuple[tuple[int, int, int], Layouts, Plan] | None = None
     first_error: Exception | None = None
     smallest: Budgets | None = None
     tries = [(size, False) for size in sizes] + [(size, True) for size in fallback]
@@ -89,9 +91,9 @@ def choose_layout(
         except (StatesMemoryError, PlanError) as exc:
             first_error = first_error or exc
             continue
-        lost = waste(layouts, size)
-        if best is None or lost < best[0] or (lost == best[0] and size > best[1]):
-            best = (lost, size, layouts, plan)
+        rank = (-plan.staged_homes, waste(layouts, size), -size)
+        if best is None or rank < best[0]:
+            best = (rank, layouts, plan)
     if best is None:
         assert first_error is not None
         if smallest is not None and isinstance(first_error, StatesMemoryError):
@@ -99,10 +101,10 @@ def choose_layout(
                 f"{first_error} The smallest capacities with which the default placement fits: "
                 f"[device] {format_size_up(smallest.device)}, [host] {format_size_up(smallest.host)} and [nvme] "
                 f"{format_size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
-                "where it has room)."
+                "where it has room, staged one at a time)."
             ) from first_error
         raise first_error
-    return best[2], best[3]
+    return best[1], best[2]
 
 
 def smallest_budgets(
@@ -110,7 +112,8 @@ def smallest_budgets(
 ) -> Budgets | None:
     """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
     streamed through the fewest buffers; homes and gradients on NVMe when ``budgets.nvme``
-    holds them all, else on the host), checked by deciding again; None when that does not fit either."""
+    holds them all, the host staging one of each at a time, else on the host), checked by
+    deciding again; None when that does not fit either."""
     if not needs:
         return None
     total = len(needs)
@@ -119,7 +122,9 @@ def smallest_budgets(
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
     stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
     if stored <= budgets.nvme:
-        host = nvme_grad_bytes(needs, True) + STAGED_HOMES * max(n.home_bytes for n in needs)
+        # one home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
+        # stored gradients, or the two streamed ones passing through
+        host = nvme_grad_bytes(needs, STAGED_HOMES if grads_stream else 1) + max(n.home_bytes for n in needs)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)

@@ -14,7 +14,7 @@ import torch
 from tiermem.errors import PlanError
 from tiermem.layout.activation_policy import BlockProfile, adaptive_keep
 from tiermem.layout.chunks import ParamInfo, outlier_candidates, pack, size_candidates
-from tiermem.layout.placement import BLOCK_POLICIES, ChunkNeeds, normalize_chunk_size
+from tiermem.layout.placement import BLOCK_POLICIES, STAGED_HOMES, ChunkNeeds, normalize_chunk_size
 from tiermem.planner.costmodel import Packing, activation_cost, activation_overhead_s
 from tiermem.planner.profile import Profile
 
@@ -45,10 +45,11 @@ def packings(
     chunk_sizes: Sequence[int] | None = None,
     grads_stream: bool = False,
     grad_homes: Sequence[str] = ("host",),
+    staged_homes: Sequence[int] = (STAGED_HOMES,),
 ) -> list[Packing]:
-    """Rule 1: one packing per chunk size and place gradients wait (``grad_homes``), in the
-    profile's execution order (``grads_stream``, ``grad_homes``: NOTE [ Default placement rule ]
-    rule 3)."""
+    """Rule 1: one packing per chunk size, place gradients wait (``grad_homes``) and number of
+    NVMe homes staged at once (``staged_homes``), in the profile's execution order
+    (``grads_stream``, ``grad_homes``, ``staged_homes``: NOTE [ Default placement rule ] rule 3)."""
     infos = [ParamInfo(p.nbytes, (p.nbytes,), torch.uint8, p.trainable) for p in profile.params]
     if chunk_sizes is None:
         sizes = _thinned(outlier_candidates(infos), MAX_OUTLIER_SIZES) + _thinned(size_candidates(infos), MAX_SIZES)
@@ -72,7 +73,10 @@ def packings(
         # NOTE [ Default placement rule ] rule 3: gradients that wait may wait on the host or
         # on NVMe; which is faster depends on what the host holds instead
         for grad_home in ("host",) if grads_stream else grad_homes:
-            result.append(Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream, grad_home))
+            for staged in staged_homes:
+                result.append(
+                    Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream, grad_home, staged)
+                )
     return result
 
 

@@ -186,14 +186,15 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
     copy_s = (states.memcpy_bytes + acts.memcpy_bytes) / memcpy_bw
     staging_s = nvme_moved / memcpy_bw if profile.cpu else 0.0
     # Chunk reads from NVMe hide behind the compute of the pass that needs them, except the
-    # first chunk of each pass; the optimizer's staging hides behind the step of the chunk before.
+    # first chunk of each pass; the optimizer's staging hides behind the step of the chunk
+    # before, unless the host stages one home at a time.
     forward = sum(b.forward_s for b in profile.blocks) + profile.outside.forward_s
     backward = compute - forward
     chunk_stall = max(0.0, states.nvme_read_forward / read_bw - forward) + max(
         0.0, states.nvme_read_backward / read_bw - backward
     )
     step_io = states.nvme_step_read / read_bw + (states.nvme_step_bytes - states.nvme_step_read) / write_bw
-    step_stall = max(0.0, step_io - states.optimizer_s)
+    step_stall = max(0.0, step_io - states.optimizer_s) if states.step_overlaps_io else step_io
     parts = {
         "compute": compute,
         "recompute": acts.recompute_s,

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from tiermem.layout.placement import GRAD_HOMES
+from tiermem.layout.placement import GRAD_HOMES, STAGED_HOMES, STAGING_DEPTHS
 from tiermem.planner.candidates import ActivationCandidate, activation_candidates, packings, pareto
 from tiermem.planner.costmodel import (
     TIERS,
@@ -76,6 +76,7 @@ class Space:
         block_policy: str | Sequence[str] | None,
         grads_stream: bool,
         grad_homes: Sequence[str] = GRAD_HOMES,
+        staged_homes: Sequence[int] = STAGING_DEPTHS,
     ) -> None:
         self.profile = profile
         self.margin = margin
@@ -89,7 +90,7 @@ class Space:
             [(self.front[i].device, self.front[i].host, self.front[i].nvme, self.front[i].backward) for i in by_time],
             dtype=np.float64,
         ).reshape(-1, 4)
-        self.packings = packings(profile, chunk_sizes, grads_stream, grad_homes)
+        self.packings = packings(profile, chunk_sizes, grads_stream, grad_homes, staged_homes)
         self._memcpy_bw = profile.memcpy_bw or math.inf
         self._read_bw = profile.links.get("nvme->device") or math.inf
         self._compute_s = profile.compute_s
@@ -140,6 +141,8 @@ class Space:
                     low = min(packing.min_buffers, streamed)
                     options = {low, min(packing.min_buffers + 1, streamed), streamed} if streamed else {0}
                     host_end = packing.host_end(persistent, host_usable) if streamed else n
+                    if host_end == n and packing.staged_homes < STAGED_HOMES:
+                        continue  # no NVMe home to stage: the same choice as with the default staging
                     for buffers in sorted(options):
                         key = (k, persistent, buffers, host_end)
                         hit.append((key, *self.states(key)))

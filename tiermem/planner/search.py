@@ -8,7 +8,9 @@ runs them and explains the plan (and re-exports their public names).
    thinned to ``MAX_SIZES``, and those below the largest parameter that give outliers chunks
    of their own, thinned to ``MAX_OUTLIER_SIZES``), persistent chunks (every prefix), buffers (the fewest one module
    needs, one more to prefetch into, or every streamed chunk), where each streamed chunk's
-   states live (the longest host prefix the host holds, then NVMe), and the per-block
+   states live (the longest host prefix the host holds, then NVMe), how many NVMe homes the
+   host stages at once for the step (two, or one: NOTE [ Default placement rule ] rule 3; one
+   only where some home is on NVMe, its step I/O then not hidden), and the per-block
    activation policy (or the one the caller fixed: ``block_policy=``, searched around).
 2. Activation policies come from families, each with ``k`` trailing blocks kept: every
    other block recomputed, or offloaded to the host, or to NVMe, or NVMe for the blocks whose
@@ -55,7 +57,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import GRAD_HOMES, Plan, Prediction
+from tiermem.layout.placement import GRAD_HOMES, STAGED_HOMES, STAGING_DEPTHS, Plan, Prediction
 from tiermem.planner.candidates import (
     MAX_SIZES,
     ActivationCandidate,
@@ -120,12 +122,14 @@ def search(
     block_policy: str | Sequence[str] | None = None,
     grads_stream: bool = False,
     grad_homes: Sequence[str] = GRAD_HOMES,
+    staged_homes: Sequence[int] = STAGING_DEPTHS,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``block_policy``: the
     activation policy the caller fixed (a name for every block, or one per block); the model
     states are searched around it. ``grads_stream``: the loop frees NVMe
     chunks' gradients as they step (NOTE [ Default placement rule ] rule 3); ``grad_homes``: where
-    the others may wait for the step (both by default: the faster plan wins)."""
+    the others may wait for the step (both by default: the faster plan wins); ``staged_homes``:
+    how many NVMe homes the host may stage at once (two or one by default)."""
     caps = {t: int(capacities[t]) for t in TIERS}
     space = Space(
         profile,
@@ -134,6 +138,7 @@ def search(
         block_policy=block_policy,
         grads_stream=grads_stream,
         grad_homes=grad_homes,
+        staged_homes=staged_homes,
     )
     scan = space.scan(caps)
     best, failed = space.pick(scan, caps)
@@ -152,6 +157,7 @@ def search(
         buffers=choice.buffers,
         state_home=choice.homes,
         grad_home=choice.packing.grad_home if "nvme" in choice.homes else "host",
+        staged_homes=choice.packing.staged_homes if "nvme" in choice.homes else STAGED_HOMES,
         block_policy=act.policies,
         predicted=Prediction(
             step_s=estimate.step_s,
@@ -194,6 +200,11 @@ def explain(
             f"streamed states live on the host for {homes.count('host')} chunks and on NVMe for "
             f"{homes.count('nvme')} (the host holds what it can; NVMe takes the rest)"
         )
+        if "nvme" in homes and choice.packing.staged_homes < STAGED_HOMES:
+            reasons.append(
+                "the host stages one NVMe home at a time for the step (room for two would not fit): the step's NVMe "
+                "reads and writes are not hidden behind it"
+            )
     reasons.append(f"activations: {family or 'keep'}")
     parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in estimate.parts_s.items())
     reasons.append(f"predicted step {estimate.step_s * 1000:.1f} ms = {parts}")

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import ChunkNeeds, reserve_bytes
+from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, reserve_bytes
 from tiermem.planner.profile import Profile
 
 
@@ -26,8 +26,12 @@ class Packing:
         stages: Sequence[int] | None = None,
         grads_stream: bool = False,
         grad_home: str = "host",
+        staged_homes: int = STAGED_HOMES,
     ) -> None:
         self.chunk_size = chunk_size
+        #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
+        #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
+        self.staged_homes = staged_homes
         #: NVMe chunks' gradients only pass through the host (NOTE [ Default placement rule ] 3)
         self.grads_stream = grads_stream
         #: where NVMe chunks' gradients wait for the step (rule 3 there; NOTE [ Stored gradients ])
@@ -102,12 +106,13 @@ class Packing:
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
-        chunks' gradients (two at once when they stream or wait on NVMe), and room to stage two
-        NVMe homes)."""
+        chunks' gradients (two at once when they stream, ``staged_homes`` when they wait on
+        NVMe), and room to stage ``staged_homes`` NVMe homes)."""
         n = self.chunks
-        passing = self.grads_stream or self.grad_home == "nvme"
-        nvme_grads = 2 * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
-        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + 2 * self._max_home_from[host_end]
+        staged = self.staged_homes
+        passing = STAGED_HOMES if self.grads_stream else (staged if self.grad_home == "nvme" else 0)
+        nvme_grads = passing * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
+        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + staged * self._max_home_from[host_end]
 
     def host_end(self, persistent: int, host_budget: int) -> int:
         """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""
@@ -172,6 +177,9 @@ class StatesCost:
     device_parts: dict[str, int] = field(default_factory=dict)
     #: chunks that stream (rule 7)
     streamed_chunks: int = 0
+    #: the step reads the next NVMe home while this one steps (two staged homes); with one
+    #: staged its NVMe I/O adds to the step's time
+    step_overlaps_io: bool = True
 
 
 def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
@@ -229,6 +237,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_stages=stages,
         device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
         streamed_chunks=n - p,
+        step_overlaps_io=pk.staged_homes > 1,
     )
 
 

@@ -57,7 +57,8 @@ class Homes:
         try:
             handle.move_to("host", Priority.DEMAND, known)
         except TierCapacityError:
-            # Earlier homes' write-backs free host memory when they land (the plan stages two).
+            # Earlier homes' write-backs free host memory when they land (the plan has room for
+            # its staged_homes: NOTE [ Default placement rule ] rule 3).
             self.wait_moves(skip=chunk)
             try:
                 handle.move_to("host", Priority.DEMAND, known)

@@ -10,7 +10,7 @@ backward and the state I/O.
    record, no ``p.grad`` of a managed parameter.
 2. At most one step is in flight. The next chunk's step finishes the one in flight before it
    stages its own home, so one home at most is held by a compute while the next is prefetched,
-   within the plan's host room (``STAGED_HOMES``), and an error of the compute surfaces before
+   within the plan's host room (``staged_homes``), and an error of the compute surfaces before
    anything else is staged. In backward, an early step that would have to wait for the one in
    flight is queued instead (NOTE [ Declared steps ] rule 9 in ``stepping.py``). Steps over
    device tensors (a CUDA device's own chunks) run inline: their kernels go to the training

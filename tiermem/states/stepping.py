@@ -171,7 +171,7 @@ class Stepper:
 
     def backward_entered(self, chunk: Chunk) -> None:
         """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan keeps
-        host room for ``STAGED_HOMES`` homes (placement rule 3); at most one waits for its step, so
+        host room for ``plan.staged_homes`` homes (placement rule 3); at most one waits for its step, so
         a step whose home was not prefetched finds room once the write-backs in flight land; the
         rest of the room lets the next home be read while the last is written (measured: the
         training thread waited for homes 9% of a 100M step otherwise). Never a chunk holding
@@ -190,7 +190,7 @@ class Stepper:
         if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return
         waiting, off_nvme = self._homes_off_nvme()
-        if waiting or off_nvme >= STAGED_HOMES:
+        if waiting or off_nvme >= self._staged_homes():
             return  # the step stages it on demand once earlier write-backs landed
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return
@@ -198,6 +198,11 @@ class Stepper:
             self.save_guard.before_move(chunk)
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
             chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
+
+    def _staged_homes(self) -> int:
+        """NVMe homes the plan has host room to stage at once (NOTE [ Default placement rule ] rule 3)."""
+        plan = self.store.plan
+        return plan.staged_homes if plan is not None else STAGED_HOMES
 
     def _finish_steps(self) -> None:
         """NOTE [ Step threads ] rules 2-4; a step's error leaves no NVMe home staged: homes
@@ -377,7 +382,9 @@ class Stepper:
             if slots and chunk.index not in stepped:
                 work.append((chunk, slots))
         staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
-        next_staged = dict(itertools.pairwise(staged))  # each NVMe chunk's next one
+        # each NVMe chunk's next one, read while it steps where the plan has room for two homes;
+        # with room for one, each home is read once the one before is written back
+        next_staged = dict(itertools.pairwise(staged)) if self._staged_homes() > 1 else {}
         for chunk, slots in work:
             following = next_staged.get(chunk)
             if following is not None:  # stage the next NVMe home while this one steps

@@ -10,9 +10,9 @@
    state-dict snapshot, ``p.grad`` below) asks :class:`GradientStash` for the chunk's buffer.
    The stash copies it into a host buffer registered on the host tier (``Handle.fill_from``:
    the NVMe copy stays valid, so a copy nobody wrote is dropped without a write) and keeps at
-   most ``STAGED_HOMES`` chunks staged, least recently used out first; a staged copy that was
-   written is copied back to NVMe before it goes. Every staged byte is accounted on the host
-   tier, so the host's capacity holds; the plan keeps room for two staged gradients.
+   most the plan's ``staged_homes`` chunks staged, least recently used out first; a staged copy
+   that was written is copied back to NVMe before it goes. Every staged byte is accounted on the
+   host tier, so the host's capacity holds; the plan keeps room for that many staged gradients.
 3. ``p.grad`` of a stored gradient is a :class:`StoredGradient`: a :class:`HostGradient`
    (NOTE [ Host gradients ], every rule of which holds) whose host bytes are fetched when an
    op touches them. It records where in the chunk's buffer it stands (byte offset, dtype,
@@ -93,7 +93,7 @@ class _Staged:
 
 
 class GradientStash:
-    """Host copies of stored gradient buffers, at most ``STAGED_HOMES`` chunks at once (rule 2)."""
+    """Host copies of stored gradient buffers, at most ``plan.staged_homes`` chunks at once (rule 2)."""
 
     def __init__(self, store: ChunkStore, wait_home_moves: Callable[[], None], fence: Callable[[Chunk], None]) -> None:
         self.store = store
@@ -137,7 +137,7 @@ class GradientStash:
     def prefetch(self, chunk: Chunk) -> None:
         """Start staging ``chunk``'s stored gradients while the host has room for them beside
         what is staged (the step reads them next); nothing when it has not."""
-        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= STAGED_HOMES:
+        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= self._most():
             return
         assert chunk.grad is not None
         if chunk.grad.state is ObjectState.MOVING:
@@ -152,10 +152,15 @@ class GradientStash:
         self.stagings += 1
         self._staged[chunk.index] = _Staged(handle, filling=filling)
 
+    def _most(self) -> int:
+        """Rule 2: chunks staged at once, as the plan has host room for."""
+        plan = self.store.plan
+        return plan.staged_homes if plan is not None else STAGED_HOMES
+
     def _stage(self, chunk: Chunk) -> _Staged:
         assert chunk.grad is not None
         chunk.grad.wait()  # the write-back from the device lands first
-        while len(self._staged) >= STAGED_HOMES:
+        while len(self._staged) >= self._most():
             self.release(self.store.chunks[next(iter(self._staged))])
         handle = self._register(chunk)
         try:

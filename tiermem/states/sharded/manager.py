@@ -22,9 +22,10 @@ step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placeme
    shard fills the first elements of its slot. At ``rt.manage`` every rank sends its packing digest and free bytes
    (one ``all_gather_object`` on the default group); rank 0 checks that the digests are equal.
 3. One plan: rank 0 decides it (a hand plan's ``chunk_size``, ``state_home`` and
-   ``persistent_chunks`` are honoured; ``"auto"`` places chunks by the default rule of
-   :func:`~tiermem.states.sharded.layout.decide_homes` on the smallest free bytes of all ranks,
-   since the config's capacities are per rank) and broadcasts it, or the error every rank then
+   ``persistent_chunks`` are honoured; ``"auto"`` sizes and places chunks by the default rule of
+   :func:`~tiermem.states.sharded.layout.size_shards` on the smallest free bytes of all ranks,
+   since the config's capacities are per rank: the largest chunk size that fits, two homes
+   staged for the step where they fit, else one) and broadcasts it, or the error every rank then
    raises (``broadcast_object_list``): no rank plans alone, none hangs on another's error. So
    ``rt.manage`` is collective: every rank calls it for the same model, in the same order.
 4. tiermem owns each rank's optimizer states: one registry object of kind ``"chunk"`` per chunk,
@@ -36,7 +37,9 @@ step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placeme
    in-place update lands in what FSDP2 all-gathers next) whose ``.grad`` is the local gradient,
    and state entries viewing the chunk. A home the parameters' device cannot address (NVMe; the
    device's for CPU-offloaded shards on a CUDA device; the host's for shards on a CUDA device) is
-   staged on the parameters' tier (DEMAND), the next one prefetched, and written back (WRITEBACK).
+   staged on the parameters' tier (DEMAND), the next one prefetched where the plan has room to
+   stage two (``staged_homes``; with one, each is staged once the one before is written back),
+   and written back (WRITEBACK).
 6. Declared loops: FSDP2 calls each sharded parameter's post-accumulate-grad hooks after its
    reduce-scatter. Each optimized parameter's arrivals are counted per window; without clipping a
    chunk steps in backward as soon as each of its parameters arrived ``grad_accumulation_steps``
@@ -85,7 +88,7 @@ from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, learn_state, require_element_wise
 from tiermem.states.sharded.fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
-from tiermem.states.sharded.layout import ShardSpec, decide_homes, pack_shards, signature
+from tiermem.states.sharded.layout import ShardSpec, pack_shards, signature, size_shards
 from tiermem.states.sharded.stateio import ShardedStateIO
 from tiermem.states.sharded.step import ShardSteps, local_of
 
@@ -166,13 +169,15 @@ class ShardedModelStates:
                 ShardSpec(padded_shape(p), p.dtype, p.requires_grad and id(p) in self.group_of) for p in self.params
             ]
             request = parse_plan(plan)
-            chunk_size, layouts = pack_shards(specs, request.chunk_size)
-            homes_bytes = [layout.nbytes * len(names) for layout in layouts]
-            digest = signature(chunk_size, layouts, len(names))
+            # the digest of the default packing: every rank that packs alike there packs alike
+            # at the size rank 0 then picks from every rank's free bytes (rule 2)
+            digest = signature(*pack_shards(specs, request.chunk_size), len(names))
+            staging = self.steps.staging
             self.plan: Plan = agree(
-                digest, self._budgets(), lambda b: decide_homes(homes_bytes, b, request, chunk_size, self.steps.staging)
+                digest, self._budgets(), lambda b: size_shards(specs, len(names), b, request, staging)
             )
-            self.steps.build(layouts, self.plan.state_home)
+            _, layouts = pack_shards(specs, self.plan.chunk_size)
+            self.steps.build(layouts, self.plan.state_home, self.plan.staged_homes)
             self.slots = {slot.index: (chunk, slot) for chunk in self.steps.chunks for slot in chunk.layout.slots}
             self.optimizer: ShardedOptimizer = ShardedOptimizer(self, base)
             if base.state:  # a constructed optimizer that already stepped: its states move into the chunks

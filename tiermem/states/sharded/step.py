@@ -73,13 +73,17 @@ class ShardSteps:
         self.staging = staging
         self.chunks: list[StateChunk] = []
         self.records: dict[int, ParamState] = {}
+        #: homes off home at once, as the plan has room for (NOTE [ Default placement rule ] rule 3)
+        self.staged_homes = STAGED_HOMES
 
     @property
     def sections(self) -> int:
         return len(self.names)
 
-    def build(self, layouts: Sequence[ChunkLayout], homes: Sequence[str]) -> None:
-        """Register every chunk's home (zeros) on its tier, as a registry object of kind "chunk"."""
+    def build(self, layouts: Sequence[ChunkLayout], homes: Sequence[str], staged_homes: int = STAGED_HOMES) -> None:
+        """Register every chunk's home (zeros) on its tier, as a registry object of kind "chunk";
+        ``staged_homes``: homes the plan has room to stage at once (one: none is prefetched)."""
+        self.staged_homes = staged_homes
         for layout, tier in zip(layouts, homes, strict=True):
             chunk = StateChunk(layout, tier)
             self.chunks.append(chunk)
@@ -144,8 +148,10 @@ class ShardSteps:
                 ) from exc
 
     def prefetch(self, chunk: StateChunk) -> None:
-        """Stage ``chunk``'s home ahead of its step while fewer than ``STAGED_HOMES`` are off home."""
-        if chunk.home is None or self.in_place(chunk):
+        """Stage ``chunk``'s home ahead of its step while fewer than ``staged_homes`` are off home.
+        With room for one home, none is prefetched: the step that stages its own would otherwise
+        find the room taken by the next one's."""
+        if chunk.home is None or self.in_place(chunk) or self.staged_homes < 2:
             return
         away = sum(
             1
@@ -154,7 +160,7 @@ class ShardSteps:
             and c is not chunk
             and (c.home.state is ObjectState.MOVING or c.home.tier != c.home_tier)
         )
-        if away < STAGED_HOMES:
+        if away < self.staged_homes:
             with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
                 chunk.home.move_to(self.staging, Priority.PREFETCH)
 
