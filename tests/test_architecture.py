@@ -178,7 +178,7 @@ def test_every_module_is_named_in_the_module_map_and_every_name_exists() -> None
     assert not gone, f"docs/ARCHITECTURE.md's module map names modules that no longer exist: {gone}"
 
 
-#: A citation of a numbered rule, with where it lives ("rule 3", "rules 1-3 of NOTE [ X ]").
+#: A citation of a numbered rule and where it lives ("rule 3", "rules 1-3 of" a named NOTE).
 _RULE_CITATION = re.compile(r"\brules? \d+(?:[-,] ?\d+)*(?:,? (?:of|in|there)\b[^,;:)]*)?", re.IGNORECASE)
 
 
