@@ -174,7 +174,17 @@ class AsyncioScheduler(Scheduler):
         """An immutable snapshot (taken on the loop thread so it is consistent)."""
         if self._closed or threading.current_thread() is self._thread:
             return self._snapshot()
-        return asyncio.run_coroutine_threadsafe(self._snapshot_async(), self._loop).result()
+        asked = asyncio.run_coroutine_threadsafe(self._snapshot_async(), self._loop)
+        if asked.done():
+            return asked.result()
+        # The caller waits for the loop's turn (behind the moves it is handling): a wait of its
+        # own in the timeline trace (NOTE [ Timeline trace ]), as rt.stats() in a step is one.
+        traced = tracing.span("wait scheduler statistics", "wait")
+        try:
+            return asked.result()
+        finally:
+            if traced is not None:
+                traced.end()
 
     def close(self, *, cancel_pending: bool = True) -> None:
         """Stop the scheduler. Moves not yet issued are cancelled (or, with

@@ -145,6 +145,7 @@ class Recorder:
         self._written = 0
         self._first = True
         self.t0 = 0.0
+        self._stopped: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -154,19 +155,26 @@ class Recorder:
             raise RuntimeError(f"tiermem trace: already recording to {RECORDER.path}; stop that trace first")
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
-        self.t0 = now()
         for pid, label in ((_THREADS_PID, "tiermem threads"), (_LINKS_PID, "tiermem links and tiers")):
             self._pending.append(("M", "process_name", pid, 0, {"name": label}))
         self._writer = threading.Thread(target=self._write_loop, name="tiermem-trace-writer", daemon=True)
         self._writer.start()
+        self.t0 = now()  # after the writer's start-up, which is the recorder's, not the run's
         RECORDER = self
         return self
 
-    def stop(self) -> None:
-        """Stop recording, write what is pending and the closing entry, close the file. Idempotent."""
+    def detach(self) -> None:
+        """Stop taking events (the file stays open for :meth:`stop`): what the caller does next,
+        such as reading the statistics the closing entry carries, is not recorded. Idempotent."""
         global RECORDER
         if RECORDER is self:
             RECORDER = None
+        if self._stopped is None:
+            self._stopped = now()
+
+    def stop(self) -> None:
+        """Stop recording, write what is pending and the closing entry, close the file. Idempotent."""
+        self.detach()
         if self._writer is None:
             return
         self._stopping.set()
@@ -174,6 +182,7 @@ class Recorder:
         self._writer = None
         self._drain()
         info = {**self.info, "dropped_events": self.dropped, "clock": "perf_counter", "t0_s": self.t0}
+        info["t1_s"] = self._stopped  # the recording's span on the clock: what happened outside it is not in the file
         self._file.write(f'\n], "tiermem": {json.dumps(info)}}}\n')
         self._file.close()
 

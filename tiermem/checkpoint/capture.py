@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tiermem import tracing
 from tiermem.checkpoint.dcp_planners import ChunkKey
 from tiermem.errors import CheckpointError, TierCapacityError
 from tiermem.layout.placement import STAGED_HOMES
@@ -134,8 +135,11 @@ class Capture:
                 self._wait_writer(at)
 
     def _wait_writer(self, at: int) -> None:
+        traced = tracing.span("wait checkpoint writer", "wait", None, {"chunk": at})  # NOTE [ Timeline trace ]
         with self._cond:
             self._cond.wait_for(lambda: self._writer_at != at or self._writer_done, timeout=1.0)
+        if traced is not None:
+            traced.end()
 
     def _ahead(self, at: int) -> int:
         with self._cond:
