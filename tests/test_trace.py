@@ -161,6 +161,7 @@ def test_traced_train_writes_a_valid_chrome_trace(traced_run: TracedRun) -> None
     assert any(name.startswith("in flight ") for name in counters)
     transfer = next(e for e in events if e.get("cat") == "transfer" and e["args"]["link"] == "device->nvme")
     assert {"bytes", "priority", "object", "outcome", "queued_ms", "link"} <= set(transfer["args"])
+    assert transfer["args"]["object"] == "saved activation"
     assert data["tiermem"]["dropped_events"] == 0
 
 
@@ -467,3 +468,40 @@ def test_a_synchronous_write_into_a_tier_is_a_traced_wait(tmp_path: Path) -> Non
         helper.join()
         handle.free()
     _assert_traced(tmp_path / "t.json", blocks, "wait saved activation write nvme")
+
+
+def test_moves_are_labelled_with_what_they_carry(tmp_path: Path) -> None:
+    """Each move names its object truthfully: a chunk's gradients (its parameter bytes) as
+    "gradient", its home (parameters and AdamW states) as "chunk home", the device copy's refill as
+    "chunk copy fill", a checkpoint's copies as "checkpoint fill"; no bare "chunk"."""
+    config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    with tiermem.Runtime(config) as rt:
+        plan = {"chunk_size": 64 * 65 * 4, "persistent_chunks": 0, "state_home": "nvme", "buffers": 2}
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=1e-3)
+        chunk_bytes = {c["nbytes"] for c in rt._model_states[0].describe()["chunks"]}
+        with rt.trace(tmp_path / "t.json"):
+            for step in range(3):
+                if step == 2:  # an asynchronous save copies the chunks as training goes on
+                    pending = rt.save(tmp_path / "ckpt", blocking=False)
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert pending is not None
+            pending.wait()
+    moves = trace_report.load(tmp_path / "t.json").transfers
+    by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for move in moves:
+        by_label[move["args"]["object"]].append(move["args"])
+    assert {"gradient", "chunk home", "chunk copy fill", "checkpoint fill"} <= set(by_label), sorted(by_label)
+    assert not any(label == "chunk" or label.startswith("chunk ") and label.split()[1] not in ("home", "copy")
+                   for label in by_label), sorted(by_label)  # fmt: skip
+    assert all(m["nbytes"] in chunk_bytes for m in by_label["gradient"])  # a chunk's parameter bytes
+    assert {m["link"] for m in by_label["gradient"]} == {"device->host"}  # offloaded chunks' gradients
+    assert all(m["nbytes"] in chunk_bytes for m in by_label["chunk copy fill"])
+    assert all(m["link"].endswith("->device") for m in by_label["chunk copy fill"])  # from the home, wherever
+    # a home carries AdamW's two states (a move told the parameters are known reads only those) or all three
+    assert all(m["nbytes"] in {k * n for n in chunk_bytes for k in (2, 3)} for m in by_label["chunk home"])
+    assert {m["link"] for m in by_label["chunk home"]} <= {"nvme->host", "host->nvme"}
