@@ -4,6 +4,7 @@ tiermem's ranges, and ``tiermem trace summary|plot`` read it."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import io
 import json
@@ -227,6 +228,58 @@ def test_rt_trace_bytes_equal_rt_stats_over_the_span(tmp_path: Path) -> None:
         assert tracing.RECORDER is None
     moved = {link: after[link]["bytes"] - before.get(link, {}).get("bytes", 0) for link in after}
     assert trace_report.load(tmp_path / "t.json").link_bytes() == {k: v for k, v in moved.items() if v}
+
+
+def test_tracing_off_reaches_only_the_entry_checks(tmp_path: Path) -> None:
+    """Off (no recorder, no torch.profiler), steps of a managed model with activations on NVMe reach
+    tiermem.tracing only through its entry points, on every thread, and each returns at its first
+    check: no Span is made, no Recorder method runs, no clock is read for the trace. (What those
+    checks cost a step is bench/trace_cost.py's --off-micro.)"""
+    file = tracing.__file__
+    calls: collections.Counter[str] = collections.Counter()
+    results: list[object] = []
+    lock = threading.Lock()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if frame.f_code.co_filename != file:
+            return
+        with lock:
+            if event == "call":
+                calls[frame.f_code.co_qualname] += 1
+            elif event == "return" and frame.f_code.co_name == "span":
+                results.append(arg)
+
+    config = {
+        "device": {"device": "cpu"},
+        "nvme": {"paths": [str(tmp_path)]},
+        "scheduler": {"loop": "asyncio"},
+        "activations": {"min_bytes": 0},
+    }
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    steps = 2
+    threading.setprofile(profile)  # the runtime's threads start below: each is watched
+    try:
+        with tiermem.Runtime(config) as rt:
+            plan = {"chunk_size": 64 * 65 * 4, "persistent_chunks": 0, "state_home": "nvme", "buffers": 2}
+            model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=1e-3)
+            calls.clear()
+            sys.setprofile(profile)  # this thread from here
+            for _ in range(steps):
+                with rt.offload_activations(model, policy="nvme"):
+                    model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert rt.stats().as_dict()["links"]["device->nvme"]["bytes"] > 0  # saved tensors went to NVMe
+            counted = dict(calls)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert counted, "no instrumentation point was passed: this test watches nothing"
+    assert set(counted) <= {"span", "wrap"}, counted  # nothing past the entry checks
+    assert counted.get("span", 0) >= steps  # the forward hooks, fetches and waits passed theirs
+    assert all(result is None for result in results)
 
 
 def test_torch_profiler_shows_tiermem_ranges(tmp_path: Path) -> None:

@@ -297,27 +297,52 @@ def _chrome(event: tuple[Any, ...], t0: float) -> str:
         _, name, pid, tid, args = event
         return f'{{"name":"{name}","ph":"M","pid":{pid},"tid":{tid},"args":{_dumps(args)}}}'
     ph, name, cat, pid, tid, start, end, args = event
-    text = f'{{"name":{_dumps(name)},"cat":"{cat}","ph":"{ph}","ts":{(start - t0) * 1e6:.3f},"pid":{pid},"tid":{tid}'
+    key = (name, cat, ph, pid, tid)
+    head = _HEADS.get(key)  # a track's events repeat a few names: their text up to "ts" is made once
+    if head is None:
+        head = f'{{"name":{_quote(name)},"cat":"{cat}","ph":"{ph}","pid":{pid},"tid":{tid},"ts":'
+        if len(_HEADS) < _CACHED:
+            _HEADS[key] = head
     if ph == "X":
-        text += f',"dur":{(end - start) * 1e6:.3f}'
+        text = f'{head}{(start - t0) * 1e6:.3f},"dur":{(end - start) * 1e6:.3f}'
     elif ph == "i":
-        text += ',"s":"t"'
+        text = f'{head}{(start - t0) * 1e6:.3f},"s":"t"'
+    else:
+        text = f"{head}{(start - t0) * 1e6:.3f}"
     if args:
-        text += f',"args":{_args(args)}'
+        return f'{text},"args":{_args(args)}}}'
     return text + "}"
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
+#: Strings (names, keys, labels) and event heads already written as JSON, up to ``_CACHED`` each:
+#: the writer's cost an event is mostly formatting, and the same few strings come again and again.
+_QUOTED: dict[str, str] = {}
+_HEADS: dict[tuple[Any, ...], str] = {}
+_CACHED = 1 << 14
+
+
+def _quote(text: str) -> str:
+    quoted = _QUOTED.get(text)
+    if quoted is None:
+        quoted = _dumps(text)
+        if len(_QUOTED) < _CACHED:
+            _QUOTED[text] = quoted
+    return quoted
 
 
 def _args(args: Mapping[str, Any]) -> str:
-    """``args`` as a JSON object: numbers written as they are (the common case: bytes, times), the rest by json."""
+    """``args`` as a JSON object: numbers written as they are (the common case: bytes, times), strings
+    through the cache, the rest by json."""
     parts = []
     for key, value in args.items():
-        if type(value) is int or (type(value) is float and value == value and abs(value) != float("inf")):
-            parts.append(f"{_dumps(key)}:{value}")
+        kind = type(value)
+        if kind is int or (kind is float and value == value and abs(value) != float("inf")):
+            parts.append(f"{_quote(key)}:{value}")
+        elif kind is str:
+            parts.append(f"{_quote(key)}:{_quote(value)}")
         else:
-            parts.append(f"{_dumps(key)}:{_dumps(value)}")
+            parts.append(f"{_quote(key)}:{_dumps(value)}")
     return "{" + ",".join(parts) + "}"
 
 
