@@ -314,12 +314,14 @@ def test_summary_and_plot(traced_run: TracedRun, capsys: pytest.CaptureFixture[s
         assert step["wait_s"] == pytest.approx(step["seconds"] - step["compute_s"], abs=1e-9)
         assert step["wait_s"] == pytest.approx(sum(step["waits"].values()), abs=1e-9)
         assert 0.0 <= step["compute_s"] <= step["seconds"]
+        assert set(step["phases"]) == {"forward pass", "backward pass", "optimizer.step"}  # tiermem train's
+        assert 0.0 < sum(step["phases"].values()) <= step["seconds"]
         assert step["overlap"] is None or 0.0 <= step["overlap"] <= 1.0 + 1e-9
         for link in step["links"].values():
             assert 0.0 <= link["busy_fraction"] <= 1.0 + 1e-9
     assert main(["trace", "summary", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "step 3:" in text and "compute" in text and "overlap" in text
+    assert "step 3:" in text and "compute" in text and "overlap" in text and "phases: forward pass" in text
     png = path.parent / "timeline.png"
     assert main(["trace", "plot", str(path), "-o", str(png), "--steps", "2:3"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
