@@ -26,6 +26,13 @@ one of torch.profiler's flag, ``None`` back when both are off).
    ``FLUSH_S``; at most ``MAX_PENDING`` wait (more are dropped and counted), and once the file
    reaches ``max_bytes`` further events are dropped and counted. The count and the span's link
    statistics at start and stop go in the file's ``"tiermem"`` entry.
+6. Every time a thread blocks on tiermem's work it is inside a ``wait`` span that names what it
+   waits for: a move (``Transfer.wait``: link, object, bytes), a move's end still being booked
+   (``Registry.wait``), the activation write-backs in flight, a chunk step, a tier's synchronous
+   write or read, the checkpoint's writer, the scheduler's answer to ``statistics()``. The span is
+   opened only once the thing waited for is known not to be done, so a wait that blocks nothing
+   costs no event. (``tests/test_trace.py`` measures the training thread's blocked time apart
+   from the trace and finds all of it in wait spans.)
 """
 
 from __future__ import annotations
