@@ -304,9 +304,11 @@ class Registry:
             # Both transfers ended; the scheduler's thread is still booking the move's end (rule
             # 2). A wait of its own in the timeline trace, or its time would be nobody's.
             traced = tracing.span(f"wait {obj.label} move end", "wait", None, self._wait_args(obj, transfer))
-            obj.settled.wait()
-            if traced is not None:
-                traced.end()
+            try:
+                obj.settled.wait()
+            finally:
+                if traced is not None:
+                    traced.end()
         with self._lock:
             error, obj.error = obj.error, None
         if error is not None:

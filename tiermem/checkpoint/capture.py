@@ -135,11 +135,8 @@ class Capture:
                 self._wait_writer(at)
 
     def _wait_writer(self, at: int) -> None:
-        traced = tracing.span("wait checkpoint writer", "wait", None, {"chunk": at})  # NOTE [ Timeline trace ]
-        with self._cond:
+        with tracing.traced("wait checkpoint writer", "wait", {"chunk": at}), self._cond:  # NOTE [ Timeline trace ]
             self._cond.wait_for(lambda: self._writer_at != at or self._writer_done, timeout=1.0)
-        if traced is not None:
-            traced.end()
 
     def _ahead(self, at: int) -> int:
         with self._cond:
