@@ -433,7 +433,7 @@ class AsyncioScheduler(Scheduler):
         name = f"{transfer.label or 'move'} {format_size(transfer.nbytes)}"
         recorder.transfer(transfer.link, name, move.queued_at, move.started_at, ended, args)
         for tier in {transfer.src.tier, transfer.dst.tier}:
-            recorder.counter(f"{tier.name} bytes in use", {"bytes": tier.statistics().current_bytes}, ended)
+            recorder.counter(f"{tier.name} bytes in use", {"bytes": tier.current_bytes}, ended)
 
     def _begin_close(self, drained: Future[None], cancel_pending: bool) -> None:
         if cancel_pending:
