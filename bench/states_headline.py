@@ -15,6 +15,11 @@ rt.init() ]), every chunk's home (fp32 master + AdamW states) on NVMe:
 - ``--loop plain``: a plain loop; ``.grad`` is readable, the gradients wait on NVMe
   (``grad_home = "nvme"``, NOTE [ Stored gradients ]).
 
+Where the time goes is ``tiermem trace summary``'s: the steps run inside ``rt.trace`` (``--trace
+FILE`` keeps the file; by default it is written beside the NVMe files and removed with them), each
+step and its forward, backward and optimizer step marked as in ``tiermem train``; every step's
+phases, compute, waits by cause, link busy fractions and overlap come from the summary.
+
 What is needed, printed before anything is built: NVMe space for the homes (12 bytes a
 parameter) plus the file-backed build while it is managed or the plain loop's gradients
 (4 bytes a parameter); the host capacity given (default 1.5 GiB) and a 2 GiB device.
@@ -166,6 +171,7 @@ def main() -> int:
     parser.add_argument("--chunk-size", type=int, default=64 << 20, help="bytes (default 64 MiB)")
     parser.add_argument("--no-fused", action="store_true", help="AdamW's CPU default instead of fused=True")
     parser.add_argument("--io-size", default="4GiB", help="bytes per tiermem bench io pass (default 4GiB)")
+    parser.add_argument("--trace", default=None, help="keep the run's timeline trace in FILE (Chrome trace JSON)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -239,6 +245,8 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
     import torch
 
     import tiermem
+    from tiermem import tracing
+    from tiermem.app import trace_report
     from tiermem.app.models.gpt import GPT
     from tiermem.units import format_size
 
@@ -271,43 +279,46 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
         rss = f"{format_size(_status_kib('VmRSS'))}, peak {format_size(_status_kib('VmHWM'))}"
         say(f"managed in {result['manage_s']:.1f}s (RSS {rss}): {json.dumps(result['plan'])}")
         generator = torch.Generator().manual_seed(1)
-        seconds, losses, moved, phases = [], [], [], []
-        for step in range(args.steps):
-            tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator)
-            before = rt.stats().as_dict()["links"]
-            started = time.perf_counter()
-            _, loss = model(tokens[:, :-1], tokens[:, 1:])
-            assert loss is not None
-            forward_done = time.perf_counter()
-            loss.backward()
-            backward_done = time.perf_counter()
-            optimizer.step()
-            optimizer.zero_grad()
-            seconds.append(time.perf_counter() - started)
-            phases.append(
-                {
-                    "forward_s": forward_done - started,
-                    "backward_s": backward_done - forward_done,  # a declared loop steps chunks in here
-                    "step_s": seconds[-1] - (backward_done - started),
-                }
-            )
-            losses.append(loss.item())
-            after = rt.stats().as_dict()["links"]
-            moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
-            say(
-                f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved {format_size(sum(moved[-1].values()))}"
-                f" (forward {phases[-1]['forward_s']:.1f}s, backward {phases[-1]['backward_s']:.1f}s, step "
-                f"{phases[-1]['step_s']:.1f}s; RSS {format_size(_status_kib('VmRSS'))}, peak so far "
-                f"{format_size(_status_kib('VmHWM'))})"
-            )
+        seconds, losses, moved = [], [], []
+        trace_path = args.trace or os.path.join(path, "headline.trace.json")
+        with rt.trace(trace_path):  # where the time goes: tiermem trace summary's (NOTE [ Timeline trace ])
+            for step in range(args.steps):
+                tokens = torch.randint(0, config.vocab_size, (args.batch, args.seq + 1), generator=generator)
+                before = rt.stats().as_dict()["links"]
+                started = time.perf_counter()
+                with tracing.traced("step", "step"):
+                    with tracing.traced("forward pass", "phase"):
+                        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+                    assert loss is not None
+                    with tracing.traced("backward pass", "phase"):  # a declared loop steps chunks in here
+                        loss.backward()
+                    with tracing.traced("optimizer.step", "phase"):
+                        optimizer.step()
+                        optimizer.zero_grad()
+                seconds.append(time.perf_counter() - started)
+                losses.append(loss.item())
+                after = rt.stats().as_dict()["links"]
+                moved.append({k: v["bytes"] - before.get(k, {}).get("bytes", 0) for k, v in after.items()})
+                say(
+                    f"step {step}: {seconds[-1]:.1f}s, loss {losses[-1]:.4f}, moved "
+                    f"{format_size(sum(moved[-1].values()))} (RSS {format_size(_status_kib('VmRSS'))}, peak so far "
+                    f"{format_size(_status_kib('VmHWM'))})"
+                )
         stats = rt.stats().as_dict()
+        summary = [step.as_dict() for step in trace_report.summarize(trace_report.load(trace_path))]
+        for step in summary:
+            say(f"step {step['step'] - 1}: " + where_the_time_goes(step))
+        if args.trace:
+            say(f"timeline trace: {trace_path} (Perfetto; tiermem trace summary|plot FILE)")
+        else:
+            os.remove(trace_path)
     result["memory"] = sampler.stop()
     result.update(
         {
             "steps": args.steps,
             "batch": args.batch,
             "step_seconds": seconds,
-            "phases": phases,
+            "where_the_time_goes": summary,  # tiermem trace summary --json's steps
             "median_step_s": statistics.median(seconds[1:] or seconds),
             "losses": losses,
             "bytes_moved_per_step": moved,
@@ -315,6 +326,22 @@ def train(args: Any, config: Any, path: str, host: int, nvme: int, fused: bool, 
         }
     )
     return result
+
+
+def where_the_time_goes(step: dict[str, Any]) -> str:
+    """One step of ``tiermem trace summary --json`` in a line: phases, compute and waits (the three
+    largest causes), each busy link, the overlap."""
+    phases = ", ".join(f"{name.split()[0]} {s:.1f}s" for name, s in step["phases"].items())
+    causes = sorted(step["waits"].items(), key=lambda kv: -kv[1])[:3]
+    waits = ", ".join(f"{cause} {s:.1f}s" for cause, s in causes)
+    links = ", ".join(
+        f"{name} {link['busy_fraction']:.0%}" for name, link in sorted(step["links"].items()) if link["busy_s"]
+    )
+    overlap = "-" if step["overlap"] is None else f"{step['overlap']:.0%}"
+    return (
+        f"{step['seconds']:.1f}s = compute {step['compute_s']:.1f} + waits {step['wait_s']:.1f} ({waits}); "
+        f"{phases}; busy {links}; {overlap} of the moves hidden"
+    )
 
 
 def report(result: dict[str, Any], ram: int, state: int, n: int, say: Any) -> None:

@@ -14,8 +14,16 @@ made, the trace's size and events a timed step, and what tracing costs when off,
 the instrumentation points are those that emit the events, so the count is theirs. Then
 ``tiermem trace summary`` of the last "on" run's last step: where the time goes.
 
+``--micro`` measures the two costs apart from any training (so a loaded machine blurs them less
+than it blurs a step): what an instrumentation point costs off (ns), and what one recorded event
+costs on, by kind (a thread's span begun and ended, a move on a link, a counter sample), in CPU
+seconds of every thread (recording on the calling thread, serialising and writing on the
+writer's), recorder started and stopped around them. With ``--events-per-step`` (an on run's
+``events_by_kind``, JSON) it turns them into the on cost as a fraction of ``--step-s``.
+
     .venv/bin/python bench/trace_cost.py --size 200M --rounds 2 --steps 3
     .venv/bin/python bench/trace_cost.py --size 200M --alternate --steps 8   # one process, off on off on
+    .venv/bin/python bench/trace_cost.py --micro                              # ns a point off, ns an event on
 """
 
 from __future__ import annotations
@@ -131,6 +139,14 @@ def _child(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             times_of = [e["ts"] for v in trace.spans.values() for e in v] + [e["ts"] for e in trace.transfers]
             times_of += [t for v in trace.counters.values() for t, _ in v]
             result["events_per_step"] = sum(lo <= t <= hi for t in times_of) // len(timed)
+            kinds: dict[str, int] = {}
+            for events in trace.spans.values():
+                for e in events:
+                    if lo <= e["ts"] <= hi:
+                        kinds["span"] = kinds.get("span", 0) + 1
+            kinds["transfer"] = sum(lo <= e["ts"] <= hi for e in trace.transfers)
+            kinds["counter"] = sum(lo <= t <= hi for v in trace.counters.values() for t, _ in v)
+            result["events_by_kind"] = {k: v // len(timed) for k, v in kinds.items()}
             result["trace_bytes"] = trace_path.stat().st_size  # the planning step's profiling included
             result["last_step"] = steps[-1].as_dict() if steps else None
             result["dropped"] = trace.info.get("dropped_events")
@@ -146,6 +162,60 @@ def _off_point_s() -> float:
     return min(timeit.repeat("span('forward', 'forward', 3)", globals={"span": tracing.span}, number=n, repeat=5)) / n
 
 
+def _micro(n: int = 100_000, repeat: int = 3) -> dict[str, float]:
+    """ns a recorded event costs by kind (every thread's CPU: recording it, serialising and writing
+    it), the recorder started and stopped (its file drained) inside the timing; and ns a point
+    costs off. The smallest of ``repeat`` tries (the least disturbed by other work)."""
+    from tiermem import tracing
+
+    def spans(count: int) -> None:
+        span = tracing.span
+        for i in range(count):
+            traced = span("forward", "forward", i % 64)  # as the forward hooks: 64 module names
+            if traced is not None:
+                traced.end()
+
+    def transfers(count: int) -> None:
+        recorder = tracing.RECORDER
+        assert recorder is not None
+        for i in range(count):
+            at = tracing.now()
+            args = {"bytes": 20480, "nbytes": 20480, "priority": "WRITEBACK", "object": "gradient", "outcome": "done"}
+            recorder.transfer("device->host", f"gradient {i % 64}", at, at, at, args)
+
+    def counters(count: int) -> None:
+        recorder = tracing.RECORDER
+        assert recorder is not None
+        for i in range(count):
+            recorder.counter("host bytes in use", {"bytes": i})
+
+    def cpu_ns(body: Any, on: bool) -> float:
+        best = float("inf")
+        for _ in range(repeat):
+            with tempfile.TemporaryDirectory() as folder:
+                start = time.process_time()
+                recorder = tracing.Recorder(Path(folder) / "t.json").start() if on else None
+                body(n)
+                if recorder is not None:
+                    recorder.stop()
+                best = min(best, time.process_time() - start)
+        return best / n * 1e9
+
+    loop_off = cpu_ns(spans, False)  # the points themselves with nothing recording
+    return {
+        "off_point_ns": round(_off_point_s() * 1e9, 1),
+        "span_ns": round(cpu_ns(spans, True) - loop_off, 1),
+        "transfer_ns": round(cpu_ns(transfers, True), 1),
+        "counter_ns": round(cpu_ns(counters, True), 1),
+    }
+
+
+def _on_cost(micro: dict[str, float], events_by_kind: dict[str, int], step_s: float) -> dict[str, Any]:
+    """The recorded events of one step times what each kind costs, over the step."""
+    seconds = sum(micro[f"{kind}_ns"] * count for kind, count in events_by_kind.items()) * 1e-9
+    return {"on_s_per_step": round(seconds, 5), "on_fraction": f"{seconds / step_s:.2e}"}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="200M")
@@ -155,8 +225,18 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.10, help="device and host capacity / state bytes")
     parser.add_argument("--nvme-path", default=None, help="where the NVMe tier's files go (default: the temp dir)")
     parser.add_argument("--alternate", action="store_true", help="one process, timed steps alternating off and on")
+    parser.add_argument("--micro", action="store_true", help="the per-point (off) and per-event (on) costs alone")
+    parser.add_argument("--events-per-step", help="--micro: an on run's events_by_kind, e.g. '{\"span\": 2000, ...}'")
+    parser.add_argument("--step-s", type=float, help="--micro: the step time to express the on cost against")
     parser.add_argument("--child", choices=(*MODES, ALTERNATE))
     args = parser.parse_args()
+    if args.micro:
+        micro = _micro()
+        out: dict[str, Any] = {"machine": machine.facts(), "micro": micro}
+        if args.events_per_step and args.step_s:
+            out["on_cost"] = _on_cost(micro, json.loads(args.events_per_step), args.step_s)
+        print(json.dumps(out))
+        return
     if args.child:
         print(json.dumps(_child(args.child, args)))
         return
@@ -185,7 +265,8 @@ def main() -> None:
     cpu_ratios = [r["on"]["cpu_s"] / r["off"]["cpu_s"] for r in rounds]
     off_s = statistics.median(r["off"]["step_s"] for r in rounds)
     events = statistics.median(r["on"]["events_per_step"] for r in rounds)
-    point = _off_point_s()
+    micro = _micro()
+    point = micro["off_point_ns"] * 1e-9
     summary = {
         "off_step_s": off_s,
         "on_step_s": statistics.median(r["on"]["step_s"] for r in rounds),
@@ -197,6 +278,8 @@ def main() -> None:
         "trace_bytes": statistics.median(r["on"]["trace_bytes"] for r in rounds),
         "off_point_ns": round(point * 1e9, 1),
         "off_cost_estimate": f"{events * point / off_s:.2e} of a step",
+        "micro": micro,
+        **_on_cost(micro, rounds[-1]["on"]["events_by_kind"], off_s),
     }
     print(json.dumps({"summary": summary}))
     print(json.dumps({"where_the_time_goes": rounds[-1]["on"]["last_step"]}))

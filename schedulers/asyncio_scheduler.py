@@ -174,7 +174,17 @@ class AsyncioScheduler(Scheduler):
         """An immutable snapshot (taken on the loop thread so it is consistent)."""
         if self._closed or threading.current_thread() is self._thread:
             return self._snapshot()
-        return asyncio.run_coroutine_threadsafe(self._snapshot_async(), self._loop).result()
+        asked = asyncio.run_coroutine_threadsafe(self._snapshot_async(), self._loop)
+        if asked.done():
+            return asked.result()
+        # The caller waits for the loop's turn (behind the moves it is handling): a wait of its
+        # own in the timeline trace (NOTE [ Timeline trace ]), as rt.stats() in a step is one.
+        traced = tracing.span("wait scheduler statistics", "wait")
+        try:
+            return asked.result()
+        finally:
+            if traced is not None:
+                traced.end()
 
     def close(self, *, cancel_pending: bool = True) -> None:
         """Stop the scheduler. Moves not yet issued are cancelled (or, with
@@ -423,7 +433,7 @@ class AsyncioScheduler(Scheduler):
         name = f"{transfer.label or 'move'} {format_size(transfer.nbytes)}"
         recorder.transfer(transfer.link, name, move.queued_at, move.started_at, ended, args)
         for tier in {transfer.src.tier, transfer.dst.tier}:
-            recorder.counter(f"{tier.name} bytes in use", {"bytes": tier.statistics().current_bytes}, ended)
+            recorder.counter(f"{tier.name} bytes in use", {"bytes": tier.current_bytes}, ended)
 
     def _begin_close(self, drained: Future[None], cancel_pending: bool) -> None:
         if cancel_pending:

@@ -16,6 +16,7 @@ import pytest
 import tiermem.cli
 from tiermem.cli import COMMANDS, main
 from tiermem.config import DiskSpace, MachineProbe
+from tiermem.units import format_size
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -352,3 +353,24 @@ def test_show_says_off_where_the_machine_alone_decides_the_step_thread(
     out = capsys.readouterr().out
     assert tomllib.loads(out)["model_states"]["step_thread"] == "auto"
     assert "the optimizer's flags decide that per run" in comments(out)["model_states.step_thread"]
+
+
+def test_show_says_every_size_as_a_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Byte counts stay exact numbers (what a run reads back) with the size in words first in their
+    comment: ``[trace] max_size`` as 1GiB, a capacity as its GiB before the reason it was chosen."""
+    from tiermem.config_fields import SIZE_SETTINGS
+
+    path = write(tmp_path, '[host]\ncapacity = "1GiB"\n[trace]\nmax_size = "256MiB"\n')
+    assert main(["config", "show", path]) == 0
+    out = capsys.readouterr().out
+    shown, why = tomllib.loads(out), comments(out)
+    assert shown["trace"]["max_size"] == 256 * MiB and why["trace.max_size"] == "256MiB"
+    assert why["host.capacity"].startswith("1GiB")
+    assert why["device.capacity"].startswith(f"{format_size(shown['device']['capacity'])}; auto: ")
+    assert why["nvme.block_size"] == "1MiB" and why["activations.min_bytes"] == "1MiB"
+    assert {"trace.max_size", "nvme.block_size", "device.capacity", "model_states.chunk_size"} <= SIZE_SETTINGS
+    for setting in SIZE_SETTINGS:
+        section, key = setting.split(".")
+        value = shown[section].get(key)
+        if isinstance(value, int):
+            assert why[setting].startswith(format_size(value)), (setting, why.get(setting))

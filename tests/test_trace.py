@@ -4,10 +4,17 @@ tiermem's ranges, and ``tiermem trace summary|plot`` read it."""
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import io
 import json
 import os
+import sys
+import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +50,55 @@ def _config(tmp_path: Path) -> str:
     return str(path)
 
 
+Blocked = tuple[float, float, str]  # (start, end) on the trace's clock, and where the thread blocked
+
+
+@contextlib.contextmanager
+def main_thread_blocks() -> Iterator[list[Blocked]]:
+    """Every stretch the main thread spends blocked in ``threading.Condition.wait``, measured
+    apart from the trace: what ``Event.wait``, ``Condition.wait_for``, ``Future.result`` and so
+    every wait of tiermem's (on a transfer, a chunk step, a move's end, write-backs) blocks in.
+    Not counted: other threads (the scheduler's and the trace writer's idle waits), polls with no
+    time to wait, and ``Thread.start`` waiting for a new thread to run (the OS's start-up, not a
+    wait on tiermem's work)."""
+    original = threading.Condition.wait
+    main_thread = threading.main_thread()
+    blocks: list[Blocked] = []
+
+    def wait(cond: threading.Condition, timeout: float | None = None) -> bool:
+        if threading.current_thread() is not main_thread or timeout == 0:
+            return original(cond, timeout)
+        if sys._getframe(2).f_code is threading.Thread.start.__code__:
+            return original(cond, timeout)
+        start = time.perf_counter()
+        try:
+            return original(cond, timeout)
+        finally:
+            end = time.perf_counter()
+            frame, where = sys._getframe(1), []
+            while frame is not None and len(where) < 6:
+                where.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+                frame = frame.f_back
+            blocks.append((start, end, " <- ".join(where)))
+
+    threading.Condition.wait = wait  # type: ignore[method-assign]
+    try:
+        yield blocks
+    finally:
+        threading.Condition.wait = original  # type: ignore[method-assign]
+
+
+@dataclass
+class TracedRun:
+    path: Path
+    summary: dict[str, Any]
+    blocks: list[Blocked]  # the main thread's, over the whole run (main_thread_blocks)
+
+
 @pytest.fixture(scope="module")
-def traced_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """``tiermem train --steps 3 --trace FILE`` with activations on NVMe: the file and the run's summary."""
+def traced_run(tmp_path_factory: pytest.TempPathFactory) -> TracedRun:
+    """``tiermem train --steps 3 --trace FILE`` with activations on NVMe: the file, the run's
+    summary and where the training thread blocked."""
     tmp = tmp_path_factory.mktemp("traced")
     saved = {k: os.environ.pop(k) for k in list(os.environ) if k.upper().startswith("TIERMEM_")}
     threads = torch.get_num_threads()
@@ -54,14 +107,11 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str
         out = tmp / "summary.json"
         trace = tmp / "run.trace.json"
         args = ["train", *TINY_ARGS, "--steps", "3", "--config", _config(tmp), "--policy", "nvme"]
-        import contextlib
-        import io
-
         buffer = io.StringIO()
-        with contextlib.redirect_stdout(buffer):
+        with contextlib.redirect_stdout(buffer), main_thread_blocks() as blocks:
             assert main([*args, "--json", "--trace", str(trace)]) == 0
         out.write_text(buffer.getvalue())
-        return trace, json.loads(buffer.getvalue())
+        return TracedRun(trace, json.loads(buffer.getvalue()), blocks)
     finally:
         torch.set_num_threads(threads)
         os.environ.update(saved)
@@ -78,8 +128,8 @@ def _check_nested(events: list[dict[str, Any]]) -> None:
         stack.append(end)
 
 
-def test_traced_train_writes_a_valid_chrome_trace(traced_run: tuple[Path, dict[str, Any]]) -> None:
-    path, _ = traced_run
+def test_traced_train_writes_a_valid_chrome_trace(traced_run: TracedRun) -> None:
+    path = traced_run.path
     data = json.loads(path.read_text())  # the whole file is one JSON object
     events = data["traceEvents"]
     tracks: dict[tuple[int, int], list[dict[str, Any]]] = defaultdict(list)
@@ -112,11 +162,15 @@ def test_traced_train_writes_a_valid_chrome_trace(traced_run: tuple[Path, dict[s
     assert any(name.startswith("in flight ") for name in counters)
     transfer = next(e for e in events if e.get("cat") == "transfer" and e["args"]["link"] == "device->nvme")
     assert {"bytes", "priority", "object", "outcome", "queued_ms", "link"} <= set(transfer["args"])
+    to_nvme = {
+        e["args"]["object"] for e in events if e.get("cat") == "transfer" and e["args"]["link"] == "device->nvme"
+    }
+    assert to_nvme == {"probe", "saved activation"}  # the planner's link probes, then the policy's offload
     assert data["tiermem"]["dropped_events"] == 0
 
 
-def test_every_wait_is_inside_a_phase_of_its_thread(traced_run: tuple[Path, dict[str, Any]]) -> None:
-    trace = trace_report.load(traced_run[0])
+def test_every_wait_is_inside_a_phase_of_its_thread(traced_run: TracedRun) -> None:
+    trace = trace_report.load(traced_run.path)
     waits = 0
     for events in trace.spans.values():
         work = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["cat"] not in ("wait", "fetch", "chunk_step")]
@@ -128,8 +182,29 @@ def test_every_wait_is_inside_a_phase_of_its_thread(traced_run: tuple[Path, dict
     assert waits > 0
 
 
-def test_trace_bytes_per_link_are_the_runtimes(traced_run: tuple[Path, dict[str, Any]]) -> None:
-    path, summary = traced_run
+def _uncovered(blocks: list[Blocked], trace: trace_report.Trace, thread: str = "MainThread") -> list[Blocked]:
+    """The blocks inside the recording that no ``wait`` span of ``thread`` covers."""
+    t0, t1 = trace.info["t0_s"], trace.info["t1_s"]
+    tids = [tid for tid, name in trace.thread_names.items() if name == thread]
+    waits = [(t0 + e["ts"], t0 + e["ts"] + e["dur"]) for tid in tids for e in trace.spans[tid] if e["cat"] == "wait"]
+    slack = 1e-8  # the file's microseconds have three decimals
+    recorded = [b for b in blocks if t0 <= b[0] and b[1] <= t1]
+    return [b for b in recorded if not any(s - slack <= b[0] and b[1] <= e + slack for s, e in waits)]
+
+
+def test_every_time_the_training_thread_blocked_is_a_traced_wait(traced_run: TracedRun) -> None:
+    """Measured apart from the trace (main_thread_blocks): each stretch the training thread spent
+    blocked while recording lies inside a ``wait`` span of its track, so a wait left unrecorded
+    (a move's end booked late, write-backs waited for, a synchronous tier write) fails here."""
+    trace = trace_report.load(traced_run.path)
+    t0, t1 = trace.info["t0_s"], trace.info["t1_s"]
+    assert sum(t0 <= b[0] and b[1] <= t1 for b in traced_run.blocks) > 10  # the run waited, often
+    missing = _uncovered(traced_run.blocks, trace)
+    assert not missing, "\n".join(f"{(e - s) * 1e3:.3f} ms untraced in {where}" for s, e, where in missing[:10])
+
+
+def test_trace_bytes_per_link_are_the_runtimes(traced_run: TracedRun) -> None:
+    path, summary = traced_run.path, traced_run.summary
     trace = trace_report.load(path)
     start, stop = trace.info["links_at_start"], trace.info["links_at_stop"]
     span = {link: stats["bytes"] - start.get(link, {}).get("bytes", 0) for link, stats in stop.items()}
@@ -158,6 +233,58 @@ def test_rt_trace_bytes_equal_rt_stats_over_the_span(tmp_path: Path) -> None:
     assert trace_report.load(tmp_path / "t.json").link_bytes() == {k: v for k, v in moved.items() if v}
 
 
+def test_tracing_off_reaches_only_the_entry_checks(tmp_path: Path) -> None:
+    """Off (no recorder, no torch.profiler), steps of a managed model with activations on NVMe reach
+    tiermem.tracing only through its entry points, on every thread, and each returns at its first
+    check: no Span is made, no Recorder method runs, no clock is read for the trace. (What those
+    checks cost a step is bench/trace_cost.py's --off-micro.)"""
+    file = tracing.__file__
+    calls: collections.Counter[str] = collections.Counter()
+    results: list[object] = []
+    lock = threading.Lock()
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if frame.f_code.co_filename != file:
+            return
+        with lock:
+            if event == "call":
+                calls[frame.f_code.co_qualname] += 1
+            elif event == "return" and frame.f_code.co_name == "span":
+                results.append(arg)
+
+    config = {
+        "device": {"device": "cpu"},
+        "nvme": {"paths": [str(tmp_path)]},
+        "scheduler": {"loop": "asyncio"},
+        "activations": {"min_bytes": 0},
+    }
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    steps = 2
+    threading.setprofile(profile)  # the runtime's threads start below: each is watched
+    try:
+        with tiermem.Runtime(config) as rt:
+            plan = {"chunk_size": 64 * 65 * 4, "persistent_chunks": 0, "state_home": "nvme", "buffers": 2}
+            model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=1e-3)
+            calls.clear()
+            sys.setprofile(profile)  # this thread from here
+            for _ in range(steps):
+                with rt.offload_activations(model, policy="nvme"):
+                    model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert rt.stats().as_dict()["links"]["device->nvme"]["bytes"] > 0  # saved tensors went to NVMe
+            counted = dict(calls)
+    finally:
+        sys.setprofile(None)
+        threading.setprofile(None)  # type: ignore[arg-type]
+    assert counted, "no instrumentation point was passed: this test watches nothing"
+    assert set(counted) <= {"span", "wrap"}, counted  # nothing past the entry checks
+    assert counted.get("span", 0) >= steps  # the forward hooks, fetches and waits passed theirs
+    assert all(result is None for result in results)
+
+
 def test_torch_profiler_shows_tiermem_ranges(tmp_path: Path) -> None:
     config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
     torch.manual_seed(0)
@@ -181,8 +308,8 @@ def test_torch_profiler_shows_tiermem_ranges(tmp_path: Path) -> None:
     assert "tiermem.optimizer step" in ours
 
 
-def test_summary_and_plot(traced_run: tuple[Path, dict[str, Any]], capsys: pytest.CaptureFixture[str]) -> None:
-    path, _ = traced_run
+def test_summary_and_plot(traced_run: TracedRun, capsys: pytest.CaptureFixture[str]) -> None:
+    path = traced_run.path
     assert main(["trace", "summary", str(path), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert len(report["steps"]) == 3
@@ -190,12 +317,14 @@ def test_summary_and_plot(traced_run: tuple[Path, dict[str, Any]], capsys: pytes
         assert step["wait_s"] == pytest.approx(step["seconds"] - step["compute_s"], abs=1e-9)
         assert step["wait_s"] == pytest.approx(sum(step["waits"].values()), abs=1e-9)
         assert 0.0 <= step["compute_s"] <= step["seconds"]
+        assert set(step["phases"]) == {"forward pass", "backward pass", "optimizer.step"}  # tiermem train's
+        assert 0.0 < sum(step["phases"].values()) <= step["seconds"]
         assert step["overlap"] is None or 0.0 <= step["overlap"] <= 1.0 + 1e-9
         for link in step["links"].values():
             assert 0.0 <= link["busy_fraction"] <= 1.0 + 1e-9
     assert main(["trace", "summary", str(path)]) == 0
     text = capsys.readouterr().out
-    assert "step 3:" in text and "compute" in text and "overlap" in text
+    assert "step 3:" in text and "compute" in text and "overlap" in text and "phases: forward pass" in text
     png = path.parent / "timeline.png"
     assert main(["trace", "plot", str(path), "-o", str(png), "--steps", "2:3"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -270,3 +399,167 @@ def test_forwarded_reads_and_cancelled_writes_are_marked(tmp_path: Path) -> None
     assert [e["name"] for e in events if e["ph"] == "i"] == ["forwarded tensor read", "cancel tensor write"]
     moves = [e for e in events if e.get("cat") == "transfer"]
     assert [m["args"]["outcome"] for m in moves] == ["cancelled"]
+
+
+@contextlib.contextmanager
+def gated_registry() -> Iterator[tuple[Any, Any]]:
+    """A registry whose NVMe tier serves a request only when the test releases it: (registry, nvme)."""
+    from tests.gated_tier import GatedTier
+    from tiermem.registry import Registry
+    from tiermem.schedulers import AsyncioScheduler
+    from tiermem.tiers.device import DeviceTier
+    from tiermem.tiers.host import HostTier
+
+    nvme = GatedTier(queue_depth=2)
+    device, host = DeviceTier(64 << 20, "cpu"), HostTier(64 << 20)
+    scheduler = AsyncioScheduler(block_size=1 << 16, loop="asyncio")
+    registry = Registry({"device": device, "host": host, "nvme": nvme}, scheduler)
+    try:
+        yield registry, nvme
+    finally:
+        nvme.gated = False
+        nvme.release_all()
+        registry.free_all()
+        scheduler.close()
+        for tier in (device, host, nvme):
+            tier.close()
+
+
+def _in_function(thread: threading.Thread, code: Any) -> bool:
+    frame = sys._current_frames().get(thread.ident or 0)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+HOLD_S = 0.05  # how long each scenario keeps the training thread waiting
+
+
+def _helper(work: Any) -> threading.Thread:
+    thread = threading.Thread(target=work, name="test helper", daemon=True)
+    thread.start()
+    return thread
+
+
+def _assert_traced(path: Path, blocks: list[Blocked], name: str) -> None:
+    """The main thread waited about HOLD_S, all of it inside traced waits, one of them ``name``."""
+    trace = trace_report.load(path)
+    assert sum(e - s for s, e, _ in blocks) >= 0.8 * HOLD_S, blocks
+    missing = _uncovered(blocks, trace)
+    assert not missing, "\n".join(f"{(e - s) * 1e3:.3f} ms untraced in {where}" for s, e, where in missing)
+    waits = [e for tid, events in trace.spans.items() for e in events if e["cat"] == "wait"]
+    assert any(e["name"] == name and e["dur"] >= 0.8 * HOLD_S for e in waits), [(e["name"], e["dur"]) for e in waits]
+
+
+def test_a_moves_end_booked_late_is_a_traced_wait(tmp_path: Path) -> None:
+    """Registry.wait after the transfer ended but before the scheduler's thread booked the move's end
+    (NOTE [ Managed object rules ] rule 2): forced by holding the registry's lock from a helper."""
+    from tiermem.registry import Priority
+    from tiermem.schedulers.base import Transfer
+
+    with gated_registry() as (registry, nvme), tracing.recording(tmp_path / "t.json"):
+        handle = registry.register(torch.randn(40_000), label="gradient")
+        handle.move_to("nvme", Priority.WRITEBACK)
+        main_thread = threading.main_thread()
+
+        def hold_the_booking() -> None:
+            nvme.wait_pending(1)
+            while not _in_function(main_thread, Transfer.wait.__code__):  # the main thread waits on the move
+                time.sleep(0.001)
+            with registry._lock:  # the move's end cannot be booked meanwhile
+                nvme.gated = False
+                nvme.release_all()
+                time.sleep(HOLD_S)
+
+        helper = _helper(hold_the_booking)
+        with main_thread_blocks() as blocks:
+            handle.wait()
+        helper.join()
+        assert handle.tier == "nvme"
+        handle.free()
+    _assert_traced(tmp_path / "t.json", blocks, "wait gradient move end")
+
+
+def test_waiting_for_activation_write_backs_is_a_traced_wait(tmp_path: Path) -> None:
+    """The offloader's wait for every write-back in flight (WriteLedger.wait_idle: no one transfer)."""
+    from tiermem.activations.ledger import WriteLedger
+    from tiermem.registry import Priority
+
+    with gated_registry() as (registry, nvme), tracing.recording(tmp_path / "t.json"):
+        handle = registry.register(torch.randn(40_000), kind="activation", label="saved activation")
+        ledger = WriteLedger({}, threading.Lock())
+        transfer = handle.move_to("nvme", Priority.WRITEBACK)
+        ledger.started(transfer, handle.obj, handle.obj.nbytes, "nvme", 0, 0)
+
+        def land_later() -> None:
+            nvme.wait_pending(1)
+            time.sleep(HOLD_S)
+            nvme.gated = False
+            nvme.release_all()
+
+        helper = _helper(land_later)
+        with main_thread_blocks() as blocks:
+            ledger.wait_idle()
+        helper.join()
+        assert ledger.inflight_bytes() == 0
+        handle.wait()
+        handle.free()
+    _assert_traced(tmp_path / "t.json", blocks, "wait saved activation write-backs")
+
+
+def test_a_synchronous_write_into_a_tier_is_a_traced_wait(tmp_path: Path) -> None:
+    """A tensor registered straight onto NVMe (the offloader's spill when the device is full) is
+    copied there before register returns: the training thread waits for the tier's write."""
+    with gated_registry() as (registry, nvme), tracing.recording(tmp_path / "t.json"):
+
+        def serve_later() -> None:
+            nvme.wait_pending(1)
+            time.sleep(HOLD_S)
+            nvme.gated = False
+            nvme.release_all()
+
+        helper = _helper(serve_later)
+        with main_thread_blocks() as blocks:
+            handle = registry.register(torch.randn(40_000), "nvme", kind="activation", label="saved activation")
+        helper.join()
+        handle.free()
+    _assert_traced(tmp_path / "t.json", blocks, "wait saved activation write nvme")
+
+
+def test_moves_are_labelled_with_what_they_carry(tmp_path: Path) -> None:
+    """Each move names its object truthfully: a chunk's gradients (its parameter bytes) as
+    "gradient", its home (parameters and AdamW states) as "chunk home", the device copy's refill as
+    "chunk copy fill", a checkpoint's copies as "checkpoint fill"; no bare "chunk"."""
+    config = {"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}, "scheduler": {"loop": "asyncio"}}
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    x = torch.randn(8, 64)
+    with tiermem.Runtime(config) as rt:
+        plan = {"chunk_size": 64 * 65 * 4, "persistent_chunks": 0, "state_home": "nvme", "buffers": 2}
+        model, optimizer = rt.manage(model, torch.optim.AdamW, plan=plan, lr=1e-3)
+        chunk_bytes = {c["nbytes"] for c in rt._model_states[0].describe()["chunks"]}
+        with rt.trace(tmp_path / "t.json"):
+            for step in range(3):
+                if step == 2:  # an asynchronous save copies the chunks as training goes on
+                    pending = rt.save(tmp_path / "ckpt", blocking=False)
+                model(x).sum().backward()
+                optimizer.step()
+                optimizer.zero_grad()
+            assert pending is not None
+            pending.wait()
+    moves = trace_report.load(tmp_path / "t.json").transfers
+    by_label: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for move in moves:
+        by_label[move["args"]["object"]].append(move["args"])
+    assert {"gradient", "chunk home", "chunk copy fill", "checkpoint fill"} <= set(by_label), sorted(by_label)
+    chunk_labels = {label.split()[1] for label in by_label if label.startswith("chunk ")}
+    assert "chunk" not in by_label and chunk_labels <= {"home", "copy"}, sorted(by_label)
+    assert all(m["nbytes"] in chunk_bytes for m in by_label["gradient"])  # a chunk's parameter bytes
+    assert {m["link"] for m in by_label["gradient"]} == {"device->host"}  # offloaded chunks' gradients
+    assert all(m["nbytes"] in chunk_bytes for m in by_label["chunk copy fill"])
+    assert all(m["link"].endswith("->device") for m in by_label["chunk copy fill"])  # from the home, wherever
+    # a home carries AdamW's two states (a move told the parameters are known reads only those) or all three
+    assert all(m["nbytes"] in {k * n for n in chunk_bytes for k in (2, 3)} for m in by_label["chunk home"])
+    assert {m["link"] for m in by_label["chunk home"]} <= {"nvme->host", "host->nvme"}

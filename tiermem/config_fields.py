@@ -29,6 +29,7 @@ from tiermem.units import parse_size
 __all__ = [
     "AUTO",
     "ENV_PREFIX",
+    "SIZE_SETTINGS",
     "ActivationsConfig",
     "DeviceConfig",
     "DistributedConfig",
@@ -79,6 +80,8 @@ class _Rule:
 
     parse: Callable[[Any], Any]
     from_env: Callable[[str], Any] = _same_text
+    #: a byte count: ``tiermem config show`` says it as a size ("1GiB") beside the exact number
+    size: bool = False
 
 
 def _setting(default: Any, rule: _Rule) -> Any:
@@ -111,7 +114,7 @@ def _size_rule(*, auto: bool = False, optional: bool = False, positive: bool = F
     def from_env(text: str) -> Any:
         return None if optional and text.strip().lower() in ("none", "null") else text
 
-    return _Rule(parse, from_env)
+    return _Rule(parse, from_env, size=True)
 
 
 def _parse_block_size(value: Any) -> int:
@@ -241,7 +244,7 @@ def _paths_from_env(text: str) -> Any:
 
 _DEVICE_RULE = _Rule(_parse_device)
 _PATHS_RULE = _Rule(_parse_paths, _paths_from_env)
-_BLOCK_SIZE_RULE = _Rule(_parse_block_size)
+_BLOCK_SIZE_RULE = _Rule(_parse_block_size, size=True)
 _TIER_INFLIGHT = _size_rule(optional=True, positive=True)
 
 
@@ -393,3 +396,8 @@ _SECTIONS: dict[str, type[_Section]] = {
         TraceConfig,
     )
 }
+
+#: The ``"section.key"`` settings that are byte counts (their rules say so).
+SIZE_SETTINGS = frozenset(
+    f"{n}.{key}" for n, cls in _SECTIONS.items() for key, rule in cls.rules().items() if rule.size
+)

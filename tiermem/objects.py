@@ -54,12 +54,21 @@ _object_ids = itertools.count(1)
 class ManagedObject:
     """One stored copy of some bytes (e.g. one tensor storage at one version)."""
 
-    def __init__(self, registry: Registry, home: Allocation, nbytes: int, kind: str = "tensor") -> None:
+    def __init__(
+        self, registry: Registry, home: Allocation, nbytes: int, kind: str = "tensor", label: str | None = None
+    ) -> None:
         self.id = next(_object_ids)
         self.registry = registry
         self.nbytes = nbytes
-        #: What the bytes are ("tensor", "activation", "chunk"): resident bytes are counted per kind.
+        #: The accounting class ("tensor", "activation", "chunk", "checkpoint"): resident bytes are
+        #: counted per kind (``rt.stats()``'s model-state bytes are the "chunk" kind: homes, device
+        #: copies and gradients together).
         self.kind = kind
+        #: What the bytes are, as the timeline trace names the object's moves and waits: "chunk
+        #: home" (a chunk's parameters and optimizer states where they live), "chunk copy" (its
+        #: parameters on the device), "gradient", "saved activation", "checkpoint" (a save's copy);
+        #: the kind where the owner says no more.
+        self.label = kind if label is None else label
         self.home: Allocation = home
         self.target: Allocation | None = None
         self.transfer: Transfer | None = None

@@ -107,13 +107,21 @@ class Registry:
 
     # -- registration ----------------------------------------------------------------------
     def register(
-        self, tensor: torch.Tensor, tier: str = "device", *, dedup: bool = True, kind: str = "tensor"
+        self,
+        tensor: torch.Tensor,
+        tier: str = "device",
+        *,
+        dedup: bool = True,
+        kind: str = "tensor",
+        label: str | None = None,
     ) -> Handle:
         """Manage ``tensor``'s storage in ``tier`` and return a handle with its view.
 
         When the tensor already lives on ``tier``'s device its storage is adopted without
         a copy (it is then shared with the caller until the object moves away);
-        otherwise its bytes are copied into a new allocation.
+        otherwise its bytes are copied into a new allocation, waiting for the copy.
+        ``kind`` is the object's accounting class, ``label`` what its bytes are in the
+        timeline trace (default: the kind; see :class:`ManagedObject`).
         """
         target = self._tier(tier)
         storage = tensor.untyped_storage()
@@ -127,8 +135,9 @@ class Registry:
                 if ref() is storage and entry_version == version and obj.state is not ObjectState.FREED:
                     self._dedup_hits += 1
                     return Handle(obj, tensor)
-            home = target.take(storage_bytes(tensor))  # adopted in place where the tier can
-            obj = ManagedObject(self, home, storage.nbytes(), kind)
+            what = kind if label is None else label
+            home = target.take(storage_bytes(tensor), label=what)  # adopted in place where the tier can
+            obj = ManagedObject(self, home, storage.nbytes(), kind, what)
             self._objects[obj.id] = obj
             self._count_resident(obj, home.tier, +1)
             if dedup:
@@ -173,7 +182,7 @@ class Registry:
                         self._cancelled += 1
                         obj.transfer.cancel()
                         if (recorder := tracing.RECORDER) is not None:  # NOTE [ Timeline trace ]
-                            recorder.instant(f"cancel {obj.kind} write", "cancel", {"bytes": obj.nbytes})
+                            recorder.instant(f"cancel {obj.label} write", "cancel", {"bytes": obj.nbytes})
                     return None
             elif obj.home.tier is target_tier:
                 return None
@@ -201,7 +210,7 @@ class Registry:
                     nbytes=known.nbytes,
                     dst_offset=known.offset,
                     priority=priority,
-                    label=f"{obj.kind} known bytes",
+                    label=f"{obj.label} known bytes",
                 )
             transfer = self.scheduler.submit(
                 obj.home,
@@ -210,7 +219,7 @@ class Registry:
                 src_offset=offset,
                 dst_offset=offset,
                 priority=priority,
-                label=obj.kind,
+                label=obj.label,
             )
         except BaseException:
             if copy is not None:  # rule 4: the target is freed only once nothing writes into it
@@ -282,13 +291,25 @@ class Registry:
     def wait(self, obj: ManagedObject) -> None:
         """Wait until ``obj``'s move has ended; raise the error it ended with (rule 2)."""
         with self._lock:
-            transfer = obj.transfer
+            transfer, copy = obj.transfer, obj.copy
         if transfer is not None:
-            # The wait is counted in the scheduler's statistics; the object's own error,
-            # as recorded when the move ended, is what we raise below.
+            # The waits are counted in the scheduler's statistics and traced as waits on their
+            # moves (NOTE [ Timeline trace ]); the object's own error, as recorded when the move
+            # ended, is what we raise below.
             with contextlib.suppress(Exception):  # Ctrl-C and friends still propagate
                 transfer.wait()
-        obj.settled.wait()
+            if copy is not None:  # rule 6: the move ends once its copy of known bytes has too
+                with contextlib.suppress(Exception):
+                    copy.wait()
+        if not obj.settled.is_set():
+            # Both transfers ended; the scheduler's thread is still booking the move's end (rule
+            # 2). A wait of its own in the timeline trace, or its time would be nobody's.
+            traced = tracing.span(f"wait {obj.label} move end", "wait", None, self._wait_args(obj, transfer))
+            try:
+                obj.settled.wait()
+            finally:
+                if traced is not None:
+                    traced.end()
         with self._lock:
             error, obj.error = obj.error, None
         if error is not None:
@@ -307,7 +328,7 @@ class Registry:
                     if obj.state is ObjectState.MOVING:
                         self._forwarded += 1
                         if (recorder := tracing.RECORDER) is not None:  # NOTE [ Timeline trace ]
-                            recorder.instant(f"forwarded {obj.kind} read", "forwarded", {"bytes": obj.nbytes})
+                            recorder.instant(f"forwarded {obj.label} read", "forwarded", {"bytes": obj.nbytes})
                     return obj.home.view(0, obj.nbytes)
             self.move(obj, tier, Priority.DEMAND)
             self.wait(obj)
@@ -361,7 +382,7 @@ class Registry:
             src_offset=source_offset,
             dst_offset=target_offset,
             priority=priority,
-            label=f"{target.kind} fill",
+            label=f"{target.label} fill",
         )
 
     def known_bytes(self, obj: ManagedObject, offset: int, nbytes: int) -> KnownBytes:
@@ -388,8 +409,19 @@ class Registry:
             home = obj.home
         data = torch.empty(home.reserved, dtype=torch.uint8)
         home.tier.fence()  # a device-resident object is read after the caller's stream's work (TRAPS 28)
-        home.tier.read(home, 0, data).result()
+        traced = tracing.span(f"wait {obj.label} read {home.tier.name}", "wait", None, {"bytes": home.reserved})
+        try:
+            home.tier.read(home, 0, data).result()  # outside the scheduler: a wait the trace names itself
+        finally:
+            if traced is not None:
+                traced.end()
         return data
+
+    @staticmethod
+    def _wait_args(obj: ManagedObject, transfer: Transfer | None) -> dict[str, object]:
+        """What a wait on ``obj``'s move says in the timeline trace (NOTE [ Timeline trace ])."""
+        link = transfer.link if transfer is not None else ""
+        return {"object": obj.label, "object_id": obj.id, "bytes": obj.nbytes, "link": link}
 
     def fence(self, tier: str) -> None:
         """Rule 10: ``tier``'s copies started from now on wait for device work queued so far (TRAPS 28)."""

@@ -225,8 +225,11 @@ class Runtime:
         scheduler = self.scheduler  # raises a clear error outside `with rt`
         settings = (self.resolved or self.config).trace
         recorder = tracing.Recorder(path, max_bytes=settings.max_size if max_size is None else max_size)
+        # Read before the recording starts (and after it stopped, below): asking the scheduler is
+        # a wait of this thread's, which belongs to no phase of the run the trace shows.
+        links = {k: v.as_dict() for k, v in scheduler.statistics().links.items()}
         recorder.start()
-        recorder.info["links_at_start"] = {k: v.as_dict() for k, v in scheduler.statistics().links.items()}
+        recorder.info["links_at_start"] = links
         self._recorder = recorder
         return recorder
 
@@ -236,6 +239,7 @@ class Runtime:
         if recorder is None:
             return None
         try:
+            recorder.detach()
             if self._scheduler is not None:
                 links = self._scheduler.statistics().links
                 recorder.info["links_at_stop"] = {k: v.as_dict() for k, v in links.items()}

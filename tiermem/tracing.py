@@ -26,6 +26,13 @@ one of torch.profiler's flag, ``None`` back when both are off).
    ``FLUSH_S``; at most ``MAX_PENDING`` wait (more are dropped and counted), and once the file
    reaches ``max_bytes`` further events are dropped and counted. The count and the span's link
    statistics at start and stop go in the file's ``"tiermem"`` entry.
+6. Every time a thread blocks on tiermem's work it is inside a ``wait`` span that names what it
+   waits for: a move (``Transfer.wait``: link, object, bytes), a move's end still being booked
+   (``Registry.wait``), the activation write-backs in flight, a chunk step, a tier's synchronous
+   write or read, the checkpoint's writer, the scheduler's answer to ``statistics()``. The span is
+   opened only once the thing waited for is known not to be done, so a wait that blocks nothing
+   costs no event. (``tests/test_trace.py`` measures the training thread's blocked time apart
+   from the trace and finds all of it in wait spans.)
 """
 
 from __future__ import annotations
@@ -145,6 +152,7 @@ class Recorder:
         self._written = 0
         self._first = True
         self.t0 = 0.0
+        self._stopped: float | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> Recorder:
@@ -154,19 +162,26 @@ class Recorder:
             raise RuntimeError(f"tiermem trace: already recording to {RECORDER.path}; stop that trace first")
         self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
-        self.t0 = now()
         for pid, label in ((_THREADS_PID, "tiermem threads"), (_LINKS_PID, "tiermem links and tiers")):
             self._pending.append(("M", "process_name", pid, 0, {"name": label}))
         self._writer = threading.Thread(target=self._write_loop, name="tiermem-trace-writer", daemon=True)
         self._writer.start()
+        self.t0 = now()  # after the writer's start-up, which is the recorder's, not the run's
         RECORDER = self
         return self
 
-    def stop(self) -> None:
-        """Stop recording, write what is pending and the closing entry, close the file. Idempotent."""
+    def detach(self) -> None:
+        """Stop taking events (the file stays open for :meth:`stop`): what the caller does next,
+        such as reading the statistics the closing entry carries, is not recorded. Idempotent."""
         global RECORDER
         if RECORDER is self:
             RECORDER = None
+        if self._stopped is None:
+            self._stopped = now()
+
+    def stop(self) -> None:
+        """Stop recording, write what is pending and the closing entry, close the file. Idempotent."""
+        self.detach()
         if self._writer is None:
             return
         self._stopping.set()
@@ -174,6 +189,7 @@ class Recorder:
         self._writer = None
         self._drain()
         info = {**self.info, "dropped_events": self.dropped, "clock": "perf_counter", "t0_s": self.t0}
+        info["t1_s"] = self._stopped  # the recording's span on the clock: what happened outside it is not in the file
         self._file.write(f'\n], "tiermem": {json.dumps(info)}}}\n')
         self._file.close()
 
@@ -288,27 +304,56 @@ def _chrome(event: tuple[Any, ...], t0: float) -> str:
         _, name, pid, tid, args = event
         return f'{{"name":"{name}","ph":"M","pid":{pid},"tid":{tid},"args":{_dumps(args)}}}'
     ph, name, cat, pid, tid, start, end, args = event
-    text = f'{{"name":{_dumps(name)},"cat":"{cat}","ph":"{ph}","ts":{(start - t0) * 1e6:.3f},"pid":{pid},"tid":{tid}'
+    key = (name, cat, ph, pid, tid)
+    head = _HEADS.get(key)  # a track's events repeat a few names: their text up to "ts" is made once
+    if head is None:
+        head = f'{{"name":{_quote(name)},"cat":"{cat}","ph":"{ph}","pid":{pid},"tid":{tid},"ts":'
+        if len(_HEADS) < _CACHED:
+            _HEADS[key] = head
     if ph == "X":
-        text += f',"dur":{(end - start) * 1e6:.3f}'
+        text = f'{head}{(start - t0) * 1e6:.3f},"dur":{(end - start) * 1e6:.3f}'
     elif ph == "i":
-        text += ',"s":"t"'
-    if args:
-        text += f',"args":{_args(args)}'
-    return text + "}"
+        text = f'{head}{(start - t0) * 1e6:.3f},"s":"t"'
+    else:
+        text = f"{head}{(start - t0) * 1e6:.3f}"
+    if not args:
+        return text + "}"
+    if len(args) == 1:  # a counter's sample, the most common event: one number
+        ((key, value),) = args.items()
+        if type(value) is int:
+            return f'{text},"args":{{{_quote(key)}:{value}}}}}'
+    return f'{text},"args":{_args(args)}}}'
 
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
+#: Strings (names, keys, labels) and event heads already written as JSON, up to ``_CACHED`` each:
+#: the writer's cost an event is mostly formatting, and the same few strings come again and again.
+_QUOTED: dict[str, str] = {}
+_HEADS: dict[tuple[Any, ...], str] = {}
+_CACHED = 1 << 14
+
+
+def _quote(text: str) -> str:
+    quoted = _QUOTED.get(text)
+    if quoted is None:
+        quoted = _dumps(text)
+        if len(_QUOTED) < _CACHED:
+            _QUOTED[text] = quoted
+    return quoted
 
 
 def _args(args: Mapping[str, Any]) -> str:
-    """``args`` as a JSON object: numbers written as they are (the common case: bytes, times), the rest by json."""
+    """``args`` as a JSON object: numbers written as they are (the common case: bytes, times), strings
+    through the cache, the rest by json."""
     parts = []
     for key, value in args.items():
-        if type(value) is int or (type(value) is float and value == value and abs(value) != float("inf")):
-            parts.append(f"{_dumps(key)}:{value}")
+        kind = type(value)
+        if kind is int or (kind is float and value == value and abs(value) != float("inf")):
+            parts.append(f"{_quote(key)}:{value}")
+        elif kind is str:
+            parts.append(f"{_quote(key)}:{_quote(value)}")
         else:
-            parts.append(f"{_dumps(key)}:{_dumps(value)}")
+            parts.append(f"{_quote(key)}:{_dumps(value)}")
     return "{" + ",".join(parts) + "}"
 
 

@@ -216,6 +216,12 @@ class AccountedTier(abc.ABC):
         with self._lock:
             self._peak = self._current
 
+    @property
+    def current_bytes(self) -> int:
+        """Bytes allocated now (what :meth:`statistics` reports), read without building a snapshot:
+        for the timeline trace's counter, sampled at every move's end."""
+        return self._current
+
     def statistics(self) -> TierStatistics:
         with self._lock:
             return TierStatistics(

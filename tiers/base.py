@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tiermem import tracing
 from tiermem.tiers.accounting import TIER_NAMES, AccountedTier, Allocation, TierStatistics
 from tiermem.units import ALIGNMENT
 
@@ -100,15 +101,18 @@ class Tier(AccountedTier):
         queued (TRAPS 28). The scheduler calls it on the submitting thread; only a CUDA device
         tier has anything to do."""
 
-    def take(self, data: torch.Tensor) -> Allocation:
+    def take(self, data: torch.Tensor, *, label: str = "") -> Allocation:
         """Hold the bytes of ``data`` (a contiguous 1-D uint8 tensor) in an allocation of this tier.
 
         A tier adopts them in place where it can (a memory tier on ``data``'s device: see
         :meth:`MemoryTier.take <tiermem.tiers.memory.MemoryTier.take>`); otherwise, as here, it
         allocates ``data.numel()`` bytes and copies ``data`` in, waiting for the copy (a storage
-        tier is handed ``data.cpu()``). On failure what was allocated is freed and the error raised.
+        tier is handed ``data.cpu()``): a wait of the calling thread, named in the timeline trace
+        after ``label`` (what the bytes are). On failure what was allocated is freed and the error
+        raised.
         """
         allocation = self.allocate(data.numel())
+        traced = tracing.span(f"wait {label or 'bytes'} write {self.name}", "wait", None, {"bytes": data.numel()})
         try:
             # The copy runs on another thread (a copier, a worker), whose current stream is not the
             # caller's: order it after the device work that produced ``data`` (TRAPS 28). The fence
@@ -121,6 +125,9 @@ class Tier(AccountedTier):
         except BaseException:
             self.free(allocation)
             raise
+        finally:
+            if traced is not None:
+                traced.end()
         return allocation
 
     def describe(self) -> dict[str, Any]:

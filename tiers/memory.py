@@ -168,12 +168,12 @@ class MemoryTier(Tier):
             buffer.numel(), buffer.numel(), lambda: Allocation(self, buffer.numel(), buffer.numel(), tensor=buffer)
         )
 
-    def take(self, data: torch.Tensor) -> Allocation:
+    def take(self, data: torch.Tensor, *, label: str = "") -> Allocation:
         """Adopt ``data`` in place (:meth:`adopt`) when it is on this tier's device and
         :meth:`_can_adopt` agrees; otherwise allocate and copy it in (:meth:`Tier.take`)."""
         if data.device == self.device and self._can_adopt(data):
             return self.adopt(data)
-        return super().take(data)
+        return super().take(data, label=label)
 
     def _can_adopt(self, data: torch.Tensor) -> bool:
         """Whether :meth:`take` may adopt ``data`` (already on this tier's device) without a copy."""

@@ -231,18 +231,18 @@ class Fallbacks:
         (caches reclaimed, write-backs in flight waited for, rule 5's eviction) or the
         tensor is spilled to another tier (rule 5)."""
         try:
-            return self.registry.register(tensor, "device", kind="activation")
+            return self.registry.register(tensor, "device", kind="activation", label="saved activation")
         except TierCapacityError:
             pass
         # Caches give their bytes first (NOTE [ Managed object rules ] rule 7: the chunk pool's
         # spares); write-backs in flight free device memory when they land: wait, then retry.
         if self.registry.reclaim("device"):
             with contextlib.suppress(TierCapacityError):
-                return self.registry.register(tensor, "device", kind="activation")
+                return self.registry.register(tensor, "device", kind="activation", label="saved activation")
         self.history.ledger.wait_idle()
         self.drain()
         try:
-            return self.registry.register(tensor, "device", kind="activation")
+            return self.registry.register(tensor, "device", kind="activation", label="saved activation")
         except TierCapacityError as exc:
             # A helper, not a local holding ``exc``: that local would sit in a reference
             # cycle through the traceback and keep the block's tensors alive (TRAPS 14).
@@ -258,14 +258,14 @@ class Fallbacks:
         spill = group.flexible if group is not None else any(self.flexible)
         if spill and self.evict(self.registry.reserved_size("device", nbytes)):
             with contextlib.suppress(TierCapacityError):
-                return self.registry.register(tensor, "device", kind="activation")
+                return self.registry.register(tensor, "device", kind="activation", label="saved activation")
         for tier in self.spill_tiers(group) if spill else []:
             outage = self.history.outage(tier)
             if outage is not None:
                 tried.append(f"{tier} is out ({outage.message})")
                 continue
             try:
-                handle = self.registry.register(tensor, tier, kind="activation")
+                handle = self.registry.register(tensor, tier, kind="activation", label="saved activation")
             except (StorageError, TierCapacityError) as exc:
                 self.history.tier_failed(tier, failure_cause(exc), str(exc))
                 tried.append(f"{tier}: {exc}")

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tiermem import tracing
 from tiermem.errors import DiskFullError, TierCapacityError
 from tiermem.registry import ManagedObject, Transfer
 
@@ -114,4 +115,13 @@ class WriteLedger:
     def wait_idle(self) -> None:
         """Wait until every write-back started so far has ended (landed, failed or cancelled)."""
         with self._cond:
-            self._cond.wait_for(lambda: self._inflight == 0)
+            if self._inflight == 0:
+                return
+            # A wait on no one transfer (Transfer.wait names those): the timeline trace names it here.
+            args = {"moves": self._inflight, "bytes": sum(self._inflight_bytes.values())}
+            traced = tracing.span("wait saved activation write-backs", "wait", None, args)
+            try:
+                self._cond.wait_for(lambda: self._inflight == 0)
+            finally:
+                if traced is not None:
+                    traced.end()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import tomli_w
 
 from tiermem.config import AUTO, Config, MachineProbe, NvmeConfig
+from tiermem.config_fields import SIZE_SETTINGS
 from tiermem.distributed import RankContext, resolve_backend
 from tiermem.units import format_size
 
@@ -56,8 +57,9 @@ class Explained:
 
     def to_toml(self) -> str:
         """The configuration as TOML, each decided setting followed by ``# why`` on its line
-        (on the opening line of a multi-line array); ``None`` values are left out, as in
-        :meth:`Config.to_toml`."""
+        (on the opening line of a multi-line array), a byte count by its size in words first
+        (``# 1GiB``: the number stays exact, as a run reads it); ``None`` values are left out, as
+        in :meth:`Config.to_toml`."""
         parts = []
         for name, table in self.config.to_dict().items():
             lines = [f"[{name}]"]
@@ -66,6 +68,8 @@ class Explained:
                     continue
                 text = tomli_w.dumps({key: value}).rstrip("\n").split("\n")
                 why = self.why.get(f"{name}.{key}")
+                if f"{name}.{key}" in SIZE_SETTINGS and isinstance(value, int):
+                    why = format_size(value) + (f"; {why}" if why else "")
                 if why:
                     text[0] += "  # " + " ".join(why.split())
                 lines.extend(text)

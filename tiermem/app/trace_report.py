@@ -9,6 +9,9 @@ ends. Within a step:
   training thread, and autograd's own threads on CUDA), each counted once where waits nest,
   grouped by cause (the span's name without its chunk number);
 - **compute** is the step's time minus its waits;
+- **phases** are the time of each ``phase`` span in the step, by name (``tiermem train``'s
+  ``forward pass``, ``backward pass``, ``optimizer.step``; a user's loop has none unless it marks
+  them with :func:`tiermem.tracing.traced`);
 - a **link**'s busy time is the union of the moves over it, its bandwidth the bytes those moves
   carried in the step (pro rata where a move crosses the step's edge) over that busy time;
 - the **overlap ratio** is the share of the time any link was busy that no wait covered: moves
@@ -133,6 +136,7 @@ class StepSummary:
     start: float
     end: float
     waits: dict[str, float] = field(default_factory=dict)
+    phases: dict[str, float] = field(default_factory=dict)
     links: dict[str, LinkSummary] = field(default_factory=dict)
     overlap: float | None = None  # None: no link was busy
 
@@ -155,6 +159,7 @@ class StepSummary:
             "compute_s": self.compute_s,
             "wait_s": self.wait_s,
             "waits": dict(self.waits),
+            "phases": dict(self.phases),
             "links": {
                 name: {
                     "busy_s": link.busy_s,
@@ -207,6 +212,12 @@ def _top_level_waits(trace: Trace) -> list[tuple[str, float, float]]:
 def summarize(trace: Trace) -> list[StepSummary]:
     """One :class:`StepSummary` per step of ``trace``."""
     waits = _top_level_waits(trace)
+    phases = [
+        (e["name"], e["ts"], _end(e))
+        for tid in _step_threads(trace)
+        for e in trace.spans[tid]
+        if e.get("cat") == "phase"
+    ]
     by_link: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in trace.transfers:
         by_link[event["args"]["link"]].append(event)
@@ -219,6 +230,10 @@ def summarize(trace: Trace) -> list[StepSummary]:
             if clipped:
                 step.waits[cause] = step.waits.get(cause, 0.0) + _length(clipped)
                 wait_spans += clipped
+        for name, start, end in phases:
+            inside = _clip([(start, end)], lo, hi)
+            if inside:
+                step.phases[name] = step.phases.get(name, 0.0) + _length(inside)
         busy_all: list[Interval] = []
         for link, events in sorted(by_link.items()):
             spans, carried = [], 0.0

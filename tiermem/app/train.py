@@ -229,14 +229,16 @@ def _train(
         # first placement are not this run's steps; nor are they in the steps' peaks (NOTE
         # [ Predicted and measured ] rule 2).
         stop.check()
-        before = rt.stats().as_dict()
+        with tracing.traced("read statistics", "phase"):  # a wait on the scheduler's thread: in a phase
+            before = rt.stats().as_dict()
         for tier in rt.tiers.values():
             tier.reset_peak()
         steps_run = range(start.step, steps)
         losses, seconds = _loop(
             rt, model, data, optimizer, device, steps_run, batch_size, policy, progress, on_step, after_step, stop
         )
-        after = rt.stats().as_dict()
+        with tracing.traced("read statistics", "phase"):
+            after = rt.stats().as_dict()
         step_peaks = split_peaks(before, after)
         states = states_summary(rt, parameters) if manage_states else None
         as_planned = fixed_fits and not isinstance(policy, Mapping)

@@ -59,6 +59,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from tiermem import tracing
 from tiermem.checkpoint import _SINGLE_PROCESS, DEFAULT_FORMAT, FORMATS, _unwrap, _writer, files
 from tiermem.checkpoint.capture import Capture
 from tiermem.checkpoint.content import rng_state, save_tree
@@ -201,7 +202,8 @@ class PendingSave:
     def _settle(self) -> None:
         if not self._finished.is_set():
             self._capture.before_rewrite()  # copies everything, waiting for the writer within the bound
-            self._finished.wait()
+            with tracing.traced("wait checkpoint save", "wait", {"path": str(self.path)}):  # NOTE [ Timeline trace ]
+                self._finished.wait()
         self._thread.join()
         self._end()
 

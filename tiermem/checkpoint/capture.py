@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
+from tiermem import tracing
 from tiermem.checkpoint.dcp_planners import ChunkKey
 from tiermem.errors import CheckpointError, TierCapacityError
 from tiermem.layout.placement import STAGED_HOMES
@@ -134,7 +135,7 @@ class Capture:
                 self._wait_writer(at)
 
     def _wait_writer(self, at: int) -> None:
-        with self._cond:
+        with tracing.traced("wait checkpoint writer", "wait", {"chunk": at}), self._cond:  # NOTE [ Timeline trace ]
             self._cond.wait_for(lambda: self._writer_at != at or self._writer_done, timeout=1.0)
 
     def _ahead(self, at: int) -> int:

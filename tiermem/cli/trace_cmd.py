@@ -83,6 +83,8 @@ def _print_summary(steps: list[Any], trace: Any) -> None:
             f"step {step.index}: {_ms(step.seconds)}  compute {_ms(step.compute_s)}  wait {_ms(step.wait_s)}"
             f"  overlap {overlap}"
         )
+        if step.phases:
+            print("  phases: " + ", ".join(f"{name} {_ms(s)}" for name, s in step.phases.items()))
         if waits:
             print(f"  waits: {waits}")
         for name, link in sorted(step.links.items()):

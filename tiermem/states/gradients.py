@@ -75,7 +75,7 @@ class Gradients:
         if handle is None:
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.facts.device)
             chunk.grad = pool.device_room(
-                lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk"),
+                lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk", label="gradient"),
                 (chunk,),
                 demand=True,
                 what=f"the gradients of chunk {chunk.index}",
@@ -268,7 +268,7 @@ class Gradients:
     def _new_grads(self, chunk: Chunk) -> torch.Tensor:
         tier = "host" if chunk.offloaded else "device"
         device = "cpu" if chunk.offloaded else self.facts.device
-        chunk.grad = self.store.register(torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device), tier)
+        chunk.grad = self.store.register(torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device), tier, "gradient")
         return chunk.grad.tensor(tier)
 
     def _store(self, chunk: Chunk) -> None:

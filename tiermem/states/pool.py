@@ -134,7 +134,9 @@ class ChunkPool:
         self._fill_storage(chunk)
         try:
             dev = self.device_room(
-                lambda: self.registry.register(chunk.storage_tensor(), "device", dedup=False, kind="chunk"),
+                lambda: self.registry.register(
+                    chunk.storage_tensor(), "device", dedup=False, kind="chunk", label="chunk copy"
+                ),
                 keep,
                 demand=priority == Priority.DEMAND,
                 what=f"chunk {chunk.index}",

@@ -64,10 +64,11 @@ class ChunkStore:
                     held[handle.tier] = held.get(handle.tier, 0) + handle.reserved
         return held
 
-    def register(self, tensor: torch.Tensor, tier: str) -> Handle:
-        """Account ``tensor`` (adopted on a memory tier of its device, copied to NVMe)."""
+    def register(self, tensor: torch.Tensor, tier: str, label: str) -> Handle:
+        """Account ``tensor`` (adopted on a memory tier of its device, copied to NVMe); ``label``:
+        what it is in the timeline trace ("chunk home", "chunk copy", "gradient")."""
         try:
-            return self.registry.register(tensor, tier, dedup=False, kind="chunk")
+            return self.registry.register(tensor, tier, dedup=False, kind="chunk", label=label)
         except TierCapacityError as exc:
             raise StatesMemoryError.tier_full(
                 exc, "a chunk", ", or give plan= fewer persistent chunks or a smaller chunk_size"
@@ -127,7 +128,7 @@ class ChunkStore:
                 if grad is not None:
                     slot.view(buffer).copy_(grad)
                     self.has_grad[slot.index] = True
-            chunk.grad = self.register(buffer, tier)
+            chunk.grad = self.register(buffer, tier, "gradient")
             del buffer
             if chunk.grad_home == "nvme":  # they wait on NVMe (NOTE [ Stored gradients ] rule 1)
                 chunk.grad.move_to("nvme", Priority.WRITEBACK)
@@ -137,7 +138,7 @@ class ChunkStore:
     def _fill_persistent(self, chunk: Chunk, snapshot: Snapshot) -> None:
         """A persistent chunk: its device copy (the working parameters) and, with optimizer
         states or fp32 masters, a device home."""
-        chunk.dev = self.register(chunk.data, "device")
+        chunk.dev = self.register(chunk.data, "device", "chunk copy")
         for slot in chunk.layout.slots:
             slot.view(chunk.data).copy_(snapshot.data[slot.index])  # casts to a working dtype
         if chunk.sections or chunk.has_master:
@@ -145,7 +146,7 @@ class ChunkStore:
             if chunk.has_master:  # fp32 masters of working chunks (chunk layout rule 6)
                 for slot in chunk.layout.slots:
                     slot.master_view(home, 0, chunk.master_scale).copy_(snapshot.data[slot.index])
-            chunk.home = self.register(home, "device")
+            chunk.home = self.register(home, "device", "chunk home")
         # Copied to the device: the snapshot's file-backed pages go back to their file
         # (NOTE [ Materialising under rt.init() ]).
         for slot in chunk.layout.slots:
@@ -169,7 +170,7 @@ class ChunkStore:
             # Copied into the home: the snapshot's file-backed pages can go back to their file, so a
             # model built under rt.init() never sits whole in RAM (NOTE [ Materialising under rt.init() ]).
             release_file_pages(snapshot.data[slot.index])
-        chunk.home = self.register(home, chunk.home_tier)
+        chunk.home = self.register(home, chunk.home_tier, "chunk home")
 
     def free(self) -> None:
         """Free every chunk's bytes (accounting included); parameters keep dangling views."""

@@ -144,7 +144,7 @@ class GradientStash:
             return  # its write-back from the device has not landed: staged on demand
         try:
             handle = self.store.registry.register(
-                torch.empty(chunk.nbytes, dtype=torch.uint8), "host", dedup=False, kind="chunk"
+                torch.empty(chunk.nbytes, dtype=torch.uint8), "host", dedup=False, kind="chunk", label="gradient"
             )
         except TierCapacityError:
             return
@@ -176,13 +176,13 @@ class GradientStash:
         buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
         registry = self.store.registry
         try:
-            return registry.register(buffer, "host", dedup=False, kind="chunk")
+            return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
         except TierCapacityError:
             # Staged NVMe homes free host bytes as their write-backs land; so do our other copies.
             self.release_all()
             self._wait_home_moves()
             try:
-                return registry.register(buffer, "host", dedup=False, kind="chunk")
+                return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
             except TierCapacityError as exc:
                 raise StatesMemoryError.tier_full(
                     exc, f"reading chunk {chunk.index}'s gradients, which wait on NVMe (grad_home 'nvme'),"

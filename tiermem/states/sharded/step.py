@@ -93,7 +93,11 @@ class ShardSteps:
             device = self.registry.device if tier == "device" else torch.device("cpu")
             try:
                 chunk.home = self.registry.register(
-                    torch.zeros(nbytes, dtype=torch.uint8, device=device), tier, dedup=False, kind="chunk"
+                    torch.zeros(nbytes, dtype=torch.uint8, device=device),
+                    tier,
+                    dedup=False,
+                    kind="chunk",
+                    label="chunk home",
                 )
             except TierCapacityError as exc:
                 raise StatesMemoryError.tier_full(
