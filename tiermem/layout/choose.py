@@ -9,7 +9,6 @@ from typing import TypeVar
 
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import (
-    STAGED_HOMES,
     Budgets,
     ChunkNeeds,
     Plan,
@@ -17,8 +16,8 @@ from tiermem.layout.placement import (
     decide,
     normalize_chunk_size,
     nvme_grad_bytes,
-    oversized_chunks,
-    reserve_bytes,
+    staged_home_bytes,
+    streamed_reserve,
 )
 from tiermem.units import format_size_up
 
@@ -113,13 +112,12 @@ def smallest_budgets(
     holds them all, else on the host), checked by deciding again; None when that does not fit either."""
     if not needs:
         return None
-    total = len(needs)
-    device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size, oversized_chunks(needs, chunk_size))
+    device = streamed_reserve(needs, max(min_buffers, 1), chunk_size)
     homes = sum(n.home_bytes for n in needs)
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
     stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
     if stored <= budgets.nvme:
-        host = nvme_grad_bytes(needs, True) + STAGED_HOMES * max(n.home_bytes for n in needs)
+        host = nvme_grad_bytes(needs, True) + staged_home_bytes(needs)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)

@@ -13,21 +13,26 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
 # NOTE [ Default placement rule ]
 1. Device bytes of a persistent chunk: its parameters, gradients and optimizer states
    (``(1 + 1 + sections) * nbytes``, 16 bytes a parameter for fp32 Adam); a frozen chunk
-   only its parameters. Streaming reserve: a parameter and a gradient buffer per pool slot,
-   ``2 * buffers * chunk_size``; a streamed chunk larger than the chunk size (an outlier's own,
-   NOTE [ Chunk layout rules ] rule 4) takes a slot of its own bytes, and the reserve counts
-   the ``buffers`` largest slots (``reserve_bytes``).
+   (``requires_grad=False`` at ``rt.manage``: a LoRA base, a teacher) only its parameters.
+   Streaming reserve: a parameter buffer per pool slot, ``buffers * chunk_size``, plus a
+   gradient buffer for each of the ``buffers`` largest streamed trainable chunks (a frozen
+   chunk is streamed for forward and backward only and never has gradients); a streamed
+   chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
+   takes a slot of its own bytes, and the reserve counts the ``buffers`` largest slots
+   (``reserve_bytes``, ``streamed_reserve``).
 2. Persistent chunks: the longest prefix, in execution order, whose device bytes fit in half
    the device's free capacity and leave the streaming reserve free beside them; every chunk
    when all of them fit in that half.
 3. Homes of the other chunks, in order: the host while its free capacity still holds the
    chunk's home (master + states) and gradients, else NVMe. The host keeps room to stage two
-   NVMe homes during the step. An NVMe chunk's gradients wait until ``optimizer.step()``
-   (``.grad`` stays readable and writable, TRAPS 4) where ``grad_home`` says: on the host
-   when it holds all of them beside those homes, else on NVMe (``grad_home = "nvme"``: the
-   host then holds two chunks' gradients at once, staged to step or to serve ``.grad``,
-   NOTE [ Stored gradients ] in ``tiermem/states/stored_grads.py``), at the price of writing
-   and reading them once more per step. When gradients stream (``grads_stream``: a declared
+   trainable NVMe homes during the step (``ChunkNeeds.staged_bytes``); a frozen chunk never
+   steps, its NVMe home is read straight into its device buffer. An NVMe chunk's gradients
+   wait until ``optimizer.step()`` (``.grad`` stays readable and writable, TRAPS 4) where
+   ``grad_home`` says: on the host when it holds all of them beside those homes, else on
+   NVMe (``grad_home = "nvme"``: the host then holds two chunks' gradients at once, staged
+   to step or to serve ``.grad``, NOTE [ Stored gradients ] in
+   ``tiermem/states/stored_grads.py``), at the price of writing and reading them once more
+   per step. When gradients stream (``grads_stream``: a declared
    loop that steps every backward without clipping and ``keep_gradients=False``), each NVMe
    chunk steps as its backward ends and frees its gradients (NOTE [ Declared steps ] rule
    6), so they never wait: the host only holds two chunks' gradients at once, the one
@@ -92,6 +97,12 @@ class ChunkNeeds:
     @property
     def grad_bytes(self) -> int:
         return self.nbytes if self.trainable else 0
+
+    @property
+    def staged_bytes(self) -> int:
+        """Rule 3: host bytes staging this chunk's NVMe home for a step takes; none for a frozen
+        chunk, which never steps."""
+        return self.home_bytes if self.trainable else 0
 
 
 @dataclass(frozen=True)
@@ -244,12 +255,27 @@ def oversized_chunks(needs: Sequence[ChunkNeeds], chunk_size: int) -> list[int]:
     return [n.nbytes for n in needs if n.nbytes > chunk_size]
 
 
-def reserve_bytes(buffers: int, chunk_size: int, oversized: Sequence[int] = ()) -> int:
+def reserve_bytes(
+    buffers: int, chunk_size: int, oversized: Sequence[int] = (), trainable: Sequence[int] | None = None
+) -> int:
     """Rule 1: device bytes the buffer pool may use (parameters and gradients): ``buffers``
     slots, the largest streamed chunks' (``oversized``: the streamed chunks larger than
-    ``chunk_size``, each a slot of its own bytes; every other slot ``chunk_size``)."""
+    ``chunk_size``, each a slot of its own bytes; every other slot ``chunk_size``), and the
+    gradient buffers of the ``buffers`` largest of ``trainable`` (the streamed trainable
+    chunks' bytes; None: every slot has a gradient buffer of its size)."""
     largest = sorted(oversized, reverse=True)[: max(buffers, 0)]
-    return 2 * (sum(largest) + (buffers - len(largest)) * chunk_size)
+    params = sum(largest) + (buffers - len(largest)) * chunk_size
+    if trainable is None:
+        return 2 * params
+    return params + sum(sorted(trainable, reverse=True)[: max(buffers, 0)])
+
+
+def streamed_reserve(streamed: Sequence[ChunkNeeds], buffers: int, chunk_size: int) -> int:
+    """Rule 1's reserve for the streamed chunks ``streamed``: ``buffers`` parameter slots, and
+    gradient buffers for the trainable ones only."""
+    slots = min(buffers, len(streamed))
+    trainable = [n.nbytes for n in streamed if n.trainable]
+    return reserve_bytes(slots, chunk_size, oversized_chunks(streamed, chunk_size), trainable)
 
 
 def decide(
@@ -330,7 +356,7 @@ def _device_short(
         persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, buffers)
     streamed = len(needs) - persistent
     slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-    reserve = reserve_bytes(min(slots, streamed), chunk_size, oversized_chunks(needs[persistent:], chunk_size))
+    reserve = streamed_reserve(needs[persistent:], slots, chunk_size)
     return sum(n.device_bytes for n in needs[:persistent]) + reserve > budgets.device
 
 
@@ -341,11 +367,10 @@ def _default_persistent(
     if sum(n.device_bytes for n in needs) <= half:
         return len(needs)
     used = 0
-    large = [(i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size]  # rule 1's own slots
     for count, need in enumerate(needs):
         streamed = len(needs) - count - 1
         slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-        reserve = reserve_bytes(min(slots, streamed), chunk_size, [b for i, b in large if i > count])
+        reserve = streamed_reserve(needs[count + 1 :], slots, chunk_size)
         if used + need.device_bytes > half or used + need.device_bytes + reserve > budgets.device:
             return count
         used += need.device_bytes
@@ -398,7 +423,7 @@ def _homes(
     def staging() -> int:
         nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
         stream = nvme_grad_bytes(nvme, True) if grads_stream else 0
-        return STAGED_HOMES * max((n.home_bytes for n in nvme), default=0) + stream
+        return staged_home_bytes(nvme) + stream
 
     for i in reversed(streamed):
         if host_free >= staging():
@@ -420,7 +445,7 @@ def _check_fits(
     grad_home: str = "host",
 ) -> None:
     large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
-    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size, large)
+    device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
     grads_pass = grads_stream or grad_home == "nvme"
@@ -436,12 +461,12 @@ def _check_fits(
         problems.append(
             f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
             f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)}{_own_slots(large)} for "
-            f"parameters and gradients) but has {format_size(budgets.device)} free"
+            f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
         problems.append(
             f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
-            f"and room to stage two NVMe homes) but has {format_size(budgets.host)} free"
+            f"and room to stage two trainable NVMe homes) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -457,11 +482,17 @@ def _check_fits(
 def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool) -> int:
     """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
     gradients (two at once when they only pass through, ``grads_pass``) and room to stage two
-    NVMe homes."""
+    trainable NVMe homes."""
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
+    staging = staged_home_bytes(nvme_homes)
     return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_pass) + staging
+
+
+def staged_home_bytes(nvme_needs: Sequence[ChunkNeeds]) -> int:
+    """Rule 3: host room to stage ``STAGED_HOMES`` of the NVMe chunks ``nvme_needs`` for their
+    steps (the largest trainable ones; frozen chunks never step)."""
+    return STAGED_HOMES * max((n.staged_bytes for n in nvme_needs), default=0)
 
 
 def _own_slots(large: Sequence[int]) -> str:

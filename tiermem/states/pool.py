@@ -17,9 +17,12 @@ write-backs; bytes move through the registry alone (NOTE [ Managed object rules 
    fresh buffer costs the kernel a zeroed page for every page the NVMe read touches first,
    on the cores that compute, inside ``io_submit`` on the I/O thread (TRAPS 27; measured
    on the 200M GPT of issue 5: 84% of that thread's samples). So that a spare fits many
-   chunks, every streamed chunk of at most the plan's chunk size holds ``slot_bytes``, the
-   largest such chunk's bytes (a chunk's own bytes are a prefix; the device tier accounts the
-   whole storage): the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1).
+   chunks, every streamed chunk of at most the plan's chunk size holds the largest such
+   chunk's bytes of its kind, trainable or frozen (a chunk's own bytes are a prefix; the device
+   tier accounts the whole storage): the buffer the plan budgets per slot anyway (NOTE [ Cost
+   model ] rule 1). Kinds apart, because a LoRA adapter chunk (170 KiB on the test Llama) is
+   pinned beside its base layer's chunk in backward: in a frozen chunk's slot (2 MiB) the two
+   would not fit a device of a tenth of the base's bytes.
    A chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
    holds its own bytes. Spares are kept per size and a fetch takes one of its chunk's size
    only; sizing every storage to the largest chunk instead would make each buffer an
@@ -84,12 +87,16 @@ class ChunkPool:
             and registry.device == torch.device("cpu")
             and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         )
-        streamed = [c.nbytes for c in chunks if not c.persistent]
-        regular = [n for n in streamed if chunk_size is None or n <= chunk_size]
-        #: NOTE [ Spare chunk storage ] rule 1: the bytes a streamed chunk's storage holds on the
-        #: CPU device (the largest streamed chunk's of at most the chunk size; a larger chunk's
-        #: own); 0 where spares are not kept
-        self.slot_bytes = max(regular, default=0) if keeps_spares else 0
+        streamed = [c for c in chunks if not c.persistent]
+        regular = [c for c in streamed if chunk_size is None or c.nbytes <= chunk_size]
+        #: NOTE [ Spare chunk storage ] rule 1: per kind (trainable or frozen), the bytes a
+        #: streamed chunk's storage holds on the CPU device (the largest streamed chunk's of its
+        #: kind of at most the chunk size; a larger chunk's own); 0 where spares are not kept
+        self._kind_slot = {
+            kind: max((c.nbytes for c in regular if c.trainable == kind), default=0) if keeps_spares else 0
+            for kind in (True, False)
+        }
+        self.slot_bytes = max(self._kind_slot.values())
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
@@ -271,9 +278,10 @@ class ChunkPool:
     # -- NOTE [ Spare chunk storage ] ------------------------------------------------------
     def slot_of(self, chunk: Chunk) -> int:
         """The bytes ``chunk``'s storage holds while resident (rule 1)."""
-        if not self._keeps_spares or chunk.nbytes > self.slot_bytes:
+        slot = self._kind_slot[chunk.trainable]
+        if not self._keeps_spares or chunk.nbytes > slot:
             return chunk.nbytes
-        return self.slot_bytes
+        return slot
 
     def _fill_storage(self, chunk: Chunk) -> None:
         """Give ``chunk``'s empty storage its bytes: a spare of its size (rule 1), else new ones,
