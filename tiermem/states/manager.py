@@ -125,6 +125,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from tiermem import tracing
@@ -417,8 +418,15 @@ class ModelStates:
             self.stepper.forward_with_grad()
         return None
 
-    def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+    def _root_ended(self, _module: nn.Module, _args: Any, output: Any) -> None:
         self.relayout.forward_ended()
+        if not any(self.training.now) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
+        ):
+            # A frozen model's forward that no backward will follow (a teacher's, a reference
+            # policy's): its streamed chunks go to spares, which any other user of the device
+            # (the model that trains beside it) takes first (NOTE [ Spare chunk storage ] rule 4).
+            self.store.pool.release_all()
 
     def _forward_started(self, module: nn.Module, _args: Any) -> None:
         self.lifecycle.check_usable()
