@@ -53,7 +53,9 @@ backend, ``describe``, ``close``) and the wiring:
    (they hold what it saved): an LM head does not pin the tied chunk through all backward.
    Unpinned chunks stay cached until a fetch needs their slot (least recently used first; a
    prefetch evicts only chunks behind it); at most ``plan.buffers`` streamed chunks are
-   resident at once.
+   resident at once. A frozen model's (no parameter requires grad: ``rt.manage(model)``
+   without an optimizer) forward that no backward follows leaves them as spares at its end,
+   so a model training beside it (a student beside its teacher) takes their room first.
 4. Gradients: autograd accumulates exactly as in plain PyTorch. A post-accumulate hook copies
    a fresh gradient into the chunk's device gradient buffer, or adds it with the ``add_``
    autograd itself uses when earlier micro-batches' gradients are there, and ``p.grad``
