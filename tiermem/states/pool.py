@@ -18,11 +18,13 @@ write-backs; bytes move through the registry alone (NOTE [ Managed object rules 
    on the cores that compute, inside ``io_submit`` on the I/O thread (TRAPS 27; measured
    on the 200M GPT of issue 5: 84% of that thread's samples). So that a spare fits many
    chunks, every streamed chunk of at most the plan's chunk size holds the largest such
-   chunk's bytes of its kind, trainable or frozen (a chunk's own bytes are a prefix; the device
-   tier accounts the whole storage): the buffer the plan budgets per slot anyway (NOTE [ Cost
-   model ] rule 1). Kinds apart, because a LoRA adapter chunk (170 KiB on the test Llama) is
-   pinned beside its base layer's chunk in backward: in a frozen chunk's slot (2 MiB) the two
-   would not fit a device of a tenth of the base's bytes.
+   chunk's bytes (a chunk's own bytes are a prefix; the device tier accounts the whole
+   storage): the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1). When
+   the trainable chunks are at most half the frozen ones, each kind has its own slot: a LoRA
+   adapter chunk (170 KiB on the test Llama) is pinned beside its base layer's chunk in
+   backward, and in a frozen chunk's slot (2 MiB) the two would not fit a device of a tenth
+   of the base's bytes. Otherwise one slot serves both kinds, so a spare serves every chunk
+   (two sizes would drop and allocate spares whenever the kinds alternate).
    A chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
    holds its own bytes. Spares are kept per size and a fetch takes one of its chunk's size
    only; sizing every storage to the largest chunk instead would make each buffer an
@@ -89,14 +91,14 @@ class ChunkPool:
         )
         streamed = [c for c in chunks if not c.persistent]
         regular = [c for c in streamed if chunk_size is None or c.nbytes <= chunk_size]
-        #: NOTE [ Spare chunk storage ] rule 1: per kind (trainable or frozen), the bytes a
-        #: streamed chunk's storage holds on the CPU device (the largest streamed chunk's of its
-        #: kind of at most the chunk size; a larger chunk's own); 0 where spares are not kept
-        self._kind_slot = {
-            kind: max((c.nbytes for c in regular if c.trainable == kind), default=0) if keeps_spares else 0
-            for kind in (True, False)
-        }
-        self.slot_bytes = max(self._kind_slot.values())
+        largest = {kind: max((c.nbytes for c in regular if c.trainable == kind), default=0) for kind in (True, False)}
+        #: NOTE [ Spare chunk storage ] rule 1: the bytes a streamed chunk's storage holds on the
+        #: CPU device (the largest regular streamed chunk's; a larger chunk's own), per kind
+        #: (trainable or frozen) where trainable chunks are at most half the frozen ones; 0 where
+        #: spares are not kept
+        self.slot_bytes = max(largest.values()) if keeps_spares else 0
+        apart = keeps_spares and 0 < 2 * largest[True] <= largest[False]
+        self._kind_slot = dict(largest) if apart else {True: self.slot_bytes, False: self.slot_bytes}
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
