@@ -10,8 +10,9 @@ base is 60x the adapters or more). Modes, each a fresh process, alternating A B 
 
 - ``plain``: plain PyTorch, everything in RAM;
 - ``tiermem``: ``rt.manage(model, torch.optim.AdamW)`` with device and host capacities each
-  ``--fraction`` (default 10%) of the base's bytes, the rest on NVMe under ``--path``; plan
-  ``"auto"`` (the first step plans; ``--warmup`` steps are not timed).
+  ``--fraction`` (default 10%) of the base's bytes, the rest on NVMe under ``--path``; the model
+  built under ``rt.init()`` (file-backed pages); plan ``"auto"`` (the first step plans;
+  ``--warmup`` steps are not timed).
 
 Reported per mode (medians over rounds): the step time and ``ru_maxrss``; for tiermem the plan and
 the NVMe bytes read and written per step. The floor is max(plain step, disk time: those NVMe bytes
@@ -82,10 +83,11 @@ def _worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     import tiermem
 
     torch.set_num_threads(args.threads)
-    model = _model(args)
     size = SIZES[args.size]
-    base = sum(p.numel() * p.element_size() for p in model.parameters() if not p.requires_grad)
-    adapters = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    with torch.device("meta"):  # the sizes, counted without memory
+        shape = _model(args)
+    base = sum(p.numel() * p.element_size() for p in shape.parameters() if not p.requires_grad)
+    adapters = sum(p.numel() * p.element_size() for p in shape.parameters() if p.requires_grad)
     generator = torch.Generator().manual_seed(1)
     batches = [
         torch.randint(0, size["vocab_size"], (size["batch"], size["seq_len"] + 1), generator=generator)
@@ -105,6 +107,7 @@ def _worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         losses.append(float(loss))
 
     if mode == "plain":
+        model = _model(args)
         optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
         for tokens in batches:
             step(model, optimizer, tokens)
@@ -116,6 +119,8 @@ def _worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             "nvme": {"paths": [args.path], "capacity": 2 * base + (1 << 30)},
         }
         with tiermem.Runtime(tiers) as rt:
+            with rt.init():  # the base built on file-backed pages, never whole in RAM
+                model = _model(args)
             model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3)
             for i, tokens in enumerate(batches):
                 if i == args.warmup:  # the first step planned (and re-packed): count after it
@@ -176,7 +181,13 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=1, help="steps before timing (the first one plans)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--fraction", type=float, default=0.10, help="device and host capacity / base bytes")
-    parser.add_argument("--threads", type=int, default=torch_threads())
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads in both modes (default 1: on a shared 2-core VM more "
+        "OpenMP threads spin against the runtime's I/O threads and the neighbours, TRAPS 7)",
+    )
     parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
     parser.add_argument("--io-size", default="1GiB", help="bytes per tiermem bench io pass for the floor")
     parser.add_argument("--json", action="store_true")
@@ -247,10 +258,6 @@ def main() -> int:
         f"{summary['rss_over_plain']:.2f}x plain (goal <= 0.3x); losses bitwise equal"
     )
     return 0
-
-
-def torch_threads() -> int:
-    return len(os.sched_getaffinity(0))
 
 
 if __name__ == "__main__":
