@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.errors import PlanError
 from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest, decide
 from tiermem.planner.state_costs import Packing, StatesChoice, states_cost
 from tiermem.states.errors import StatesUsageError
@@ -223,7 +224,9 @@ def test_manage_without_an_optimizer_refuses_what_needs_one(tmp_path):
             rt.manage(model, grad_accumulation_steps=2, lr=1e-3)
         with pytest.raises(StatesUsageError, match="sample= given without an optimizer"):
             rt.manage(model, sample=(torch.randn(2, 8),))
-        assert all(p.requires_grad for p in model.parameters())  # refused before anything changed
+        with pytest.raises(PlanError, match="persistent_chunks=99"):
+            rt.manage(model, plan={"persistent_chunks": 99})
+        assert all(p.requires_grad for p in model.parameters())  # refused: nothing changed
         assert rt.manage(model) is model
         x = torch.randn(4, 8)
         assert not model(x).requires_grad

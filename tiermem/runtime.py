@@ -489,19 +489,25 @@ class Runtime:
                 "states of sharded models (FSDP2 owns the parameters), so there is nothing to manage; use the "
                 "sharded model as it is"
             )
-        for p in model.parameters():
-            p.requires_grad_(False)
         settings = (self.resolved or self.config).activations
         managed_activations = ManagedRequest(model, activations, settings, None, planned=False)
-        states = ModelStates(
-            self.registry,
-            model,
-            no_optimizer(),
-            plan=None if plan == "auto" else plan,
-            plan_owner=self,
-            param_dtype=param_dtype,
-            step_thread=(self.resolved or self.config).model_states.step_thread,
-        )
+        wanted = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in wanted:
+            p.requires_grad_(False)
+        try:
+            states = ModelStates(
+                self.registry,
+                model,
+                no_optimizer(),
+                plan=None if plan == "auto" else plan,
+                plan_owner=self,
+                param_dtype=param_dtype,
+                step_thread=(self.resolved or self.config).model_states.step_thread,
+            )
+        except BaseException:
+            for p, requires_grad in wanted:  # refused: the model is as it was
+                p.requires_grad_(requires_grad)
+            raise
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model
