@@ -253,6 +253,9 @@ def main() -> int:
         f"{written / mib:.0f} MiB written per step (bench io read {disk['read'] / mib:.0f} MiB/s, write "
         f"{disk['write'] / mib:.0f} MiB/s); {step_s / floor:.2f}x max(plain, disk) (goal <= 1.15x)"
     )
+    predicted = summary["plan"]["predicted_step_s"]
+    if predicted:
+        print(f"the planner's step: predicted {predicted:.3f} s, measured {step_s / predicted:.2f}x it (bound 1.15x)")
     print(
         f"ru_maxrss: plain {rss['plain'] / mib:.0f} MiB, tiermem {rss['tiermem'] / mib:.0f} MiB = "
         f"{summary['rss_over_plain']:.2f}x plain (goal <= 0.3x); losses bitwise equal"
