@@ -118,7 +118,7 @@ def within_capacities(rt: tiermem.Runtime) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("build", [peft_lora, hand_lora], ids=["peft", "hand-written"])
-def test_lora_at_a_tenth_of_the_base_trains_bitwise(tmp_path, build: Callable[[], nn.Module]):
+def test_lora_at_a_tenth_of_the_base_trains_bitwise(tmp_path, monkeypatch, build: Callable[[], nn.Module]):
     """The issue's case: LoRA r=8 on q_proj/v_proj over a 22 MiB Llama, device and host 10% of the
     base bytes, the rest on NVMe (refused before: the placement charged frozen chunks gradient
     buffers and staging room). Frozen chunks never step: only the adapters' chunk does."""
@@ -131,8 +131,18 @@ def test_lora_at_a_tenth_of_the_base_trains_bitwise(tmp_path, build: Callable[[]
         # The default rule alone (a first-step plan's profiling costs seconds here; the planner's
         # side is test_the_planner_predicts_the_device_peak_of_lora)
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan=DEFAULT_RULE)
-        got = lm_loop(model, optimizer)
         states = rt.__dict__["_model_states"][0]
+        staged: list[bool] = []  # per NVMe home staged on the host for a step: is its chunk trainable?
+        stage = states.homes.stage
+
+        def stage_seen(chunk: Any, known: Any = None) -> None:
+            staged.append(chunk.trainable)
+            stage(chunk, known)
+
+        monkeypatch.setattr(states.homes, "stage", stage_seen)
+        got = lm_loop(model, optimizer)
+        assert states.plan.state_home.count("nvme") == states.plan.chunks  # every home on NVMe, the adapters' too
+        assert staged == [True] * STEPS  # each step stages the adapters' home, never a frozen one
         assert any(not c.trainable and not c.persistent for c in states.chunks)  # the base streams
         model(input_ids=ids(0), labels=ids(0)).loss.backward()
         assert all(c.grad is None for c in states.chunks if not c.trainable)  # frozen: no gradient buffer
