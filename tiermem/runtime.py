@@ -20,7 +20,7 @@ import logging
 import os
 import types
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -40,6 +40,7 @@ from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
+from tiermem.states.optimizer import no_optimizer
 from tiermem.states.sharded.manager import ShardedModelStates, is_sharded
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -317,6 +318,22 @@ class Runtime:
             is_tmpfs=lambda path: filesystem_of(path).fstype == "tmpfs",
         )
 
+    @overload
+    def manage(
+        self,
+        model: torch.nn.Module,
+        optimizer: None = None,
+        plan: Any = "auto",
+        *,
+        sample: Any = None,
+        grad_accumulation_steps: int | None = None,
+        clip_grad_norm: float | None = None,
+        keep_gradients: bool = True,
+        param_dtype: torch.dtype | None = None,
+        activations: Any = "auto",
+    ) -> torch.nn.Module: ...
+
+    @overload
     def manage(
         self,
         model: torch.nn.Module,
@@ -330,9 +347,31 @@ class Runtime:
         param_dtype: torch.dtype | None = None,
         activations: Any = "auto",
         **optimizer_kwargs: Any,
-    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    ) -> tuple[torch.nn.Module, torch.optim.Optimizer]: ...
+
+    def manage(
+        self,
+        model: torch.nn.Module,
+        optimizer: Any = None,
+        plan: Any = "auto",
+        *,
+        sample: Any = None,
+        grad_accumulation_steps: int | None = None,
+        clip_grad_norm: float | None = None,
+        keep_gradients: bool = True,
+        param_dtype: torch.dtype | None = None,
+        activations: Any = "auto",
+        **optimizer_kwargs: Any,
+    ) -> torch.nn.Module | tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Put ``model``'s parameters, gradients and optimizer states into chunks across the tiers,
         and apply an activation policy to its forwards with grad from now on.
+
+        Without ``optimizer`` (a distillation teacher, the reference policy of DPO, evaluation of
+        a model larger than the device), every parameter is frozen (``requires_grad_(False)``):
+        the weights stream through the device for forward (and backward into the inputs) and
+        nothing else is kept for them; returns the model alone, placed by the default rule
+        (NOTE [ Default placement rule ]) or ``plan``. Parameters with ``requires_grad=False``
+        of a trained model (a LoRA base) are kept the same way.
 
         ``optimizer``: a constructed per-parameter optimizer over the model's parameters (any
         per-parameter ``torch.optim`` one, transformers' Adafactor, or a class declaring
@@ -363,6 +402,15 @@ class Runtime:
         ``param_dtype`` (``torch.bfloat16``/``torch.float16``): working copies in that dtype on
         the device, fp32 masters stepped with the optimizer states (exactly), restored at the end.
         """
+        if optimizer is None:
+            return self._manage_frozen(
+                model,
+                plan,
+                sample=sample,
+                declared=(grad_accumulation_steps, clip_grad_norm, keep_gradients, optimizer_kwargs),
+                param_dtype=param_dtype,
+                activations=activations,
+            )
         if is_sharded(model):  # FSDP2: NOTE [ Sharded model states ] in tiermem.states.sharded.manager
             refuse_sharded(activations)
             return self._manage_sharded(
@@ -408,6 +456,65 @@ class Runtime:
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
+
+    def _manage_frozen(
+        self,
+        model: torch.nn.Module,
+        plan: Any,
+        *,
+        sample: Any,
+        declared: tuple[Any, Any, bool, Mapping[str, Any]],
+        param_dtype: torch.dtype | None,
+        activations: Any,
+    ) -> torch.nn.Module:
+        """``manage`` without an optimizer: every parameter frozen and streamed as a LoRA base is
+        (NOTE [ Default placement rule ] rule 1), under the default rule or ``plan``."""
+        accumulation, max_norm, keep_gradients, kwargs = declared
+        asked = [
+            name
+            for name, given in (
+                ("sample=", sample is not None),
+                ("grad_accumulation_steps=", accumulation is not None),
+                ("clip_grad_norm=", max_norm is not None),
+                ("keep_gradients=False", not keep_gradients),
+                (", ".join(f"{k}=" for k in kwargs), bool(kwargs)),
+            )
+            if given
+        ]
+        if asked:
+            raise StatesUsageError(
+                f"tiermem manage: {', '.join(asked)} given without an optimizer. A model managed without one is "
+                "frozen (nothing trains, so there is no step to declare or profile) and placed by the default rule; "
+                "leave these out, or give the optimizer that trains the model"
+            )
+        if is_sharded(model):
+            raise StatesUsageError(
+                "tiermem manage: an FSDP2-sharded model without an optimizer: tiermem keeps only the optimizer "
+                "states of sharded models (FSDP2 owns the parameters), so there is nothing to manage; use the "
+                "sharded model as it is"
+            )
+        settings = (self.resolved or self.config).activations
+        managed_activations = ManagedRequest(model, activations, settings, None, planned=False)
+        wanted = [(p, p.requires_grad) for p in model.parameters()]
+        for p, _ in wanted:
+            p.requires_grad_(False)
+        try:
+            states = ModelStates(
+                self.registry,
+                model,
+                no_optimizer(),
+                plan=None if plan == "auto" else plan,
+                plan_owner=self,
+                param_dtype=param_dtype,
+                step_thread=(self.resolved or self.config).model_states.step_thread,
+            )
+        except BaseException:
+            for p, requires_grad in wanted:  # refused: the model is as it was
+                p.requires_grad_(requires_grad)
+            raise
+        self._model_states.append(states)
+        managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
+        return model
 
     def _manage_sharded(
         self,

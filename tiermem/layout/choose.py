@@ -17,8 +17,8 @@ from tiermem.layout.placement import (
     decide,
     normalize_chunk_size,
     nvme_grad_bytes,
-    oversized_chunks,
-    reserve_bytes,
+    staged_home_bytes,
+    streamed_reserve,
 )
 from tiermem.units import format_size_up
 
@@ -116,15 +116,14 @@ def smallest_budgets(
     deciding again; None when that does not fit either."""
     if not needs:
         return None
-    total = len(needs)
-    device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size, oversized_chunks(needs, chunk_size))
+    device = streamed_reserve(needs, max(min_buffers, 1), chunk_size)
     homes = sum(n.home_bytes for n in needs)
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
     stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
     if stored <= budgets.nvme:
-        # one home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
+        # one trainable home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
         # stored gradients, or the two streamed ones passing through
-        host = nvme_grad_bytes(needs, STAGED_HOMES if grads_stream else 1) + max(n.home_bytes for n in needs)
+        host = nvme_grad_bytes(needs, STAGED_HOMES if grads_stream else 1) + staged_home_bytes(needs, 1)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)

@@ -13,19 +13,23 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
 # NOTE [ Default placement rule ]
 1. Device bytes of a persistent chunk: its parameters, gradients and optimizer states
    (``(1 + 1 + sections) * nbytes``, 16 bytes a parameter for fp32 Adam); a frozen chunk
-   only its parameters. Streaming reserve: a parameter and a gradient buffer per pool slot,
-   ``2 * buffers * chunk_size``; a streamed chunk larger than the chunk size (an outlier's own,
-   NOTE [ Chunk layout rules ] rule 4) takes a slot of its own bytes, and the reserve counts
-   the ``buffers`` largest slots (``reserve_bytes``).
+   (``requires_grad=False`` at ``rt.manage``: a LoRA base, a teacher) only its parameters.
+   Streaming reserve: a parameter buffer per pool slot, ``buffers * chunk_size``, plus a
+   gradient buffer for each of the ``buffers`` largest streamed trainable chunks (a frozen
+   chunk is streamed for forward and backward only and never has gradients); a streamed
+   chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
+   takes a slot of its own bytes, and the reserve counts the ``buffers`` largest slots
+   (``reserve_bytes``, ``streamed_reserve``).
 2. Persistent chunks: the longest prefix, in execution order, whose device bytes fit in half
    the device's free capacity and leave the streaming reserve free beside them; every chunk
    when all of them fit in that half.
 3. Homes of the other chunks, in order: the host while its free capacity still holds the
    chunk's home (master + states) and gradients, else NVMe. The host keeps room to stage
-   ``staged_homes`` NVMe homes during the step: two (one steps while the next is read), or,
-   when two leave the plan short, one (each home is read only once the one before is written
-   back: the step's NVMe I/O no longer overlaps it, but the host holds half the staging). An
-   NVMe chunk's gradients wait until ``optimizer.step()``
+   ``staged_homes`` trainable NVMe homes during the step (``ChunkNeeds.staged_bytes``; a frozen
+   chunk never steps, its NVMe home is read straight into its device buffer): two (one steps
+   while the next is read), or, when two leave the plan short, one (each home is read only once
+   the one before is written back: the step's NVMe I/O no longer overlaps it, but the host holds
+   half the staging). An NVMe chunk's gradients wait until ``optimizer.step()``
    (``.grad`` stays readable and writable, TRAPS 4) where ``grad_home`` says: on the host
    when it holds all of them beside those homes, else on NVMe (``grad_home = "nvme"``: the
    host then holds ``staged_homes`` chunks' gradients at once, staged to step or to serve
@@ -112,6 +116,12 @@ class ChunkNeeds:
     @property
     def grad_bytes(self) -> int:
         return self.nbytes if self.trainable else 0
+
+    @property
+    def staged_bytes(self) -> int:
+        """Rule 3: host bytes staging this chunk's NVMe home for a step takes; none for a frozen
+        chunk, which never steps."""
+        return self.home_bytes if self.trainable else 0
 
 
 @dataclass(frozen=True)
@@ -277,12 +287,27 @@ def oversized_chunks(needs: Sequence[ChunkNeeds], chunk_size: int) -> list[int]:
     return [n.nbytes for n in needs if n.nbytes > chunk_size]
 
 
-def reserve_bytes(buffers: int, chunk_size: int, oversized: Sequence[int] = ()) -> int:
+def reserve_bytes(
+    buffers: int, chunk_size: int, oversized: Sequence[int] = (), trainable: Sequence[int] | None = None
+) -> int:
     """Rule 1: device bytes the buffer pool may use (parameters and gradients): ``buffers``
     slots, the largest streamed chunks' (``oversized``: the streamed chunks larger than
-    ``chunk_size``, each a slot of its own bytes; every other slot ``chunk_size``)."""
+    ``chunk_size``, each a slot of its own bytes; every other slot ``chunk_size``), and the
+    gradient buffers of the ``buffers`` largest of ``trainable`` (the streamed trainable
+    chunks' bytes; None: every slot has a gradient buffer of its size)."""
     largest = sorted(oversized, reverse=True)[: max(buffers, 0)]
-    return 2 * (sum(largest) + (buffers - len(largest)) * chunk_size)
+    params = sum(largest) + (buffers - len(largest)) * chunk_size
+    if trainable is None:
+        return 2 * params
+    return params + sum(sorted(trainable, reverse=True)[: max(buffers, 0)])
+
+
+def streamed_reserve(streamed: Sequence[ChunkNeeds], buffers: int, chunk_size: int) -> int:
+    """Rule 1's reserve for the streamed chunks ``streamed``: ``buffers`` parameter slots, and
+    gradient buffers for the trainable ones only."""
+    slots = min(buffers, len(streamed))
+    trainable = [n.nbytes for n in streamed if n.trainable]
+    return reserve_bytes(slots, chunk_size, oversized_chunks(streamed, chunk_size), trainable)
 
 
 def decide(
@@ -389,7 +414,7 @@ def _device_short(
         persistent = _default_persistent(needs, chunk_size, min_buffers, budgets, buffers)
     streamed = len(needs) - persistent
     slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-    reserve = reserve_bytes(min(slots, streamed), chunk_size, oversized_chunks(needs[persistent:], chunk_size))
+    reserve = streamed_reserve(needs[persistent:], slots, chunk_size)
     return sum(n.device_bytes for n in needs[:persistent]) + reserve > budgets.device
 
 
@@ -400,12 +425,10 @@ def _default_persistent(
     if sum(n.device_bytes for n in needs) <= half:
         return len(needs)
     used = 0
-    # Chunks larger than the chunk size (outliers) get device slots of their own.
-    large = [(i, n.nbytes) for i, n in enumerate(needs) if n.nbytes > chunk_size]
     for count, need in enumerate(needs):
         streamed = len(needs) - count - 1
         slots = buffers if buffers is not None else default_buffers(min_buffers, streamed)
-        reserve = reserve_bytes(min(slots, streamed), chunk_size, [b for i, b in large if i > count])
+        reserve = streamed_reserve(needs[count + 1 :], slots, chunk_size)
         if used + need.device_bytes > half or used + need.device_bytes + reserve > budgets.device:
             return count
         used += need.device_bytes
@@ -463,7 +486,7 @@ def _homes(
     def staging() -> int:
         nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
         through = nvme_grad_bytes(nvme, passing) if passing else 0
-        return staged * max((n.home_bytes for n in nvme), default=0) + through
+        return staged_home_bytes(nvme, staged) + through
 
     for i in reversed(streamed):
         if host_free >= staging():
@@ -486,7 +509,7 @@ def _check_fits(
     staged: int = STAGED_HOMES,
 ) -> None:
     large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
-    device = sum(n.device_bytes for n in needs[:persistent]) + reserve_bytes(buffers, chunk_size, large)
+    device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
     passing = STAGED_HOMES if grads_stream else (staged if grad_home == "nvme" else 0)
@@ -502,12 +525,12 @@ def _check_fits(
         problems.append(
             f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
             f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)}{_own_slots(large)} for "
-            f"parameters and gradients) but has {format_size(budgets.device)} free"
+            f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
         problems.append(
             f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
-            f"and room to stage {_count(staged, 'NVMe home')}) but has {format_size(budgets.host)} free"
+            f"and room to stage {_count(staged, 'trainable NVMe home')}) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -523,10 +546,10 @@ def _check_fits(
 def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], passing: int, staged: int) -> int:
     """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
     gradients (``passing`` at once when they only pass through, :func:`nvme_grad_bytes`) and
-    room to stage ``staged`` NVMe homes."""
+    room to stage ``staged`` trainable NVMe homes."""
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = staged * max((n.home_bytes for n in nvme_homes), default=0)
+    staging = staged_home_bytes(nvme_homes, staged)
     return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, passing) + staging
 
 
@@ -537,6 +560,12 @@ def _count(number: int, noun: str, owned: str = "") -> str:
         return f"{words} {noun if number == 1 else noun + 's'}"
     possessive = f"{noun}'s" if number == 1 else f"{noun}s'"
     return f"{words} {possessive} {owned}"
+
+
+def staged_home_bytes(nvme_needs: Sequence[ChunkNeeds], staged: int = STAGED_HOMES) -> int:
+    """Rule 3: host room to stage ``staged`` of the NVMe chunks ``nvme_needs`` for their steps
+    (the largest trainable ones; frozen chunks never step)."""
+    return staged * max((n.staged_bytes for n in nvme_needs), default=0)
 
 
 def _own_slots(large: Sequence[int]) -> str:

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, reserve_bytes
+from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, streamed_reserve
 from tiermem.planner.profile import Profile
 
 
@@ -46,6 +46,8 @@ class Packing:
         self._nbytes = [0, *acc(n.nbytes for n in needs)]
         self._device = [0, *acc(n.device_bytes for n in needs)]
         self._home = [0, *acc(n.home_bytes for n in needs)]
+        # a frozen chunk's NVMe home is read for forward and backward only, never staged to step
+        self._staged = [0, *acc(n.staged_bytes for n in needs)]
         self._grad = [0, *acc(n.grad_bytes for n in needs)]
         self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
         # the step's time follows the parameter bytes it updates, with state or without (SGD
@@ -53,8 +55,9 @@ class Packing:
         self._optim = [0, *acc(n.nbytes if n.trainable else 0 for n in needs)]
         suffix = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
-            suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
-        self._max_home_from = suffix
+            suffix[i] = max(suffix[i + 1], needs[i].staged_bytes)
+        #: the largest home staged for a step from each chunk on (trainable ones only)
+        self._max_staged_from = suffix
         self._max_grad_from = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
             self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
@@ -107,12 +110,12 @@ class Packing:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
         chunks' gradients (two at once when they stream, ``staged_homes`` when they wait on
-        NVMe), and room to stage ``staged_homes`` NVMe homes)."""
+        NVMe), and room to stage ``staged_homes`` trainable NVMe homes)."""
         n = self.chunks
         staged = self.staged_homes
         passing = STAGED_HOMES if self.grads_stream else (staged if self.grad_home == "nvme" else 0)
         nvme_grads = passing * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
-        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + staged * self._max_home_from[host_end]
+        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + staged * self._max_staged_from[host_end]
 
     def host_end(self, persistent: int, host_budget: int) -> int:
         """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""
@@ -155,7 +158,8 @@ class StatesCost:
     gradient chunks, bytes moved and the optimizer's time."""
 
     device_bytes: int
-    #: device bytes ``placement`` reserves (rule 1 of its NOTE: 2 buffers per slot)
+    #: device bytes ``placement`` reserves (rule 1 of its NOTE: a parameter buffer per slot, a
+    #: gradient buffer per slot of a trainable chunk)
     reserve_device_bytes: int
     host_bytes: int
     nvme_bytes: int
@@ -215,13 +219,13 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
     known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
     memcpy += known
-    nvme_step_read = s(pk._home, h, n) - known + stored
-    nvme_step = nvme_step_read + s(pk._home, h, n) + stored
+    nvme_step_read = s(pk._staged, h, n) - known + stored
+    nvme_step = nvme_step_read + s(pk._staged, h, n) + stored
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
         # gradients, and the pool's reserve
-        reserve_device_bytes=persistent_bytes + grad_total + reserve_bytes(b, pk.chunk_size, pk.streamed_oversized(p)),
+        reserve_device_bytes=persistent_bytes + grad_total + streamed_reserve(pk.needs[p:], b, pk.chunk_size),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
         nvme_bytes=s(pk._home, h, n) + stored,
         memcpy_bytes=memcpy,

@@ -111,14 +111,18 @@ class BackwardTracker:
             elif id(node) not in nodes:
                 nodes.add(id(node))
                 node.register_prehook(functools.partial(self._backward_started, use))
-        if trainable and (self._calls[module] > 1 or any(i in self.facts.shared for _, i in names)):
+        # A frozen module (a LoRA base layer) is done as soon as its own nodes ran too: its input's
+        # gradient also waits for its siblings (k, v and the adapters read the same input), which
+        # would keep its chunk pinned beside theirs.
+        if not trainable or self._calls[module] > 1 or any(i in self.facts.shared for _, i in names):
             self._track_nodes(use, outputs, first_node)
         self._uses.add(use)
 
     def _track_nodes(self, use: Use, outputs: list[torch.Tensor], first_node: int) -> None:
         """Rule 3: also done once every autograd node this call's forward made has run.
 
-        A tied parameter (or one of a module called again) accumulates only after its last
+        A frozen module's input gets its gradient only once every other reader of that input ran
+        its backward. A tied parameter (or one of a module called again) accumulates only after its last
         use's backward, the other module's (the embedding's, for an LM head), so waiting for
         it would pin this call's chunks through the whole backward and take a streaming
         buffer from every module in between. The nodes this forward made (sequence numbers

@@ -53,7 +53,9 @@ backend, ``describe``, ``close``) and the wiring:
    (they hold what it saved): an LM head does not pin the tied chunk through all backward.
    Unpinned chunks stay cached until a fetch needs their slot (least recently used first; a
    prefetch evicts only chunks behind it); at most ``plan.buffers`` streamed chunks are
-   resident at once.
+   resident at once. A frozen model's (no parameter requires grad: ``rt.manage(model)``
+   without an optimizer) forward that no backward follows leaves them as spares at its end,
+   so a model training beside it (a student beside its teacher) takes their room first.
 4. Gradients: autograd accumulates exactly as in plain PyTorch. A post-accumulate hook copies
    a fresh gradient into the chunk's device gradient buffer, or adds it with the ``add_``
    autograd itself uses when earlier micro-batches' gradients are there, and ``p.grad``
@@ -125,6 +127,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 from torch.utils.hooks import RemovableHandle
 
 from tiermem import tracing
@@ -423,8 +426,15 @@ class ModelStates:
             self.stepper.forward_with_grad()
         return None
 
-    def _root_ended(self, _module: nn.Module, _args: Any, _output: Any) -> None:
+    def _root_ended(self, _module: nn.Module, _args: Any, output: Any) -> None:
         self.relayout.forward_ended()
+        if not any(self.training.now) and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
+        ):
+            # A frozen model's forward that no backward will follow (a teacher's, a reference
+            # policy's): its streamed chunks go to spares, which any other user of the device
+            # (the model that trains beside it) takes first (NOTE [ Spare chunk storage ] rule 4).
+            self.store.pool.release_all()
 
     def _forward_started(self, module: nn.Module, _args: Any) -> None:
         self.lifecycle.check_usable()

@@ -150,6 +150,13 @@ def coerce_optimizer(
     return optimizer
 
 
+def no_optimizer() -> torch.optim.Optimizer:
+    """What a model managed without an optimizer carries (``rt.manage(model)``): one group of no
+    parameters, so its states and checkpoints have the shape of every other managed model's;
+    nothing ever steps it (every parameter is frozen)."""
+    return torch.optim.SGD([{"params": []}], lr=0.0)
+
+
 def require_element_wise(cls: type[torch.optim.Optimizer]) -> None:
     """An FSDP2-sharded model steps each rank's local shards as tensors of their own: exact only for
     optimizers whose math is element-wise (torch.optim's per-parameter ones, rule 1). Adafactor's

@@ -17,9 +17,14 @@ write-backs; bytes move through the registry alone (NOTE [ Managed object rules 
    fresh buffer costs the kernel a zeroed page for every page the NVMe read touches first,
    on the cores that compute, inside ``io_submit`` on the I/O thread (TRAPS 27; measured
    on the 200M GPT of issue 5: 84% of that thread's samples). So that a spare fits many
-   chunks, every streamed chunk of at most the plan's chunk size holds ``slot_bytes``, the
-   largest such chunk's bytes (a chunk's own bytes are a prefix; the device tier accounts the
-   whole storage): the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1).
+   chunks, every streamed chunk of at most the plan's chunk size holds the largest such
+   chunk's bytes (a chunk's own bytes are a prefix; the device tier accounts the whole
+   storage): the buffer the plan budgets per slot anyway (NOTE [ Cost model ] rule 1). When
+   the trainable chunks are at most half the frozen ones, each kind has its own slot: a LoRA
+   adapter chunk (170 KiB on the test Llama) is pinned beside its base layer's chunk in
+   backward, and in a frozen chunk's slot (2 MiB) the two would not fit a device of a tenth
+   of the base's bytes. Otherwise one slot serves both kinds, so a spare serves every chunk
+   (two sizes would drop and allocate spares whenever the kinds alternate).
    A chunk larger than the chunk size (an outlier's own, NOTE [ Chunk layout rules ] rule 4)
    holds its own bytes. Spares are kept per size and a fetch takes one of its chunk's size
    only; sizing every storage to the largest chunk instead would make each buffer an
@@ -83,12 +88,16 @@ class ChunkPool:
             and registry.device == torch.device("cpu")
             and hasattr(torch.UntypedStorage, "_swap_data_ptr_")
         )
-        streamed = [c.nbytes for c in chunks if not c.persistent]
-        regular = [n for n in streamed if chunk_size is None or n <= chunk_size]
+        streamed = [c for c in chunks if not c.persistent]
+        regular = [c for c in streamed if chunk_size is None or c.nbytes <= chunk_size]
+        largest = {kind: max((c.nbytes for c in regular if c.trainable == kind), default=0) for kind in (True, False)}
         #: NOTE [ Spare chunk storage ] rule 1: the bytes a streamed chunk's storage holds on the
-        #: CPU device (the largest streamed chunk's of at most the chunk size; a larger chunk's
-        #: own); 0 where spares are not kept
-        self.slot_bytes = max(regular, default=0) if keeps_spares else 0
+        #: CPU device (the largest regular streamed chunk's; a larger chunk's own), per kind
+        #: (trainable or frozen) where trainable chunks are at most half the frozen ones; 0 where
+        #: spares are not kept
+        self.slot_bytes = max(largest.values()) if keeps_spares else 0
+        apart = keeps_spares and 0 < 2 * largest[True] <= largest[False]
+        self._kind_slot = dict(largest) if apart else {True: self.slot_bytes, False: self.slot_bytes}
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
@@ -270,9 +279,10 @@ class ChunkPool:
     # -- NOTE [ Spare chunk storage ] ------------------------------------------------------
     def slot_of(self, chunk: Chunk) -> int:
         """The bytes ``chunk``'s storage holds while resident (rule 1)."""
-        if not self._keeps_spares or chunk.nbytes > self.slot_bytes:
+        slot = self._kind_slot[chunk.trainable]
+        if not self._keeps_spares or chunk.nbytes > slot:
             return chunk.nbytes
-        return self.slot_bytes
+        return slot
 
     def _fill_storage(self, chunk: Chunk) -> None:
         """Give ``chunk``'s empty storage its bytes: a spare of its size (rule 1), else new ones,
