@@ -9,7 +9,6 @@ from typing import TypeVar
 
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import (
-    STAGED_HOMES,
     Budgets,
     ChunkNeeds,
     Plan,
@@ -19,6 +18,7 @@ from tiermem.layout.placement import (
     nvme_grad_bytes,
     oversized_chunks,
     reserve_bytes,
+    staging_bytes,
 )
 from tiermem.units import format_size_up
 
@@ -97,9 +97,10 @@ def choose_layout(
         if smallest is not None and isinstance(first_error, StatesMemoryError):
             raise StatesMemoryError(
                 f"{first_error} The smallest capacities with which the default placement fits: "
-                f"[device] {format_size_up(smallest.device)}, [host] {format_size_up(smallest.host)} and [nvme] "
-                f"{format_size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
-                "where it has room)."
+                f"[device] {format_size_up(smallest.device)} ({smallest.device} bytes), [host] "
+                f"{format_size_up(smallest.host)} ({smallest.host} bytes) and [nvme] {format_size_up(smallest.nvme)} "
+                f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where it "
+                "has room)."
             ) from first_error
         raise first_error
     return best[2], best[3]
@@ -117,9 +118,9 @@ def smallest_budgets(
     device = reserve_bytes(min(max(min_buffers, 1), total), chunk_size, oversized_chunks(needs, chunk_size))
     homes = sum(n.home_bytes for n in needs)
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
-    stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
+    stored = homes + sum(n.grad_bytes for n in needs if not grads_stream or n.sliced(chunk_size))
     if stored <= budgets.nvme:
-        host = nvme_grad_bytes(needs, True) + STAGED_HOMES * max(n.home_bytes for n in needs)
+        host = nvme_grad_bytes(needs, True, chunk_size) + staging_bytes(needs, chunk_size)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)

@@ -76,6 +76,8 @@ class ChunkNeeds:
     sections: int
     #: fp32 master bytes per working byte: 2 for bf16/fp16 working chunks (chunk layout rule 6)
     master_scale: int = 1
+    #: rule 6: its optimizer's state is element-wise, so its step may run over slices
+    sliceable: bool = True
 
     @property
     def device_bytes(self) -> int:
@@ -92,6 +94,19 @@ class ChunkNeeds:
     @property
     def grad_bytes(self) -> int:
         return self.nbytes if self.trainable else 0
+
+    def sliced(self, span: int) -> bool:
+        """Rule 6: whether an NVMe home of this chunk steps in slices of ``span`` bytes."""
+        return self.sliceable and self.nbytes > span
+
+    def staged_home_bytes(self, span: int) -> int:
+        """Rule 6: host bytes staging this chunk's NVMe home for its step takes at once: the home
+        of a ``span``-byte slice when it steps in slices, else the whole home."""
+        return dataclasses.replace(self, nbytes=span).home_bytes if self.sliced(span) else self.home_bytes
+
+    def staged_grad_bytes(self, span: int) -> int:
+        """Rule 6: host bytes its gradients take when staged for its step (a slice's, or all)."""
+        return min(self.grad_bytes, span) if self.sliced(span) else self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -285,7 +300,7 @@ def decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
-    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream)
+    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size)
     _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home)
     return Plan(
         chunk_size=chunk_size,
@@ -299,19 +314,25 @@ def decide(
 
 
 def _homes_and_grad_home(
-    needs: Sequence[ChunkNeeds], persistent: int, budgets: Budgets, request: PlanRequest, grads_stream: bool
+    needs: Sequence[ChunkNeeds],
+    persistent: int,
+    budgets: Budgets,
+    request: PlanRequest,
+    grads_stream: bool,
+    chunk_size: int,
 ) -> tuple[tuple[str, ...], str]:
     """Rule 3: the homes, and where the NVMe chunks' gradients wait (the host when it holds
     them all beside the homes it keeps, else NVMe; streamed gradients never wait)."""
+    size = chunk_size
     if grads_stream:
-        return _homes(needs, persistent, budgets, request.state_home, True), "host"
+        return _homes(needs, persistent, budgets, request.state_home, size, True), "host"
     if request.grad_home is not None:
         on_nvme = request.grad_home == "nvme"
-        homes = _homes(needs, persistent, budgets, request.state_home, on_nvme)
+        homes = _homes(needs, persistent, budgets, request.state_home, size, on_nvme)
         return homes, request.grad_home if "nvme" in homes else "host"
-    homes = _homes(needs, persistent, budgets, request.state_home, False)
-    if "nvme" in homes and _host_bytes(needs, homes, False) > budgets.host:
-        homes = _homes(needs, persistent, budgets, request.state_home, True)
+    homes = _homes(needs, persistent, budgets, request.state_home, size, False)
+    if "nvme" in homes and _host_bytes(needs, homes, False, size) > budgets.host:
+        homes = _homes(needs, persistent, budgets, request.state_home, size, True)
         return homes, "nvme"
     return homes, "host"
 
@@ -352,11 +373,24 @@ def _default_persistent(
     return len(needs)
 
 
-def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], grads_stream: bool) -> int:
-    """Rule 3: host bytes the NVMe chunks' gradients take at their peak."""
-    if grads_stream:
-        return 2 * max((n.grad_bytes for n in nvme_needs), default=0)
-    return sum(n.grad_bytes for n in nvme_needs)
+def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], grads_stream: bool, chunk_size: int) -> int:
+    """Rule 3: host bytes the NVMe chunks' gradients take at their peak. Rule 6: a chunk that
+    steps in slices keeps its gradients on NVMe and stages a slice's at a time."""
+    staged = 2 * max(
+        (n.staged_grad_bytes(chunk_size) for n in nvme_needs if grads_stream or n.sliced(chunk_size)), default=0
+    )
+    return staged + (0 if grads_stream else sum(n.grad_bytes for n in nvme_needs if not n.sliced(chunk_size)))
+
+
+def nvme_bytes(nvme_needs: Sequence[ChunkNeeds], grad_home: str, chunk_size: int) -> int:
+    """Rules 3 and 6: NVMe bytes of the NVMe chunks: homes, and gradients that wait there."""
+    waiting = [n for n in nvme_needs if grad_home == "nvme" or n.sliced(chunk_size)]
+    return sum(n.home_bytes for n in nvme_needs) + sum(n.grad_bytes for n in waiting)
+
+
+def staging_bytes(nvme_needs: Sequence[ChunkNeeds], chunk_size: int) -> int:
+    """Rules 3 and 6: host room to stage ``STAGED_HOMES`` NVMe homes (or slices of them) for the step."""
+    return STAGED_HOMES * max((n.staged_home_bytes(chunk_size) for n in nvme_needs), default=0)
 
 
 def _homes(
@@ -364,6 +398,7 @@ def _homes(
     persistent: int,
     budgets: Budgets,
     request: tuple[str, ...] | str | None,
+    chunk_size: int,
     grads_stream: bool = False,
 ) -> tuple[str, ...]:
     total = len(needs)
@@ -397,8 +432,8 @@ def _homes(
 
     def staging() -> int:
         nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
-        stream = nvme_grad_bytes(nvme, True) if grads_stream else 0
-        return STAGED_HOMES * max((n.home_bytes for n in nvme), default=0) + stream
+        stream = nvme_grad_bytes(nvme, True, chunk_size) if grads_stream else 0
+        return staging_bytes(nvme, chunk_size) + stream
 
     for i in reversed(streamed):
         if host_free >= staging():
@@ -424,8 +459,8 @@ def _check_fits(
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
     grads_pass = grads_stream or grad_home == "nvme"
-    host = _host_bytes(needs, homes, grads_pass)
-    nvme = sum(n.home_bytes + (n.grad_bytes if grad_home == "nvme" else 0) for n in nvme_homes)
+    host = _host_bytes(needs, homes, grads_pass, chunk_size)
+    nvme = nvme_bytes(nvme_homes, grad_home, chunk_size)
     waiting = (
         "two NVMe chunks' gradients staged"
         if grad_home == "nvme"
@@ -454,14 +489,14 @@ def _check_fits(
         )
 
 
-def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool) -> int:
+def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool, chunk_size: int) -> int:
     """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
     gradients (two at once when they only pass through, ``grads_pass``) and room to stage two
-    NVMe homes."""
+    NVMe homes (rule 6: slices of the homes that step in slices)."""
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = STAGED_HOMES * max((n.home_bytes for n in nvme_homes), default=0)
-    return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, grads_pass) + staging
+    staged = nvme_grad_bytes(nvme_homes, grads_pass, chunk_size) + staging_bytes(nvme_homes, chunk_size)
+    return sum(n.home_bytes + n.grad_bytes for n in host_homes) + staged
 
 
 def _own_slots(large: Sequence[int]) -> str:

@@ -43,17 +43,26 @@ class Packing:
         self._device = [0, *acc(n.device_bytes for n in needs)]
         self._home = [0, *acc(n.home_bytes for n in needs)]
         self._grad = [0, *acc(n.grad_bytes for n in needs)]
+        # NOTE [ Default placement rule ] rule 6: an NVMe chunk that steps in slices keeps its
+        # gradients on NVMe (its bytes here), staging a slice's at a time
+        self._sliced_grad = [0, *acc(n.grad_bytes if n.sliced(chunk_size) else 0 for n in needs)]
         self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
         # the step's time follows the parameter bytes it updates, with state or without (SGD
         # without momentum); its I/O follows the real state bytes, through home_bytes
         self._optim = [0, *acc(n.nbytes if n.trainable else 0 for n in needs)]
+        # what stepping an NVMe home stages on the host at once: its home and gradients, or a
+        # slice's for a chunk that steps in slices (NOTE [ Default placement rule ] rule 6)
         suffix = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
-            suffix[i] = max(suffix[i + 1], needs[i].home_bytes)
+            suffix[i] = max(suffix[i + 1], needs[i].staged_home_bytes(chunk_size))
         self._max_home_from = suffix
         self._max_grad_from = [0] * (len(needs) + 1)
+        self._max_sliced_grad_from = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
-            self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
+            staged = needs[i].staged_grad_bytes(chunk_size)
+            self._max_grad_from[i] = max(self._max_grad_from[i + 1], staged)
+            sliced = staged if needs[i].sliced(chunk_size) else 0
+            self._max_sliced_grad_from[i] = max(self._max_sliced_grad_from[i + 1], sliced)
         # NOTE [ Chunk layout rules ] rule 4: chunks above the chunk size (outliers' own) take
         # pool slots of their own bytes, the others the largest of theirs (NOTE [ Spare chunk
         # storage ] rule 1)
@@ -103,10 +112,14 @@ class Packing:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
         chunks' gradients (two at once when they stream or wait on NVMe), and room to stage two
-        NVMe homes)."""
+        NVMe homes, or two slices of those that step in slices)."""
         n = self.chunks
         passing = self.grads_stream or self.grad_home == "nvme"
-        nvme_grads = 2 * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
+        if passing:
+            nvme_grads = 2 * self._max_grad_from[host_end]
+        else:  # rule 6 there: sliced chunks' gradients wait on NVMe, a slice's staged at a time
+            waiting = self._sum(self._grad, host_end, n) - self._sum(self._sliced_grad, host_end, n)
+            nvme_grads = waiting + 2 * self._max_sliced_grad_from[host_end]
         return self._sum(self._hostuse, persistent, host_end) + nvme_grads + 2 * self._max_home_from[host_end]
 
     def host_end(self, persistent: int, host_budget: int) -> int:
@@ -195,7 +208,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     )
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
-    stored = s(pk._grad, max(h, p), n) if pk.grad_home == "nvme" else 0
+    stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
     if not (pk.grads_stream and profile.device == "cpu"):
         # gradient write-back of every streamed chunk; streamed gradients on the CPU device
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
@@ -205,7 +218,9 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
-    known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
+    # Chunks that step in slices step at optimizer.step(), reading all from NVMe (NOTE [ Sliced steps ]).
+    early = [need for need in pk.needs[max(h, p) : n] if need.trainable and not need.sliced(pk.chunk_size)]
+    known = sum(need.nbytes for need in early) if pk.grads_stream else 0
     memcpy += known
     nvme_step_read = s(pk._home, h, n) - known + stored
     nvme_step = nvme_step_read + s(pk._home, h, n) + stored

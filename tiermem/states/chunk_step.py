@@ -12,7 +12,7 @@ optimizer records (in ``commit`` only). It never moves a home or a gradient buff
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -26,6 +26,31 @@ from tiermem.states.optimizer import ManagedOptimizer, run_step
 from tiermem.states.store import ChunkStore
 
 Groups = list[tuple[dict[str, Any], list[torch.Tensor]]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One slice of a chunk stepped on its own (NOTE [ Sliced steps ] in ``stepping.py``): its
+    slots cut to the slice (:func:`cut_slots`), the slice's home bytes laid out as a chunk's of
+    the slice's bytes would be (:class:`~tiermem.states.homes.HomeSlice`) and its gradient bytes."""
+
+    slots: list[Slot]
+    home: torch.Tensor
+    grads: torch.Tensor
+    section_base: Callable[[int], int]
+    working_base: int
+
+
+def cut_slots(slots: Sequence[Slot], lo: int, hi: int) -> list[Slot]:
+    """The parts of ``slots`` inside bytes ``[lo, hi)`` of their chunk, as flat slots whose offsets
+    count from ``lo`` (NOTE [ Sliced steps ] rule 1: element-wise steps do not see shapes)."""
+    cut = []
+    for slot in slots:
+        start, end = max(slot.offset, lo), min(slot.offset + slot.nbytes, hi)
+        if start < end:
+            itemsize = slot.dtype.itemsize
+            cut.append(Slot(slot.index, start - lo, end - start, ((end - start) // itemsize,), slot.dtype))
+    return cut
 
 
 @dataclasses.dataclass(eq=False)
@@ -59,10 +84,15 @@ class ChunkStep:
         optimizer: ManagedOptimizer,
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
+        piece: Piece | None = None,
     ) -> ChunkStep:
         """On the training thread: the views of ``work`` (a chunk, the slots that step, and its
-        home bytes in memory, staged by the caller), its gradients, states and groups."""
+        home bytes in memory, staged by the caller), its gradients, states and groups; or of one
+        slice of it (``piece``: NOTE [ Sliced steps ] rule 1), whose small states are copies."""
         chunk, slots, home = work
+        section_base = chunk.section_base
+        if piece is not None:
+            slots, home, section_base = piece.slots, piece.home, piece.section_base
         names = facts.state_names
         scale = chunk.master_scale
         objects: dict[int, torch.Tensor] = {}
@@ -70,7 +100,7 @@ class ChunkStep:
             # The optimizer steps the master (an offloaded home's, or the fp32 master of a working
             # chunk, chunk layout rule 6) with the gradient in its dtype, as a master-weights loop does.
             assert home is not None and chunk.grad is not None
-            grads = gradients.grad_bytes(chunk)
+            grads = gradients.grad_bytes(chunk) if piece is None else piece.grads
             for slot in slots:
                 master = slot.master_view(home, 0, scale)
                 grad = slot.view(grads)
@@ -82,14 +112,16 @@ class ChunkStep:
         if home is not None:
             for slot in slots:
                 for name in facts.section_keys[slot.index]:
-                    base = chunk.section_base(names.index(name))
+                    base = section_base(names.index(name))
                     sections[slot.index, name] = slot.master_view(home, base, scale)
         state: dict[torch.Tensor, dict[str, Any]] = {}
         for slot in slots:
             record = store.pstate.get(slot.index)
             if record is not None:
                 state[objects[slot.index]] = {
-                    key: record.scalars[key] if key in record.scalars else sections[slot.index, key]
+                    key: _small(record.scalars[key], piece is not None)
+                    if key in record.scalars
+                    else sections[slot.index, key]
                     for key in record.keys
                 }
         by_group: dict[int, list[torch.Tensor]] = {}
@@ -102,7 +134,10 @@ class ChunkStep:
         refresh: list[tuple[torch.Tensor, torch.Tensor]] = []
         if scale > 1:  # the working copy follows the stepped masters (chunk layout rule 6)
             for slot in slots:
-                working = slot.view(home, chunk.working_base) if chunk.offloaded else slot.view(chunk.data)
+                if piece is not None:
+                    working = slot.view(home, piece.working_base)
+                else:
+                    working = slot.view(home, chunk.working_base) if chunk.offloaded else slot.view(chunk.data)
                 refresh.append((working, objects[slot.index]))
         return cls(
             facts.optimizer_class,
@@ -149,3 +184,9 @@ class ChunkStep:
     def commit(self, store: ChunkStore) -> None:
         """On the training thread, once :meth:`compute` returned: the new optimizer records."""
         store.pstate.update(self.records)
+
+
+def _small(value: Any, copy: bool) -> Any:
+    """A small state (``step``) for a step, a copy when ``copy``: torch's step updates it in place,
+    and every slice of a sliced step starts from the value before the step (NOTE [ Sliced steps ])."""
+    return value.clone() if copy and isinstance(value, torch.Tensor) else value

@@ -82,13 +82,13 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
-from tiermem.states.chunk_step import ChunkStep
+from tiermem.states.chunk_step import ChunkStep, Piece, cut_slots
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts
+from tiermem.states.core import ModelFacts, ParamState
 from tiermem.states.declarations import Declarations, clip_declared
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
-from tiermem.states.homes import Homes
+from tiermem.states.homes import Homes, HomeSlice
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread
@@ -195,6 +195,8 @@ class Stepper:
         waits for its step and there is room."""
         if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return
+        if chunk.slice_span is not None:
+            return  # NOTE [ Sliced steps ]: never staged whole
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= STAGED_HOMES:
             return  # the step stages it on demand once earlier write-backs landed
@@ -241,6 +243,7 @@ class Stepper:
         assert self.optimizer is not None
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
+        early = early and chunk.slice_span is None  # NOTE [ Sliced steps ] rule 4: at optimizer.step()
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
@@ -385,7 +388,9 @@ class Stepper:
             if slots and chunk.index not in stepped:
                 work.append((chunk, slots))
         staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
-        next_staged = dict(itertools.pairwise(staged))  # each NVMe chunk's next one
+        # each NVMe chunk's next one; none beside a sliced step, whose slices take that room
+        # (NOTE [ Sliced steps ] rule 2)
+        next_staged = {a: b for a, b in itertools.pairwise(staged) if a.slice_span is None and b.slice_span is None}
         for chunk, slots in work:
             following = next_staged.get(chunk)
             if following is not None:  # stage the next NVMe home while this one steps
@@ -449,7 +454,11 @@ class Stepper:
         known: KnownBytes | None = None,
     ) -> None:
         """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
-        :meth:`_finish_chunk_step` follows on this thread."""
+        :meth:`_finish_chunk_step` follows on this thread. A chunk that steps in slices steps so
+        (NOTE [ Sliced steps ])."""
+        if chunk.slice_span is not None and chunk.home is not None and chunk.home.tier == "nvme":
+            self._run_sliced_step(chunk, slots, optimizer, group_of, attributes)
+            return
         self._finish_steps()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
         traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]: this thread's part
         if self.save_guard is not None:
@@ -484,12 +493,97 @@ class Stepper:
             self.gradients.stash.release(chunk)  # NOTE [ Stored gradients ] rule 4
             if staged:
                 self.homes.send_back(chunk)
-        if ok and chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:
-            # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
+        if ok:
+            self._gradients_given_up(chunk)
+
+    def _gradients_given_up(self, chunk: Chunk) -> None:
+        """Rule 6, once ``chunk`` stepped."""
+        if chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:
+            # What zero_grad() would do next, now, so the host holds no gradient bytes.
             for slot in chunk.layout.slots:
                 self.store.has_grad[slot.index] = False
                 self.facts.params[slot.index].grad = None
             self.gradients.drop(chunk)
+
+    def _run_sliced_step(
+        self,
+        chunk: Chunk,
+        slots: list[Slot],
+        optimizer: ManagedOptimizer,
+        group_of: Mapping[int, int],
+        attributes: Mapping[str, Any],
+    ) -> None:
+        """NOTE [ Sliced steps ]: ``chunk``'s step over slices of ``chunk.slice_span`` bytes, each
+        staged on the host, computed (on the step thread while the next is read) and written back;
+        the optimizer records of the whole step are kept once every slice stepped (rule 3)."""
+        span = chunk.slice_span
+        assert span is not None
+        self._finish_steps()  # NOTE [ Step threads ] rule 2
+        traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]
+        if self.save_guard is not None:
+            self.save_guard.before_step(chunk)
+        records: dict[int, ParamState] = {}
+        writing: list[HomeSlice] = []  # slices whose write-back is in flight (rule 2)
+        self.gradients.stash.release(chunk)  # a staged copy someone wrote lands on NVMe first
+        try:
+            for lo in range(0, chunk.nbytes, span):
+                hi = min(lo + span, chunk.nbytes)
+                cut = cut_slots(slots, lo, hi)
+                if not cut:
+                    continue
+                while writing:  # rule 2: at most two slices' bytes on the host
+                    self.homes.free_slice(writing.pop())
+                assert chunk.grad is not None
+                piece = self.homes.stage_slice(chunk, lo, hi, grad_room=not self.gradients.addressable(chunk))
+                try:
+                    grads = self.gradients.grad_range(chunk, piece)
+                    self.homes.wait_slice(piece)
+                    job = ChunkStep.prepare(
+                        self.facts,
+                        self.store,
+                        self.gradients,
+                        (chunk, slots, None),
+                        optimizer,
+                        group_of,
+                        attributes,
+                        Piece(cut, piece.home(), grads, piece.section_base, piece.working_base),
+                    )
+                except BaseException:
+                    self.homes.free_slice(piece, quiet=True)
+                    raise
+                finish = functools.partial(self._finish_slice, chunk, piece, job, records, writing)
+                compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
+                self.steps.run(chunk.index, compute, finish)  # slices are host bytes: rule 1
+            self._finish_steps()
+            while writing:
+                self.homes.free_slice(writing.pop())
+        except BaseException:
+            for piece in writing:
+                self.homes.free_slice(piece, quiet=True)
+            raise
+        finally:
+            if traced is not None:
+                traced.end()
+        self.store.pstate.update(records)  # rule 3: the records after the whole step, once
+        self._gradients_given_up(chunk)
+
+    def _finish_slice(
+        self,
+        chunk: Chunk,
+        piece: HomeSlice,
+        job: ChunkStep,
+        records: dict[int, ParamState],
+        writing: list[HomeSlice],
+        ok: bool,
+    ) -> None:
+        """NOTE [ Sliced steps ] rule 2, on the training thread once a slice computed: its records
+        kept for the end, its bytes written back (a failed slice's are dropped unwritten)."""
+        if not ok:
+            self.homes.free_slice(piece, quiet=True)
+            return
+        records.update(job.records)
+        self.homes.write_slice(chunk, piece)
+        writing.append(piece)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's
