@@ -99,8 +99,8 @@ def choose_layout(
                 f"{first_error} The smallest capacities with which the default placement fits: "
                 f"[device] {format_size_up(smallest.device)} ({smallest.device} bytes), [host] "
                 f"{format_size_up(smallest.host)} ({smallest.host} bytes) and [nvme] {format_size_up(smallest.nvme)} "
-                f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where it "
-                "has room)."
+                f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where "
+                "it has room)."
             ) from first_error
         raise first_error
     return best[2], best[3]

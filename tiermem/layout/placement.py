@@ -43,6 +43,17 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    included.
 5. A hand-written field overrides the rule; the whole plan is then checked against the free
    capacities and rejected with the numbers when it cannot fit.
+6. Sliced steps: an NVMe chunk larger than the chunk size (an outlier's own) steps in slices of
+   the chunk size when its optimizer is element-wise (``ChunkNeeds.sliceable``; NOTE [ Sliced
+   steps ] in ``tiermem/states/stepping.py``). Rule 3's staging room then holds two slices' homes
+   and gradients for it (``staged_home_bytes``, ``staged_grad_bytes``), not its whole home, and
+   its gradients wait on NVMe (counted there). A chunk whose optimizer is not element-wise stages
+   whole, and a refusal says so.
+7. What the device must hold, for any placement: rule 1's streaming reserve at the fewest
+   buffers, twice the largest chunks one module's forward and backward use at once (tied weights
+   count their chunk for all of backward), an outlier's chunk its own bytes: at least the largest
+   parameter and its gradient, which its module computes with and autograd accumulates whole.
+   Below that nothing fits, and the refusal names the least device in bytes (``choose.py``).
 """
 
 from __future__ import annotations
@@ -64,7 +75,16 @@ STAGED_HOMES = 2
 BLOCK_POLICIES = ("keep", "recompute", "host", "nvme")
 GRAD_HOMES = ("host", "nvme")
 """Rule 3: where the gradients of chunks with NVMe homes wait between backward and the step."""
-PLAN_KEYS = ("chunk_size", "persistent_chunks", "buffers", "state_home", "grad_home", "block_policy", "predicted")
+PLAN_KEYS = (
+    "chunk_size",
+    "persistent_chunks",
+    "buffers",
+    "state_home",
+    "grad_home",
+    "slice_bytes",
+    "block_policy",
+    "predicted",
+)
 
 
 @dataclass(frozen=True)
@@ -99,14 +119,17 @@ class ChunkNeeds:
         """Rule 6: whether an NVMe home of this chunk steps in slices of ``span`` bytes."""
         return self.sliceable and self.nbytes > span
 
-    def staged_home_bytes(self, span: int) -> int:
+    def staged_home_bytes(self, chunk_size: int, span: int | None = None) -> int:
         """Rule 6: host bytes staging this chunk's NVMe home for its step takes at once: the home
-        of a ``span``-byte slice when it steps in slices, else the whole home."""
-        return dataclasses.replace(self, nbytes=span).home_bytes if self.sliced(span) else self.home_bytes
+        of a slice of ``span`` bytes (the chunk size when None) when it steps in slices, else the
+        whole home."""
+        if not self.sliced(chunk_size):
+            return self.home_bytes
+        return dataclasses.replace(self, nbytes=min(span or chunk_size, self.nbytes)).home_bytes
 
-    def staged_grad_bytes(self, span: int) -> int:
+    def staged_grad_bytes(self, chunk_size: int, span: int | None = None) -> int:
         """Rule 6: host bytes its gradients take when staged for its step (a slice's, or all)."""
-        return min(self.grad_bytes, span) if self.sliced(span) else self.grad_bytes
+        return min(self.grad_bytes, span or chunk_size) if self.sliced(chunk_size) else self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -135,6 +158,7 @@ class PlanRequest:
     predicted: Prediction = field(default_factory=Prediction)
     order: tuple[int, ...] | None = None
     grad_home: str | None = None
+    slice_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -149,6 +173,8 @@ class Plan:
     predicted: Prediction = field(default_factory=Prediction)
     #: rule 3: where NVMe chunks' gradients wait between backward and the step
     grad_home: str = "host"
+    #: rule 6: the bytes a sliced step's slices span (None: the chunk size)
+    slice_bytes: int | None = None
 
     @property
     def chunks(self) -> int:
@@ -161,6 +187,7 @@ class Plan:
             "buffers": self.buffers,
             "state_home": list(self.state_home),
             "grad_home": self.grad_home,
+            "slice_bytes": self.slice_bytes,
             "block_policy": None if self.block_policy is None else list(self.block_policy),
             "predicted": self.predicted.as_dict(),
         }
@@ -187,6 +214,7 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
             block_policy=spec.block_policy,
             predicted=spec.predicted,
             grad_home=spec.grad_home,
+            slice_bytes=spec.slice_bytes,
         )
     if isinstance(spec, (str, os.PathLike)):
         try:
@@ -200,17 +228,18 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
         )
     problems = [f"{key!r}: unknown key (known: {', '.join(PLAN_KEYS)})" for key in spec if key not in PLAN_KEYS]
     values: dict[str, Any] = {}
-    for key in ("chunk_size", "persistent_chunks", "buffers"):
+    for key in ("chunk_size", "persistent_chunks", "buffers", "slice_bytes"):
         value = spec.get(key)
         if value is None or value == "auto":
             continue
         try:
-            number = parse_size(value) if key == "chunk_size" else value
+            number = parse_size(value) if key in ("chunk_size", "slice_bytes") else value
             if isinstance(number, bool) or not isinstance(number, int):
                 raise ValueError(f"must be an integer, got {value!r}")
             # buffers=0 is what a plan whose every chunk persists says (Plan.save round trip)
-            if number < (1 if key == "chunk_size" else 0):
-                raise ValueError(f"must be {'> 0' if key == 'chunk_size' else '>= 0'}, got {value!r}")
+            positive = key in ("chunk_size", "slice_bytes")
+            if number < (1 if positive else 0):
+                raise ValueError(f"must be {'> 0' if positive else '>= 0'}, got {value!r}")
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -302,6 +331,7 @@ def decide(
         )
     homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size)
     _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home)
+    slices = _slice_bytes(needs, homes, chunk_size, budgets, grads_stream or grad_home == "nvme", request.slice_bytes)
     return Plan(
         chunk_size=chunk_size,
         persistent_chunks=persistent,
@@ -310,7 +340,44 @@ def decide(
         block_policy=request.block_policy,
         predicted=request.predicted,
         grad_home=grad_home,
+        slice_bytes=slices,
     )
+
+
+def _slice_bytes(
+    needs: Sequence[ChunkNeeds],
+    homes: Sequence[str],
+    chunk_size: int,
+    budgets: Budgets,
+    grads_pass: bool,
+    requested: int | None,
+) -> int | None:
+    """Rule 6: the bytes slices span: the requested size (checked), else the chunk size widened,
+    a page at a time, while the host holds two slices beside the rest of the plan (fewer, larger
+    slices: each costs a few copies and an optimizer call). None when no chunk steps in slices."""
+    sliced = [n.nbytes for n, h in zip(needs, homes, strict=True) if h == "nvme" and n.sliced(chunk_size)]
+    if not sliced:
+        return None
+
+    def fits(span: int) -> bool:
+        return _host_bytes(needs, homes, grads_pass, chunk_size, span) <= budgets.host
+
+    if requested is not None:
+        span = round_up(max(requested, chunk_size), ALIGNMENT)
+        if not fits(span):
+            need = _host_bytes(needs, homes, grads_pass, chunk_size, span)
+            raise StatesMemoryError(
+                f"tiermem model states do not fit: slice_bytes={requested} stages two slices of "
+                f"{format_size(span)} on the host, which needs {format_size(need)} but has "
+                f"{format_size(budgets.host)} free; give a smaller slice_bytes (at least the chunk size, "
+                f"{format_size(chunk_size)}) or leave it out"
+            )
+        return span
+    low, high = chunk_size // ALIGNMENT, round_up(max(sliced), ALIGNMENT) // ALIGNMENT
+    while low < high:  # the host need grows with the span
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * ALIGNMENT) else (low, mid - 1)
+    return low * ALIGNMENT
 
 
 def _homes_and_grad_home(
@@ -373,11 +440,15 @@ def _default_persistent(
     return len(needs)
 
 
-def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], grads_stream: bool, chunk_size: int) -> int:
+def nvme_grad_bytes(
+    nvme_needs: Sequence[ChunkNeeds], grads_stream: bool, chunk_size: int, span: int | None = None
+) -> int:
     """Rule 3: host bytes the NVMe chunks' gradients take at their peak. Rule 6: a chunk that
-    steps in slices keeps its gradients on NVMe and stages a slice's at a time."""
+    steps in slices (of ``span`` bytes; None: the chunk size) keeps its gradients on NVMe and
+    stages a slice's at a time."""
     staged = 2 * max(
-        (n.staged_grad_bytes(chunk_size) for n in nvme_needs if grads_stream or n.sliced(chunk_size)), default=0
+        (n.staged_grad_bytes(chunk_size, span) for n in nvme_needs if grads_stream or n.sliced(chunk_size)),
+        default=0,
     )
     return staged + (0 if grads_stream else sum(n.grad_bytes for n in nvme_needs if not n.sliced(chunk_size)))
 
@@ -388,9 +459,10 @@ def nvme_bytes(nvme_needs: Sequence[ChunkNeeds], grad_home: str, chunk_size: int
     return sum(n.home_bytes for n in nvme_needs) + sum(n.grad_bytes for n in waiting)
 
 
-def staging_bytes(nvme_needs: Sequence[ChunkNeeds], chunk_size: int) -> int:
-    """Rules 3 and 6: host room to stage ``STAGED_HOMES`` NVMe homes (or slices of them) for the step."""
-    return STAGED_HOMES * max((n.staged_home_bytes(chunk_size) for n in nvme_needs), default=0)
+def staging_bytes(nvme_needs: Sequence[ChunkNeeds], chunk_size: int, span: int | None = None) -> int:
+    """Rules 3 and 6: host room to stage ``STAGED_HOMES`` NVMe homes (or slices of ``span`` bytes
+    of them; None: the chunk size) for the step."""
+    return STAGED_HOMES * max((n.staged_home_bytes(chunk_size, span) for n in nvme_needs), default=0)
 
 
 def _homes(
@@ -474,9 +546,16 @@ def _check_fits(
             f"parameters and gradients) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
+        whole = [n.home_bytes for n in nvme_homes if n.nbytes > chunk_size and not n.sliceable]
+        staged = "two NVMe homes" if not any(n.sliced(chunk_size) for n in nvme_homes) else "two slices of NVMe homes"
+        if whole:  # rule 6: a chunk too large to stage whole steps in slices only when its optimizer is element-wise
+            staged += (
+                f", whole for {len(whole)} chunk(s) larger than the chunk size (homes up to "
+                f"{format_size(max(whole))}): their optimizer's state is not element-wise, so they step whole"
+            )
         problems.append(
             f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
-            f"and room to stage two NVMe homes) but has {format_size(budgets.host)} free"
+            f"and room to stage {staged}) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -489,13 +568,15 @@ def _check_fits(
         )
 
 
-def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool, chunk_size: int) -> int:
+def _host_bytes(
+    needs: Sequence[ChunkNeeds], homes: Sequence[str], grads_pass: bool, chunk_size: int, span: int | None = None
+) -> int:
     """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
     gradients (two at once when they only pass through, ``grads_pass``) and room to stage two
-    NVMe homes (rule 6: slices of the homes that step in slices)."""
+    NVMe homes (rule 6: slices of ``span`` bytes of the homes that step in slices)."""
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staged = nvme_grad_bytes(nvme_homes, grads_pass, chunk_size) + staging_bytes(nvme_homes, chunk_size)
+    staged = nvme_grad_bytes(nvme_homes, grads_pass, chunk_size, span) + staging_bytes(nvme_homes, chunk_size, span)
     return sum(n.home_bytes + n.grad_bytes for n in host_homes) + staged
 
 

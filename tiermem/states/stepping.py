@@ -64,6 +64,39 @@ generation, the pool's residency (releases), and gradients through
    most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
    [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
    in a window, as for any chunk a failed step never reached) and sends their homes back.
+
+# NOTE [ Sliced steps ]
+1. Which: a trainable chunk whose home is on NVMe and which is larger than the plan's chunk
+   size (an outlier's own chunk, NOTE [ Chunk layout rules ] rule 4: a vocabulary's embedding)
+   steps in slices of ``chunk_size`` bytes (``Chunk.slice_span``) when its optimizer is
+   element-wise (NOTE [ Exact optimizer step ] rule 6); the placement keeps host room for two
+   slices, never for its whole home (NOTE [ Default placement rule ] rule 6). A slice is bytes
+   ``[lo, hi)`` of the chunk, ``lo`` a multiple of the span, so every range of it is page-aligned
+   (O_DIRECT, no read-modify-write); each parameter's part in it steps as a flat tensor
+   (``cut_slots``: an element-wise step sees no shapes).
+2. Staging: for each slice a host buffer, registered on the host tier, gets the slice's range of
+   every section of the home (master, each optimizer state, the working copy under mixed
+   precision) through the registry's range copies (``Handle.fill_from`` with offsets, NOTE
+   [ Managed object rules ] rule 8: the home stays resident on NVMe, never moves), and the
+   range of the gradients: viewed in place where the CPU addresses them (the host, the CPU
+   device), else copied in (NVMe, a CUDA device). A slice computes on the step thread while
+   the next is read (NOTE [ Step threads ]); when it finishes, its ranges are written back
+   (WRITEBACK), and the buffer after next is made only once that write landed: at most two
+   slices' bytes are on the host. The chunk's step ends once every write landed, so the next
+   forward's fetch reads the stepped bytes. No other NVMe home is prefetched beside a sliced
+   step: the slices take that room.
+3. Exactness: every slice's step starts from copies of the small states as they were before
+   the step (torch's step counts ``step`` in place: shared, it would count once per slice);
+   the records after the step (equal in every slice) are kept once all slices stepped. With
+   an element-wise optimizer the chunk's step is then bitwise its whole step.
+4. Its gradients wait on NVMe between backward and the step whatever ``grad_home`` says (the
+   host would hold all of them), and it steps at ``optimizer.step()``, never early in backward
+   (rule 3 stages whole homes). ``p.grad`` of it is a ``StoredGradient``: an op on it stages the
+   whole gradient on the host and needs that room (refused with the sizes otherwise); a
+   snapshot reads it out without staging. So do writes to its parameters between steps and
+   state imports (``load_state_dict``, ``rt.load``): they stage the whole home.
+5. An error in a slice (its compute or I/O) ends the step and is raised: the slices before it
+   are stepped in the home, the later ones are not; resume from a checkpoint.
 """
 
 from __future__ import annotations
