@@ -213,5 +213,6 @@ def plan_request(
         chosen.block_policy,
         chosen.predicted,
         order=profile.order,
+        slice_bytes=chosen.slice_bytes,  # the slices its host prediction counts
     )
     return request, decision

@@ -244,3 +244,24 @@ class Homes:
                 raise
         finally:
             piece.handle.free()
+
+    def write_range(self, chunk: Chunk, offset: int, data: torch.Tensor) -> None:
+        """Write ``data`` (bytes in CPU memory) into ``chunk``'s NVMe home at ``offset``, through a
+        host buffer of at most the chunk's slice span at a time (NOTE [ Sliced steps ] rule 4: a
+        home too large to stage whole, written from a state import)."""
+        self.fence(chunk)
+        home = chunk.home
+        assert home is not None and chunk.slice_span is not None
+        home.wait()
+        self._read_cache = None
+        flat = data.reshape(-1).view(torch.uint8)
+        step = chunk.slice_span
+        handle = self._register_slice(chunk, min(step, flat.numel()))
+        try:
+            buffer = handle.tensor("host")
+            for start in range(0, flat.numel(), step):
+                count = min(step, flat.numel() - start)
+                buffer[:count].copy_(flat[start : start + count])
+                home.fill_from(handle, nbytes=count, offset=offset + start, priority=Priority.DEMAND).wait()
+        finally:
+            handle.free()

@@ -93,8 +93,10 @@ generation, the pool's residency (releases), and gradients through
    host would hold all of them), and it steps at ``optimizer.step()``, never early in backward
    (rule 3 stages whole homes). ``p.grad`` of it is a ``StoredGradient``: an op on it stages the
    whole gradient on the host and needs that room (refused with the sizes otherwise); a
-   snapshot reads it out without staging. So do writes to its parameters between steps and
-   state imports (``load_state_dict``, ``rt.load``): they stage the whole home.
+   snapshot reads it out without staging. State imports (an optimizer's ``load_state_dict``,
+   ``rt.load``, state an optimizer's constructor makes) write its home by ranges through a
+   buffer of one slice (``Homes.write_range``); writes to its parameters between steps (NOTE
+   [ Parameter access ]) still stage the whole home and need that room.
 5. An error in a slice (its compute or I/O) ends the step and is raised: the slices before it
    are stepped in the home, the later ones are not; resume from a checkpoint.
 """
