@@ -280,3 +280,72 @@ def test_the_default_placement_slices_and_planning_at_the_first_step_stays_exact
         losses = train(model, optimizer)
         assert any(c.slice_span is not None for c in rt._model_states[-1].chunks)
     assert bitwise(losses, want_losses) and bitwise(list(model.parameters()), list(plain.parameters()))
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [{"grad_accumulation_steps": 1, "keep_gradients": False}, {"grad_accumulation_steps": 2}],
+    ids=["streamed gradients", "accumulation"],
+)
+def test_declared_loops_step_a_sliced_chunk_at_optimizer_step(tmp_path, declared):
+    """NOTE [ Sliced steps ] rule 4: other chunks step early in backward, the sliced one at
+    ``optimizer.step()`` from its gradients on NVMe; bitwise plain PyTorch either way."""
+    accumulation = declared["grad_accumulation_steps"]
+
+    def loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        losses = []
+        for i, (x, y) in enumerate(batches(4)):
+            loss = model(x, y)[1]
+            (loss / accumulation).backward()
+            losses.append(loss.detach())
+            if (i + 1) % accumulation == 0:
+                optimizer.step()
+                optimizer.zero_grad()
+        return losses
+
+    plain = gpt()
+    want_losses = loop(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    with tiermem.Runtime(settings(tmp_path, 8 << 20, 384 * KiB)) as rt:
+        model, optimizer = rt.manage(gpt(), torch.optim.AdamW, plan=PLAN, lr=1e-2, **declared)
+        losses = loop(model, optimizer)
+        states = rt._model_states[-1]
+        assert states.stepper.early_chunk_steps > 0 and any(c.slice_span for c in states.chunks)
+    assert bitwise(losses, want_losses) and bitwise(list(model.parameters()), list(plain.parameters()))
+
+
+def test_mixed_precision_steps_in_slices_as_it_steps_whole(tmp_path):
+    """bf16 working parameters, fp32 masters in sections twice as wide (NOTE [ Chunk layout rules ]
+    rule 6): the slices' ranges of the masters, states and working copy give the whole step."""
+    runs = {}
+    whole = {"chunk_size": "16KiB", "persistent_chunks": 0, "state_home": "host"}
+    for name, plan, host in [("sliced", PLAN, 1 << 20), ("whole", whole, 16 << 20)]:
+        with tiermem.Runtime(settings(tmp_path, 8 << 20, host)) as rt:
+            model, optimizer = rt.manage(gpt(), torch.optim.AdamW, plan=plan, lr=1e-2, param_dtype=torch.bfloat16)
+            assert any(c.slice_span for c in rt._model_states[-1].chunks) == (name == "sliced")
+            losses = train(model, optimizer)
+            state = optimizer.state_dict()["state"][0]
+            runs[name] = (losses, [p.detach().clone() for p in model.parameters()], state)
+    (losses, params, state), (want_losses, want_params, want_state) = runs["sliced"], runs["whole"]
+    assert bitwise(losses, want_losses) and bitwise(params, want_params)
+    assert state.keys() == want_state.keys() and all(torch.equal(state[k], want_state[k]) for k in state)
+
+
+def test_range_copies_of_an_nvme_object_go_through_the_registry_checksummed(tmp_path):
+    """NOTE [ Managed object rules ] rule 8: ranges of one NVMe object read into and written from
+    a host object at any offset, with checksums verifying every read (records split by partial
+    writes); the object never moves and the link counts the bytes."""
+    config = settings(tmp_path, 1 << 20, 1 << 20)
+    config["nvme"]["checksum"] = True
+    data = torch.arange(40_000, dtype=torch.uint8)
+    with tiermem.Runtime(config) as rt:
+        stored = rt.registry.register(data.clone(), "nvme", dedup=False)
+        room = rt.registry.register(torch.zeros(10_000, dtype=torch.uint8), "host", dedup=False)
+        room.fill_from(stored, nbytes=7_000, source_offset=12_345, offset=1_000).wait()  # a range read
+        assert torch.equal(room.tensor("host")[1_000:8_000], data[12_345:19_345])
+        room.tensor("host")[1_000:8_000].add_(1)
+        stored.fill_from(room, nbytes=7_000, source_offset=1_000, offset=12_345).wait()  # a range write
+        want = data.clone()
+        want[12_345:19_345] += 1
+        assert stored.tier == "nvme" and torch.equal(stored.read_out()[:40_000], want)
+        moved = rt.registry.link_statistics()
+        assert moved["nvme->host"].bytes >= 7_000 and moved["host->nvme"].bytes >= 7_000
