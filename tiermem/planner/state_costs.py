@@ -46,6 +46,9 @@ class Packing:
         # NOTE [ Default placement rule ] rule 6: an NVMe chunk that steps in slices keeps its
         # gradients on NVMe (its bytes here), staging a slice's at a time
         self._sliced_grad = [0, *acc(n.grad_bytes if n.sliced(chunk_size) else 0 for n in needs)]
+        # and steps in slices of the chunk size: each slice past the first costs what one more
+        # streamed chunk's step does (NOTE [ Cost model ] rule 7: its calls and waits)
+        self._extra_slices = [0, *acc(-(-n.nbytes // chunk_size) - 1 if n.sliced(chunk_size) else 0 for n in needs)]
         self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
         # the step's time follows the parameter bytes it updates, with state or without (SGD
         # without momentum); its I/O follows the real state bytes, through home_bytes
@@ -183,7 +186,7 @@ class StatesCost:
     #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
     grad_stages: tuple[tuple[int, int], ...] = ()
     device_parts: dict[str, int] = field(default_factory=dict)
-    #: chunks that stream (rule 7)
+    #: chunks that stream, and slices of sliced steps past each one's first (rule 7)
     streamed_chunks: int = 0
 
 
@@ -243,7 +246,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_total=grad_total,
         grad_stages=stages,
         device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
-        streamed_chunks=n - p,
+        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n),
     )
 
 
