@@ -23,6 +23,7 @@ import tiermem
 from tiermem.app.models.data import MarkovChainData
 from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.errors import StatesMemoryError
+from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.homes import Homes
 from tiermem.states.optimizer import SUPPORTED
 
@@ -349,3 +350,30 @@ def test_range_copies_of_an_nvme_object_go_through_the_registry_checksummed(tmp_
         assert stored.tier == "nvme" and torch.equal(stored.read_out()[:40_000], want)
         moved = rt.registry.link_statistics()
         assert moved["nvme->host"].bytes >= 7_000 and moved["host->nvme"].bytes >= 7_000
+
+
+def test_an_error_in_a_slice_is_raised_and_leaves_no_slice_on_the_host(tmp_path, monkeypatch):
+    """NOTE [ Sliced steps ] rule 5: the third slice's compute fails; ``optimizer.step()`` raises
+    that error once the slice in flight ended, and every slice's host buffer is freed."""
+    compute = ChunkStep.compute
+    calls = []
+
+    def failing(self: ChunkStep) -> None:
+        calls.append(self)
+        if len(calls) == 3:
+            raise RuntimeError("injected slice failure")
+        compute(self)
+
+    with tiermem.Runtime(settings(tmp_path, 8 << 20, 384 * KiB)) as rt:
+        model, optimizer = rt.manage(gpt(), torch.optim.AdamW, plan=PLAN, lr=1e-2)
+        x, y = batches(1)[0]
+        model(x, y)[1].backward()
+        optimizer.step()  # the first step re-packs in execution order and steps
+        optimizer.zero_grad()
+        model(x, y)[1].backward()
+        host = rt.tiers["host"].statistics().current_bytes
+        monkeypatch.setattr(ChunkStep, "compute", failing)
+        with pytest.raises(RuntimeError, match="injected slice failure"):
+            optimizer.step()
+        assert len(calls) >= 3 and rt.tiers["host"].statistics().current_bytes == host
+    assert list(tmp_path.glob("tiermem-*")) == []

@@ -583,6 +583,8 @@ class Stepper:
                         attributes,
                         Piece(cut, piece.home(), grads, piece.section_base, piece.working_base),
                     )
+                    # the slice in flight ends here, its error raised while this one is still ours to free
+                    self.steps.finish_all()
                 except BaseException:
                     self.homes.free_slice(piece, quiet=True)
                     raise
@@ -593,6 +595,8 @@ class Stepper:
             while writing:
                 self.homes.free_slice(writing.pop())
         except BaseException:
+            with contextlib.suppress(Exception):  # rule 5: the slice in flight ends (and joins ``writing``)
+                self.steps.finish_all()
             for piece in writing:
                 self.homes.free_slice(piece, quiet=True)
             raise
