@@ -1,5 +1,5 @@
 """A parameter larger than the host's staging room steps in slices (issue 34 items 2 and 3; NOTE
-[ Sliced steps ] in ``tiermem/states/stepping.py``, NOTE [ Default placement rule ] rules 6 and 7).
+[ Sliced steps ] in ``tiermem/states/chunk_step.py``, NOTE [ Default placement rule ] rules 6 and 7).
 
 An embedding whose NVMe home is several times the host steps slice by slice, each slice's home
 ranges and gradients read through the registry's range copies and written back: bitwise the

@@ -45,7 +45,7 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    capacities and rejected with the numbers when it cannot fit.
 6. Sliced steps: an NVMe chunk larger than the chunk size (an outlier's own) steps in slices of
    the chunk size when its optimizer is element-wise (``ChunkNeeds.sliceable``; NOTE [ Sliced
-   steps ] in ``tiermem/states/stepping.py``). Rule 3's staging room then holds two slices' homes
+   steps ] in ``tiermem/states/chunk_step.py``). Rule 3's staging room then holds two slices' homes
    and gradients for it (``staged_home_bytes``, ``staged_grad_bytes``), not its whole home, and
    its gradients wait on NVMe (counted there). A chunk whose optimizer is not element-wise stages
    whole, and a refusal says so.

@@ -1,5 +1,5 @@
 """Access to chunk homes: staging an NVMe home on the host to write it, reading a home's bytes,
-and staging one slice of a home for a sliced step (NOTE [ Sliced steps ] in ``stepping.py``).
+and staging one slice of a home for a sliced step (NOTE [ Sliced steps ] in ``chunk_step.py``).
 
 :class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
 valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`) and the host
@@ -169,7 +169,7 @@ class Homes:
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
 
-    # -- NOTE [ Sliced steps ] in stepping.py: one slice of an NVMe home at a time ---------------
+    # -- NOTE [ Sliced steps ] in chunk_step.py: one slice of an NVMe home at a time ---------------
     def stage_slice(self, chunk: Chunk, lo: int, hi: int, *, grad_room: bool) -> HomeSlice:
         """Start reading bytes ``[lo, hi)`` of every section of ``chunk``'s NVMe home into a new
         host buffer (DEMAND; :meth:`wait_slice` waits), with room for the range's gradients when

@@ -43,7 +43,7 @@
    step over slices of a parameter, one after another, each from the small states as they were
    before the step, is bitwise their step over the whole parameter (torch 2.13's CPU kernels give
    the same bits at any offset and length: ``tests/test_sliced_steps.py`` checks every flag). A
-   chunk too large to stage whole steps so (NOTE [ Sliced steps ] in ``stepping.py``). Factored
+   chunk too large to stage whole steps so (NOTE [ Sliced steps ] in ``chunk_step.py``). Factored
    or declared optimizers (Adafactor's row and column statistics, a trust ratio) are not
    element-wise: their chunks stage whole, and the placement plans room for that.
 """

@@ -64,41 +64,6 @@ generation, the pool's residency (releases), and gradients through
    most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
    [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
    in a window, as for any chunk a failed step never reached) and sends their homes back.
-
-# NOTE [ Sliced steps ]
-1. Which: a trainable chunk whose home is on NVMe and which is larger than the plan's chunk
-   size (an outlier's own chunk, NOTE [ Chunk layout rules ] rule 4: a vocabulary's embedding)
-   steps in slices of ``chunk_size`` bytes (``Chunk.slice_span``) when its optimizer is
-   element-wise (NOTE [ Exact optimizer step ] rule 6); the placement keeps host room for two
-   slices, never for its whole home (NOTE [ Default placement rule ] rule 6). A slice is bytes
-   ``[lo, hi)`` of the chunk, ``lo`` a multiple of the span, so every range of it is page-aligned
-   (O_DIRECT, no read-modify-write); each parameter's part in it steps as a flat tensor
-   (``cut_slots``: an element-wise step sees no shapes).
-2. Staging: for each slice a host buffer, registered on the host tier, gets the slice's range of
-   every section of the home (master, each optimizer state, the working copy under mixed
-   precision) through the registry's range copies (``Handle.fill_from`` with offsets, NOTE
-   [ Managed object rules ] rule 8: the home stays resident on NVMe, never moves), and the
-   range of the gradients: viewed in place where the CPU addresses them (the host, the CPU
-   device), else copied in (NVMe, a CUDA device). A slice computes on the step thread while
-   the next is read (NOTE [ Step threads ]); when it finishes, its ranges are written back
-   (WRITEBACK), and the buffer after next is made only once that write landed: at most two
-   slices' bytes are on the host. The chunk's step ends once every write landed, so the next
-   forward's fetch reads the stepped bytes. No other NVMe home is prefetched beside a sliced
-   step: the slices take that room.
-3. Exactness: every slice's step starts from copies of the small states as they were before
-   the step (torch's step counts ``step`` in place: shared, it would count once per slice);
-   the records after the step (equal in every slice) are kept once all slices stepped. With
-   an element-wise optimizer the chunk's step is then bitwise its whole step.
-4. Its gradients wait on NVMe between backward and the step whatever ``grad_home`` says (the
-   host would hold all of them), and it steps at ``optimizer.step()``, never early in backward
-   (rule 3 stages whole homes). ``p.grad`` of it is a ``StoredGradient``: an op on it stages the
-   whole gradient on the host and needs that room (refused with the sizes otherwise); a
-   snapshot reads it out without staging. State imports (an optimizer's ``load_state_dict``,
-   ``rt.load``, state an optimizer's constructor makes) write its home by ranges through a
-   buffer of one slice (``Homes.write_range``); writes to its parameters between steps (NOTE
-   [ Parameter access ]) still stage the whole home and need that room.
-5. An error in a slice (its compute or I/O) ends the step and is raised: the slices before it
-   are stepped in the home, the later ones are not; resume from a checkpoint.
 """
 
 from __future__ import annotations
@@ -117,13 +82,13 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
-from tiermem.states.chunk_step import ChunkStep, Piece, cut_slots
+from tiermem.states.chunk_step import ChunkStep, SlicedStep
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, ParamState
+from tiermem.states.core import ModelFacts
 from tiermem.states.declarations import Declarations, clip_declared
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.gradients import Gradients
-from tiermem.states.homes import Homes, HomeSlice
+from tiermem.states.homes import Homes
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread
@@ -185,6 +150,8 @@ class Stepper:
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on the same one
         self.steps = steps
+        #: steps of chunks too large to stage whole (NOTE [ Sliced steps ] in ``chunk_step.py``)
+        self.sliced = SlicedStep(facts, store, gradients, homes, steps)
 
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""
@@ -231,7 +198,7 @@ class Stepper:
         if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return
         if chunk.slice_span is not None:
-            return  # NOTE [ Sliced steps ]: never staged whole
+            return  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= STAGED_HOMES:
             return  # the step stages it on demand once earlier write-backs landed
@@ -278,7 +245,7 @@ class Stepper:
         assert self.optimizer is not None
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
-        early = early and chunk.slice_span is None  # NOTE [ Sliced steps ] rule 4: at optimizer.step()
+        early = early and chunk.slice_span is None  # at optimizer.step(): NOTE [ Sliced steps ] rule 4
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
@@ -548,81 +515,19 @@ class Stepper:
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
     ) -> None:
-        """NOTE [ Sliced steps ]: ``chunk``'s step over slices of ``chunk.slice_span`` bytes, each
-        staged on the host, computed (on the step thread while the next is read) and written back;
-        the optimizer records of the whole step are kept once every slice stepped (rule 3)."""
-        span = chunk.slice_span
-        assert span is not None
+        """NOTE [ Sliced steps ] (in ``chunk_step.py``): ``chunk``'s step over slices; the optimizer
+        records of the whole step are kept once every slice stepped (rule 3 there)."""
         self._finish_steps()  # NOTE [ Step threads ] rule 2
         traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
-        records: dict[int, ParamState] = {}
-        writing: list[HomeSlice] = []  # slices whose write-back is in flight (rule 2)
-        self.gradients.stash.release(chunk)  # a staged copy someone wrote lands on NVMe first
         try:
-            for lo in range(0, chunk.nbytes, span):
-                hi = min(lo + span, chunk.nbytes)
-                cut = cut_slots(slots, lo, hi)
-                if not cut:
-                    continue
-                while writing:  # rule 2: at most two slices' bytes on the host
-                    self.homes.free_slice(writing.pop())
-                assert chunk.grad is not None
-                piece = self.homes.stage_slice(chunk, lo, hi, grad_room=not self.gradients.addressable(chunk))
-                try:
-                    grads = self.gradients.grad_range(chunk, piece)
-                    self.homes.wait_slice(piece)
-                    job = ChunkStep.prepare(
-                        self.facts,
-                        self.store,
-                        self.gradients,
-                        (chunk, slots, None),
-                        optimizer,
-                        group_of,
-                        attributes,
-                        Piece(cut, piece.home(), grads, piece.section_base, piece.working_base),
-                    )
-                    # the slice in flight ends here, its error raised while this one is still ours to free
-                    self.steps.finish_all()
-                except BaseException:
-                    self.homes.free_slice(piece, quiet=True)
-                    raise
-                finish = functools.partial(self._finish_slice, chunk, piece, job, records, writing)
-                compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
-                self.steps.run(chunk.index, compute, finish)  # slices are host bytes: rule 1
-            self._finish_steps()
-            while writing:
-                self.homes.free_slice(writing.pop())
-        except BaseException:
-            with contextlib.suppress(Exception):  # rule 5: the slice in flight ends (and joins ``writing``)
-                self.steps.finish_all()
-            for piece in writing:
-                self.homes.free_slice(piece, quiet=True)
-            raise
+            records = self.sliced.run(chunk, slots, optimizer, group_of, attributes)
         finally:
             if traced is not None:
                 traced.end()
-        self.store.pstate.update(records)  # rule 3: the records after the whole step, once
+        self.store.pstate.update(records)
         self._gradients_given_up(chunk)
-
-    def _finish_slice(
-        self,
-        chunk: Chunk,
-        piece: HomeSlice,
-        job: ChunkStep,
-        records: dict[int, ParamState],
-        writing: list[HomeSlice],
-        ok: bool,
-    ) -> None:
-        """NOTE [ Sliced steps ] rule 2, on the training thread once a slice computed: its records
-        kept for the end, its bytes written back (a failed slice's are dropped unwritten)."""
-        if not ok:
-            self.homes.free_slice(piece, quiet=True)
-            return
-        records.update(job.records)
-        self.homes.write_slice(chunk, piece)
-        writing.append(piece)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's

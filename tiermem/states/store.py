@@ -114,7 +114,7 @@ class ChunkStore:
         )
         if chunk.home_tier == "nvme" and chunk.trainable and self.facts.needs([layout])[0].sliced(plan.chunk_size):
             # NOTE [ Default placement rule ] rule 6: too large to stage whole, it steps in slices
-            # and its gradients wait on NVMe (NOTE [ Sliced steps ] in stepping.py)
+            # and its gradients wait on NVMe (NOTE [ Sliced steps ] in chunk_step.py)
             chunk.slice_span = plan.slice_bytes or plan.chunk_size
         if chunk.home_tier == "nvme" and (plan.grad_home == "nvme" or chunk.slice_span is not None):
             chunk.grad_home = "nvme"
