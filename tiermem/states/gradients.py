@@ -169,9 +169,9 @@ class Gradients:
     def grad_bytes(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:
         """The chunk's gradient buffer where it is resident now (host or device), or its copy
         staged on the host when it waits on NVMe (``write``: the caller writes it; NOTE
-        [ Stored gradients ] rule 2). Read only, a chunk that steps in slices has its stored
-        gradients read out, a copy outside the tiers as an NVMe home's export read is (its whole
-        gradients are more than the host stages: NOTE [ Sliced steps ] rule 4)."""
+        [ Stored gradients ] rule 2). To read a chunk that steps in slices, its stored gradients
+        are read out into a copy outside the tiers, as an NVMe home read for export is: the host
+        stages only slices of them (NOTE [ Sliced steps ] rule 4)."""
         self.fence(chunk)
         assert chunk.grad is not None
         chunk.grad.wait()
