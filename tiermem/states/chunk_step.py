@@ -263,7 +263,9 @@ class SlicedStep:
         assert span is not None and chunk.grad is not None
         records: dict[int, ParamState] = {}
         writing: list[HomeSlice] = []  # slices whose write-back is in flight (rule 2)
-        self.gradients.stash.release(chunk)  # a staged copy someone wrote lands on NVMe first
+        # staged gradient copies (an op on .grad made them) go first: written ones land on NVMe, and
+        # the host room is the slices' (NOTE [ Stored gradients ] rule 2)
+        self.gradients.stash.release_all()
         try:
             for lo in range(0, chunk.nbytes, span):
                 hi = min(lo + span, chunk.nbytes)
