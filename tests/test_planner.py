@@ -470,7 +470,10 @@ def test_no_plan_fits_names_the_least_raise_of_one_tier_alone_and_it_fits():
         assert 0 < more < error.shortfall[tier]  # what the closest plan said overstated it
         target = caps[tier] + more
         assert f"{tier} short by {format_size_up(more)} alone" in message
-        assert f"[{tier}] capacity by at least {format_size_up(more)} (to {format_size_up(target)})" in message
+        assert (
+            f"[{tier}] capacity by at least {format_size_up(more)} (to {format_size_up(target)}: {target} bytes)"
+            in message
+        )
         raised = {**caps, tier: target}
         assert search_host(profile, raised).estimate.fits(raised)
         with pytest.raises(NoPlanFitsError):

@@ -208,7 +208,8 @@ def test_a_refusal_names_the_smallest_capacities_and_they_fit(tmp_path):
     with tiermem.Runtime(settings(tmp_path, 64 << 10, "64KiB")) as rt, pytest.raises(StatesMemoryError) as refused:
         rt.manage(model, torch.optim.AdamW, lr=1e-3)
     message = str(refused.value)
-    found = re.search(r"\[device\] (\S+), \[host\] (\S+) and \[nvme\] (\S+) free", message)
+    exact = r"(?: \(\d+ bytes\))?"  # each size is also given in bytes
+    found = re.search(rf"\[device\] (\S+){exact}, \[host\] (\S+){exact} and \[nvme\] (\S+){exact} free", message)
     assert found, message
     device, host, nvme = (size_of(text) for text in found.groups())
     assert device > 64 << 10 and host > 64 << 10

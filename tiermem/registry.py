@@ -39,8 +39,10 @@ operations below, never a tier or the scheduler. The objects themselves are in
    cache never pushes real data off a tier. Reclaimers are held weakly. One that *moves* objects (kept
    activations, NOTE [ Activation fallbacks ] rule 8) runs after the caches, only given ``needed``.
 8. A copy between two live objects (``Handle.fill_from``: a chunk's device copy filled from
-   its home, or a changed device copy written back into it) goes through the scheduler, so
-   the link counts it, and changes where neither lives. The target must be resident (not
+   its home, or a changed device copy written back into it; a range of an NVMe object read
+   into a host object or written back from one, at any offsets: a slice of a home too large to
+   stage whole, NOTE [ Sliced steps ]) goes through the scheduler, so the link counts it, and
+   changes where neither lives. The target must be resident (not
    moving: the move would drop what the copy wrote); the caller keeps both objects alive and
    unmoved until the copy ended (``wait()`` on the transfer returned).
 9. Reading an object where it lives without moving it (``Handle.read_out``: exporting a

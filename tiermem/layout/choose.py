@@ -17,7 +17,7 @@ from tiermem.layout.placement import (
     decide,
     normalize_chunk_size,
     nvme_grad_bytes,
-    staged_home_bytes,
+    staging_bytes,
     streamed_reserve,
 )
 from tiermem.units import format_size_up
@@ -99,9 +99,10 @@ def choose_layout(
         if smallest is not None and isinstance(first_error, StatesMemoryError):
             raise StatesMemoryError(
                 f"{first_error} The smallest capacities with which the default placement fits: "
-                f"[device] {format_size_up(smallest.device)}, [host] {format_size_up(smallest.host)} and [nvme] "
-                f"{format_size_up(smallest.nvme)} free (every chunk streamed through the fewest buffers, homes on NVMe "
-                "where it has room, staged one at a time)."
+                f"[device] {format_size_up(smallest.device)} ({smallest.device} bytes), [host] "
+                f"{format_size_up(smallest.host)} ({smallest.host} bytes) and [nvme] {format_size_up(smallest.nvme)} "
+                f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where "
+                "it has room, staged one at a time)."
             ) from first_error
         raise first_error
     return best[1], best[2]
@@ -119,11 +120,12 @@ def smallest_budgets(
     device = streamed_reserve(needs, max(min_buffers, 1), chunk_size)
     homes = sum(n.home_bytes for n in needs)
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
-    stored = homes + (0 if grads_stream else sum(n.grad_bytes for n in needs))
+    stored = homes + sum(n.grad_bytes for n in needs if not grads_stream or n.sliced(chunk_size))
     if stored <= budgets.nvme:
         # one trainable home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
-        # stored gradients, or the two streamed ones passing through
-        host = nvme_grad_bytes(needs, STAGED_HOMES if grads_stream else 1) + staged_home_bytes(needs, 1)
+        # stored gradients, or the two streamed ones passing through; two slices of a sliced one (rule 6)
+        passing = STAGED_HOMES if grads_stream else 1
+        host = nvme_grad_bytes(needs, passing, chunk_size) + staging_bytes(needs, chunk_size, staged=1)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
         least = Budgets(device=device, host=sum(n.home_bytes + n.grad_bytes for n in needs), nvme=0)

@@ -25,7 +25,7 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    when all of them fit in that half.
 3. Homes of the other chunks, in order: the host while its free capacity still holds the
    chunk's home (master + states) and gradients, else NVMe. The host keeps room to stage
-   ``staged_homes`` trainable NVMe homes during the step (``ChunkNeeds.staged_bytes``; a frozen
+   ``staged_homes`` trainable NVMe homes during the step (``ChunkNeeds.staged_home_bytes``; a frozen
    chunk never steps, its NVMe home is read straight into its device buffer): two (one steps
    while the next is read), or, when two leave the plan short, one (each home is read only once
    the one before is written back: the step's NVMe I/O no longer overlaps it, but the host holds
@@ -54,6 +54,17 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    (8 MiB of host for 1 MiB chunks, the largest parameter's size) and train with one (4 MiB).
 5. A hand-written field overrides the rule; the whole plan is then checked against the free
    capacities and rejected with the numbers when it cannot fit.
+6. Sliced steps: an NVMe chunk larger than the chunk size (an outlier's own) steps in slices of
+   the chunk size when its optimizer is element-wise (``ChunkNeeds.sliceable``; NOTE [ Sliced
+   steps ] in ``tiermem/states/chunk_step.py``). Rule 3's staging room then holds two slices' homes
+   and gradients for it (``staged_home_bytes``, ``staged_grad_bytes``), not its whole home, and
+   its gradients wait on NVMe (counted there). A chunk whose optimizer is not element-wise stages
+   whole, and a refusal says so.
+7. What the device must hold, for any placement: rule 1's streaming reserve at the fewest
+   buffers, twice the largest chunks one module's forward and backward use at once (tied weights
+   count their chunk for all of backward), an outlier's chunk its own bytes: at least the largest
+   parameter and its gradient, which its module computes with and autograd accumulates whole.
+   Below that nothing fits, and the refusal names the least device in bytes (``choose.py``).
 """
 
 from __future__ import annotations
@@ -86,6 +97,7 @@ PLAN_KEYS = (
     "state_home",
     "grad_home",
     "staged_homes",
+    "slice_bytes",
     "block_policy",
     "predicted",
 )
@@ -100,6 +112,8 @@ class ChunkNeeds:
     sections: int
     #: fp32 master bytes per working byte: 2 for bf16/fp16 working chunks (chunk layout rule 6)
     master_scale: int = 1
+    #: rule 6: its optimizer's state is element-wise, so its step may run over slices
+    sliceable: bool = True
 
     @property
     def device_bytes(self) -> int:
@@ -117,11 +131,24 @@ class ChunkNeeds:
     def grad_bytes(self) -> int:
         return self.nbytes if self.trainable else 0
 
-    @property
-    def staged_bytes(self) -> int:
-        """Rule 3: host bytes staging this chunk's NVMe home for a step takes; none for a frozen
-        chunk, which never steps."""
-        return self.home_bytes if self.trainable else 0
+    def sliced(self, span: int) -> bool:
+        """Rule 6: whether an NVMe home of this chunk steps in slices of ``span`` bytes (a frozen
+        chunk never steps)."""
+        return self.trainable and self.sliceable and self.nbytes > span
+
+    def staged_home_bytes(self, chunk_size: int, span: int | None = None) -> int:
+        """Rules 3 and 6: host bytes staging this chunk's NVMe home for its step takes at once:
+        none for a frozen chunk, which never steps; the home of a slice of ``span`` bytes (the
+        chunk size when None) when it steps in slices; else the whole home."""
+        if not self.trainable:
+            return 0
+        if not self.sliced(chunk_size):
+            return self.home_bytes
+        return dataclasses.replace(self, nbytes=min(span or chunk_size, self.nbytes)).home_bytes
+
+    def staged_grad_bytes(self, chunk_size: int, span: int | None = None) -> int:
+        """Rule 6: host bytes its gradients take when staged for its step (a slice's, or all)."""
+        return min(self.grad_bytes, span or chunk_size) if self.sliced(chunk_size) else self.grad_bytes
 
 
 @dataclass(frozen=True)
@@ -151,6 +178,7 @@ class PlanRequest:
     order: tuple[int, ...] | None = None
     grad_home: str | None = None
     staged_homes: int | None = None
+    slice_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -167,6 +195,8 @@ class Plan:
     grad_home: str = "host"
     #: rule 3: NVMe homes (and stored gradients) the host stages at once for the step
     staged_homes: int = STAGED_HOMES
+    #: rule 6: the bytes a sliced step's slices span (None: the chunk size)
+    slice_bytes: int | None = None
 
     @property
     def chunks(self) -> int:
@@ -180,6 +210,7 @@ class Plan:
             "state_home": list(self.state_home),
             "grad_home": self.grad_home,
             "staged_homes": self.staged_homes,
+            "slice_bytes": self.slice_bytes,
             "block_policy": None if self.block_policy is None else list(self.block_policy),
             "predicted": self.predicted.as_dict(),
         }
@@ -207,6 +238,7 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
             predicted=spec.predicted,
             grad_home=spec.grad_home,
             staged_homes=spec.staged_homes,
+            slice_bytes=spec.slice_bytes,
         )
     if isinstance(spec, (str, os.PathLike)):
         try:
@@ -220,17 +252,18 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
         )
     problems = [f"{key!r}: unknown key (known: {', '.join(PLAN_KEYS)})" for key in spec if key not in PLAN_KEYS]
     values: dict[str, Any] = {}
-    for key in ("chunk_size", "persistent_chunks", "buffers"):
+    for key in ("chunk_size", "persistent_chunks", "buffers", "slice_bytes"):
         value = spec.get(key)
         if value is None or value == "auto":
             continue
         try:
-            number = parse_size(value) if key == "chunk_size" else value
+            number = parse_size(value) if key in ("chunk_size", "slice_bytes") else value
             if isinstance(number, bool) or not isinstance(number, int):
                 raise ValueError(f"must be an integer, got {value!r}")
             # buffers=0 is what a plan whose every chunk persists says (Plan.save round trip)
-            if number < (1 if key == "chunk_size" else 0):
-                raise ValueError(f"must be {'> 0' if key == 'chunk_size' else '>= 0'}, got {value!r}")
+            positive = key in ("chunk_size", "slice_bytes")
+            if number < (1 if positive else 0):
+                raise ValueError(f"must be {'> 0' if positive else '>= 0'}, got {value!r}")
         except ValueError as exc:
             problems.append(f"{key}: {exc}")
             continue
@@ -362,8 +395,10 @@ def _decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
-    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, staged)
+    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
     _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged)
+    passing = _passing(grads_stream, grad_home, staged)
+    slices = _slice_bytes(needs, homes, chunk_size, budgets, passing, staged, request.slice_bytes)
     return Plan(
         chunk_size=chunk_size,
         persistent_chunks=persistent,
@@ -374,7 +409,45 @@ def _decide(
         grad_home=grad_home,
         # a plan without NVMe homes stages none: it says the default
         staged_homes=staged if "nvme" in homes else STAGED_HOMES,
+        slice_bytes=slices,
     )
+
+
+def _slice_bytes(
+    needs: Sequence[ChunkNeeds],
+    homes: Sequence[str],
+    chunk_size: int,
+    budgets: Budgets,
+    passing: int,
+    staged: int,
+    requested: int | None,
+) -> int | None:
+    """Rule 6: the bytes slices span: the requested size (checked), else the chunk size widened,
+    a page at a time, while the host holds two slices beside the rest of the plan (fewer, larger
+    slices: each costs a few copies and an optimizer call). None when no chunk steps in slices."""
+    sliced = [n.nbytes for n, h in zip(needs, homes, strict=True) if h == "nvme" and n.sliced(chunk_size)]
+    if not sliced:
+        return None
+
+    def fits(span: int) -> bool:
+        return _host_bytes(needs, homes, passing, staged, chunk_size, span) <= budgets.host
+
+    if requested is not None:
+        span = round_up(max(requested, chunk_size), ALIGNMENT)
+        if not fits(span):
+            need = _host_bytes(needs, homes, passing, staged, chunk_size, span)
+            raise StatesMemoryError(
+                f"tiermem model states do not fit: slice_bytes={requested} stages two slices of "
+                f"{format_size(span)} on the host, which needs {format_size(need)} but has "
+                f"{format_size(budgets.host)} free; give a smaller slice_bytes (at least the chunk size, "
+                f"{format_size(chunk_size)}) or leave it out"
+            )
+        return span
+    low, high = chunk_size // ALIGNMENT, round_up(max(sliced), ALIGNMENT) // ALIGNMENT
+    while low < high:  # the host need grows with the span
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid * ALIGNMENT) else (low, mid - 1)
+    return low * ALIGNMENT
 
 
 def _homes_and_grad_home(
@@ -383,19 +456,21 @@ def _homes_and_grad_home(
     budgets: Budgets,
     request: PlanRequest,
     grads_stream: bool,
+    chunk_size: int,
     staged: int,
 ) -> tuple[tuple[str, ...], str]:
     """Rule 3: the homes, and where the NVMe chunks' gradients wait (the host when it holds
     them all beside the homes it keeps, else NVMe; streamed gradients never wait)."""
+    size = chunk_size
     if grads_stream:
-        return _homes(needs, persistent, budgets, request.state_home, staged, STAGED_HOMES), "host"
+        return _homes(needs, persistent, budgets, request.state_home, size, staged, STAGED_HOMES), "host"
     if request.grad_home is not None:
         passing = staged if request.grad_home == "nvme" else 0
-        homes = _homes(needs, persistent, budgets, request.state_home, staged, passing)
+        homes = _homes(needs, persistent, budgets, request.state_home, size, staged, passing)
         return homes, request.grad_home if "nvme" in homes else "host"
-    homes = _homes(needs, persistent, budgets, request.state_home, staged, 0)
-    if "nvme" in homes and _host_bytes(needs, homes, 0, staged) > budgets.host:
-        homes = _homes(needs, persistent, budgets, request.state_home, staged, staged)
+    homes = _homes(needs, persistent, budgets, request.state_home, size, staged, 0)
+    if "nvme" in homes and _host_bytes(needs, homes, 0, staged, size) > budgets.host:
+        homes = _homes(needs, persistent, budgets, request.state_home, size, staged, staged)
         return homes, "nvme"
     return homes, "host"
 
@@ -435,13 +510,40 @@ def _default_persistent(
     return len(needs)
 
 
-def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], passing: int) -> int:
+def _passing(grads_stream: bool, grad_home: str, staged: int) -> int:
+    """Rule 3: NVMe chunks' gradients on the host at once: two streamed ones, ``staged`` stored
+    on NVMe, or 0 when they all wait on the host."""
+    return STAGED_HOMES if grads_stream else (staged if grad_home == "nvme" else 0)
+
+
+def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], passing: int, chunk_size: int, span: int | None = None) -> int:
     """Rule 3: host bytes the NVMe chunks' gradients take at their peak: all of them when they
-    wait on the host (``passing`` 0), else ``passing`` chunks' at once (two streamed ones, or
-    ``staged_homes`` stored on NVMe)."""
+    wait on the host (``passing`` 0), else ``passing`` chunks' at once. Rule 6: a chunk that
+    steps in slices (of ``span`` bytes; None: the chunk size) keeps its gradients on NVMe and
+    stages two slices' at a time."""
+    sliced = STAGED_HOMES * max(
+        (n.staged_grad_bytes(chunk_size, span) for n in nvme_needs if n.sliced(chunk_size)), default=0
+    )
+    whole = [n.grad_bytes for n in nvme_needs if not n.sliced(chunk_size)]
     if passing:
-        return passing * max((n.grad_bytes for n in nvme_needs), default=0)
-    return sum(n.grad_bytes for n in nvme_needs)
+        return max(passing * max(whole, default=0), sliced)
+    return sum(whole) + sliced
+
+
+def nvme_bytes(nvme_needs: Sequence[ChunkNeeds], grad_home: str, chunk_size: int) -> int:
+    """Rules 3 and 6: NVMe bytes of the NVMe chunks: homes, and gradients that wait there."""
+    waiting = [n for n in nvme_needs if grad_home == "nvme" or n.sliced(chunk_size)]
+    return sum(n.home_bytes for n in nvme_needs) + sum(n.grad_bytes for n in waiting)
+
+
+def staging_bytes(
+    nvme_needs: Sequence[ChunkNeeds], chunk_size: int, span: int | None = None, staged: int = STAGED_HOMES
+) -> int:
+    """Rules 3 and 6: host room to stage ``staged`` trainable NVMe homes for the step, or two
+    slices of ``span`` bytes (None: the chunk size) of those that step in slices."""
+    whole = max((n.staged_home_bytes(chunk_size) for n in nvme_needs if not n.sliced(chunk_size)), default=0)
+    sliced = max((n.staged_home_bytes(chunk_size, span) for n in nvme_needs if n.sliced(chunk_size)), default=0)
+    return max(staged * whole, STAGED_HOMES * sliced)
 
 
 def _homes(
@@ -449,6 +551,7 @@ def _homes(
     persistent: int,
     budgets: Budgets,
     request: tuple[str, ...] | str | None,
+    chunk_size: int,
     staged: int = STAGED_HOMES,
     passing: int = 0,
 ) -> tuple[str, ...]:
@@ -485,8 +588,8 @@ def _homes(
 
     def staging() -> int:
         nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
-        through = nvme_grad_bytes(nvme, passing) if passing else 0
-        return staged_home_bytes(nvme, staged) + through
+        through = nvme_grad_bytes(nvme, passing, chunk_size) if passing else 0
+        return staging_bytes(nvme, chunk_size, staged=staged) + through
 
     for i in reversed(streamed):
         if host_free >= staging():
@@ -512,9 +615,9 @@ def _check_fits(
     device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    passing = STAGED_HOMES if grads_stream else (staged if grad_home == "nvme" else 0)
-    host = _host_bytes(needs, homes, passing, staged)
-    nvme = sum(n.home_bytes + (n.grad_bytes if grad_home == "nvme" else 0) for n in nvme_homes)
+    passing = _passing(grads_stream, grad_home, staged)
+    host = _host_bytes(needs, homes, passing, staged, chunk_size)
+    nvme = nvme_bytes(nvme_homes, grad_home, chunk_size)
     waiting = (
         f"{_count(staged, 'NVMe chunk', 'gradients')} staged"
         if grad_home == "nvme"
@@ -528,9 +631,18 @@ def _check_fits(
             f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
+        whole = [n.home_bytes for n in nvme_homes if n.nbytes > chunk_size and not n.sliceable]
+        staging = _count(staged, "trainable NVMe home")
+        if any(n.sliced(chunk_size) for n in nvme_homes):
+            staging += " or two slices of those that step in slices"
+        if whole:  # rule 6: a chunk too large to stage whole steps in slices only when its optimizer is element-wise
+            staging += (
+                f", whole for {len(whole)} chunk(s) larger than the chunk size (homes up to "
+                f"{format_size(max(whole))}): their optimizer's state is not element-wise, so they step whole"
+            )
         problems.append(
             f"the host needs {format_size(host)} (homes of {len(host_homes)} chunks with their gradients, {waiting} "
-            f"and room to stage {_count(staged, 'trainable NVMe home')}) but has {format_size(budgets.host)} free"
+            f"and room to stage {staging}) but has {format_size(budgets.host)} free"
         )
     if nvme > budgets.nvme:
         problems.append(f"NVMe needs {format_size(nvme)} but has {format_size(budgets.nvme)} free")
@@ -543,14 +655,23 @@ def _check_fits(
         )
 
 
-def _host_bytes(needs: Sequence[ChunkNeeds], homes: Sequence[str], passing: int, staged: int) -> int:
+def _host_bytes(
+    needs: Sequence[ChunkNeeds],
+    homes: Sequence[str],
+    passing: int,
+    staged: int,
+    chunk_size: int,
+    span: int | None = None,
+) -> int:
     """Rule 3: host bytes of ``homes``: host homes with their gradients, the NVMe chunks'
     gradients (``passing`` at once when they only pass through, :func:`nvme_grad_bytes`) and
-    room to stage ``staged`` trainable NVMe homes."""
+    room to stage ``staged`` trainable NVMe homes (rule 6: two slices of ``span`` bytes of those
+    that step in slices)."""
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    staging = staged_home_bytes(nvme_homes, staged)
-    return sum(n.home_bytes + n.grad_bytes for n in host_homes) + nvme_grad_bytes(nvme_homes, passing) + staging
+    through = nvme_grad_bytes(nvme_homes, passing, chunk_size, span)
+    staging = staging_bytes(nvme_homes, chunk_size, span, staged)
+    return sum(n.home_bytes + n.grad_bytes for n in host_homes) + through + staging
 
 
 def _count(number: int, noun: str, owned: str = "") -> str:
@@ -560,12 +681,6 @@ def _count(number: int, noun: str, owned: str = "") -> str:
         return f"{words} {noun if number == 1 else noun + 's'}"
     possessive = f"{noun}'s" if number == 1 else f"{noun}s'"
     return f"{words} {possessive} {owned}"
-
-
-def staged_home_bytes(nvme_needs: Sequence[ChunkNeeds], staged: int = STAGED_HOMES) -> int:
-    """Rule 3: host room to stage ``staged`` of the NVMe chunks ``nvme_needs`` for their steps
-    (the largest trainable ones; frozen chunks never step)."""
-    return staged * max((n.staged_bytes for n in nvme_needs), default=0)
 
 
 def _own_slots(large: Sequence[int]) -> str:

@@ -30,7 +30,7 @@ from tiermem.planner.profiler import Sample, measure
 from tiermem.planner.search import Decision, search
 from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, streamed
 from tiermem.registry import Registry
-from tiermem.states.optimizer import learn_state
+from tiermem.states.optimizer import element_wise, learn_state
 
 log = logging.getLogger("tiermem.planner")
 
@@ -148,6 +148,7 @@ def profile_model(
         extra={"probe_bytes": size, **extra},
         param_block=tuple(param_block),
         overheads=overheads,
+        element_wise=element_wise(cls),
     )
     if use_cache and key is not None and info is None:  # a streamed profile's times are estimates (rule 8)
         cache.store(profile)
@@ -212,5 +213,6 @@ def plan_request(
         chosen.block_policy,
         chosen.predicted,
         order=profile.order,
+        slice_bytes=chosen.slice_bytes,  # the slices its host prediction counts
     )
     return request, decision

@@ -62,7 +62,7 @@ def packings(
         needs = []
         for layout in layouts:
             sections = max((profile.params[s.index].sections for s in layout.slots), default=0)
-            needs.append(ChunkNeeds(layout.nbytes, layout.trainable, sections))
+            needs.append(ChunkNeeds(layout.nbytes, layout.trainable, sections, sliceable=profile.element_wise))
         where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
         span = max((len({where[i] for i in module}) for module in profile.modules if module), default=1)
         shared = {where[i] for i in profile.shared}

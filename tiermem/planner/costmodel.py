@@ -67,7 +67,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    per saved tensor offloaded (its move out and back, beyond the bytes), per saved tensor of
    a recomputed block (checkpoint's hooks, beyond the recompute itself), and per streamed
    chunk (its moves through the scheduler, beyond the bytes). With equal bytes, fewer and
-   larger streamed chunks are faster; persistent chunks cost nothing per chunk.
+   larger streamed chunks are faster; persistent chunks cost nothing per chunk. A chunk that
+   steps in slices (NOTE [ Sliced steps ]) costs one more streamed chunk per slice past its
+   first: each slice is its own staging, optimizer call and write-back.
 """
 
 from __future__ import annotations

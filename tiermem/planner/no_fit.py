@@ -222,7 +222,7 @@ def no_fit(
     if alone:
         advice = [
             f"raise [{t}] capacity{' (or add paths)' if t == 'nvme' else ''} by at least {format_size_up(r)} "
-            f"(to {format_size_up(caps[t] + r)})"
+            f"(to {format_size_up(caps[t] + r)}: {caps[t] + r} bytes)"
             for t, r in sorted(alone.items(), key=lambda item: (item[1] / max(caps[item[0]], 1), item[0]))
         ]
         advice.append(smaller)
@@ -230,7 +230,7 @@ def no_fit(
         together = _raise_together(space, caps, short)
         raises = together or {t: short[t] for t in TIERS if short[t]}
         parts = [
-            f"[{t}] capacity by at least {format_size_up(r)} (to {format_size_up(caps[t] + r)})"
+            f"[{t}] capacity by at least {format_size_up(r)} (to {format_size_up(caps[t] + r)}: {caps[t] + r} bytes)"
             for t, r in raises.items()
         ]
         together_word = " together" if len(parts) > 1 else ""

@@ -108,6 +108,9 @@ class Profile:
     extra: Mapping[str, Any] = field(default_factory=dict)
     param_block: tuple[int, ...] = ()
     overheads: Overheads = field(default_factory=Overheads)
+    #: the optimizer's state is element-wise, so a chunk larger than the chunk size may step in
+    #: slices (NOTE [ Default placement rule ] rule 6)
+    element_wise: bool = True
 
     @property
     def memcpy_bw(self) -> float:
@@ -160,6 +163,7 @@ class Profile:
                 extra=dict(data.get("extra", {})),
                 param_block=tuple(int(i) for i in data.get("param_block", ())),
                 overheads=Overheads(**data["overheads"]),
+                element_wise=bool(data.get("element_wise", True)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"profile is missing or mistypes a field: {exc}") from exc

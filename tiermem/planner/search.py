@@ -158,6 +158,9 @@ def search(
         state_home=choice.homes,
         grad_home=choice.packing.grad_home if "nvme" in choice.homes else "host",
         staged_homes=choice.packing.staged_homes if "nvme" in choice.homes else STAGED_HOMES,
+        # sliced steps span the chunk size, as the host bytes predicted count them (NOTE
+        # [ Default placement rule ] rule 6; unused when no chunk steps in slices)
+        slice_bytes=choice.packing.chunk_size,
         block_policy=act.policies,
         predicted=Prediction(
             step_s=estimate.step_s,

@@ -47,20 +47,37 @@ class Packing:
         self._device = [0, *acc(n.device_bytes for n in needs)]
         self._home = [0, *acc(n.home_bytes for n in needs)]
         # a frozen chunk's NVMe home is read for forward and backward only, never staged to step
-        self._staged = [0, *acc(n.staged_bytes for n in needs)]
+        self._staged = [0, *acc(n.home_bytes if n.trainable else 0 for n in needs)]
         self._grad = [0, *acc(n.grad_bytes for n in needs)]
+        # NOTE [ Default placement rule ] rule 6: an NVMe chunk that steps in slices keeps its
+        # gradients on NVMe (its bytes here), staging a slice's at a time
+        self._sliced_grad = [0, *acc(n.grad_bytes if n.sliced(chunk_size) else 0 for n in needs)]
+        # and steps in slices of the chunk size: each slice past the first costs what one more
+        # streamed chunk's step does (NOTE [ Cost model ] rule 7: its calls and waits)
+        self._extra_slices = [0, *acc(-(-n.nbytes // chunk_size) - 1 if n.sliced(chunk_size) else 0 for n in needs)]
         self._hostuse = [0, *acc(n.home_bytes + n.grad_bytes for n in needs)]
         # the step's time follows the parameter bytes it updates, with state or without (SGD
         # without momentum); its I/O follows the real state bytes, through home_bytes
         self._optim = [0, *acc(n.nbytes if n.trainable else 0 for n in needs)]
+        # what stepping an NVMe home stages on the host at once: its home and gradients, or a
+        # slice's for a chunk that steps in slices (NOTE [ Default placement rule ] rule 6)
         suffix = [0] * (len(needs) + 1)
+        sliced_suffix = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
-            suffix[i] = max(suffix[i + 1], needs[i].staged_bytes)
-        #: the largest home staged for a step from each chunk on (trainable ones only)
+            sliced = needs[i].sliced(chunk_size)
+            suffix[i] = max(suffix[i + 1], 0 if sliced else needs[i].staged_home_bytes(chunk_size))
+            sliced_suffix[i] = max(sliced_suffix[i + 1], needs[i].staged_home_bytes(chunk_size) if sliced else 0)
+        #: the largest home staged whole for a step from each chunk on (trainable ones only), and
+        #: the largest slice's home of those that step in slices
         self._max_staged_from = suffix
-        self._max_grad_from = [0] * (len(needs) + 1)
+        self._max_slice_staged_from = sliced_suffix
+        self._max_whole_grad_from = [0] * (len(needs) + 1)
+        self._max_sliced_grad_from = [0] * (len(needs) + 1)
         for i in range(len(needs) - 1, -1, -1):
-            self._max_grad_from[i] = max(self._max_grad_from[i + 1], needs[i].grad_bytes)
+            staged = needs[i].staged_grad_bytes(chunk_size)
+            sliced = needs[i].sliced(chunk_size)
+            self._max_whole_grad_from[i] = max(self._max_whole_grad_from[i + 1], 0 if sliced else staged)
+            self._max_sliced_grad_from[i] = max(self._max_sliced_grad_from[i + 1], staged if sliced else 0)
         # NOTE [ Chunk layout rules ] rule 4: chunks above the chunk size (outliers' own) take
         # pool slots of their own bytes, the others the largest of theirs (NOTE [ Spare chunk
         # storage ] rule 1)
@@ -109,13 +126,20 @@ class Packing:
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
         rest on NVMe (the rule of ``placement._check_fits``: homes and gradients, the NVMe
-        chunks' gradients (two at once when they stream, ``staged_homes`` when they wait on
-        NVMe), and room to stage ``staged_homes`` trainable NVMe homes)."""
+        chunks' gradients (``passing`` at once: two when they stream, ``staged_homes`` when they
+        wait on NVMe), and room to stage ``staged_homes`` trainable NVMe homes; rule 6 there: two
+        slices of a chunk that steps in slices, and of its gradients, which wait on NVMe)."""
         n = self.chunks
         staged = self.staged_homes
         passing = STAGED_HOMES if self.grads_stream else (staged if self.grad_home == "nvme" else 0)
-        nvme_grads = passing * self._max_grad_from[host_end] if passing else self._sum(self._grad, host_end, n)
-        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + staged * self._max_staged_from[host_end]
+        sliced_grads = STAGED_HOMES * self._max_sliced_grad_from[host_end]
+        if passing:
+            nvme_grads = max(passing * self._max_whole_grad_from[host_end], sliced_grads)
+        else:
+            waiting = self._sum(self._grad, host_end, n) - self._sum(self._sliced_grad, host_end, n)
+            nvme_grads = waiting + sliced_grads
+        staging = max(staged * self._max_staged_from[host_end], STAGED_HOMES * self._max_slice_staged_from[host_end])
+        return self._sum(self._hostuse, persistent, host_end) + nvme_grads + staging
 
     def host_end(self, persistent: int, host_budget: int) -> int:
         """The most streamed chunks (a prefix, in order) whose homes fit ``host_budget``."""
@@ -179,7 +203,7 @@ class StatesCost:
     #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
     grad_stages: tuple[tuple[int, int], ...] = ()
     device_parts: dict[str, int] = field(default_factory=dict)
-    #: chunks that stream (rule 7)
+    #: chunks that stream, and slices of sliced steps past each one's first (rule 7)
     streamed_chunks: int = 0
     #: the step reads the next NVMe home while this one steps (two staged homes); with one
     #: staged its NVMe I/O adds to the step's time
@@ -207,7 +231,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     )
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
-    stored = s(pk._grad, max(h, p), n) if pk.grad_home == "nvme" else 0
+    stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
     if not (pk.grads_stream and profile.device == "cpu"):
         # gradient write-back of every streamed chunk; streamed gradients on the CPU device
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
@@ -217,7 +241,9 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
-    known = sum(need.nbytes for need in pk.needs[max(h, p) : n] if need.trainable) if pk.grads_stream else 0
+    # Chunks that step in slices step at optimizer.step(), reading all from NVMe (NOTE [ Sliced steps ]).
+    early = [need for need in pk.needs[max(h, p) : n] if need.trainable and not need.sliced(pk.chunk_size)]
+    known = sum(need.nbytes for need in early) if pk.grads_stream else 0
     memcpy += known
     nvme_step_read = s(pk._staged, h, n) - known + stored
     nvme_step = nvme_step_read + s(pk._staged, h, n) + stored
@@ -240,7 +266,7 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_total=grad_total,
         grad_stages=stages,
         device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
-        streamed_chunks=n - p,
+        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n),
         step_overlaps_io=pk.staged_homes > 1,
     )
 

@@ -51,6 +51,9 @@ class Chunk:
         #: "host" | "nvme": where an offloaded chunk's gradients wait for the step (NOTE
         #: [ Stored gradients ] rule 1; the store sets it from the plan)
         self.grad_home = "host"
+        #: the bytes of the slices its step runs over (NOTE [ Sliced steps ] in ``chunk_step.py``),
+        #: or None: it steps whole (the store sets it from the plan)
+        self.slice_span: int | None = None
         #: modules running forward with it, plus uses pinned through backward (``pins``)
         self._pins = 0
         #: its parameters while guarded (NOTE [ Parameter access ] rule 2 in ``access.py``)

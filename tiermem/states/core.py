@@ -19,7 +19,7 @@ from tiermem.layout.chunks import ChunkLayout, ParamInfo
 from tiermem.layout.placement import ChunkNeeds
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesClosedError, StatesUsageError
-from tiermem.states.optimizer import coerce_optimizer, learn_state
+from tiermem.states.optimizer import coerce_optimizer, element_wise, learn_state
 from tiermem.units import format_size
 
 
@@ -178,8 +178,10 @@ class ModelFacts:
         return key in self.section_keys[i]
 
     def needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
+        sliceable = element_wise(self.optimizer_class)  # NOTE [ Exact optimizer step ] rule 6
         return [
-            ChunkNeeds(layout.nbytes, layout.trainable, self.sections(layout), self.master_scale) for layout in layouts
+            ChunkNeeds(layout.nbytes, layout.trainable, self.sections(layout), self.master_scale, sliceable)
+            for layout in layouts
         ]
 
     def min_buffers(self, layouts: Sequence[ChunkLayout]) -> int:

@@ -22,7 +22,7 @@ from tiermem.registry import ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
-from tiermem.states.homes import Homes
+from tiermem.states.homes import Homes, HomeSlice
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.store import ChunkStore
@@ -165,13 +165,41 @@ class Gradients:
     def grad_bytes(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:
         """The chunk's gradient buffer where it is resident now (host or device), or its copy
         staged on the host when it waits on NVMe (``write``: the caller writes it; NOTE
-        [ Stored gradients ] rule 2)."""
+        [ Stored gradients ] rule 2). To read a chunk that steps in slices, its stored gradients
+        are read out into a copy outside the tiers, as an NVMe home read for export is: the host
+        stages only slices of them (NOTE [ Sliced steps ] rule 4)."""
         self.fence(chunk)
         assert chunk.grad is not None
         chunk.grad.wait()
         if self.stash.stored(chunk):
+            if chunk.slice_span is not None and not write and not self.stash.staged(chunk):
+                return chunk.grad.read_out()[: chunk.nbytes]
             return self.stash.buffer(chunk, write=write)
         return chunk.grad.tensor(chunk.grad.tier)
+
+    def addressable(self, chunk: Chunk) -> bool:
+        """``chunk``'s gradients are in memory the CPU addresses (the host, or the CPU device)."""
+        assert chunk.grad is not None
+        tier = chunk.grad.tier
+        return tier == "host" or (tier == "device" and self.facts.device.type == "cpu")
+
+    def grad_range(self, chunk: Chunk, piece: HomeSlice) -> torch.Tensor:
+        """Bytes ``[piece.lo, piece.hi)`` of ``chunk``'s gradients for a sliced step (NOTE
+        [ Sliced steps ] rule 2): a view where the CPU addresses them, else copied into
+        ``piece``'s room (from NVMe or a CUDA device; :meth:`Homes.wait_slice` waits). The caller
+        released the chunk's staged copy, if any, and finished its steps but its own earlier slices
+        (no fence here: one of them computes while the next is read)."""
+        handle = chunk.grad
+        assert handle is not None
+        handle.wait()
+        if self.addressable(chunk):
+            return handle.tensor(handle.tier)[piece.lo : piece.hi]
+        self.registry.fence("device")  # bytes a kernel wrote are copied after it ran (TRAPS 28)
+        room = piece.grads()
+        piece.transfers.append(
+            piece.handle.fill_from(handle, nbytes=piece.span, source_offset=piece.lo, offset=piece.home_bytes)
+        )
+        return room
 
     def expose(self) -> None:
         """``p.grad`` views the real gradient wherever it lives (rule 4, TRAPS 4)."""

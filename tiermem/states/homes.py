@@ -1,26 +1,83 @@
-"""Access to chunk homes: staging an NVMe home on the host to write it, reading a home's bytes.
+"""Access to chunk homes: staging an NVMe home on the host to write it, reading a home's bytes,
+and staging one slice of a home for a sliced step (NOTE [ Sliced steps ] in ``chunk_step.py``).
 
 :class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
-valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`). It may
-touch chunk homes through their handles only (``move_to``, ``wait``, ``tensor``, ``read_out``:
-NOTE [ Managed object rules ]), never a chunk's device storage or gradients. Before it stages,
-reads or writes a chunk's home it calls ``fence`` with the chunk, so a step of that chunk still
-in flight finishes first (NOTE [ Step threads ] rule 4).
+valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`) and the host
+buffers of staged slices (:class:`HomeSlice`). It may touch chunk homes through their handles only
+(``move_to``, ``wait``, ``tensor``, ``read_out``, ``fill_from``: NOTE [ Managed object rules ]),
+never a chunk's device storage or gradients. Before it stages, reads or writes a chunk's home it
+calls ``fence`` with the chunk, so a step of that chunk still in flight finishes first (NOTE
+[ Step threads ] rule 4).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 
 import torch
 
 from tiermem.errors import TierCapacityError
-from tiermem.registry import KnownBytes, ObjectState, Priority
+from tiermem.registry import Handle, KnownBytes, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
+from tiermem.units import format_size
+
+
+@dataclasses.dataclass(eq=False)
+class HomeSlice:
+    """Bytes ``[lo, hi)`` of a chunk's parameter space staged on the host for a sliced step: the
+    range of every section of its NVMe home (master, optimizer states, and the working copy under
+    mixed precision), laid out as the home of a chunk of ``hi - lo`` bytes would be, then room for
+    the range's gradients when they are copied in (NOTE [ Sliced steps ] rule 2)."""
+
+    lo: int
+    hi: int
+    #: fp32 master bytes per working byte (NOTE [ Chunk layout rules ] rule 6)
+    scale: int
+    #: sections of the home before the working copy: the master and each optimizer state
+    sections: int
+    #: the home ends with a working copy (mixed precision)
+    working: bool
+    #: the host buffer, registered on the host tier
+    handle: Handle
+    #: copies into (reads) or out of (write-backs) the buffer still in flight
+    transfers: list[Transfer] = dataclasses.field(default_factory=list)
+
+    @property
+    def span(self) -> int:
+        return self.hi - self.lo
+
+    @property
+    def home_bytes(self) -> int:
+        """Bytes of the slice's home (its gradients' room follows)."""
+        return self.sections * self.span * self.scale + (self.span if self.working else 0)
+
+    def section_base(self, k: int) -> int:
+        """Where optimizer-state section ``k`` starts in :meth:`home` (after the master)."""
+        return (k + 1) * self.span * self.scale
+
+    @property
+    def working_base(self) -> int:
+        return self.sections * self.span * self.scale
+
+    def ranges(self, chunk: Chunk) -> list[tuple[int, int, int]]:
+        """(offset in ``chunk``'s home, offset here, bytes) of every section's range."""
+        size, span, scale = chunk.nbytes * self.scale, self.span, self.scale
+        out = [(k * size + self.lo * scale, k * span * scale, span * scale) for k in range(self.sections)]
+        if self.working:
+            out.append((chunk.working_base + self.lo, self.working_base, span))
+        return out
+
+    def home(self) -> torch.Tensor:
+        return self.handle.tensor("host")[: self.home_bytes]
+
+    def grads(self) -> torch.Tensor:
+        """The room for the range's gradients (filled by :class:`~tiermem.states.gradients.Gradients`)."""
+        return self.handle.tensor("host")[self.home_bytes : self.home_bytes + self.span]
 
 
 class Homes:
@@ -109,3 +166,97 @@ class Homes:
         data = handle.read_out()
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
+
+    # -- NOTE [ Sliced steps ] in chunk_step.py: one slice of an NVMe home at a time ---------------
+    def stage_slice(self, chunk: Chunk, lo: int, hi: int, *, grad_room: bool) -> HomeSlice:
+        """Start reading bytes ``[lo, hi)`` of every section of ``chunk``'s NVMe home into a new
+        host buffer (DEMAND; :meth:`wait_slice` waits), with room for the range's gradients when
+        ``grad_room``. Without host room, write-backs in flight land first (rule 2). No fence: the
+        caller finished any step of the chunk but its own earlier slices, which touch other bytes
+        (rule 2), and one of them computes while the next is read."""
+        home = chunk.home
+        assert home is not None
+        home.wait()  # ranges are read from the home where it rests, never from a move's source
+        sections = chunk.sections + 1
+        working = chunk.master_scale > 1
+        span = hi - lo
+        nbytes = sections * span * chunk.master_scale + (span if working else 0) + (span if grad_room else 0)
+        handle = self._register_slice(chunk, nbytes)
+        piece = HomeSlice(lo, hi, chunk.master_scale, sections, working, handle)
+        try:
+            for source, offset, count in piece.ranges(chunk):
+                piece.transfers.append(handle.fill_from(home, nbytes=count, source_offset=source, offset=offset))
+        except BaseException:
+            self.free_slice(piece, quiet=True)
+            raise
+        return piece
+
+    def _register_slice(self, chunk: Chunk, nbytes: int) -> Handle:
+        registry = self.store.registry
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        try:
+            return registry.register(buffer, "host", dedup=False, kind="chunk")
+        except TierCapacityError:
+            self.wait_moves()
+            try:
+                return registry.register(buffer, "host", dedup=False, kind="chunk")
+            except TierCapacityError as exc:
+                span = format_size(chunk.slice_span or 0)
+                what = f"stepping chunk {chunk.index} in slices of {span} (a slice of its home and gradients at a time)"
+                raise StatesMemoryError.tier_full(exc, what) from exc
+
+    @staticmethod
+    def wait_slice(piece: HomeSlice) -> None:
+        """Wait until no copy touches ``piece`` any more; then raise the first one's error."""
+        transfers, piece.transfers = piece.transfers, []
+        error: BaseException | None = None
+        for transfer in transfers:
+            try:
+                transfer.wait()
+            except BaseException as exc:  # noqa: BLE001 - the others still touch the buffer: wait for them too
+                error = error or exc
+        if error is not None:
+            raise error
+
+    def write_slice(self, chunk: Chunk, piece: HomeSlice) -> None:
+        """Start writing ``piece``'s home ranges back into ``chunk``'s NVMe home (WRITEBACK)."""
+        assert chunk.home is not None
+        self._read_cache = None
+        for target, offset, count in piece.ranges(chunk):
+            piece.transfers.append(
+                chunk.home.fill_from(
+                    piece.handle, nbytes=count, source_offset=offset, offset=target, priority=Priority.WRITEBACK
+                )
+            )
+
+    def free_slice(self, piece: HomeSlice, *, quiet: bool = False) -> None:
+        """Free ``piece``'s buffer once no copy touches it; ``quiet``: after an error, which is the
+        one to report (the copies' own are dropped)."""
+        try:
+            self.wait_slice(piece)
+        except Exception:
+            if not quiet:
+                raise
+        finally:
+            piece.handle.free()
+
+    def write_range(self, chunk: Chunk, offset: int, data: torch.Tensor) -> None:
+        """Write ``data`` (bytes in CPU memory) into ``chunk``'s NVMe home at ``offset``, through a
+        host buffer of at most the chunk's slice span at a time (NOTE [ Sliced steps ] rule 4: a
+        home too large to stage whole, written from a state import)."""
+        self.fence(chunk)
+        home = chunk.home
+        assert home is not None and chunk.slice_span is not None
+        home.wait()
+        self._read_cache = None
+        flat = data.reshape(-1).view(torch.uint8)
+        step = chunk.slice_span
+        handle = self._register_slice(chunk, min(step, flat.numel()))
+        try:
+            buffer = handle.tensor("host")
+            for start in range(0, flat.numel(), step):
+                count = min(step, flat.numel() - start)
+                buffer[:count].copy_(flat[start : start + count])
+                home.fill_from(handle, nbytes=count, offset=offset + start, priority=Priority.DEMAND).wait()
+        finally:
+            handle.free()

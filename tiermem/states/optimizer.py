@@ -37,6 +37,15 @@
 5. ``param_groups`` are live: each step reads every hyper-parameter from them, so LR
    schedulers and hand edits take effect at the next step. ``optimizer.state`` stays empty:
    states live in chunks; ``state_dict()``/``load_state_dict()`` speak PyTorch's format.
+6. Element-wise optimizers (exactly rule 1's torch.optim classes: :func:`element_wise`) update
+   every element of a parameter from the same element of its gradient and states, plus small
+   states (``step``, ASGD's ``eta``, NAdam's ``mu_product``) that depend on no element. Their
+   step over slices of a parameter, one after another, each from the small states as they were
+   before the step, is bitwise their step over the whole parameter (torch 2.13's CPU kernels give
+   the same bits at any offset and length: ``tests/test_sliced_steps.py`` checks every flag). A
+   chunk too large to stage whole steps so (NOTE [ Sliced steps ] in ``chunk_step.py``). Factored
+   or declared optimizers (Adafactor's row and column statistics, a trust ratio) are not
+   element-wise: their chunks stage whole, and the placement plans room for that.
 """
 
 from __future__ import annotations
@@ -157,12 +166,18 @@ def no_optimizer() -> torch.optim.Optimizer:
     return torch.optim.SGD([{"params": []}], lr=0.0)
 
 
+def element_wise(cls: type[torch.optim.Optimizer]) -> bool:
+    """Rule 6: whether ``cls``'s step is element-wise (the per-parameter torch.optim optimizers of
+    rule 1): stepping any slices of a parameter one after another gives bitwise its whole step."""
+    return cls in SUPPORTED
+
+
 def require_element_wise(cls: type[torch.optim.Optimizer]) -> None:
     """An FSDP2-sharded model steps each rank's local shards as tensors of their own: exact only for
     optimizers whose math is element-wise (torch.optim's per-parameter ones, rule 1). Adafactor's
     factored statistics and parameter RMS, or a declared optimizer's, would be of the shard, not
     of the parameter: refused with what to do (NOTE [ Sharded model states ])."""
-    if cls not in SUPPORTED:
+    if not element_wise(cls):
         raise UnsupportedOptimizerError(
             f"tiermem manage: {qualified_name(cls)} on an FSDP2-sharded model: tiermem steps each rank's local "
             "shards, exact only for the element-wise torch.optim optimizers (AdamW, Adam, SGD, Adagrad, RMSprop, "

@@ -133,7 +133,9 @@ class StateIO:
                 for s in slots
                 if chunk.sections and any(facts.is_section(s.index, k) for k in states.get(s.index, {}))
             ]
-            home_ctx = self.homes.writable(chunk) if tensors else contextlib.nullcontext(None)
+            # a home too large to stage whole takes each tensor by ranges (NOTE [ Sliced steps ] rule 4)
+            ranged = chunk.slice_span is not None and chunk.home is not None and chunk.home.tier == "nvme"
+            home_ctx = self.homes.writable(chunk) if tensors and not ranged else contextlib.nullcontext(None)
             with home_ctx as home:
                 for slot in slots:
                     entry = states.get(slot.index)
@@ -149,7 +151,12 @@ class StateIO:
                                     f"parameter has {list(slot.shape)}"
                                 )
                             base = chunk.section_base(names.index(key))
-                            slot.master_view(home, base, chunk.master_scale).copy_(value)
+                            if ranged:
+                                dtype = torch.float32 if chunk.master_scale > 1 else slot.dtype
+                                value = value.to("cpu", dtype).contiguous()
+                                self.homes.write_range(chunk, base + slot.offset * chunk.master_scale, value)
+                            else:
+                                slot.master_view(home, base, chunk.master_scale).copy_(value)
                         else:
                             record.scalars[key] = value
                     pstate[slot.index] = record

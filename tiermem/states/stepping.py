@@ -82,7 +82,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
-from tiermem.states.chunk_step import ChunkStep
+from tiermem.states.chunk_step import ChunkStep, SlicedStep
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts
 from tiermem.states.declarations import Declarations, clip_declared
@@ -144,6 +144,8 @@ class Stepper:
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on the same one
         self.steps = steps
+        #: steps of chunks too large to stage whole (NOTE [ Sliced steps ] in ``chunk_step.py``)
+        self.sliced = SlicedStep(facts, store, gradients, homes, steps)
 
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""
@@ -189,6 +191,8 @@ class Stepper:
         waits for its step and there is room."""
         if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return
+        if chunk.slice_span is not None:
+            return  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= self._staged_homes():
             return  # the step stages it on demand once earlier write-backs landed
@@ -239,6 +243,7 @@ class Stepper:
         early (rule 3), from where they are when nothing keeps them (rule 8)."""
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
+        early = early and chunk.slice_span is None  # at optimizer.step(): NOTE [ Sliced steps ] rule 4
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
@@ -382,9 +387,14 @@ class Stepper:
             if slots and chunk.index not in stepped:
                 work.append((chunk, slots))
         staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
-        # each NVMe chunk's next one, read while it steps where the plan has room for two homes;
-        # with room for one, each home is read once the one before is written back
-        next_staged = dict(itertools.pairwise(staged)) if self._staged_homes() > 1 else {}
+        # each NVMe chunk's next one, read while it steps where the plan has room for two homes
+        # (with room for one, each home is read once the one before is written back); none beside
+        # a sliced step, whose slices take that room (NOTE [ Sliced steps ] rule 2)
+        next_staged = (
+            {a: b for a, b in itertools.pairwise(staged) if a.slice_span is None and b.slice_span is None}
+            if self._staged_homes() > 1
+            else {}
+        )
         for chunk, slots in work:
             following = next_staged.get(chunk)
             if following is not None:  # stage the next NVMe home while this one steps
@@ -448,7 +458,11 @@ class Stepper:
         known: KnownBytes | None = None,
     ) -> None:
         """Stage the chunk's home and hand its step to the step thread (NOTE [ Step threads ]);
-        :meth:`_finish_chunk_step` follows on this thread."""
+        :meth:`_finish_chunk_step` follows on this thread. A chunk that steps in slices steps so
+        (NOTE [ Sliced steps ])."""
+        if chunk.slice_span is not None and chunk.home is not None and chunk.home.tier == "nvme":
+            self._run_sliced_step(chunk, slots, optimizer, group_of, attributes)
+            return
         self._finish_steps()  # NOTE [ Step threads ] rule 2: its error surfaces before this home is staged
         traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]: this thread's part
         if self.save_guard is not None:
@@ -483,12 +497,39 @@ class Stepper:
             self.gradients.stash.release(chunk)  # the staged gradient copy dies with its step
             if staged:
                 self.homes.send_back(chunk)
-        if ok and chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:
-            # Rule 6: what zero_grad() would do next, now, so the host holds no gradient bytes.
+        if ok:
+            self._gradients_given_up(chunk)
+
+    def _gradients_given_up(self, chunk: Chunk) -> None:
+        """Rule 6, once ``chunk`` stepped."""
+        if chunk.index in self._stepped and not self.declared.keep_gradients and chunk.grad is not None:
+            # What zero_grad() would do next, now, so the host holds no gradient bytes.
             for slot in chunk.layout.slots:
                 self.store.has_grad[slot.index] = False
                 self.facts.params[slot.index].grad = None
             self.gradients.drop(chunk)
+
+    def _run_sliced_step(
+        self,
+        chunk: Chunk,
+        slots: list[Slot],
+        optimizer: ManagedOptimizer,
+        group_of: Mapping[int, int],
+        attributes: Mapping[str, Any],
+    ) -> None:
+        """NOTE [ Sliced steps ] (in ``chunk_step.py``): ``chunk``'s step over slices; the optimizer
+        records of the whole step are kept once every slice stepped (rule 3 there)."""
+        self._finish_steps()  # NOTE [ Step threads ] rule 2
+        traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]
+        if self.save_guard is not None:
+            self.save_guard.before_step(chunk)
+        try:
+            records = self.sliced.run(chunk, slots, optimizer, group_of, attributes)
+        finally:
+            if traced is not None:
+                traced.end()
+        self.store.pstate.update(records)
+        self._gradients_given_up(chunk)
 
     def _known_home_bytes(self, chunk: Chunk) -> KnownBytes | None:
         """Rule 7: the part of ``chunk``'s home its device copy holds, when that copy is the home's

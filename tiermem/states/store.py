@@ -19,7 +19,7 @@ from torch import nn
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, Slot
 from tiermem.layout.placement import Plan
-from tiermem.registry import Handle, Priority, Registry
+from tiermem.registry import Handle, Registry
 from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
 from tiermem.states.core import ModelFacts, ParamState, Snapshot
@@ -110,7 +110,11 @@ class ChunkStore:
             device=self.facts.device,
             master_scale=self.facts.master_scale,
         )
-        if plan.grad_home == "nvme" and chunk.home_tier == "nvme":
+        if chunk.home_tier == "nvme" and chunk.trainable and self.facts.needs([layout])[0].sliced(plan.chunk_size):
+            # NOTE [ Default placement rule ] rule 6: too large to stage whole, it steps in slices
+            # and its gradients wait on NVMe (NOTE [ Sliced steps ] in chunk_step.py)
+            chunk.slice_span = plan.slice_bytes or plan.chunk_size
+        if chunk.home_tier == "nvme" and (plan.grad_home == "nvme" or chunk.slice_span is not None):
             chunk.grad_home = "nvme"
         self.chunks.append(chunk)
         if persistent:
@@ -121,7 +125,9 @@ class ChunkStore:
             chunk.guard([self.facts.params[slot.index] for slot in layout.slots])
         grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
         if any(grad is not None for _, grad in grads):
-            tier = "host" if chunk.offloaded else "device"
+            # offloaded chunks' gradients wait on the host, or on NVMe (NOTE [ Stored gradients ]
+            # rule 1), written there from this transient buffer: a sliced chunk's never fit the host
+            tier = chunk.grad_home if chunk.offloaded else "device"
             device = "cpu" if chunk.offloaded else self.facts.device
             buffer = torch.zeros(chunk.nbytes, dtype=torch.uint8, device=device)
             for slot, grad in grads:
@@ -130,9 +136,6 @@ class ChunkStore:
                     self.has_grad[slot.index] = True
             chunk.grad = self.register(buffer, tier, "gradient")
             del buffer
-            if chunk.grad_home == "nvme":  # they wait on NVMe (NOTE [ Stored gradients ] rule 1)
-                chunk.grad.move_to("nvme", Priority.WRITEBACK)
-                chunk.grad.wait()
         return chunk
 
     def _fill_persistent(self, chunk: Chunk, snapshot: Snapshot) -> None:

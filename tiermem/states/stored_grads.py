@@ -110,6 +110,10 @@ class GradientStash:
         """The chunk's gradient buffer lives on NVMe now (rule 1)."""
         return chunk.grad is not None and chunk.grad.tier == "nvme"
 
+    def staged(self, chunk: Chunk) -> bool:
+        """A host copy of ``chunk``'s stored gradients is kept now."""
+        return chunk.index in self._staged
+
     def ready(self, chunk: Chunk) -> bool:
         """Reading ``chunk``'s gradient bytes would not wait: they are not moving, and not stored
         or staged and landed (NOTE [ Declared steps ] rule 9 asks before a hook starts a step)."""
