@@ -40,6 +40,7 @@ from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
+from tiermem.states.relayout import FirstStepPlanner
 from tiermem.states.sharded.manager import ShardedModelStates, is_sharded
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -67,6 +68,15 @@ def _plan_from_first_step(
     from tiermem.planner.profiler import Batch  # the planner only when asked
 
     return planner(model, Batch(args, kwargs) if kwargs else args)
+
+
+def _same_batch(recorded: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """NOTE [ Profile cache ] rule 6: whether the first forward's arguments have the shapes and
+    dtypes of the cached sample the plan in force was planned for (as rule 9 would profile them)."""
+    from tiermem.planner import cache  # the planner only when asked
+    from tiermem.planner.profiler import Batch
+
+    return cache.same_sample(cache.sample_signature(Batch(args, kwargs) if kwargs else args), recorded)
 
 
 @contextlib.contextmanager
@@ -344,7 +354,9 @@ class Runtime:
         as they were, and the profile is cached. The plan carries a per-block activation policy
         and its predictions (``rt.plan.predicted``). Without a sample, the first step runs under
         the default placement rule and the first ``optimizer.step()`` plans from that step's
-        forward and re-packs the chunks (NOTE [ Model-state rules ] rule 9), exactly alike.
+        forward and re-packs the chunks (NOTE [ Model-state rules ] rule 9), exactly alike; where
+        the model's last profiled batch has its profile cached, the plan is made from it at once
+        and the first step re-plans only for a batch of other shapes (NOTE [ Profile cache ] rule 6).
         ``plan={"block_policy": "nvme"}`` (or one policy per block) plans around that policy.
 
         ``activations`` (NOTE [ Managed activations ] in ``tiermem.activations.managed``): ``"auto"``
@@ -386,7 +398,12 @@ class Runtime:
             plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
         elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
             plan = None
-            first_step_planner = functools.partial(_plan_from_first_step, planner)
+            first_step = functools.partial(_plan_from_first_step, planner)
+            first_step_planner = FirstStepPlanner(first_step)
+            last = self._last_plan_request(optimizer, optimizer_kwargs, fixed, streams, model)
+            if last is not None:  # NOTE [ Profile cache ] rule 6: the plan of the cached last sample, now
+                plan, sample_facts = last
+                first_step_planner = FirstStepPlanner(first_step, functools.partial(_same_batch, sample_facts))
         states = ModelStates(
             self.registry,
             model,
@@ -442,6 +459,34 @@ class Runtime:
         self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
         self.plan = sharded.plan
         return model, sharded.optimizer
+
+    def _last_plan_request(
+        self,
+        optimizer: Any,
+        optimizer_kwargs: Mapping[str, Any],
+        block_policy: Any,
+        streams: bool,
+        model: torch.nn.Module,
+    ) -> tuple[PlanRequest, list[Any]] | None:
+        """NOTE [ Profile cache ] rule 6: the plan to build now from the cached profile of the
+        model's last profiled sample, and that sample's signature; None without one."""
+        assert self.resolved is not None  # set whenever registry is reachable
+        from tiermem.planner.auto import last_plan_request  # the planner only when asked
+
+        with tracing.traced("cached plan", "profile"):  # NOTE [ Timeline trace ]
+            found = last_plan_request(
+                self.registry,
+                self.resolved,
+                model,
+                optimizer,
+                optimizer_kwargs,
+                block_policy=block_policy,
+                grads_stream=streams,
+            )
+        if found is None:
+            return None
+        request, self.decision, sample = found
+        return request, sample
 
     def _plan_request(
         self,

@@ -59,6 +59,10 @@ def _optimizer_facts(
     raise ProfileError(f"tiermem planner: cannot profile the optimizer {optimizer!r}; pass a torch.optim optimizer")
 
 
+def _optimizer_key(cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "defaults": dict(defaults)}
+
+
 def _tier_facts(resolved: Config) -> dict[str, Any]:
     """The resolved configuration without capacities (NOTE [ Profile cache ] rule 1)."""
     facts = resolved.to_dict()
@@ -92,16 +96,15 @@ def profile_model(
     """The model's profile: from the cache when its key matches and it revalidates, else measured."""
     cls, defaults, groups = _optimizer_facts(model, optimizer, optimizer_kwargs)
     device = torch.device(resolved.device.device)
-    key = cache.profile_key(
-        model,
-        sample,
-        str(device),
-        _tier_facts(resolved),
-        {"class": f"{cls.__module__}.{cls.__qualname__}", "defaults": defaults},
-    )
+    facts = (str(device), _tier_facts(resolved), _optimizer_key(cls, defaults))
+    key = cache.profile_key(model, sample, *facts)
+    info = streamed()
     if use_cache and key is not None:
         cached = cache.load(key)
-        if cached is not None and cache.still_valid(cached, registry):
+        # NOTE [ Profile cache ] rule 7: a streamed profile's times are estimates, taken only
+        # where this run could not measure on plain parameters either
+        usable = cached is not None and (info is not None or not cached.extra.get("streamed"))
+        if cached is not None and usable and cache.still_valid(cached, registry):
             log.info("tiermem planner: using the cached profile %s", key)
             return cached
     start = time.perf_counter()
@@ -111,7 +114,6 @@ def profile_model(
     state = learn_state(cls, defaults, groups)
     sections = [state.sections(p) for p in params]
     names = state.names
-    info = streamed()
     stalled = info.stalled() if info is not None else 0.0
     blocks_stats, outside, param_stats, order, modules, shared, param_block = measure(
         model,
@@ -149,8 +151,8 @@ def profile_model(
         param_block=tuple(param_block),
         overheads=overheads,
     )
-    if use_cache and key is not None and info is None:  # a streamed profile's times are estimates (rule 8)
-        cache.store(profile)
+    if use_cache and key is not None:  # streamed too, marked so (NOTE [ Profile cache ] rule 7)
+        cache.store(profile, cache.model_key(model, *facts), cache.sample_signature(sample))
     return profile
 
 
@@ -180,6 +182,33 @@ def plan_model(
     return decision, profile
 
 
+def last_plan_request(
+    registry: Registry,
+    resolved: Config,
+    model: nn.Module,
+    optimizer: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    *,
+    block_policy: str | Sequence[str] | None,
+    grads_stream: bool,
+) -> tuple[PlanRequest, Decision, list[Any]] | None:
+    """NOTE [ Profile cache ] rule 6: :func:`plan_request` from the profile of the model's last
+    profiled sample, when it is cached and revalidates now, and that sample's signature (what
+    the first forward's arguments are checked against); None when there is none to plan from."""
+    cls, defaults, _ = _optimizer_facts(model, optimizer, optimizer_kwargs)
+    facts = (str(torch.device(resolved.device.device)), _tier_facts(resolved), _optimizer_key(cls, defaults))
+    found = cache.last_profile(cache.model_key(model, *facts))
+    if found is None:
+        return None
+    profile, sample = found
+    if not cache.still_valid(profile, registry):
+        return None
+    log.info("tiermem planner: planning at rt.manage from the cached profile %s of the last sample", profile.key)
+    decision = search(profile, free_bytes(registry), block_policy=block_policy, grads_stream=grads_stream)
+    log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
+    return _request(decision, profile), decision, sample
+
+
 def plan_request(
     registry: Registry,
     resolved: Config,
@@ -203,8 +232,13 @@ def plan_request(
         block_policy=block_policy,
         grads_stream=grads_stream,
     )
+    return _request(decision, profile), decision
+
+
+def _request(decision: Decision, profile: Profile) -> PlanRequest:
+    """The decision's plan as a request packed in the profiled execution order."""
     chosen = decision.plan
-    request = PlanRequest(
+    return PlanRequest(
         chosen.chunk_size,
         chosen.persistent_chunks,
         chosen.buffers,
@@ -213,4 +247,3 @@ def plan_request(
         chosen.predicted,
         order=profile.order,
     )
-    return request, decision
