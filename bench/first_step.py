@@ -143,6 +143,9 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         cached_profile=any("the cached profile" in line for line in planner_log),
         planner_log=[line[:300] for line in planner_log],
         planned=(plan.get("predicted") or {}).get("step_s") is not None,
+        plan={
+            key: plan.get(key) for key in ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy")
+        },
         cached_profiles=len(list(cache.cache_dir().glob("*.json"))),
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
     )
@@ -231,7 +234,8 @@ def main() -> int:
             f"{'met' if ratio <= GOALS[mode] else 'NOT met'}); entry+manage {entry:.2f}x, exit {leave:.2f}x "
             f"(goal <= 1x each: {'met' if max(entry, leave) <= 1 else 'NOT met'})"
         )
-    print(f"losses bitwise equal across every process: {summary['same_losses']}")
+    same_plan = all(r["plan"] == runs["uncached"][0]["plan"] for m in MODES for r in runs[m])
+    print(f"losses bitwise equal across every process: {summary['same_losses']}; the same plan in each: {same_plan}")
     return 0
 
 
