@@ -22,7 +22,7 @@ from tests.test_states import (
     state_bytes,
     train,
 )
-from tiermem.planner.errors import ProfileError
+from tiermem.planner.errors import NoPlanFitsError, ProfileError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -321,4 +321,17 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
     want = _other_shapes(plain, OPTIMIZERS["adamw"](param_groups(plain)))
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+    # a cached profile whose search fails now (capacities changed since) is not an error at
+    # rt.manage: the default rule carries the first step, which plans (and here fails: logged)
+    def no_plan(*_a, **_k):
+        raise NoPlanFitsError({"device": 1 << 20}, {"device": 0}, {"device": 1 << 20}, ["raise [device] capacity"])
+
+    monkeypatch.setattr("tiermem.planner.auto.search", no_plan)
+    model = make_model()
+    with tiermem.Runtime(settings) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.plan.predicted.step_s is None  # the default rule
+        losses = train(model, optimizer, range(3))
+    assert_bitwise(losses, want_losses)
     assert list(tmp_path.iterdir()) == []

@@ -15,6 +15,7 @@ cleanup (TRAPS 12).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -29,7 +30,7 @@ from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
 from tiermem.config import Config
-from tiermem.errors import RuntimeClosedError
+from tiermem.errors import PlanError, RuntimeClosedError, StatesMemoryError, TierCapacityError
 from tiermem.interrupts import RuntimeInterruptGuard
 from tiermem.layout.activation_policy import PolicySpec
 from tiermem.layout.placement import Plan, PlanRequest
@@ -393,31 +394,29 @@ class Runtime:
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)
         planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams)
-        first_step_planner = None
-        if planned and sample is not None:
-            plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
-        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
-            plan = None
-            first_step = functools.partial(_plan_from_first_step, planner)
-            first_step_planner = FirstStepPlanner(first_step)
-            last = self._last_plan_request(optimizer, optimizer_kwargs, fixed, streams, model)
-            if last is not None:  # NOTE [ Profile cache ] rule 6: the plan of the cached last sample, now
-                plan, sample_facts = last
-                first_step_planner = FirstStepPlanner(first_step, functools.partial(_same_batch, sample_facts))
-        states = ModelStates(
+        build = functools.partial(
+            ModelStates,
             self.registry,
             model,
             optimizer,
-            plan=plan,
             optimizer_kwargs=optimizer_kwargs,
             plan_owner=self,
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
-            first_step_planner=first_step_planner,
             step_thread=(self.resolved or self.config).model_states.step_thread,
         )
+        if planned and sample is not None:
+            # pack in execution order now, no re-pack at the first step
+            states = build(plan=planner(model, sample), first_step_planner=None)
+        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
+            first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
+            states = self._build_from_last_profile(
+                build, first_step, model, optimizer, optimizer_kwargs, fixed, streams
+            )
+        else:
+            states = build(plan=plan, first_step_planner=None)
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
@@ -460,16 +459,20 @@ class Runtime:
         self.plan = sharded.plan
         return model, sharded.optimizer
 
-    def _last_plan_request(
+    def _build_from_last_profile(
         self,
+        build: Callable[..., ModelStates],
+        first_step: FirstStepPlanner,
+        model: torch.nn.Module,
         optimizer: Any,
         optimizer_kwargs: Mapping[str, Any],
         block_policy: Any,
         streams: bool,
-        model: torch.nn.Module,
-    ) -> tuple[PlanRequest, list[Any]] | None:
-        """NOTE [ Profile cache ] rule 6: the plan to build now from the cached profile of the
-        model's last profiled sample, and that sample's signature; None without one."""
+    ) -> ModelStates:
+        """NOTE [ Profile cache ] rule 6: the model states built under the plan of the cached
+        profile of the model's last profiled batch, the first step planning only for a batch
+        of other shapes; else (no such profile, or its plan does not build now: logged) under
+        the default rule, the first step planning."""
         assert self.resolved is not None  # set whenever registry is reachable
         from tiermem.planner.auto import last_plan_request  # the planner only when asked
 
@@ -483,10 +486,19 @@ class Runtime:
                 block_policy=block_policy,
                 grads_stream=streams,
             )
-        if found is None:
-            return None
-        request, self.decision, sample = found
-        return request, sample
+        if found is not None:
+            request, decision, sample = found
+            covered = dataclasses.replace(first_step, planned_for=functools.partial(_same_batch, sample))
+            try:
+                states = build(plan=request, first_step_planner=covered)
+            except (PlanError, StatesMemoryError, TierCapacityError) as exc:  # the tiers changed since
+                log.warning(
+                    "tiermem manage: the cached profile's plan does not build now (%s); planning at the first step", exc
+                )
+            else:
+                self.decision = decision
+                return states
+        return build(plan=None, first_step_planner=first_step)
 
     def _plan_request(
         self,

@@ -19,6 +19,7 @@ from torch import nn
 
 from tiermem.activations.blocks import BlockSpec
 from tiermem.config import Config
+from tiermem.errors import PlanError
 from tiermem.layout.placement import PlanRequest
 from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
@@ -203,8 +204,12 @@ def last_plan_request(
     profile, sample = found
     if not cache.still_valid(profile, registry):
         return None
+    try:
+        decision = search(profile, free_bytes(registry), block_policy=block_policy, grads_stream=grads_stream)
+    except PlanError as exc:  # the capacities changed since: the first step plans, as without a cache
+        log.info("tiermem planner: the cached profile %s of the last sample plans nothing now: %s", profile.key, exc)
+        return None
     log.info("tiermem planner: planning at rt.manage from the cached profile %s of the last sample", profile.key)
-    decision = search(profile, free_bytes(registry), block_policy=block_policy, grads_stream=grads_stream)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return _request(decision, profile), decision, sample
 
