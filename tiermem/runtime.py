@@ -71,15 +71,6 @@ def _plan_from_first_step(
     return planner(model, Batch(args, kwargs) if kwargs else args)
 
 
-def _same_batch(recorded: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """NOTE [ Profile cache ] rule 6: whether the first forward's arguments have the shapes and
-    dtypes of the cached sample the plan in force was planned for (as rule 9 would profile them)."""
-    from tiermem.planner import cache  # the planner only when asked
-    from tiermem.planner.profiler import Batch
-
-    return cache.same_sample(cache.sample_signature(Batch(args, kwargs) if kwargs else args), recorded)
-
-
 @contextlib.contextmanager
 def _held_run_directory(parent: str) -> Iterator[Any]:
     """``rt.init()``'s run directory, its ``path`` reaching it through the descriptor it holds
@@ -411,10 +402,14 @@ class Runtime:
             # pack in execution order now, no re-pack at the first step
             states = build(plan=planner(model, sample), first_step_planner=None)
         elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
+            from tiermem.planner.auto import last_plan_request  # the planner only when asked
+
+            assert self.resolved is not None  # set whenever registry is reachable
             first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
-            states = self._build_from_last_profile(
-                build, first_step, model, optimizer, optimizer_kwargs, fixed, streams
+            last_plan = functools.partial(
+                last_plan_request, self.registry, self.resolved, model, optimizer, optimizer_kwargs, fixed, streams
             )
+            states = self._build_from_last_profile(build, first_step, last_plan)
         else:
             states = build(plan=plan, first_step_planner=None)
         self._model_states.append(states)
@@ -460,41 +455,21 @@ class Runtime:
         return model, sharded.optimizer
 
     def _build_from_last_profile(
-        self,
-        build: Callable[..., ModelStates],
-        first_step: FirstStepPlanner,
-        model: torch.nn.Module,
-        optimizer: Any,
-        optimizer_kwargs: Mapping[str, Any],
-        block_policy: Any,
-        streams: bool,
+        self, build: Callable[..., ModelStates], first_step: FirstStepPlanner, last_plan: Callable[[], Any]
     ) -> ModelStates:
-        """NOTE [ Profile cache ] rule 6: the model states built under the plan of the cached
-        profile of the model's last profiled batch, the first step planning only for a batch
-        of other shapes; else (no such profile, or its plan does not build now: logged) under
-        the default rule, the first step planning."""
-        assert self.resolved is not None  # set whenever registry is reachable
-        from tiermem.planner.auto import last_plan_request  # the planner only when asked
-
+        """NOTE [ Profile cache ] rule 6: the model states built under ``last_plan()``'s plan (from
+        the cached profile of the model's last profiled batch), the first step planning only for a
+        batch of other shapes; else (none, or its plan does not build now: logged) under the
+        default rule, the first step planning."""
         with tracing.traced("cached plan", "profile"):  # NOTE [ Timeline trace ]
-            found = last_plan_request(
-                self.registry,
-                self.resolved,
-                model,
-                optimizer,
-                optimizer_kwargs,
-                block_policy=block_policy,
-                grads_stream=streams,
-            )
+            found = last_plan()
         if found is not None:
-            request, decision, sample = found
-            covered = dataclasses.replace(first_step, planned_for=functools.partial(_same_batch, sample))
+            request, decision, planned_for = found
+            covered = dataclasses.replace(first_step, planned_for=planned_for)
             try:
                 states = build(plan=request, first_step_planner=covered)
             except (PlanError, StatesMemoryError, TierCapacityError) as exc:  # the tiers changed since
-                log.warning(
-                    "tiermem manage: the cached profile's plan does not build now (%s); planning at the first step", exc
-                )
+                log.warning("tiermem manage: the cached profile's plan does not build now (%s); step 1 plans", exc)
             else:
                 self.decision = decision
                 return states

@@ -9,9 +9,10 @@ planner meets a live model and Runtime; everything it calls below is pure or mea
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -189,14 +190,16 @@ def last_plan_request(
     model: nn.Module,
     optimizer: Any,
     optimizer_kwargs: Mapping[str, Any],
-    *,
     block_policy: str | Sequence[str] | None,
     grads_stream: bool,
-) -> tuple[PlanRequest, Decision, list[Any]] | None:
+) -> tuple[PlanRequest, Decision, Callable[[tuple[Any, ...], dict[str, Any]], bool]] | None:
     """NOTE [ Profile cache ] rule 6: :func:`plan_request` from the profile of the model's last
-    profiled sample, when it is cached and revalidates now, and that sample's signature (what
-    the first forward's arguments are checked against); None when there is none to plan from."""
-    cls, defaults, _ = _optimizer_facts(model, optimizer, optimizer_kwargs)
+    profiled sample, when it is cached and revalidates now, and whether a first forward's
+    arguments are of that sample's shapes; None when there is none to plan from."""
+    try:
+        cls, defaults, _ = _optimizer_facts(model, optimizer, optimizer_kwargs)
+    except ProfileError:  # not an optimizer: the model states refuse it, with their own error
+        return None
     facts = (str(torch.device(resolved.device.device)), _tier_facts(resolved), _optimizer_key(cls, defaults))
     found = cache.last_profile(cache.model_key(model, *facts))
     if found is None:
@@ -211,7 +214,7 @@ def last_plan_request(
         return None
     log.info("tiermem planner: planning at rt.manage from the cached profile %s of the last sample", profile.key)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
-    return _request(decision, profile), decision, sample
+    return _request(decision, profile), decision, functools.partial(cache.same_batch, sample)
 
 
 def plan_request(

@@ -227,8 +227,10 @@ def last_profile(model: str) -> tuple[Profile, list[Any]] | None:
     return (profile, sample) if profile is not None else None
 
 
-def same_sample(signature: list[Any] | None, recorded: list[Any]) -> bool:
-    """Rule 6: whether ``signature`` (of a batch now) is the one recorded in the index."""
+def same_batch(recorded: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Rule 6: whether a first forward's arguments have the shapes and dtypes ``recorded`` in the
+    index (as the first step would profile them: NOTE [ Profiling step ] rule 1)."""
+    signature = sample_signature(Batch(args, kwargs) if kwargs else args)
     return signature is not None and json.loads(json.dumps(signature, default=repr)) == recorded
 
 
