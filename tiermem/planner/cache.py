@@ -154,32 +154,27 @@ def profile_key(
     shape = sample_signature(sample)
     if shape is None:
         return None
-    facts = {
-        "version": PROFILE_VERSION,
-        "model": model_signature(model),
-        "sample": shape,
-        "device": device,
-        "tiers": tier_config,
-        "optimizer": optimizer,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    return _digest(facts)
+    return _digest(_facts(model, shape, device, tier_config, optimizer))
 
 
 def model_key(model: nn.Module, device: str, tier_config: Mapping[str, Any], optimizer: Mapping[str, Any]) -> str:
     """Rule 6: rule 1's key without the sample: what names the model's last profiled sample."""
-    facts = {
+    return _digest(_facts(model, "the last one profiled", device, tier_config, optimizer))
+
+
+def _facts(
+    model: nn.Module, sample: Any, device: str, tier_config: Mapping[str, Any], optimizer: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
         "version": PROFILE_VERSION,
         "model": model_signature(model),
-        "sample": "the last one profiled",
+        "sample": sample,
         "device": device,
         "tiers": tier_config,
         "optimizer": optimizer,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    return _digest(facts)
 
 
 def _digest(facts: Mapping[str, Any]) -> str:
