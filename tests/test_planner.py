@@ -28,7 +28,7 @@ from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, TIERS, StatesChoice,
 from tiermem.planner.errors import format_size_up
 from tiermem.planner.optimizer_probe import optimizer_seconds_per_byte
 from tiermem.planner.profile import PROFILE_VERSION
-from tiermem.planner.profiler import measure
+from tiermem.planner.profiler import Batch, measure
 from tiermem.planner.search import packings
 from tiermem.states.errors import PlanError
 
@@ -137,6 +137,26 @@ def test_profile_cache_round_trip_invalidation_and_clear(tmp_path, monkeypatch):
         assert other.key != first.key and other.blocks[0].saved_bytes < first.blocks[0].saved_bytes
     assert Profile.from_json(first.to_json()) == first
     assert cache.clear() == 2 and cache.load(first.key) is None
+
+
+def test_the_last_profiled_batch_of_a_model_is_indexed_and_cleared():
+    """NOTE [ Profile cache ] rule 6: storing a profile with its model key indexes it as that
+    model's last batch (the latest store wins); a batch matches the index by shapes and dtypes,
+    keyword arguments included; ``clear`` removes the index with the profiles."""
+    x = torch.zeros(2, 8, dtype=torch.long)
+    first = dataclasses.replace(synthetic(2), key="a" * 32)
+    second = dataclasses.replace(synthetic(3), key="b" * 32)
+    assert cache.last_profile("m" * 32) is None
+    cache.store(first, "m" * 32, cache.sample_signature((x,)))
+    cache.store(second, "m" * 32, cache.sample_signature(Batch((x,), {"labels": x})))
+    found = cache.last_profile("m" * 32)
+    assert found is not None and found[0] == second
+    assert cache.same_batch(found[1], (torch.ones(2, 8, dtype=torch.long),), {"labels": x})
+    assert not cache.same_batch(found[1], (x,), {})  # no labels: another call
+    assert not cache.same_batch(found[1], (x[:1],), {"labels": x[:1]})  # another shape
+    assert not cache.same_batch(found[1], (x.int(),), {"labels": x.int()})  # another dtype
+    assert cache.clear() == 2 and cache.last_profile("m" * 32) is None
+    assert list(cache.cache_dir().iterdir()) == []
 
 
 def test_a_cached_profile_whose_bandwidth_no_longer_holds_is_measured_again(tmp_path):

@@ -14,6 +14,7 @@ import tiermem
 from tests.test_states import (
     OPTIMIZERS,
     assert_bitwise,
+    batch,
     config,
     make_model,
     param_groups,
@@ -21,7 +22,7 @@ from tests.test_states import (
     state_bytes,
     train,
 )
-from tiermem.planner.errors import ProfileError
+from tiermem.planner.errors import NoPlanFitsError, ProfileError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -174,7 +175,7 @@ def test_a_fixed_activation_policy_is_kept_by_the_first_step_plan(tmp_path):
 def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_path, monkeypatch):
     """NOTE [ Profiling step ] rule 8: streamed, the profile's bytes, order, modules and the
     parameters' first blocks are those the plain profiling step measures; its times leave out
-    the fetch waits (recorded), and it is not cached (its times are estimates)."""
+    the fetch waits (recorded), and it is cached marked so (NOTE [ Profile cache ] rule 7)."""
     import tiermem.planner.auto
     import tiermem.planner.cache
 
@@ -189,7 +190,7 @@ def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_pat
         tiermem.planner.auto, "search", lambda p, caps, **k: searched.append(caps) or real_search(p, caps, **k)
     )
     stored = []
-    monkeypatch.setattr(tiermem.planner.cache, "store", stored.append)
+    monkeypatch.setattr(tiermem.planner.cache, "store", lambda profile, *_index: stored.append(profile))
     monkeypatch.setattr(tiermem.planner.cache, "load", lambda _key: None)
     model = make_model()
     state = state_bytes("adamw", model)
@@ -202,7 +203,7 @@ def test_the_streamed_profile_measures_what_the_plain_one_does_but_times(tmp_pat
     plain, streamed = profiles[0], profiles[1]
     assert "streamed" not in plain.extra and streamed.extra["streamed"] is True
     assert streamed.extra["fetch_wait_s"] > 0
-    assert stored == [plain]
+    assert stored == [plain, streamed]
     # the plan replaces the chunks in force: it is searched over the whole capacities (nothing
     # else holds tier bytes here), the pool's spares given back too
     assert {t: searched[1][t] for t in ("device", "host")} == {"device": state // 4, "host": state // 4}
@@ -243,4 +244,94 @@ def test_an_execution_order_re_pack_spills_its_snapshot_and_stays_bitwise(tmp_pa
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     for tier in ("device", "host", "nvme"):
         assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def _count_planner_work(monkeypatch) -> dict[str, int]:
+    """Counts of the profiling step, the link and optimizer probes, the overhead calibration
+    and the re-pack's spilled snapshot, as they are called."""
+    import tiermem.planner.auto
+    import tiermem.states.relayout
+
+    calls = {"measure": 0, "probe_links": 0, "optimizer_seconds_per_byte": 0, "calibrate": 0, "spill": 0}
+    for module, name in [(tiermem.planner.auto, n) for n in list(calls)[:4]] + [(tiermem.states.relayout, "spill")]:
+        real = getattr(module, name)
+
+        def counted(*a, _real=real, _name=name, **k):
+            calls[_name] += 1
+            return _real(*a, **k)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _other_shapes(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Two steps on one sequence a batch where ``train`` gives two."""
+    losses = []
+    for step in range(2):
+        tokens, targets = (t[:1] for t in batch(step))
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_nor_re_packs(
+    tmp_path, monkeypatch, caplog
+):
+    """NOTE [ Profile cache ] rules 6-7: the first run of a model whose plain copy does not fit
+    profiles its first step streamed and re-packs through NVMe; its profile is cached, so the
+    next run plans at rt.manage from it (no profiling step, no probe but the revalidation's, no
+    calibration, no re-pack at the first step) and trains bitwise as the first did. A first
+    batch of other shapes than the cached one profiles and plans at the first step, as without
+    a cache, and trains bitwise plain PyTorch on those batches."""
+    calls = _count_planner_work(monkeypatch)
+    state = state_bytes("adamw", make_model())
+    settings = config(tmp_path, state // 4, state // 4)
+    runs = []
+    for _ in range(2):
+        model = make_model()
+        with caplog.at_level(logging.INFO, logger="tiermem"), tiermem.Runtime(settings) as rt:
+            _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+            at_manage = rt.plan
+            losses = train(model, optimizer, range(3))
+            runs.append((at_manage, rt.plan, dict(calls), losses, [p.detach().clone() for p in model.parameters()]))
+    (first_manage, first_plan, after_first, *_), (second_manage, second_plan, after_second, *_) = runs
+    assert first_manage.predicted.step_s is None and first_plan.predicted.step_s is not None
+    assert after_first == {"measure": 1, "probe_links": 1, "optimizer_seconds_per_byte": 1, "calibrate": 1, "spill": 1}
+    assert second_manage.predicted.step_s is not None  # planned at rt.manage, from the cache
+    assert second_plan == second_manage == first_plan  # the same plan, and not planned again
+    assert after_second == after_first  # nothing profiled, probed, calibrated or spilled the second time
+    assert "planning at rt.manage from the cached profile" in caplog.text
+    want_losses, want_params = reference("adamw")
+    for _, _, _, losses, params in runs:
+        assert_bitwise(losses, want_losses)
+        assert_bitwise(params, want_params)
+
+    model = make_model()
+    with tiermem.Runtime(settings) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        at_manage = rt.plan
+        got = _other_shapes(model, optimizer)
+        assert rt.plan != at_manage and rt.plan.predicted.step_s is not None
+    assert at_manage == first_plan and calls["measure"] == 2  # planned from the cache, then at the first step
+    plain = make_model()
+    want = _other_shapes(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+    # a cached profile whose search fails now (capacities changed since) is not an error at
+    # rt.manage: the default rule carries the first step, which plans (and here fails: logged)
+    def no_plan(*_a, **_k):
+        raise NoPlanFitsError({"device": 1 << 20}, {"device": 0}, {"device": 1 << 20}, ["raise [device] capacity"])
+
+    monkeypatch.setattr("tiermem.planner.auto.search", no_plan)
+    model = make_model()
+    with tiermem.Runtime(settings) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.plan.predicted.step_s is None  # the default rule
+        losses = train(model, optimizer, range(3))
+    assert_bitwise(losses, want_losses)
     assert list(tmp_path.iterdir()) == []

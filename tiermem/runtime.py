@@ -15,6 +15,7 @@ cleanup (TRAPS 12).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -29,7 +30,7 @@ from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
 from tiermem.config import Config
-from tiermem.errors import RuntimeClosedError
+from tiermem.errors import PlanError, RuntimeClosedError, StatesMemoryError, TierCapacityError
 from tiermem.interrupts import RuntimeInterruptGuard
 from tiermem.layout.activation_policy import PolicySpec
 from tiermem.layout.placement import Plan, PlanRequest
@@ -41,6 +42,7 @@ from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.states.optimizer import no_optimizer
+from tiermem.states.relayout import FirstStepPlanner
 from tiermem.states.sharded.manager import ShardedModelStates, is_sharded
 from tiermem.stats import ActivationStatistics, ModelStateStatistics, Stats
 from tiermem.tiers.base import Tier
@@ -176,7 +178,9 @@ class Runtime:
                 managed.close(spill_to)
             if self._registry is not None:
                 self._registry.free_all()
-            self._scheduler.close()
+            # the last moves' ends and the loop's shutdown: a wait of the training thread, traced
+            with tracing.traced("close runtime", "phase"), tracing.traced("wait scheduler close", "wait"):
+                self._scheduler.close()
         finally:
             try:
                 self.stop_trace()  # every move has ended: the trace's bytes are the links'
@@ -387,7 +391,9 @@ class Runtime:
         as they were, and the profile is cached. The plan carries a per-block activation policy
         and its predictions (``rt.plan.predicted``). Without a sample, the first step runs under
         the default placement rule and the first ``optimizer.step()`` plans from that step's
-        forward and re-packs the chunks (NOTE [ Model-state rules ] rule 9), exactly alike.
+        forward and re-packs the chunks (NOTE [ Model-state rules ] rule 9), exactly alike; where
+        the model's last profiled batch has its profile cached, the plan is made from it at once
+        and the first step re-plans only for a batch of other shapes (NOTE [ Profile cache ] rule 6).
         ``plan={"block_policy": "nvme"}`` (or one policy per block) plans around that policy.
 
         ``activations`` (NOTE [ Managed activations ] in ``tiermem.activations.managed``): ``"auto"``
@@ -433,26 +439,33 @@ class Runtime:
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)
         planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams)
-        first_step_planner = None
-        if planned and sample is not None:
-            plan = planner(model, sample)  # pack in execution order now, no re-pack at the first step
-        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
-            plan = None
-            first_step_planner = functools.partial(_plan_from_first_step, planner)
-        states = ModelStates(
+        build = functools.partial(
+            ModelStates,
             self.registry,
             model,
             optimizer,
-            plan=plan,
             optimizer_kwargs=optimizer_kwargs,
             plan_owner=self,
             grad_accumulation_steps=grad_accumulation_steps,
             clip_grad_norm=clip_grad_norm,
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
-            first_step_planner=first_step_planner,
             step_thread=(self.resolved or self.config).model_states.step_thread,
         )
+        if planned and sample is not None:
+            # pack in execution order now, no re-pack at the first step
+            states = build(plan=planner(model, sample), first_step_planner=None)
+        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
+            from tiermem.planner.auto import last_plan_request  # the planner only when asked
+
+            assert self.resolved is not None  # set whenever registry is reachable
+            first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
+            last_plan = functools.partial(
+                last_plan_request, self.registry, self.resolved, model, optimizer, optimizer_kwargs, fixed, streams
+            )
+            states = self._build_from_last_profile(build, first_step, last_plan)
+        else:
+            states = build(plan=plan, first_step_planner=None)
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
@@ -553,6 +566,27 @@ class Runtime:
         self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
         self.plan = sharded.plan
         return model, sharded.optimizer
+
+    def _build_from_last_profile(
+        self, build: Callable[..., ModelStates], first_step: FirstStepPlanner, last_plan: Callable[[], Any]
+    ) -> ModelStates:
+        """NOTE [ Profile cache ] rule 6: the model states built under ``last_plan()``'s plan (from
+        the cached profile of the model's last profiled batch), the first step planning only for a
+        batch of other shapes; else (none, or its plan does not build now: logged) under the
+        default rule, the first step planning."""
+        with tracing.traced("cached plan", "profile"):  # NOTE [ Timeline trace ]
+            found = last_plan()
+        if found is not None:
+            request, decision, planned_for = found
+            covered = dataclasses.replace(first_step, planned_for=planned_for)
+            try:
+                states = build(plan=request, first_step_planner=covered)
+            except (PlanError, StatesMemoryError, TierCapacityError) as exc:  # the tiers changed since
+                log.warning("tiermem manage: the cached profile's plan does not build now (%s); step 1 plans", exc)
+            else:
+                self.decision = decision
+                return states
+        return build(plan=None, first_step_planner=first_step)
 
     def _plan_request(
         self,

@@ -9,9 +9,10 @@ planner meets a live model and Runtime; everything it calls below is pure or mea
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from tiermem.activations.blocks import BlockSpec
 from tiermem.config import Config
+from tiermem.errors import PlanError
 from tiermem.layout.placement import PlanRequest
 from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
@@ -59,6 +61,10 @@ def _optimizer_facts(
     raise ProfileError(f"tiermem planner: cannot profile the optimizer {optimizer!r}; pass a torch.optim optimizer")
 
 
+def _optimizer_key(cls: type[torch.optim.Optimizer], defaults: Mapping[str, Any]) -> dict[str, Any]:
+    return {"class": f"{cls.__module__}.{cls.__qualname__}", "defaults": dict(defaults)}
+
+
 def _tier_facts(resolved: Config) -> dict[str, Any]:
     """The resolved configuration without capacities (NOTE [ Profile cache ] rule 1)."""
     facts = resolved.to_dict()
@@ -92,16 +98,15 @@ def profile_model(
     """The model's profile: from the cache when its key matches and it revalidates, else measured."""
     cls, defaults, groups = _optimizer_facts(model, optimizer, optimizer_kwargs)
     device = torch.device(resolved.device.device)
-    key = cache.profile_key(
-        model,
-        sample,
-        str(device),
-        _tier_facts(resolved),
-        {"class": f"{cls.__module__}.{cls.__qualname__}", "defaults": defaults},
-    )
+    facts = (str(device), _tier_facts(resolved), _optimizer_key(cls, defaults))
+    key = cache.profile_key(model, sample, *facts)
+    info = streamed()
     if use_cache and key is not None:
         cached = cache.load(key)
-        if cached is not None and cache.still_valid(cached, registry):
+        # NOTE [ Profile cache ] rule 7: a streamed profile's times are estimates, taken only
+        # where this run could not measure on plain parameters either
+        usable = cached is not None and (info is not None or not cached.extra.get("streamed"))
+        if cached is not None and usable and cache.still_valid(cached, registry):
             log.info("tiermem planner: using the cached profile %s", key)
             return cached
     start = time.perf_counter()
@@ -111,7 +116,6 @@ def profile_model(
     state = learn_state(cls, defaults, groups)
     sections = [state.sections(p) for p in params]
     names = state.names
-    info = streamed()
     stalled = info.stalled() if info is not None else 0.0
     blocks_stats, outside, param_stats, order, modules, shared, param_block = measure(
         model,
@@ -150,8 +154,8 @@ def profile_model(
         overheads=overheads,
         element_wise=element_wise(cls),
     )
-    if use_cache and key is not None and info is None:  # a streamed profile's times are estimates (rule 8)
-        cache.store(profile)
+    if use_cache and key is not None:  # streamed too, marked so (NOTE [ Profile cache ] rule 7)
+        cache.store(profile, cache.model_key(model, *facts), cache.sample_signature(sample))
     return profile
 
 
@@ -181,6 +185,39 @@ def plan_model(
     return decision, profile
 
 
+def last_plan_request(
+    registry: Registry,
+    resolved: Config,
+    model: nn.Module,
+    optimizer: Any,
+    optimizer_kwargs: Mapping[str, Any],
+    block_policy: str | Sequence[str] | None,
+    grads_stream: bool,
+) -> tuple[PlanRequest, Decision, Callable[[tuple[Any, ...], dict[str, Any]], bool]] | None:
+    """NOTE [ Profile cache ] rule 6: :func:`plan_request` from the profile of the model's last
+    profiled sample, when it is cached and revalidates now, and whether a first forward's
+    arguments are of that sample's shapes; None when there is none to plan from."""
+    try:
+        cls, defaults, _ = _optimizer_facts(model, optimizer, optimizer_kwargs)
+    except ProfileError:  # not an optimizer: the model states refuse it, with their own error
+        return None
+    facts = (str(torch.device(resolved.device.device)), _tier_facts(resolved), _optimizer_key(cls, defaults))
+    found = cache.last_profile(cache.model_key(model, *facts))
+    if found is None:
+        return None
+    profile, sample = found
+    if not cache.still_valid(profile, registry):
+        return None
+    try:
+        decision = search(profile, free_bytes(registry), block_policy=block_policy, grads_stream=grads_stream)
+    except PlanError as exc:  # the capacities changed since: the first step plans, as without a cache
+        log.info("tiermem planner: the cached profile %s of the last sample plans nothing now: %s", profile.key, exc)
+        return None
+    log.info("tiermem planner: planning at rt.manage from the cached profile %s of the last sample", profile.key)
+    log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
+    return _request(decision, profile), decision, functools.partial(cache.same_batch, sample)
+
+
 def plan_request(
     registry: Registry,
     resolved: Config,
@@ -204,8 +241,13 @@ def plan_request(
         block_policy=block_policy,
         grads_stream=grads_stream,
     )
+    return _request(decision, profile), decision
+
+
+def _request(decision: Decision, profile: Profile) -> PlanRequest:
+    """The decision's plan as a request packed in the profiled execution order."""
     chosen = decision.plan
-    request = PlanRequest(
+    return PlanRequest(
         chosen.chunk_size,
         chosen.persistent_chunks,
         chosen.buffers,
@@ -215,4 +257,3 @@ def plan_request(
         order=profile.order,
         slice_bytes=chosen.slice_bytes,  # the slices its host prediction counts
     )
-    return request, decision

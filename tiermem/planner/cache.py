@@ -40,6 +40,21 @@
    file and warns (:class:`~tiermem.errors.TiermemWarning`) naming the error, the path and, for
    a full disk, ENOSPC and the bytes needed and free; the run goes on with the profile it
    measured, and the next one profiles again.
+6. The last sample per model: beside each profile stored, a small index file ``<model key>.last``
+   names it and its sample's shapes and dtypes, under a key of everything in rule 1 but the
+   sample. ``rt.manage(plan="auto")`` without ``sample=`` plans from that profile at once when it
+   loads and revalidates (:func:`last_profile`), so the chunks are built under the plan and the
+   first step neither profiles nor re-packs; the first forward's arguments are then checked
+   against the index's shapes, and a batch of other shapes plans at the first step as before
+   (NOTE [ Model-state rules ] rule 9 in ``tiermem.states.manager``). The index is written
+   with the profile, atomically and best effort, as rules 3-5 say; :func:`clear` removes it too.
+7. A profile measured streamed (NOTE [ Profiling step ] rule 8: times estimated without the
+   fetch waits) is cached like any other and marked so (``extra["streamed"]``): without it
+   every run of a model whose plain copy does not fit the capacities profiled its first step
+   again (measured: 37 s against a 6.2 s step, for a 210M GPT-2). A profiling step on plain
+   parameters (``sample=``, or a first step with room for a plain copy) measures again rather
+   than take it, and its plain profile replaces the streamed one; planning at ``rt.manage``
+   (rule 6) takes either: the streamed times err slow, and were the closer ones measured.
 """
 
 from __future__ import annotations
@@ -139,16 +154,30 @@ def profile_key(
     shape = sample_signature(sample)
     if shape is None:
         return None
-    facts = {
+    return _digest(_facts(model, shape, device, tier_config, optimizer))
+
+
+def model_key(model: nn.Module, device: str, tier_config: Mapping[str, Any], optimizer: Mapping[str, Any]) -> str:
+    """Rule 6: rule 1's key without the sample: what names the model's last profiled sample."""
+    return _digest(_facts(model, "the last one profiled", device, tier_config, optimizer))
+
+
+def _facts(
+    model: nn.Module, sample: Any, device: str, tier_config: Mapping[str, Any], optimizer: Mapping[str, Any]
+) -> dict[str, Any]:
+    return {
         "version": PROFILE_VERSION,
         "model": model_signature(model),
-        "sample": shape,
+        "sample": sample,
         "device": device,
         "tiers": tier_config,
         "optimizer": optimizer,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
+
+
+def _digest(facts: Mapping[str, Any]) -> str:
     text = json.dumps(facts, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
@@ -165,15 +194,46 @@ def load(key: str) -> Profile | None:
     return profile if profile.key == key else None
 
 
-def store(profile: Profile) -> Path | None:
-    """Rule 3; None when the cache directory cannot be written (caching is best effort)."""
+def store(profile: Profile, model: str | None = None, sample: list[Any] | None = None) -> Path | None:
+    """Rule 3; None when the cache directory cannot be written (caching is best effort). With
+    ``model`` (a :func:`model_key`) and the ``sample``'s signature, also rule 6's index."""
     directory = cache_dir()
-    path = directory / f"{profile.key}.json"
-    text, tmp = profile.to_json(), None
     if private_cache_dir(create=True) is None:  # rule 4: never write where another user can
         return None
+    path = _write(directory / f"{profile.key}.json", profile.to_json())
+    if path is not None and model is not None and sample is not None:
+        _write(directory / f"{model}.last", json.dumps({"profile": profile.key, "sample": sample}))
+    return path
+
+
+def last_profile(model: str) -> tuple[Profile, list[Any]] | None:
+    """Rule 6: the profile last stored for the model ``model`` names, and its sample's
+    signature (:func:`sample_signature`, as JSON reads it back); None when there is none."""
+    if private_cache_dir(create=False) is None:  # rule 4: not a private directory of ours, not read
+        return None
     try:
-        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".profile-", suffix=".tmp")
+        index = json.loads((cache_dir() / f"{model}.last").read_text(encoding="utf-8"))
+        key, sample = index["profile"], index["sample"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not isinstance(key, str) or not isinstance(sample, list):
+        return None
+    profile = load(key)
+    return (profile, sample) if profile is not None else None
+
+
+def same_batch(recorded: list[Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Rule 6: whether a first forward's arguments have the shapes and dtypes ``recorded`` in the
+    index (as the first step would profile them: NOTE [ Profiling step ] rule 1)."""
+    signature = sample_signature(Batch(args, kwargs) if kwargs else args)
+    return signature is not None and json.loads(json.dumps(signature, default=repr)) == recorded
+
+
+def _write(path: Path, text: str) -> Path | None:
+    """Rules 3 and 5: ``text`` into ``path`` atomically; None (warned) when it cannot be written."""
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-", suffix=".tmp")
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
         os.replace(tmp, path)
@@ -199,7 +259,7 @@ def _warn_not_stored(exc: OSError, path: Path, nbytes: int) -> None:
             f"tiermem planner: the profile was not cached: {what}. This run goes on with the profile it measured; "
             "the next one profiles again. Free space there, or set XDG_CACHE_HOME to a writable directory."
         ),
-        stacklevel=3,
+        stacklevel=4,  # the caller of store(), through _write()
     )
 
 
@@ -213,6 +273,9 @@ def clear() -> int:
         with contextlib.suppress(OSError):
             path.unlink()
             removed += 1
+    for path in directory.glob("*.last"):  # rule 6's index names profiles that are gone now
+        with contextlib.suppress(OSError):
+            path.unlink()
     return removed
 
 

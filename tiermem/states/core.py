@@ -178,7 +178,7 @@ class ModelFacts:
         return key in self.section_keys[i]
 
     def needs(self, layouts: Sequence[ChunkLayout]) -> list[ChunkNeeds]:
-        sliceable = element_wise(self.optimizer_class)  # NOTE [ Exact optimizer step ] rule 6
+        sliceable = element_wise(self.optimizer_class)  # slicing is exact only element-wise
         return [
             ChunkNeeds(layout.nbytes, layout.trainable, self.sections(layout), self.master_scale, sliceable)
             for layout in layouts

@@ -113,6 +113,10 @@ backend, ``describe``, ``close``) and the wiring:
    again at the next step), when the planner fails, and for a model with compiled blocks
    (NOTE [ Compiling a managed model ] rule 4 in ``compile.py``); the new layout is not built
    (logged, the old one kept) when the snapshot fits neither memory nor an NVMe tier.
+   Where the profile of the model's last profiled batch is cached and revalidates, the plan
+   is made from it at ``rt.manage`` and the chunks are built under it (NOTE [ Profile cache ]
+   rule 6 in ``tiermem.planner.cache``); the first forward's arguments are checked against
+   that batch's shapes and dtypes, and only a batch of other shapes plans at the first step.
 """
 
 from __future__ import annotations

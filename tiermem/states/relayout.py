@@ -21,6 +21,7 @@ import functools
 import logging
 import weakref
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -44,8 +45,22 @@ from tiermem.states.store import ChunkStore
 from tiermem.states.streamed_profile import StreamedProfiling
 from tiermem.units import format_size
 
-FirstStepPlanner = Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
-"""Rule 9: given the model (plain parameters) and its first forward's arguments, the plan."""
+
+def _never(_args: tuple[Any, ...], _kwargs: dict[str, Any]) -> bool:
+    return False
+
+
+@dataclass(frozen=True)
+class FirstStepPlanner:
+    """Rule 9: who plans at the first step."""
+
+    #: given the model (plain parameters, or streamed) and its first forward's arguments, the plan
+    plan: Callable[[nn.Module, tuple[Any, ...], dict[str, Any]], PlanRequest]
+    #: whether the plan in force was already planned for a first forward given these arguments
+    #: (from the cached profile of a batch of their shapes: NOTE [ Profile cache ] rule 6 in
+    #: ``tiermem.planner.cache``): then nothing is planned at the first step
+    planned_for: Callable[[tuple[Any, ...], dict[str, Any]], bool] = _never
+
 
 Layout = tuple[Sequence[ChunkLayout], Plan, list[int]]
 """Chunk layouts, their plan and the parameter order they were packed in."""
@@ -172,6 +187,9 @@ class Relayout:
         if self.recorded is None and self._recording is None:
             self._recording, self._seen = [], set()
         if torch.is_grad_enabled() and self._planner is not None and self._plan_batch is None:  # kept to plan from
+            if self._planner.planned_for(tuple(args), dict(kwargs)):
+                self._planner = None  # the plan in force is this batch's: nothing to plan at the step
+                return
             detach = functools.partial(tree_map_only, torch.Tensor, torch.Tensor.detach)
             self._plan_batch = (detach(tuple(args)), detach(dict(kwargs)))
 
@@ -378,7 +396,7 @@ class Relayout:
         request = self.request
         layouts, plan, order = old
         try:
-            planned = planner(self.facts.model, *batch)
+            planned = planner.plan(self.facts.model, *batch)
             self.request = planned
             new_order = list(planned.order) if planned.order is not None else (self.recorded or order)
             if sorted(new_order) != list(range(len(self.facts.params))):

@@ -519,7 +519,7 @@ class Stepper:
     ) -> None:
         """NOTE [ Sliced steps ] (in ``chunk_step.py``): ``chunk``'s step over slices; the optimizer
         records of the whole step are kept once every slice stepped (rule 3 there)."""
-        self._finish_steps()  # NOTE [ Step threads ] rule 2
+        self._finish_steps()  # its slices use the step thread alone
         traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]
         if self.save_guard is not None:
             self.save_guard.before_step(chunk)
