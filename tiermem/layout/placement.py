@@ -631,7 +631,7 @@ def _check_fits(
             f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
-        whole = [n.home_bytes for n in nvme_homes if n.nbytes > chunk_size and not n.sliceable]
+        whole = [n.home_bytes for n in nvme_homes if n.trainable and n.nbytes > chunk_size and not n.sliceable]
         staging = _count(staged, "trainable NVMe home")
         if any(n.sliced(chunk_size) for n in nvme_homes):
             staging += " or two slices of those that step in slices"

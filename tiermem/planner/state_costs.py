@@ -146,7 +146,9 @@ class Packing:
         lo, hi = persistent, self.chunks
         if self.host_bytes(persistent, hi) <= host_budget:
             return hi
-        # host_bytes grows with host_end (a home costs more than staging it): binary search.
+        # Binary search: host_bytes grows with host_end (a home costs more than staging it), except
+        # where a sliced chunk moving to the host drops its two slices' staging; there the search may
+        # keep a home on NVMe that would fit on the host, never put one on the host that does not fit.
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.host_bytes(persistent, mid) <= host_budget:

@@ -120,7 +120,7 @@ class Homes:
             try:
                 handle.move_to("host", Priority.DEMAND, known)
             except TierCapacityError as exc:
-                what = f"staging chunk {chunk.index}'s NVMe home for its step"
+                what = f"staging chunk {chunk.index}'s NVMe home on the host"
                 raise StatesMemoryError.tier_full(exc, what) from exc
         handle.wait()
 

@@ -188,9 +188,9 @@ class GradientStash:
             try:
                 return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
             except TierCapacityError as exc:
-                raise StatesMemoryError.tier_full(
-                    exc, f"reading chunk {chunk.index}'s gradients, which wait on NVMe (grad_home 'nvme'),"
-                ) from exc
+                why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
+                what = f"reading chunk {chunk.index}'s gradients, which wait on NVMe ({why}), whole"
+                raise StatesMemoryError.tier_full(exc, what) from exc
 
     def release(self, chunk: Chunk) -> None:
         """Drop ``chunk``'s staged copy, written back to NVMe first if it was written."""
