@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, streamed_reserve
+from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, gradients_at_once, streamed_reserve
 from tiermem.planner.profile import Profile
 
 
@@ -131,7 +131,7 @@ class Packing:
         slices of a chunk that steps in slices, and of its gradients, which wait on NVMe)."""
         n = self.chunks
         staged = self.staged_homes
-        passing = STAGED_HOMES if self.grads_stream else (staged if self.grad_home == "nvme" else 0)
+        passing = gradients_at_once(self.grads_stream, self.grad_home, staged)
         sliced_grads = STAGED_HOMES * self._max_sliced_grad_from[host_end]
         if passing:
             nvme_grads = max(passing * self._max_whole_grad_from[host_end], sliced_grads)
