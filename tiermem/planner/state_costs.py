@@ -98,10 +98,6 @@ class Packing:
     def chunks(self) -> int:
         return len(self.needs)
 
-    @property
-    def shared_chunks(self) -> int:
-        return len(self.shared)
-
     @staticmethod
     def _sum(prefix: list[int], start: int, stop: int) -> int:
         return prefix[stop] - prefix[start] if stop > start else 0

@@ -117,7 +117,6 @@ class ChunkStep:
     #: what :meth:`compute` found: per parameter index, the record :meth:`commit` stores
     records: dict[int, ParamState] = dataclasses.field(default_factory=dict)
 
-    # long: one pass over the chunk's slots per kind of view, kept together so the order stays plain
     @classmethod
     def prepare(
         cls,
