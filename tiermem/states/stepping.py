@@ -469,7 +469,7 @@ class Stepper:
         on_cpu = (home.device if home is not None else self.facts.device).type == "cpu"
         try:
             job = ChunkStep.prepare(
-                self.facts, self.store, self.gradients, (chunk, slots, home), optimizer, group_of, attributes
+                self.facts, self.store, self.gradients, chunk, slots, home, optimizer, group_of, attributes
             )
         except BaseException:
             if staged:
