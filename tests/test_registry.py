@@ -425,7 +425,7 @@ def test_read_out_copies_a_stored_object_without_moving_it(make_store):
     data = torch.randn(3000)
     handle = store.registry.register(data.clone(), "device", dedup=False)
     handle.move_to("nvme", Priority.WRITEBACK)
-    out = handle.read_out()  # waits for the move first
+    out = handle.copy_out()  # waits for the move first
     assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
     assert out.device.type == "cpu" and out.numel() == handle.reserved >= data.numel() * 4
     assert torch.equal(out[: data.numel() * 4].view(torch.float32), data)

@@ -347,7 +347,7 @@ def test_range_copies_of_an_nvme_object_go_through_the_registry_checksummed(tmp_
         stored.fill_from(room, nbytes=7_000, source_offset=1_000, offset=12_345).wait()  # a range write
         want = data.clone()
         want[12_345:19_345] += 1
-        assert stored.tier == "nvme" and torch.equal(stored.read_out()[:40_000], want)
+        assert stored.tier == "nvme" and torch.equal(stored.copy_out()[:40_000], want)
         moved = rt.registry.link_statistics()
         assert moved["nvme->host"].bytes >= 7_000 and moved["host->nvme"].bytes >= 7_000
 

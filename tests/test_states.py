@@ -622,7 +622,7 @@ def test_closing_restores_ordinary_parameters(tmp_path):
 
 
 def test_closing_without_memory_leaves_a_clear_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("tiermem.states.core.memory_available", lambda device: 0)
+    monkeypatch.setattr("tiermem.states.facts.memory_available", lambda device: 0)
     model = make_model()
     capacity = int(state_bytes("adamw", model) * 0.5)
     with tiermem.Runtime(config(tmp_path, capacity)) as rt:

@@ -118,7 +118,7 @@ def test_without_room_for_a_plain_copy_the_first_step_plans_streamed_and_stays_b
     NVMe (NOTE [ Spilled snapshots ]); training stays bitwise plain PyTorch, and the tiers never
     held more than their capacities."""
     import tiermem.planner.auto
-    import tiermem.states.core
+    import tiermem.states.facts
     import tiermem.states.relayout
 
     spills = []
@@ -130,7 +130,7 @@ def test_without_room_for_a_plain_copy_the_first_step_plans_streamed_and_stays_b
     model = make_model()
     state = state_bytes("adamw", model)
     if short == "memory":
-        monkeypatch.setattr(tiermem.states.core, "memory_available", lambda _device: 1 << 10)
+        monkeypatch.setattr(tiermem.states.facts, "memory_available", lambda _device: 1 << 10)
         settings = config(tmp_path, 1 << 30)
     else:
         settings = config(tmp_path, state // 4, state // 4)

@@ -223,10 +223,10 @@ class Handle:
         """Rule 6: return once no copy of known bytes into this object's move is running."""
         self.obj.registry.wait_known_copy(self.obj)
 
-    def read_out(self) -> torch.Tensor:
+    def copy_out(self) -> torch.Tensor:
         """Rule 9: a fresh CPU copy of the object's bytes read where they live (no move)."""
         self._check()
-        return self.obj.registry.read_out(self.obj)
+        return self.obj.registry.copy_out(self.obj)
 
     @property
     def freed(self) -> bool:

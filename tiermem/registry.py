@@ -45,7 +45,7 @@ operations below, never a tier or the scheduler. The objects themselves are in
    changes where neither lives. The target must be resident (not
    moving: the move would drop what the copy wrote); the caller keeps both objects alive and
    unmoved until the copy ended (``wait()`` on the transfer returned).
-9. Reading an object where it lives without moving it (``Handle.read_out``: exporting a
+9. Reading an object where it lives without moving it (``Handle.copy_out``: exporting a
    chunk's NVMe home) reads its allocation straight from the tier into a fresh CPU tensor of
    its reserved size, outside the scheduler, once its move (if any) ended.
 10. ``fence(tier)`` orders every copy the tier starts from now on after the device work the
@@ -413,7 +413,7 @@ class Registry:
             with contextlib.suppress(Exception):  # its error is the move's, raised at the object's wait()
                 copy.wait()
 
-    def read_out(self, obj: ManagedObject) -> torch.Tensor:
+    def copy_out(self, obj: ManagedObject) -> torch.Tensor:
         """Rule 9: a fresh CPU tensor of ``obj``'s reserved size holding its bytes where it lives."""
         self.wait(obj)
         with self._lock:

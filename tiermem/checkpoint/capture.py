@@ -237,6 +237,6 @@ def _read_now(handle: Handle, nbytes: int) -> torch.Tensor:
     """Rule 5: a region copied on the training thread into memory of its own (an NVMe home read
     where it lives, as a blocking save reads it)."""
     if handle.tier == "nvme":
-        return handle.read_out()[:nbytes]
+        return handle.copy_out()[:nbytes]
     data = handle.tensor(handle.tier).reshape(-1).view(torch.uint8)[:nbytes]
     return data.to("cpu", copy=True)

@@ -63,7 +63,7 @@ from tiermem.states.errors import StatesUsageError
 
 if TYPE_CHECKING:
     from tiermem.states.chunks import Chunk
-    from tiermem.states.core import Lifecycle, ModelFacts
+    from tiermem.states.facts import Lifecycle, ModelFacts
     from tiermem.states.homes import Homes
     from tiermem.states.store import ChunkStore
 

@@ -23,7 +23,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem import tracing
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import Lifecycle, ModelFacts, Use
+from tiermem.states.facts import Lifecycle, ModelFacts, Use
 from tiermem.states.gradients import Gradients
 from tiermem.states.stepping import Stepper
 from tiermem.states.store import ChunkStore

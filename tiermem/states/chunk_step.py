@@ -61,8 +61,8 @@ import torch
 from tiermem import tracing
 from tiermem.layout.chunks import Slot
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, ParamState, same
 from tiermem.states.cpu_step import for_cpu_step
+from tiermem.states.facts import ModelFacts, ParamState, same
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes, HomeSlice
 from tiermem.states.optimizer import ManagedOptimizer, run_step

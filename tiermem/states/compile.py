@@ -50,8 +50,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
-from tiermem.states.core import ModelFacts
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.facts import ModelFacts
 
 __all__ = ["check_compiled_modules", "collapse_regions", "compiled_regions", "refuse_compile", "without_regions"]
 

@@ -20,8 +20,8 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
 from tiermem.registry import ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
+from tiermem.states.facts import ModelFacts, same
 from tiermem.states.homes import Homes, HomeSlice
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.optimizer import ManagedOptimizer
@@ -173,7 +173,7 @@ class Gradients:
         chunk.grad.wait()
         if self.stash.stored(chunk):
             if chunk.slice_span is not None and not write and not self.stash.staged(chunk):
-                return chunk.grad.read_out()[: chunk.nbytes]
+                return chunk.grad.copy_out()[: chunk.nbytes]
             return self.stash.buffer(chunk, write=write)
         return chunk.grad.tensor(chunk.grad.tier)
 

@@ -4,7 +4,7 @@ and staging one slice of a home for a sliced step (NOTE [ Sliced steps ] in ``ch
 :class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
 valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`) and the host
 buffers of staged slices (:class:`HomeSlice`). It may touch chunk homes through their handles only
-(``move_to``, ``wait``, ``tensor``, ``read_out``, ``fill_from``: NOTE [ Managed object rules ]),
+(``move_to``, ``wait``, ``tensor``, ``copy_out``, ``fill_from``: NOTE [ Managed object rules ]),
 never a chunk's device storage or gradients. Before it stages, reads or writes a chunk's home it
 calls ``fence`` with the chunk, so a step of that chunk still in flight finishes first (NOTE
 [ Step threads ] rule 4).
@@ -163,7 +163,7 @@ class Homes:
         cache = self._read_cache
         if cache is not None and cache[0] == chunk.index and cache[1] == self.store.version():
             return cache[2]
-        data = handle.read_out()
+        data = handle.copy_out()
         self._read_cache = (chunk.index, self.store.version(), data)
         return data
 

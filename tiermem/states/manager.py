@@ -4,7 +4,7 @@
 hooks (which chunks a running module pins, rules 1 and 3), the public surface (the optimizer's
 backend, ``describe``, ``close``) and the wiring:
 
-- :class:`~tiermem.states.core.ModelFacts` (``core.py``): what never changes about the model;
+- :class:`~tiermem.states.facts.ModelFacts` (``facts.py``): what never changes about the model;
 - :class:`~tiermem.states.store.ChunkStore` (``store.py``): the chunks in force and their bytes,
   with the device buffer pool it rebuilds at every build, :class:`~tiermem.states.pool.ChunkPool`
   (``pool.py``): which streamed chunks hold device bytes (rules 1, 3, 6);
@@ -148,9 +148,9 @@ from tiermem.states.compile import (
     without_regions,
 )
 from tiermem.states.copies import PlainCopies
-from tiermem.states.core import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.declarations import Declarations
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.facts import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.moves import ParameterMoves, Training

@@ -53,8 +53,8 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from tiermem.states.access import internal
-from tiermem.states.core import ModelFacts
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.facts import ModelFacts
 
 __all__ = ["ParameterMoves", "Training"]
 

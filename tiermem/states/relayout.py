@@ -33,10 +33,10 @@ from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import ChunkLayout, outlier_candidates, pack, packing_floor, size_candidates, waste
 from tiermem.layout.placement import Budgets, Plan, PlanRequest
 from tiermem.registry import Registry
-from tiermem.states import core
+from tiermem.states import facts as model_facts
 from tiermem.states.access import internal
-from tiermem.states.core import ModelFacts, Snapshot
 from tiermem.states.errors import PlanError, StatesMemoryError
+from tiermem.states.facts import ModelFacts, Snapshot
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.spilled_snapshot import spill
@@ -303,12 +303,12 @@ class Relayout:
         facts = self.facts
         needed = self._snapshot_bytes()
         on_device = sum(info.nbytes * (1 + info.trainable) for info in facts.info)  # parameters, gradients
-        if facts.device.type != "cpu" and on_device > 0.8 * core.memory_available(facts.device):
+        if facts.device.type != "cpu" and on_device > 0.8 * model_facts.memory_available(facts.device):
             return (
                 f"the plain parameters and gradients ({format_size(on_device)}) do not fit in {facts.device}'s free "
                 "memory"
             )
-        if needed > 0.8 * core.memory_available(torch.device("cpu")):
+        if needed > 0.8 * model_facts.memory_available(torch.device("cpu")):
             return f"a plain copy of the model states ({format_size(needed)}) does not fit in free memory"
         return self._beyond_capacities(needed, on_device - sum(info.nbytes for info in facts.info))
 
@@ -346,7 +346,7 @@ class Relayout:
         self.store.pool.clear()
         spilled = None
         needed = self._snapshot_bytes()
-        if needed > 0.8 * core.memory_available(torch.device("cpu")) or self._beyond_capacities(needed, 0):
+        if needed > 0.8 * model_facts.memory_available(torch.device("cpu")) or self._beyond_capacities(needed, 0):
             if not self.registry.has_tier("nvme"):
                 log.warning(
                     "tiermem model states: keeping the chunk layout in force: re-packing needs a snapshot of the "

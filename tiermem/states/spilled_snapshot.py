@@ -20,7 +20,7 @@ out, free).
    memory. Without NVMe room the spill frees what it wrote and raises ``StatesMemoryError``:
    nothing was changed and the caller keeps the layout in force.
 3. Reading: :meth:`SpilledSnapshot.as_snapshot` is a ``Snapshot`` whose lists and state
-   mapping read an old chunk's buffer back on first use (``Handle.read_out``), keeping the
+   mapping read an old chunk's buffer back on first use (``Handle.copy_out``), keeping the
    last ``CACHED_CHUNKS`` buffers; values handed out are views of them, copied by the build.
    The build reads exactly the bytes that were written: training after the re-pack is
    bitwise what it would have been.
@@ -44,8 +44,8 @@ import torch
 from tiermem.errors import TierCapacityError
 from tiermem.registry import Handle, Registry
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, Snapshot
 from tiermem.states.errors import StatesMemoryError
+from tiermem.states.facts import ModelFacts, Snapshot
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.stateio import StateIO
@@ -96,7 +96,7 @@ class SpilledSnapshot:
         self._before_read()
         data = self._cache.get(piece.chunk)
         if data is None:
-            data = self.handles[piece.chunk].read_out()
+            data = self.handles[piece.chunk].copy_out()
             self._cache[piece.chunk] = data
             while len(self._cache) > CACHED_CHUNKS:
                 self._cache.popitem(last=False)

@@ -21,11 +21,11 @@ from torch import nn
 from tiermem.errors import internal_error
 from tiermem.layout.chunks import Slot
 from tiermem.registry import Handle, Priority
-from tiermem.states import core
+from tiermem.states import facts as model_facts
 from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import Lifecycle, ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.facts import Lifecycle, ModelFacts, ParamState, Snapshot
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_empty, release_file_pages
@@ -288,7 +288,7 @@ class StateIO:
             for chunk in list(store.chunks):
                 self._restore_chunk(chunk, spill_to)
             return True
-        if needed > core.memory_available(facts.device) + ours:
+        if needed > model_facts.memory_available(facts.device) + ours:
             log.warning(
                 "tiermem model states: %s of parameters do not fit in memory; the model is unusable after the "
                 "Runtime closed",

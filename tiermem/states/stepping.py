@@ -83,9 +83,9 @@ from tiermem.layout.chunks import Slot
 from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunk_step import ChunkStep, SlicedStep
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts
 from tiermem.states.declarations import Declarations, clip_declared
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.facts import ModelFacts
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.optimizer import ManagedOptimizer

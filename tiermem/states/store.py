@@ -22,8 +22,8 @@ from tiermem.layout.placement import STAGED_HOMES, Plan
 from tiermem.registry import Handle, Registry
 from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import ModelFacts, ParamState, Snapshot
 from tiermem.states.errors import StatesMemoryError
+from tiermem.states.facts import ModelFacts, ParamState, Snapshot
 from tiermem.states.materialize import release_file_pages
 from tiermem.states.pool import ChunkPool
 

@@ -56,7 +56,7 @@ from torch.utils.hooks import RemovableHandle
 
 from tiermem.states.backward import BackwardTracker
 from tiermem.states.chunks import Chunk
-from tiermem.states.core import Lifecycle, ModelFacts
+from tiermem.states.facts import Lifecycle, ModelFacts
 from tiermem.states.gradients import Gradients
 from tiermem.states.stepping import Stepper
 from tiermem.states.store import ChunkStore

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from tiermem.layout.chunks import Slot
-from tiermem.states.core import ParamState
+from tiermem.states.facts import ParamState
 from tiermem.states.sharded.step import ShardSteps, StateChunk, local_of, state_view
 from tiermem.states.stateio import StateTensor
 

@@ -3,7 +3,7 @@
 
 :class:`ShardSteps` owns the state chunks (their homes, through registry handles only) and each
 parameter's scalar state (``step``). It may touch: the chunks' homes (``move_to`` / ``wait`` /
-``tensor`` / ``read_out``: NOTE [ Managed object rules ]), and each FSDP2 parameter's local
+``tensor`` / ``copy_out``: NOTE [ Managed object rules ]), and each FSDP2 parameter's local
 shard and gradient through plain-tensor aliases; never FSDP2's storage layout or its buffers.
 """
 
@@ -21,8 +21,8 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, Slot
 from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import Handle, ObjectState, Priority, Registry
-from tiermem.states.core import ParamState, same
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
+from tiermem.states.facts import ParamState, same
 from tiermem.states.optimizer import ManagedOptimizer, run_step
 
 
@@ -278,7 +278,7 @@ class ShardSteps:
         assert handle is not None
         handle.wait()
         if chunk.home_tier == "nvme" and handle.tier == "nvme":
-            return handle.read_out()
+            return handle.copy_out()
         return handle.tensor(handle.tier)
 
     def import_state(self, state: Mapping[torch.Tensor, Mapping[str, Any]]) -> None:
