@@ -64,6 +64,12 @@ generation, the pool's residency (releases), and gradients through
    most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
    [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
    in a window, as for any chunk a failed step never reached) and sends their homes back.
+10. Declaring later (``rt.declare``, which trainers' integrations call: ``tiermem.integrations.hf``):
+    a declaration replaces the one in force where no chunk stepped early in the current window,
+    so no gradient used by a step was promised under other terms; the count of backwards goes
+    on. A loop that clips through its own call (a trainer's ``clip_grad_norm_``) has the runtime
+    clip there, once per window (rule 5, run ahead: no chunk steps between that call and
+    ``optimizer.step()`` under clipping), and ``optimizer.step()`` does not clip again.
 """
 
 from __future__ import annotations
@@ -137,6 +143,8 @@ class Stepper:
         self._backward_since_step = False
         #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
         self._grad_versions: dict[int, tuple[torch.Tensor, int]] = {}
+        #: rule 10: the norm of this window's declared clip, when the loop's own call ran it
+        self._clipped: torch.Tensor | None = None
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
         self.chunk_steps = 0
@@ -331,6 +339,33 @@ class Stepper:
             i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
         }
 
+    def redeclare(self, declared: Declarations) -> None:
+        """Rule 10: ``declared`` in force from now on, unless a chunk already stepped early in
+        this window (its step used gradients promised under the old declaration)."""
+        if self._stepped:
+            raise StatesUsageError(
+                f"tiermem declare: {len(self._stepped)} chunk(s) already stepped during this window's backward under "
+                f"grad_accumulation_steps={self.declared.accumulation}, clip_grad_norm={self.declared.max_norm}; "
+                "declare the loop between optimizer.step() and the next backward"
+            )
+        self.declared = declared
+        self._early_allowed = declared.accumulation is not None and declared.max_norm is None
+        self._clipped = None
+
+    def clip(self) -> torch.Tensor:
+        """Rule 10: the declared clip of this window, run now at the loop's own clip call (once:
+        a second call returns the same norm); the gradients it scales are recorded again, so
+        rule 4 still sees any edit made after it."""
+        max_norm = self.declared.max_norm
+        if max_norm is None:
+            raise StatesUsageError("tiermem: the runtime clips only a loop declared with clip_grad_norm=")
+        if self._clipped is None:
+            self._clipped = clip_declared(self.facts.params, max_norm, self.facts.device)
+            self._grad_versions = {
+                i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
+            }
+        return self._clipped
+
     def stepped_early(self, chunk: Chunk) -> bool:
         """``chunk`` stepped during a backward of this window, before ``optimizer.step()``."""
         return chunk.index in self._stepped
@@ -365,7 +400,10 @@ class Stepper:
             self._check_gradients_untouched(stepped, counted)
             self._windows += 1
         self.gradients.reconcile()
-        if self.declared.max_norm is not None:
+        clipped, self._clipped = self._clipped, None
+        if clipped is not None:  # rule 10: the loop's own clip call ran the declared clip already
+            optimizer.grad_norm = clipped
+        elif self.declared.max_norm is not None:
             optimizer.grad_norm = clip_declared(self.facts.params, self.declared.max_norm, self.facts.device)
         if self.relayout.pending:
             if self.save_guard is not None:
@@ -430,8 +468,9 @@ class Stepper:
                 f"tiermem: gradients changed between backward and optimizer.step() ({', '.join(names)}...), but "
                 f"rt.manage(grad_accumulation_steps={self.declared.accumulation}) already stepped {len(stepped)} "
                 "chunk(s) with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) "
-                "and nobody edits .grad; for GradScaler or hand-made gradient edits, call rt.manage without "
-                "grad_accumulation_steps."
+                "and nobody edits .grad; for GradScaler or hand-made gradient edits, leave the loop undeclared (rt.manage "
+                "without grad_accumulation_steps; rt.declare(model) with none; declare_loop=False for the trainers of "
+                "tiermem.integrations.hf)."
             )
         if self._early_allowed:
             self._early_allowed = False
