@@ -170,3 +170,58 @@ def test_accelerate_prepare_of_a_managed_model_is_bitwise_plain(tmp_path):
     assert len(got_losses) == 6
     assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+
+
+# -- NOTE [ Trainer loops declared ] in tiermem.integrations.hf ------------------------------------
+
+
+def declared_trainer_run(
+    tmp_path: Path, managed: bool, callbacks: list[Any] | None = None, **overrides: Any
+) -> tuple[list[Any], list[torch.Tensor], dict[str, Any]]:
+    """Trainer's losses, logged norms and LRs and the final parameters; plain ``transformers.Trainer``
+    or tiermem's over a managed model, with what the declared path did."""
+    from tiermem.integrations.hf import Trainer
+
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    args = arguments(tmp_path / "out", **overrides)
+    evidence: dict[str, Any] = {}
+
+    def logged(trainer: Any) -> list[Any]:
+        return [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+    if not managed:
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None), callbacks=callbacks
+        )
+        trainer.train()
+        return logged(trainer), [p.detach().clone() for p in model.parameters()], evidence
+    with runtime(tmp_path) as rt:
+        model, optimizer = rt.manage(model, optimizer, plan={"persistent_chunks": 0}, activations="nvme")
+        trainer = Trainer(
+            model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None), callbacks=callbacks,
+            runtime=rt,
+        )  # fmt: skip
+        trainer.train()
+        evidence["early_chunk_steps"] = rt.stats().model_states.early_chunk_steps
+        evidence["declared"] = (trainer.declared.grad_accumulation_steps, trainer.declared.clip_grad_norm)
+        evidence["runtime_norm"] = optimizer.grad_norm  # set where the runtime clipped (declared clip)
+        params = [p.detach().clone() for p in model.parameters()]
+    return logged(trainer), params, evidence
+
+
+@pytest.mark.parametrize(("accumulation", "max_norm"), [(1, 0.0), (1, 0.5), (2, 0.0), (2, 0.5)])
+def test_trainer_declares_its_loop_and_stays_bitwise_plain_trainer(tmp_path, accumulation, max_norm):
+    overrides = {"gradient_accumulation_steps": accumulation, "max_grad_norm": max_norm}
+    want_log, want_params, _ = declared_trainer_run(tmp_path / "plain", managed=False, **overrides)
+    got_log, got_params, evidence = declared_trainer_run(tmp_path / "managed", managed=True, **overrides)
+    assert len(got_log) == 3 and got_log == want_log  # losses, logged norms, the schedule's LRs
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+    assert evidence["declared"] == (accumulation, max_norm or None)  # what Trainer's args say
+    if max_norm:  # the runtime clipped at Trainer's clip call, once (no chunk steps early under clipping)
+        assert evidence["early_chunk_steps"] == 0
+        assert evidence["runtime_norm"].item() == got_log[-1][1]
+    else:  # offloaded chunks stepped during the last backward of the windows after the first
+        assert evidence["early_chunk_steps"] > 0
+        assert evidence["runtime_norm"] is None

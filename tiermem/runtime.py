@@ -471,6 +471,10 @@ class Runtime:
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
 
+    def manages(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is one this Runtime manages (``rt.manage`` returned it)."""
+        return any(states.model is model for states in self._model_states)
+
     def declare(
         self,
         model: torch.nn.Module,

@@ -468,9 +468,9 @@ class Stepper:
                 f"tiermem: gradients changed between backward and optimizer.step() ({', '.join(names)}...), but "
                 f"rt.manage(grad_accumulation_steps={self.declared.accumulation}) already stepped {len(stepped)} "
                 "chunk(s) with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) "
-                "and nobody edits .grad; for GradScaler or hand-made gradient edits, leave the loop undeclared (rt.manage "
-                "without grad_accumulation_steps; rt.declare(model) with none; declare_loop=False for the trainers of "
-                "tiermem.integrations.hf)."
+                "and nobody edits .grad; for GradScaler or hand-made gradient edits, leave the loop undeclared "
+                "(rt.manage without grad_accumulation_steps; rt.declare(model) with none; declare_loop=False for the "
+                "trainers of tiermem.integrations.hf)."
             )
         if self._early_allowed:
             self._early_allowed = False
