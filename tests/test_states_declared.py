@@ -669,3 +669,46 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
     assert sorted(after) == sorted(trainable), "the next window did not step every chunk exactly once"
     assert max(queue_lengths) >= 1  # steps were queued when the error came
     assert list(tmp_path.iterdir()) == []
+
+
+def test_declaring_later_re_plans_where_gradients_start_streaming(tmp_path):
+    """NOTE [ Declared steps ] rule 10: ``rt.declare`` after ``rt.manage`` takes effect from
+    then on; declaring a loop whose gradients stream re-packs under the placement for it (NVMe
+    chunks' gradients pass through the host: grad_home "host") and training stays exact."""
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.plan.grad_home == "nvme"  # undeclared: every gradient waits for the step
+        loop = rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        assert rt.plan.grad_home == "host" and (loop.grad_accumulation_steps, loop.clip_grad_norm) == (1, None)
+        got = plain_loop(model, optimizer, steps, 1, None)
+        stats = rt.stats().as_dict()
+        assert stats["model_states"]["early_chunk_steps"] > 0
+        assert stats["tiers"]["host"]["peak_bytes"] <= int(total * 0.1)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_declaring_after_early_steps_of_the_window_is_refused(tmp_path):
+    """Rule 10: chunks stepped early under the declaration in force keep it until the step;
+    a change of streaming waits for the gradients to be stepped and zeroed."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        plain_loop(model, optimizer, 1, 1, None)  # the first window steps at optimizer.step()
+        tokens, targets = batch(1)
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        assert rt.stats().model_states.early_chunk_steps > 0
+        with pytest.raises(StatesUsageError, match=r"already stepped during this window's backward"):
+            rt.declare(model, grad_accumulation_steps=1, clip_grad_norm=1.0)
+        optimizer.step()  # under the declaration in force
+        with pytest.raises(StatesUsageError, match=r"changes where gradients wait"):
+            rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        optimizer.zero_grad()
+        assert rt.declare(model, grad_accumulation_steps=2).grad_accumulation_steps == 2
+        with pytest.raises(StatesUsageError, match="not managed by this Runtime"):
+            rt.declare(make_model(), grad_accumulation_steps=1)

@@ -490,7 +490,7 @@ class Runtime:
         forward and backward passes; refused while chunks stepped early in this window under the
         old declaration. Where whether gradients stream changes (``keep_gradients=False`` with one
         backward per step and no clipping), the placement depends on it: the layout is chosen
-        again and the chunks re-packed now, which needs no gradient waiting for a step. All
+        again and the chunks re-packed now, where no parameter holds a gradient. All
         ``None`` makes the loop undeclared. Returns the :class:`~tiermem.states.manager.DeclaredLoop`,
         whose ``clip_grad_norm_()`` runs the declared clip at the loop's own clip call (NOTE
         [ Declared steps ] rule 10 in ``tiermem.states.stepping``)."""

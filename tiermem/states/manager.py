@@ -389,19 +389,18 @@ class ModelStates:
         """The loop declared from now on (NOTE [ Declared steps ] rule 10), between forward and
         backward passes. Whether gradients stream decides the placement (NOTE [ Default placement
         rule ] rule 3): a declaration that changes it re-chooses the layout and re-packs the chunks
-        now, so only where no gradient waits for a step."""
+        now, so only where no parameter holds a gradient."""
         self.lifecycle.check_usable()
         self.backward.settle()
         if self.backward.in_backward or self._active:
             raise StatesUsageError("tiermem declare: called during forward or backward; declare the loop between them")
         declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
         old = self.stepper.declared
-        if declared.grads_stream != old.grads_stream and self.stepper.gradients_unstepped():
+        if declared.grads_stream != old.grads_stream and any(p.grad is not None for p in self.facts.params):
             raise StatesUsageError(
                 f"tiermem declare: keep_gradients={declared.keep_gradients} with grad_accumulation_steps="
                 f"{declared.accumulation}, clip_grad_norm={declared.max_norm} changes where gradients wait (the "
-                "placement), and gradients of a backward wait for optimizer.step() now; declare it after "
-                "optimizer.step() and zero_grad()"
+                "placement), and parameters hold gradients now; declare it after optimizer.step() and zero_grad()"
             )
         self.stepper.redeclare(declared)
         try:
