@@ -1,12 +1,13 @@
-"""Hugging Face Trainer over a managed model: ``rt.manage`` applies the plan to model states and
-activations (NOTE [ Managed activations ]), so Trainer's own loop needs nothing else; this module
-only routes Trainer's checkpoints through ``rt.save``.
+"""Hugging Face Trainer and Accelerate over a managed model: ``rt.manage`` applies the plan to model
+states and activations (NOTE [ Managed activations ]), so their own loops need nothing else; this
+module declares those loops (NOTE [ Trainer loops declared ] below) and routes Trainer's
+checkpoints through ``rt.save``.
 
 ::
 
     model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    trainer = Trainer(model=model, args=args, optimizers=(optimizer, None),
-                      callbacks=[tiermem.integrations.hf.RuntimeCheckpoints(rt)], ...)
+    trainer = tiermem.integrations.hf.Trainer(model=model, args=args, optimizers=(optimizer, None), runtime=rt, ...)
+    accelerator = tiermem.integrations.hf.Accelerator(gradient_accumulation_steps=4, runtime=rt)
 
 Trainer's own checkpoint (``save_strategy``) writes ``model.state_dict()`` and
 ``optimizer.state_dict()`` whole, in memory, and its ``resume_from_checkpoint`` loads them back
@@ -184,8 +185,8 @@ class Accelerator(accelerate.Accelerator):  # type: ignore[misc]
         if loop is None or float(norm_type) != 2.0:
             return super().clip_grad_norm_(params, max_norm, norm_type)
         if math.isinf(float(max_norm)) and max_norm > 0:
-            return loop.grad_norm()  # rule 2
-        # rule 4: the loop clips; it runs undeclared from now on
+            return loop.grad_norm()  # the norm only: read, not scaled by 1.0 (rule 2 of the NOTE)
+        # the loop clips by itself, which early steps cannot precede: undeclared from now on (rule 4)
         self.runtime.declare(loop.states.model)
         self.declared.remove(loop)
         return super().clip_grad_norm_(params, max_norm, norm_type)
