@@ -712,3 +712,36 @@ def test_declaring_after_early_steps_of_the_window_is_refused(tmp_path):
         assert rt.declare(model, grad_accumulation_steps=2).grad_accumulation_steps == 2
         with pytest.raises(StatesUsageError, match="not managed by this Runtime"):
             rt.declare(make_model(), grad_accumulation_steps=1)
+
+
+def test_the_declared_clip_at_the_loops_call_is_the_steps_and_a_later_backward_is_refused(tmp_path):
+    """Rule 10: ``DeclaredLoop.clip_grad_norm_()`` (what a trainer's clip call runs) clips once,
+    bitwise ``clip_grad_norm_``, and ``optimizer.step()`` does not clip again; a backward between
+    that call and the step (gradients the clip never saw) is refused at the step."""
+    clip = 0.05
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 2, 1, clip)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        loop = rt.declare(model, grad_accumulation_steps=1, clip_grad_norm=clip)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        got = []
+        for step in range(2):
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            got += [loss.detach(), loop.clip_grad_norm_()]
+            assert loop.clip_grad_norm_() is got[-1]  # once a window
+            optimizer.step()
+            assert optimizer.grad_norm is got[-1]
+            optimizer.zero_grad()
+            scheduler.step()
+        assert_bitwise(got, want)
+        assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+        tokens, targets = batch(2, 0)
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        loop.clip_grad_norm_()
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        with pytest.raises(StatesUsageError, match="a backward ran after the declared clip"):
+            optimizer.step()

@@ -69,7 +69,8 @@ generation, the pool's residency (releases), and gradients through
     so no gradient used by a step was promised under other terms; the count of backwards goes
     on. A loop that clips through its own call (a trainer's ``clip_grad_norm_``) has the runtime
     clip there, once per window (rule 5, run ahead: no chunk steps between that call and
-    ``optimizer.step()`` under clipping), and ``optimizer.step()`` does not clip again.
+    ``optimizer.step()`` under clipping), and ``optimizer.step()`` does not clip again; a
+    backward after that call (its gradients would miss the clip) makes the step raise.
 """
 
 from __future__ import annotations
@@ -143,8 +144,10 @@ class Stepper:
         self._backward_since_step = False
         #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
         self._grad_versions: dict[int, tuple[torch.Tensor, int]] = {}
-        #: rule 10: the norm of this window's declared clip, when the loop's own call ran it
+        #: rule 10: the norm of this window's declared clip, when the loop's own call ran it, and
+        #: whether a backward ended after it
         self._clipped: torch.Tensor | None = None
+        self._clipped_stale = False
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
         self.chunk_steps = 0
@@ -328,6 +331,7 @@ class Stepper:
                 self.store.pool.release(chunk)
         self._early = False
         self._backward_since_step = True
+        self._clipped_stale = self._clipped is not None
         if not complete:
             # A nested backward ended ours early and forgot which gradients are still to come
             # (rule 2): no early step until the next optimizer.step().
@@ -350,7 +354,7 @@ class Stepper:
             )
         self.declared = declared
         self._early_allowed = declared.accumulation is not None and declared.max_norm is None
-        self._clipped = None
+        self._clipped, self._clipped_stale = None, False
 
     def clip(self) -> torch.Tensor:
         """Rule 10: the declared clip of this window, run now at the loop's own clip call (once:
@@ -391,6 +395,12 @@ class Stepper:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
         self.abandon_queued()  # rule 9: none is left after a backward that ended well
         self._finish_steps()
+        if self._clipped_stale:  # rule 10: gradients added after the clip would step unclipped
+            self._clipped, self._clipped_stale = None, False
+            raise StatesUsageError(
+                "tiermem: a backward ran after the declared clip of this window (the loop's own clip call), so its "
+                "gradients were not clipped; clip once per window, after its last backward"
+            )
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._backward_since_step = False
