@@ -24,8 +24,10 @@ to save with an error that says so (``check_trainer``).
    each ``train()`` from ``args.gradient_accumulation_steps`` and ``args.max_grad_norm``, the
    Accelerator at ``prepare`` from its ``gradient_accumulation_steps``. Only for a plain
    single-process loop: with fp16 ``GradScaler`` (its ``unscale_`` edits gradients after
-   backward), DeepSpeed, FSDP or several processes, nothing is declared. ``declare_loop=False``
-   opts out (callbacks that edit gradients by hand need it).
+   backward), DeepSpeed, FSDP or several processes, nothing is declared; nor under a
+   ``transformers`` whose Trainer clips inline rather than through ``_clip_grad_norm`` and
+   ``_get_grad_norm`` (the two methods :class:`Trainer` overrides). ``declare_loop=False`` opts
+   out (callbacks that edit gradients by hand need it).
 2. Without clipping, offloaded chunks then step during the last backward of each window. The
    norm Trainer logs every step (``clip_grad_norm_(params, inf)``, after that backward) is read
    without the in-place multiply by 1.0 that call ends with (``DeclaredLoop.grad_norm``):
@@ -122,6 +124,11 @@ def _plain_loop(accelerator: accelerate.Accelerator) -> bool:
     return accelerator.distributed_type == DistributedType.NO and getattr(accelerator, "scaler", None) is None
 
 
+#: rule 1: this transformers' Trainer clips and reads the norm through the two methods
+#: :class:`Trainer` overrides (older ones clip inline, where a declared clip would clip twice)
+_CLIPS_THROUGH_METHODS = all(hasattr(transformers.Trainer, name) for name in ("_clip_grad_norm", "_get_grad_norm"))
+
+
 class Trainer(transformers.Trainer):  # type: ignore[misc]
     """``transformers.Trainer`` over a model ``rt.manage`` manages (``runtime=rt``): its loop
     declared (NOTE [ Trainer loops declared ]) and its saves through ``rt.save``
@@ -139,7 +146,7 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.declared = None
-        if self.declare_loop and _plain_loop(self.accelerator):
+        if self.declare_loop and _plain_loop(self.accelerator) and _CLIPS_THROUGH_METHODS:
             max_norm = self.args.max_grad_norm
             self.declared = self.runtime.declare(
                 self.model,
