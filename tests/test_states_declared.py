@@ -745,3 +745,28 @@ def test_the_declared_clip_at_the_loops_call_is_the_steps_and_a_later_backward_i
         nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
         with pytest.raises(StatesUsageError, match="a backward ran after the declared clip"):
             optimizer.step()
+
+
+def test_more_backwards_than_declared_is_refused_once_chunks_stepped_early(tmp_path):
+    """Rule 4: a loop that accumulates more backwards than it declared (an integration's
+    declaration one step per backward, the loop accumulating by hand) never steps silently
+    without the later gradients: early steps turn off where none ran, and the step raises
+    where some did."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        plain_loop(model, optimizer, 1, 1, None)  # the first window: no early steps yet
+        for micro in range(2):
+            tokens, targets = batch(1, micro)
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        assert rt.stats().model_states.early_chunk_steps > 0  # in the first backward of the window
+        with pytest.raises(StatesUsageError, match=r"2 backwards before optimizer.step.*stepped early in backward 1"):
+            optimizer.step()
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 3, 2, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        got = plain_loop(model, optimizer, 3, 2, None)  # the first window shows it: early steps never run
+        assert rt.stats().model_states.early_chunk_steps == 0
+    assert_bitwise(got, want)

@@ -34,9 +34,10 @@ generation, the pool's residency (releases), and gradients through
    (their device copy is the master, still saved by autograd) and chunks that never completed
    step at ``optimizer.step()``, which also waits for the early steps' write-backs.
 4. Guard: gradient versions are recorded when a counted backward ends. If ``optimizer.step()``
-   finds them changed (``GradScaler.unscale_``, clipping or edits by hand) after early steps
-   used them, it raises :class:`StatesUsageError`, never a silently different step; if no
-   early step ran yet, it switches early steps off for this model and logs why.
+   finds them changed (``GradScaler.unscale_``, clipping or edits by hand), or more counted
+   backwards than declared (a loop accumulating by hand), after early steps used them, it
+   raises :class:`StatesUsageError`, never a silently different step; if no early step ran
+   yet, it switches early steps off for this model and logs why.
 5. Declared clipping: at ``optimizer.step()``, ``torch.nn.utils.clip_grad_norm_`` over the
    model's parameters (the real gradients, wherever they live), so the total norm is
    PyTorch's own, computed before any chunk steps; ``optimizer.grad_norm`` holds it. No early
@@ -463,6 +464,26 @@ class Stepper:
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
+        accumulation = self.declared.accumulation
+        if accumulation is not None and counted > accumulation:
+            # More backwards than declared: chunks that stepped after the declared count missed
+            # the later gradients (an Accelerator or a manage() told one step per backward where
+            # the loop accumulates by hand).
+            if stepped:
+                raise StatesUsageError(
+                    f"tiermem: {counted} backwards before optimizer.step(), but the loop was declared with "
+                    f"grad_accumulation_steps={accumulation} and {len(stepped)} chunk(s) stepped early in backward "
+                    f"{accumulation}, without the later gradients. Declare the loop's real accumulation "
+                    "(rt.declare, Accelerator(gradient_accumulation_steps=)) or leave it undeclared."
+                )
+            if self._early_allowed:
+                self._early_allowed = False
+                log.info(
+                    "tiermem model states: %d backwards per step where %d were declared; the optimizer step will "
+                    "not overlap backward (NOTE [ Declared steps ] rule 4)",
+                    counted,
+                    accumulation,
+                )
         params = self.facts.params
         changed = [
             i
