@@ -7,6 +7,7 @@ refused clearly. Models are built from configs (no downloads)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,149 @@ def test_accelerate_prepare_of_a_managed_model_is_bitwise_plain(tmp_path):
     assert len(got_losses) == 6
     assert all(torch.equal(a, b) for a, b in zip(got_losses, want_losses, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+
+
+# -- NOTE [ Trainer loops declared ] in tiermem.integrations.hf ------------------------------------
+
+
+def declared_trainer_run(
+    tmp_path: Path, managed: bool, callbacks: list[Any] | None = None, declare_loop: bool = True, **overrides: Any
+) -> tuple[list[Any], list[torch.Tensor], dict[str, Any]]:
+    """Trainer's losses, logged norms and LRs and the final parameters; plain ``transformers.Trainer``
+    or tiermem's over a managed model, with what the declared path did."""
+    from tiermem.integrations.hf import Trainer
+
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    args = arguments(tmp_path / "out", **overrides)
+    evidence: dict[str, Any] = {}
+
+    def logged(trainer: Any) -> list[Any]:
+        return [(h["loss"], h["grad_norm"], h["learning_rate"]) for h in trainer.state.log_history if "loss" in h]
+
+    if not managed:
+        trainer = transformers.Trainer(
+            model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None), callbacks=callbacks
+        )
+        trainer.train()
+        return logged(trainer), [p.detach().clone() for p in model.parameters()], evidence
+    with runtime(tmp_path) as rt:
+        model, optimizer = rt.manage(model, optimizer, plan={"persistent_chunks": 0}, activations="nvme")
+        trainer = Trainer(
+            model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None), callbacks=callbacks,
+            runtime=rt, declare_loop=declare_loop,
+        )  # fmt: skip
+        trainer.train()
+        evidence["early_chunk_steps"] = rt.stats().model_states.early_chunk_steps
+        declared = trainer.declared
+        evidence["declared"] = None if declared is None else (declared.grad_accumulation_steps, declared.clip_grad_norm)
+        evidence["runtime_norm"] = optimizer.grad_norm  # set where the runtime clipped (declared clip)
+        params = [p.detach().clone() for p in model.parameters()]
+    return logged(trainer), params, evidence
+
+
+@pytest.mark.parametrize(("accumulation", "max_norm"), [(1, 0.0), (1, 0.5), (2, 0.0), (2, 0.5)])
+def test_trainer_declares_its_loop_and_stays_bitwise_plain_trainer(tmp_path, accumulation, max_norm):
+    overrides = {"gradient_accumulation_steps": accumulation, "max_grad_norm": max_norm}
+    want_log, want_params, _ = declared_trainer_run(tmp_path / "plain", managed=False, **overrides)
+    got_log, got_params, evidence = declared_trainer_run(tmp_path / "managed", managed=True, **overrides)
+    assert len(got_log) == 3 and got_log == want_log  # losses, logged norms, the schedule's LRs
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+    assert evidence["declared"] == (accumulation, max_norm or None)  # what Trainer's args say
+    if max_norm:  # the runtime clipped at Trainer's clip call, once (no chunk steps early under clipping)
+        assert evidence["early_chunk_steps"] == 0
+        assert evidence["runtime_norm"].item() == got_log[-1][1]
+    else:  # offloaded chunks stepped during the last backward of the windows after the first
+        assert evidence["early_chunk_steps"] > 0
+        assert evidence["runtime_norm"] is None
+
+
+class HalveGradientsFromStep(transformers.TrainerCallback):  # type: ignore[misc]
+    """Edits gradients in ``on_pre_optimizer_step`` from the given optimizer step on."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        if state.global_step >= self.step:
+            with torch.no_grad():
+                for p in kwargs["model"].parameters():
+                    if p.grad is not None:
+                        p.grad.mul_(0.5)
+        return control
+
+
+def test_a_callback_editing_gradients_breaks_the_declared_trainer_loop_loudly(tmp_path):
+    from tiermem.integrations.hf import Trainer
+
+    overrides = {"gradient_accumulation_steps": 1, "max_grad_norm": 0.0}
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    with runtime(tmp_path / "declared") as rt:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, optimizer = rt.manage(model, optimizer, plan={"persistent_chunks": 0})
+        trainer = Trainer(
+            model=model, args=arguments(tmp_path / "out", **overrides), train_dataset=Tokens(16, 0),
+            optimizers=(optimizer, None), callbacks=[HalveGradientsFromStep(1)], runtime=rt,
+        )  # fmt: skip
+        # the edit comes after chunks stepped early with the unedited gradients (the second window)
+        with pytest.raises(StatesUsageError, match=r"gradients changed between backward and optimizer.step\(\)"):
+            trainer.train()
+    # opted out, the same callback trains as under plain Trainer
+    want_log, want_params, _ = declared_trainer_run(
+        tmp_path / "plain", managed=False, callbacks=[HalveGradientsFromStep(1)], **overrides
+    )
+    got_log, got_params, evidence = declared_trainer_run(
+        tmp_path / "undeclared", managed=True, callbacks=[HalveGradientsFromStep(1)], declare_loop=False, **overrides
+    )
+    assert got_log == want_log and evidence["early_chunk_steps"] == 0
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+
+
+@pytest.mark.parametrize("max_norm", [math.inf, 0.5])
+def test_accelerator_declares_its_loop_and_stays_bitwise_plain(tmp_path, max_norm):
+    import accelerate
+
+    from tiermem.integrations.hf import Accelerator
+
+    def run(managed: bool) -> tuple[list[torch.Tensor], list[torch.Tensor], dict[str, Any]]:
+        torch.manual_seed(0)
+        model = MODELS["gpt2"]()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        data = torch.utils.data.DataLoader(Tokens(8, 0), batch_size=2)
+        logged: list[torch.Tensor] = []
+
+        def loop(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+            model, optimizer, loader = accelerator.prepare(model, optimizer, data)
+            for batch in loader:
+                with accelerator.accumulate(model):
+                    loss = model(**batch).loss
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:  # the norm, clipped or (inf) only read
+                        logged.append(accelerator.clip_grad_norm_(model.parameters(), max_norm).detach())
+                    optimizer.step()
+                    optimizer.zero_grad()
+                logged.append(loss.detach())
+
+        evidence: dict[str, Any] = {}
+        if not managed:
+            loop(accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2), model, optimizer)
+        else:
+            with runtime(tmp_path) as rt:
+                model, optimizer = rt.manage(model, optimizer, plan={"persistent_chunks": 0})
+                accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2, runtime=rt)
+                loop(accelerator, model, optimizer)
+                evidence["early_chunk_steps"] = rt.stats().model_states.early_chunk_steps
+                evidence["declared"] = [(d.grad_accumulation_steps, d.clip_grad_norm) for d in accelerator.declared]
+        return logged, [p.detach().clone() for p in model.parameters()], evidence
+
+    want_logged, want_params, _ = run(managed=False)
+    got_logged, got_params, evidence = run(managed=True)
+    assert len(got_logged) == 6
+    assert all(torch.equal(a, b) for a, b in zip(got_logged, want_logged, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+    if math.isinf(max_norm):  # declared at prepare; chunks stepped in the second window's last backward
+        assert evidence["declared"] == [(2, None)] and evidence["early_chunk_steps"] > 0
+    else:  # a loop that clips runs undeclared from its first clip call (rule 4 of the NOTE)
+        assert evidence["declared"] == [] and evidence["early_chunk_steps"] == 0

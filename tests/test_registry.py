@@ -419,7 +419,7 @@ def test_fill_copies_between_objects_through_the_scheduler_and_moves_neither(mak
     target.free()
 
 
-def test_read_out_copies_a_stored_object_without_moving_it(make_store):
+def test_copy_out_copies_a_stored_object_without_moving_it(make_store):
     """Rule 9: an NVMe object's bytes read into a fresh CPU tensor of its reserved size; it stays put."""
     store = make_store()
     data = torch.randn(3000)

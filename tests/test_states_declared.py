@@ -669,3 +669,104 @@ def test_queued_steps_after_a_step_error_are_left_to_the_optimizer_step_once(tmp
     assert sorted(after) == sorted(trainable), "the next window did not step every chunk exactly once"
     assert max(queue_lengths) >= 1  # steps were queued when the error came
     assert list(tmp_path.iterdir()) == []
+
+
+def test_declaring_later_re_plans_where_gradients_start_streaming(tmp_path):
+    """NOTE [ Declared steps ] rule 10: ``rt.declare`` after ``rt.manage`` takes effect from
+    then on; declaring a loop whose gradients stream re-packs under the placement for it (NVMe
+    chunks' gradients pass through the host: grad_home "host") and training stays exact."""
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        assert rt.plan.grad_home == "nvme"  # undeclared: every gradient waits for the step
+        loop = rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        assert rt.plan.grad_home == "host" and (loop.grad_accumulation_steps, loop.clip_grad_norm) == (1, None)
+        got = plain_loop(model, optimizer, steps, 1, None)
+        stats = rt.stats().as_dict()
+        assert stats["model_states"]["early_chunk_steps"] > 0
+        assert stats["tiers"]["host"]["peak_bytes"] <= int(total * 0.1)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_declaring_after_early_steps_of_the_window_is_refused(tmp_path):
+    """Rule 10: chunks stepped early under the declaration in force keep it until the step;
+    a change of streaming waits for the gradients to be stepped and zeroed."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        plain_loop(model, optimizer, 1, 1, None)  # the first window steps at optimizer.step()
+        tokens, targets = batch(1)
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        assert rt.stats().model_states.early_chunk_steps > 0
+        with pytest.raises(StatesUsageError, match=r"already stepped during this window's backward"):
+            rt.declare(model, grad_accumulation_steps=1, clip_grad_norm=1.0)
+        optimizer.step()  # under the declaration in force
+        with pytest.raises(StatesUsageError, match=r"changes where gradients wait"):
+            rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        optimizer.zero_grad()
+        assert rt.declare(model, grad_accumulation_steps=2).grad_accumulation_steps == 2
+        with pytest.raises(StatesUsageError, match="not managed by this Runtime"):
+            rt.declare(make_model(), grad_accumulation_steps=1)
+
+
+def test_the_declared_clip_at_the_loops_call_is_the_steps_and_a_later_backward_is_refused(tmp_path):
+    """Rule 10: ``DeclaredLoop.clip_grad_norm_()`` (what a trainer's clip call runs) clips once,
+    bitwise ``clip_grad_norm_``, and ``optimizer.step()`` does not clip again; a backward between
+    that call and the step (gradients the clip never saw) is refused at the step."""
+    clip = 0.05
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 2, 1, clip)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        loop = rt.declare(model, grad_accumulation_steps=1, clip_grad_norm=clip)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        got = []
+        for step in range(2):
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            got += [loss.detach(), loop.clip_grad_norm_()]
+            assert loop.clip_grad_norm_() is got[-1]  # once a window
+            optimizer.step()
+            assert optimizer.grad_norm is got[-1]
+            optimizer.zero_grad()
+            scheduler.step()
+        assert_bitwise(got, want)
+        assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+        tokens, targets = batch(2, 0)
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        loop.clip_grad_norm_()
+        nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        with pytest.raises(StatesUsageError, match="a backward ran after the declared clip"):
+            optimizer.step()
+
+
+def test_more_backwards_than_declared_is_refused_once_chunks_stepped_early(tmp_path):
+    """Rule 4: a loop that accumulates more backwards than it declared (an integration's
+    declaration one step per backward, the loop accumulating by hand) never steps silently
+    without the later gradients: early steps turn off where none ran, and the step raises
+    where some did."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        plain_loop(model, optimizer, 1, 1, None)  # the first window: no early steps yet
+        for micro in range(2):
+            tokens, targets = batch(1, micro)
+            nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        assert rt.stats().model_states.early_chunk_steps > 0  # in the first backward of the window
+        with pytest.raises(StatesUsageError, match=r"2 backwards before optimizer.step.*stepped early in backward 1"):
+            optimizer.step()
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 3, 2, None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), grad_accumulation_steps=1)
+        got = plain_loop(model, optimizer, 3, 2, None)  # the first window shows it: early steps never run
+        assert rt.stats().model_states.early_chunk_steps == 0
+    assert_bitwise(got, want)

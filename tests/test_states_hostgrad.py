@@ -160,6 +160,16 @@ def test_overlapped_steps_are_bitwise(tmp_path, host_gradients):
     assert host_gradients[0] > 0
 
 
+def test_a_declared_trainers_logged_norm_reads_host_gradients_bitwise(tmp_path, host_gradients):
+    """NOTE [ Trainer loops declared ] rule 2 in ``tiermem.integrations.hf``: the norm read
+    without scaling by 1.0 is torch's over the host bytes, as on CUDA."""
+    pytest.importorskip("transformers")
+    from tests import test_hf_trainer
+
+    test_hf_trainer.test_trainer_declares_its_loop_and_stays_bitwise_plain_trainer(tmp_path, 2, 0.0)
+    assert host_gradients[0] > 0
+
+
 def test_a_grad_kept_across_a_backward_refuses_ops_with_a_clear_error(tmp_path, host_gradients):
     """Rule 5: the next backward moves the host bytes (the pinned pool reuses them); a kept
     HostGradient and its views refuse, the fresh ``p.grad`` after backward works."""

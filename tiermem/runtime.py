@@ -40,6 +40,7 @@ from tiermem.schedulers.asyncio_scheduler import AsyncioScheduler
 from tiermem.schedulers.base import Priority, Scheduler
 from tiermem.states import ModelStates, StatesUsageError
 from tiermem.states.declarations import check_declarations, grads_stream
+from tiermem.states.manager import DeclaredLoop
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_init
 from tiermem.states.optimizer import no_optimizer
 from tiermem.states.relayout import FirstStepPlanner
@@ -469,6 +470,38 @@ class Runtime:
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
+
+    def manages(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is one this Runtime manages (``rt.manage`` returned it)."""
+        return any(states.model is model for states in self._model_states)
+
+    def declare(
+        self,
+        model: torch.nn.Module,
+        *,
+        grad_accumulation_steps: int | None = None,
+        clip_grad_norm: float | None = None,
+        keep_gradients: bool = True,
+    ) -> DeclaredLoop:
+        """Declare (or re-declare) the training loop of a model ``rt.manage`` manages, as
+        ``rt.manage(..., grad_accumulation_steps=, clip_grad_norm=, keep_gradients=)`` would have:
+        for a loop known only after ``rt.manage`` ran (a Trainer's, an Accelerator's: the
+        integrations in ``tiermem.integrations.hf`` call it). In force from now on, between
+        forward and backward passes; refused while chunks stepped early in this window under the
+        old declaration. Where whether gradients stream changes (``keep_gradients=False`` with one
+        backward per step and no clipping), the placement depends on it: the layout is chosen
+        again and the chunks re-packed now, where no parameter holds a gradient. All
+        ``None`` makes the loop undeclared. Returns the :class:`~tiermem.states.manager.DeclaredLoop`,
+        whose ``clip_grad_norm_()`` runs the declared clip at the loop's own clip call (NOTE
+        [ Declared steps ] rule 10 in ``tiermem.states.stepping``)."""
+        self.registry  # noqa: B018  (raises a clear error outside `with rt`)
+        found = [states for states in self._model_states if states.model is model]
+        if not found or not isinstance(found[0], ModelStates):
+            what = "an FSDP2-sharded model (declare its loop at rt.manage)" if found else "not managed by this Runtime"
+            raise StatesUsageError(
+                f"tiermem declare: this {type(model).__name__} is {what}; give the model rt.manage returned"
+            )
+        return found[0].declare(grad_accumulation_steps, clip_grad_norm, keep_gradients)
 
     def _manage_frozen(
         self,

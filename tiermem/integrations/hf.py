@@ -1,12 +1,13 @@
-"""Hugging Face Trainer over a managed model: ``rt.manage`` applies the plan to model states and
-activations (NOTE [ Managed activations ]), so Trainer's own loop needs nothing else; this module
-only routes Trainer's checkpoints through ``rt.save``.
+"""Hugging Face Trainer and Accelerate over a managed model: ``rt.manage`` applies the plan to model
+states and activations (NOTE [ Managed activations ]), so their own loops need nothing else; this
+module declares those loops (NOTE [ Trainer loops declared ] below) and routes Trainer's
+checkpoints through ``rt.save``.
 
 ::
 
     model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-    trainer = Trainer(model=model, args=args, optimizers=(optimizer, None),
-                      callbacks=[tiermem.integrations.hf.RuntimeCheckpoints(rt)], ...)
+    trainer = tiermem.integrations.hf.Trainer(model=model, args=args, optimizers=(optimizer, None), runtime=rt, ...)
+    accelerator = tiermem.integrations.hf.Accelerator(gradient_accumulation_steps=4, runtime=rt)
 
 Trainer's own checkpoint (``save_strategy``) writes ``model.state_dict()`` and
 ``optimizer.state_dict()`` whole, in memory, and its ``resume_from_checkpoint`` loads them back
@@ -15,19 +16,54 @@ instead (NOTE [ Checkpoint rules ] in ``tiermem.checkpoint``). :class:`RuntimeCh
 every save Trainer decides on into ``rt.save(<output_dir>/checkpoint-<step>, extra=...)``, with
 Trainer's state and the LR scheduler's in ``extra``; without it a managed model's Trainer refuses
 to save with an error that says so (``check_trainer``).
+
+# NOTE [ Trainer loops declared ]
+1. :class:`Trainer` (``transformers.Trainer`` given ``runtime=rt``) and :class:`Accelerator`
+   (``accelerate.Accelerator`` given ``runtime=rt``) know the loop they run, so they declare it
+   (``rt.declare``, NOTE [ Declared steps ] rule 10 in ``tiermem.states.stepping``): Trainer at
+   each ``train()`` from ``args.gradient_accumulation_steps`` and ``args.max_grad_norm``, the
+   Accelerator at ``prepare`` from its ``gradient_accumulation_steps``. Only for a plain
+   single-process loop: with fp16 ``GradScaler`` (its ``unscale_`` edits gradients after
+   backward), DeepSpeed, FSDP or several processes, nothing is declared; nor under a
+   ``transformers`` whose Trainer clips inline rather than through ``_clip_grad_norm`` and
+   ``_get_grad_norm`` (the two methods :class:`Trainer` overrides). ``declare_loop=False`` opts
+   out (callbacks that edit gradients by hand need it).
+2. Without clipping, offloaded chunks then step during the last backward of each window. The
+   norm Trainer logs every step (``clip_grad_norm_(params, inf)``, after that backward) is read
+   without the in-place multiply by 1.0 that call ends with (``DeclaredLoop.grad_norm``):
+   bitwise the same number, and gradients the early steps used stay untouched.
+3. With ``max_grad_norm > 0`` the declaration carries the clip and the runtime clips at
+   Trainer's own clip call, once (``DeclaredLoop.clip_grad_norm_``, ``torch.nn.utils.clip_grad_norm_``
+   over ``model.parameters()``, the call Trainer makes: the same norm and the same scaled
+   gradients); ``optimizer.step()`` does not clip again. No chunk steps early then (the norm needs
+   every gradient), as in any clipping loop.
+4. An Accelerate loop clips when it chooses: a call with a finite ``max_norm`` makes the loop
+   undeclared again (where no chunk stepped early in this window; refused with the reason
+   otherwise) and clips as ``accelerate`` does, so a loop that clips runs the plain path (which
+   overlaps as much as a declared clip would: none); ``max_norm=inf`` reads the norm as in 2.
+5. Anything else that edits gradients between backward and ``optimizer.step()`` (a callback's
+   ``on_pre_optimizer_step``, a hand-made clip through another call) after chunks stepped early
+   is caught by NOTE [ Declared steps ] rule 4: ``StatesUsageError`` at ``optimizer.step()``,
+   never a different step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import Any
 
+import accelerate
+import torch
+import transformers
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
 
 from tiermem.states.errors import StatesUsageError
+from tiermem.states.manager import DeclaredLoop
 
-__all__ = ["RuntimeCheckpoints", "check_trainer"]
+__all__ = ["Accelerator", "RuntimeCheckpoints", "Trainer", "check_trainer"]
 
 
 class RuntimeCheckpoints(TrainerCallback):  # type: ignore[misc]
@@ -80,3 +116,84 @@ def check_trainer(trainer: Any) -> Any:
     if not any(isinstance(c, RuntimeCheckpoints) for c in callbacks):
         trainer.add_callback(_RefuseTrainerSaves())
     return trainer
+
+
+def _plain_loop(accelerator: accelerate.Accelerator) -> bool:
+    """Rule 1: a single-process loop without a gradient scaler, whose gradients nobody edits
+    between backward and the step but its clip."""
+    return accelerator.distributed_type == DistributedType.NO and getattr(accelerator, "scaler", None) is None
+
+
+#: rule 1: this transformers' Trainer clips and reads the norm through the two methods
+#: :class:`Trainer` overrides (older ones clip inline, where a declared clip would clip twice)
+_CLIPS_THROUGH_METHODS = all(hasattr(transformers.Trainer, name) for name in ("_clip_grad_norm", "_get_grad_norm"))
+
+
+class Trainer(transformers.Trainer):  # type: ignore[misc]
+    """``transformers.Trainer`` over a model ``rt.manage`` manages (``runtime=rt``): its loop
+    declared (NOTE [ Trainer loops declared ]) and its saves through ``rt.save``
+    (:class:`RuntimeCheckpoints`, added unless given)."""
+
+    def __init__(self, *args: Any, runtime: Any, declare_loop: bool = True, **kwargs: Any) -> None:
+        callbacks = list(kwargs.pop("callbacks", None) or [])
+        if not any(isinstance(c, RuntimeCheckpoints) for c in callbacks):
+            callbacks.append(RuntimeCheckpoints(runtime))
+        super().__init__(*args, callbacks=callbacks, **kwargs)
+        self.runtime = runtime
+        self.declare_loop = declare_loop
+        #: the loop declared at train(); None when undeclared (rule 1)
+        self.declared: DeclaredLoop | None = None
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self.declared = None
+        if self.declare_loop and _plain_loop(self.accelerator) and _CLIPS_THROUGH_METHODS:
+            max_norm = self.args.max_grad_norm
+            self.declared = self.runtime.declare(
+                self.model,
+                grad_accumulation_steps=self.args.gradient_accumulation_steps,
+                clip_grad_norm=float(max_norm) if max_norm is not None and max_norm > 0 else None,
+            )
+        return super().train(*args, **kwargs)
+
+    def _clip_grad_norm(self, model: Any) -> Any:
+        if self.declared is not None and self.declared.clip_grad_norm is not None:
+            return self.declared.clip_grad_norm_()  # rule 3: the runtime clips, once
+        return super()._clip_grad_norm(model)
+
+    def _get_grad_norm(self, model: Any, grad_norm: Any = None) -> Any:
+        if grad_norm is None and self.declared is not None:
+            grad_norm = self.declared.grad_norm()  # rule 2: read, not scaled by 1.0
+        return super()._get_grad_norm(model, grad_norm=grad_norm)
+
+
+class Accelerator(accelerate.Accelerator):  # type: ignore[misc]
+    """``accelerate.Accelerator`` whose ``prepare`` declares the loop of every model ``runtime``
+    manages (NOTE [ Trainer loops declared ])."""
+
+    def __init__(self, *args: Any, runtime: Any, declare_loop: bool = True, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.runtime = runtime
+        self.declare_loop = declare_loop
+        #: the loops declared at prepare (rule 1)
+        self.declared: list[DeclaredLoop] = []
+
+    def prepare(self, *args: Any, **kwargs: Any) -> Any:
+        prepared = super().prepare(*args, **kwargs)
+        if self.declare_loop and _plain_loop(self):
+            for model in args:
+                if isinstance(model, torch.nn.Module) and self.runtime.manages(model):
+                    steps = self.gradient_accumulation_steps
+                    self.declared.append(self.runtime.declare(model, grad_accumulation_steps=steps))
+        return prepared
+
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        params = list(parameters)
+        loop = next((d for d in self.declared if d.owns(params)), None)
+        if loop is None or float(norm_type) != 2.0:
+            return super().clip_grad_norm_(params, max_norm, norm_type)
+        if math.isinf(float(max_norm)) and max_norm > 0:
+            return loop.grad_norm()  # the norm only: read, not scaled by 1.0 (rule 2 of the NOTE)
+        # the loop clips by itself, which early steps cannot precede: undeclared from now on (rule 4)
+        self.runtime.declare(loop.states.model)
+        self.declared.remove(loop)
+        return super().clip_grad_norm_(params, max_norm, norm_type)

@@ -14,7 +14,7 @@ from tiermem.states.errors import (
     StatesUsageError,
     UnsupportedOptimizerError,
 )
-from tiermem.states.manager import ModelStates
+from tiermem.states.manager import DeclaredLoop, ModelStates
 from tiermem.states.optimizer import SUPPORTED, ManagedOptimizer
 from tiermem.states.sharded.manager import ShardedModelStates, ShardedOptimizer
 
@@ -24,6 +24,7 @@ __all__ = [
     "Chunk",
     "ChunkLayout",
     "ChunkNeeds",
+    "DeclaredLoop",
     "ManagedOptimizer",
     "ModelStates",
     "ParamInfo",

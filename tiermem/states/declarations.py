@@ -13,7 +13,7 @@ import torch
 from tiermem.states.hostgrad import HostGradient, host_bytes
 from tiermem.states.stored_grads import StoredGradient
 
-__all__ = ["Declarations", "check_declarations", "clip_declared", "grads_stream"]
+__all__ = ["Declarations", "check_declarations", "clip_declared", "grad_norm", "grads_stream"]
 
 
 def check_declarations(grad_accumulation_steps: Any, clip_grad_norm: Any) -> tuple[int | None, float | None]:
@@ -76,6 +76,25 @@ class _GradientHolder:
     """What ``clip_grad_norm_`` reads of a parameter: its ``.grad``."""
 
     grad: torch.Tensor
+
+
+def _real_gradients(params: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], bool]:
+    """The gradients of ``params`` as ``clip_grad_norm_`` reads them, and whether they are host
+    bytes standing for HostGradients (NOTE [ Host gradients ] rule 6)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, HostGradient) for g in grads) or any(isinstance(g, StoredGradient) for g in grads):
+        return grads, False
+    return [host_bytes(g) for g in grads], True
+
+
+def grad_norm(params: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The total L2 norm ``clip_grad_norm_(params, inf)`` returns, without its multiply by 1.0:
+    ``clip_grad_norm_`` is ``get_total_norm`` then that in-place scale, which leaves the values
+    bitwise as they were but bumps every gradient's version (rule 4 would take it for an edit).
+    What a trainer logs each step when it does not clip (NOTE [ Declared steps ] rule 10)."""
+    grads, on_host = _real_gradients(params)
+    total = torch.nn.utils.get_total_norm(grads)
+    return total.to(device) if on_host else total
 
 
 def clip_declared(params: Sequence[torch.Tensor], max_norm: float, device: torch.device) -> torch.Tensor:

@@ -148,7 +148,7 @@ from tiermem.states.compile import (
     without_regions,
 )
 from tiermem.states.copies import PlainCopies
-from tiermem.states.declarations import Declarations
+from tiermem.states.declarations import Declarations, grad_norm
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.facts import Lifecycle, ModelFacts, Snapshot
 from tiermem.states.gradients import Gradients
@@ -165,7 +165,7 @@ from tiermem.states.store import ChunkStore
 if TYPE_CHECKING:
     from tiermem.activations.managed import ManagedActivations
 
-__all__ = ["FirstStepPlanner", "ModelStates"]
+__all__ = ["DeclaredLoop", "FirstStepPlanner", "ModelStates"]
 
 log = logging.getLogger("tiermem.states")
 
@@ -385,6 +385,44 @@ class ModelStates:
     def restore_loop_position(self, position: Mapping[str, Any]) -> None:
         self.stepper.restore_loop_position(position)
 
+    def declare(self, grad_accumulation_steps: Any, clip_grad_norm: Any, keep_gradients: bool) -> DeclaredLoop:
+        """The loop declared from now on (NOTE [ Declared steps ] rule 10), between forward and
+        backward passes. Whether gradients stream decides the placement (NOTE [ Default placement
+        rule ] rule 3): a declaration that changes it re-chooses the layout and re-packs the chunks
+        now, so only where no parameter holds a gradient."""
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        if self.backward.in_backward or self._active:
+            raise StatesUsageError("tiermem declare: called during forward or backward; declare the loop between them")
+        declared = Declarations.check(grad_accumulation_steps, clip_grad_norm, keep_gradients)
+        old = self.stepper.declared
+        if declared.grads_stream != old.grads_stream and any(p.grad is not None for p in self.facts.params):
+            raise StatesUsageError(
+                f"tiermem declare: keep_gradients={declared.keep_gradients} with grad_accumulation_steps="
+                f"{declared.accumulation}, clip_grad_norm={declared.max_norm} changes where gradients wait (the "
+                "placement), and parameters hold gradients now; declare it after optimizer.step() and zero_grad()"
+            )
+        self.stepper.redeclare(declared)
+        try:
+            self.relayout.restream(declared.grads_stream)
+        except BaseException:
+            self.stepper.redeclare(old)
+            raise
+        return DeclaredLoop(self)
+
+    def clip_declared(self) -> torch.Tensor:
+        """NOTE [ Declared steps ] rule 10: the declared clip, run now; the total norm."""
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        return self.stepper.clip()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total norm of the gradients, bitwise ``clip_grad_norm_(params, inf)``'s, without
+        editing them (``tiermem.states.declarations.grad_norm``)."""
+        self.lifecycle.check_usable()
+        self.backward.settle()
+        return grad_norm(self.facts.params, self.facts.device)
+
     def apply_activations(self, activations: ManagedActivations) -> None:
         """Apply ``activations`` from the next forward on, as long as the model is managed; its hooks
         are off with the manager's (a first-step plan's profiling step runs uncaptured)."""
@@ -529,3 +567,36 @@ class ModelStates:
                 for c in self.chunks
             ],
         }
+
+
+@dataclasses.dataclass(frozen=True)
+class DeclaredLoop:
+    """What ``rt.declare`` returns: the declaration in force for one managed model and the two
+    calls an integration whose loop clips (or logs the norm) through its own function makes
+    instead (NOTE [ Declared steps ] rule 10)."""
+
+    states: ModelStates
+
+    @property
+    def grad_accumulation_steps(self) -> int | None:
+        return self.states.stepper.declared.accumulation
+
+    @property
+    def clip_grad_norm(self) -> float | None:
+        return self.states.stepper.declared.max_norm
+
+    def owns(self, params: list[torch.Tensor]) -> bool:
+        """``params`` are exactly the model's parameters, in ``model.parameters()`` order (the
+        order ``clip_grad_norm_`` sums their norms in)."""
+        mine = self.states.facts.params
+        return len(params) == len(mine) and all(a is b for a, b in zip(params, mine, strict=True))
+
+    def clip_grad_norm_(self) -> torch.Tensor:
+        """The runtime's declared clip of this window, at the loop's own clip call: returns the
+        total norm, bitwise ``torch.nn.utils.clip_grad_norm_``'s; ``optimizer.step()`` does not
+        clip again."""
+        return self.states.clip_declared()
+
+    def grad_norm(self) -> torch.Tensor:
+        """The total norm without clipping (what a trainer logs when it does not clip)."""
+        return self.states.grad_norm()

@@ -181,6 +181,31 @@ class Relayout:
             self.order = old[2]
             return False
 
+    def restream(self, grads_stream: bool) -> None:
+        """NOTE [ Declared steps ] rule 10: a declaration changed whether gradients stream, which
+        decides where they wait (NOTE [ Default placement rule ] rule 3): the layout in force is
+        chosen again for it and the chunks re-packed, between steps. A first-step plan still due
+        was asked for the old declaration and is dropped (logged); the re-chosen layout stays.
+        Raises :class:`PlanError` when no layout fits, and :class:`StatesMemoryError` when the
+        re-pack kept the old layout; either way the old placement is in force."""
+        if grads_stream == self._grads_stream:
+            return
+        old_stream, self._grads_stream = self._grads_stream, grads_stream
+        try:
+            self.store.pool.clear()
+            layouts, plan = self.plan_layout(self.order, held=self._settled_held())
+            if not self._repack((layouts, plan, list(self.order)), self._in_force()):
+                raise StatesMemoryError(
+                    "tiermem declare: the chunks could not be re-packed for the new declaration (logged above); "
+                    "the placement in force was made for the old one, which stays declared"
+                )
+        except BaseException:
+            self._grads_stream = old_stream
+            raise
+        if self._planner is not None:
+            log.info("tiermem model states: the first-step plan was asked for the loop declared before; not planned")
+            self._planner, self._plan_batch = None, None
+
     # -- rule 2: the execution order -----------------------------------------------------------
     def forward_started(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The root's forward starts: record its order if none was, keep the first-step batch."""

@@ -34,9 +34,10 @@ generation, the pool's residency (releases), and gradients through
    (their device copy is the master, still saved by autograd) and chunks that never completed
    step at ``optimizer.step()``, which also waits for the early steps' write-backs.
 4. Guard: gradient versions are recorded when a counted backward ends. If ``optimizer.step()``
-   finds them changed (``GradScaler.unscale_``, clipping or edits by hand) after early steps
-   used them, it raises :class:`StatesUsageError`, never a silently different step; if no
-   early step ran yet, it switches early steps off for this model and logs why.
+   finds them changed (``GradScaler.unscale_``, clipping or edits by hand), or more counted
+   backwards than declared (a loop accumulating by hand), after early steps used them, it
+   raises :class:`StatesUsageError`, never a silently different step; if no early step ran
+   yet, it switches early steps off for this model and logs why.
 5. Declared clipping: at ``optimizer.step()``, ``torch.nn.utils.clip_grad_norm_`` over the
    model's parameters (the real gradients, wherever they live), so the total norm is
    PyTorch's own, computed before any chunk steps; ``optimizer.grad_norm`` holds it. No early
@@ -64,6 +65,13 @@ generation, the pool's residency (releases), and gradients through
    most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
    [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
    in a window, as for any chunk a failed step never reached) and sends their homes back.
+10. Declaring later (``rt.declare``, which trainers' integrations call: ``tiermem.integrations.hf``):
+    a declaration replaces the one in force where no chunk stepped early in the current window,
+    so no gradient used by a step was promised under other terms; the count of backwards goes
+    on. A loop that clips through its own call (a trainer's ``clip_grad_norm_``) has the runtime
+    clip there, once per window (rule 5, run ahead: no chunk steps between that call and
+    ``optimizer.step()`` under clipping), and ``optimizer.step()`` does not clip again; a
+    backward after that call (its gradients would miss the clip) makes the step raise.
 """
 
 from __future__ import annotations
@@ -136,6 +144,10 @@ class Stepper:
         self._backward_since_step = False
         #: rule 4: (gradient tensor, version) per parameter when the last counted backward ended
         self._grad_versions: dict[int, tuple[torch.Tensor, int]] = {}
+        #: rule 10: the norm of this window's declared clip, when the loop's own call ran it, and
+        #: whether a backward ended after it
+        self._clipped: torch.Tensor | None = None
+        self._clipped_stale = False
         #: chunk steps run during backward / at optimizer.step(), cumulative (for stats)
         self.early_chunk_steps = 0
         self.chunk_steps = 0
@@ -314,6 +326,7 @@ class Stepper:
                 self.store.pool.release(chunk)
         self._early = False
         self._backward_since_step = True
+        self._clipped_stale = self._clipped is not None
         if not complete:
             # A nested backward ended ours early and forgot which gradients are still to come
             # (rule 2): no early step until the next optimizer.step().
@@ -324,6 +337,33 @@ class Stepper:
         self._grad_versions = {
             i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
         }
+
+    def redeclare(self, declared: Declarations) -> None:
+        """Rule 10: ``declared`` in force from now on, unless a chunk already stepped early in
+        this window (its step used gradients promised under the old declaration)."""
+        if self._stepped:
+            raise StatesUsageError(
+                f"tiermem declare: {len(self._stepped)} chunk(s) already stepped during this window's backward under "
+                f"grad_accumulation_steps={self.declared.accumulation}, clip_grad_norm={self.declared.max_norm}; "
+                "declare the loop between optimizer.step() and the next backward"
+            )
+        self.declared = declared
+        self._early_allowed = declared.accumulation is not None and declared.max_norm is None
+        self._clipped, self._clipped_stale = None, False
+
+    def clip(self) -> torch.Tensor:
+        """Rule 10: the declared clip of this window, run now at the loop's own clip call (once:
+        a second call returns the same norm); the gradients it scales are recorded again, so
+        rule 4 still sees any edit made after it."""
+        max_norm = self.declared.max_norm
+        if max_norm is None:
+            raise StatesUsageError("tiermem: the runtime clips only a loop declared with clip_grad_norm=")
+        if self._clipped is None:
+            self._clipped = clip_declared(self.facts.params, max_norm, self.facts.device)
+            self._grad_versions = {
+                i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
+            }
+        return self._clipped
 
     def stepped_early(self, chunk: Chunk) -> bool:
         """``chunk`` stepped during a backward of this window, before ``optimizer.step()``."""
@@ -350,6 +390,12 @@ class Stepper:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
         self.abandon_queued()  # rule 9: none is left after a backward that ended well
         self._finish_steps()
+        if self._clipped_stale:  # rule 10: gradients added after the clip would step unclipped
+            self._clipped, self._clipped_stale = None, False
+            raise StatesUsageError(
+                "tiermem: a backward ran after the declared clip of this window (the loop's own clip call), so its "
+                "gradients were not clipped; clip once per window, after its last backward"
+            )
         stepped, self._stepped = self._stepped, set()
         counted, self._counted = self._counted, 0
         self._backward_since_step = False
@@ -359,7 +405,10 @@ class Stepper:
             self._check_gradients_untouched(stepped, counted)
             self._windows += 1
         self.gradients.reconcile()
-        if self.declared.max_norm is not None:
+        clipped, self._clipped = self._clipped, None
+        if clipped is not None:  # rule 10: the loop's own clip call ran the declared clip already
+            optimizer.grad_norm = clipped
+        elif self.declared.max_norm is not None:
             optimizer.grad_norm = clip_declared(self.facts.params, self.declared.max_norm, self.facts.device)
         if self.relayout.pending:
             if self.save_guard is not None:
@@ -409,6 +458,26 @@ class Stepper:
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
+        accumulation = self.declared.accumulation
+        if accumulation is not None and counted > accumulation:
+            # More backwards than declared: chunks that stepped after the declared count missed
+            # the later gradients (an Accelerator or a manage() told one step per backward where
+            # the loop accumulates by hand).
+            if stepped:
+                raise StatesUsageError(
+                    f"tiermem: {counted} backwards before optimizer.step(), but the loop was declared with "
+                    f"grad_accumulation_steps={accumulation} and {len(stepped)} chunk(s) stepped early in backward "
+                    f"{accumulation}, without the later gradients. Declare the loop's real accumulation "
+                    "(rt.declare, Accelerator(gradient_accumulation_steps=)) or leave it undeclared."
+                )
+            if self._early_allowed:
+                self._early_allowed = False
+                log.info(
+                    "tiermem model states: %d backwards per step where %d were declared; the optimizer step will "
+                    "not overlap backward (NOTE [ Declared steps ] rule 4)",
+                    counted,
+                    accumulation,
+                )
         params = self.facts.params
         changed = [
             i
@@ -424,8 +493,9 @@ class Stepper:
                 f"tiermem: gradients changed between backward and optimizer.step() ({', '.join(names)}...), but "
                 f"rt.manage(grad_accumulation_steps={self.declared.accumulation}) already stepped {len(stepped)} "
                 "chunk(s) with them during backward. With declared accumulation the runtime clips (clip_grad_norm=) "
-                "and nobody edits .grad; for GradScaler or hand-made gradient edits, call rt.manage without "
-                "grad_accumulation_steps."
+                "and nobody edits .grad; for GradScaler or hand-made gradient edits, leave the loop undeclared "
+                "(rt.manage without grad_accumulation_steps; rt.declare(model) with none; declare_loop=False for the "
+                "trainers of tiermem.integrations.hf)."
             )
         if self._early_allowed:
             self._early_allowed = False
