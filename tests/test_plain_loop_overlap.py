@@ -5,6 +5,8 @@ PyTorch and within the host's capacity."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
@@ -19,7 +21,6 @@ from tests.test_states import (
     param_groups,
     reference,
     state_bytes,
-    train,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
@@ -69,3 +70,91 @@ def test_backward_stages_the_first_homes_of_the_step(tmp_path):
         _within_capacities(rt)
     assert_bitwise(got, want[0][: len(got)])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+def _clipped_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, norm_type: float, foreach: bool | None, on_step=None
+) -> list[torch.Tensor]:
+    """A plain loop that clips by hand: losses and the norms ``clip_grad_norm_`` returned."""
+    seen = []
+    for step in range(steps):
+        tokens, targets = batch(step, 0)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        seen.append(loss.detach())
+        seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type, foreach=foreach))
+        optimizer.step()
+        if on_step is not None:
+            on_step()
+        optimizer.zero_grad()
+    return seen
+
+
+@pytest.mark.parametrize(
+    ("norm_type", "foreach"), [(2.0, None), (1.0, None), (float("inf"), None), (2.0, False), (3.0, True)]
+)
+def test_clipping_by_hand_reads_each_stored_gradient_once_per_step(tmp_path, norm_type, foreach):
+    """NOTE [ Stored gradients ] rule 6: from the second step on, ``clip_grad_norm_`` over
+    gradients stored on NVMe stages nothing (its per-gradient norms were kept as the gradients
+    landed, its scaling is deferred) and writes nothing back; the step stages each chunk's
+    gradients once. Norms and training are bitwise plain PyTorch's, for torch's foreach and
+    per-tensor paths and several norm types."""
+    plain = make_model()
+    want = _clipped_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 4, norm_type, foreach)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        assert rt.plan.grad_home == "nvme"
+        stash = _states(rt).gradients.stash
+        counts = []
+
+        def count() -> None:
+            chunks = _states(rt).store.chunks
+            stored = [c for c in chunks if stash.stored(c)]
+            grads = sum(1 for c in stored for s in c.layout.slots if _states(rt).store.has_grad[s.index])
+            counts.append((stash.stagings, stash.write_backs, stash.norms_kept, len(stored), grads))
+
+        got = _clipped_loop(model, optimizer, 4, norm_type, foreach, on_step=count)
+        _within_capacities(rt)
+    for (stagings, write_backs, kept, _, _), (after, written, kept_after, stored, grads) in itertools.pairwise(counts):
+        assert stored > 0
+        assert after - stagings == stored  # the step's read, and nothing else
+        assert written == write_backs  # scaling wrote nothing back
+        assert kept_after - kept == grads  # every norm answered from the kept ones
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_deferred_scaling_is_what_every_later_reader_sees(tmp_path):
+    """Rule 6b: gradients scaled by clipping read back scaled (by hand, after the step), stay
+    scaled when the next backward accumulates into them, and a second clipping sees the scaled
+    norms; all bitwise plain PyTorch."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen = []
+        for step in range(3):
+            for micro in range(2):
+                tokens, targets = batch(step, micro)
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+                loss.backward()
+                seen.append(loss.detach())
+                seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01))
+            weight = model.blocks[1].fc.weight
+            seen.append(weight.grad.detach().clone())
+            optimizer.step()
+            seen.append(weight.grad.clone())
+            optimizer.zero_grad(set_to_none=step % 2 == 0)
+        return seen
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        got = run(model, optimizer)
+        stash = _states(rt).gradients.stash
+        assert stash.scales_deferred > 0 and stash.norms_kept > 0
+        _within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
