@@ -66,18 +66,18 @@ generation, the pool's residency (releases), and gradients through
    in a window, as for any chunk a failed step never reached) and sends their homes back.
 10. A backward that steps nothing early (an undeclared loop, declared clipping, or after a
    re-pack is due: none then) still uses the time it leaves the disk idle: once a chunk's
-   gradients are complete, its NVMe home is staged on the host when it is one of
-   the first ``staged_homes`` NVMe chunks ``optimizer.step()`` will stage (placement rule 3's
-   room, which nothing else uses between steps), reading only its optimizer states when its
-   device copy is the home's master as fetched (rule 7). Backward reaches those chunks last,
-   so the step starts with its first homes on the host or on their way, instead of waiting for
-   the first read. The read goes at write-back priority: backward ends by waiting for its
-   gradients' write-backs, and a prefetch would overtake them (measured on the 0.15x-RAM
-   headline GPT: 0.8-0.9 s of waits for gradients per backward, against none without it). A home whose write-back from the last step is still in flight, or with no
-   room beside the homes off NVMe now, is not staged (the step stages it as before);
-   ``optimizer.step()`` sends back any staged home that will not step first (a chunk that got
-   no gradient), so its room stays exactly the plan's. With declared accumulation, only in the
-   window's last backward.
+   gradients are complete, its NVMe home is staged on the host when it is one of the first
+   ``staged_homes`` NVMe chunks ``optimizer.step()`` will stage (placement rule 3's room,
+   which nothing else uses between steps), reading only its optimizer states when its device
+   copy is the home's master as fetched (rule 7). Backward reaches those chunks last, so the
+   step starts with its first homes on the host or on their way instead of waiting for the
+   first read. The read goes at write-back priority: backward ends by waiting for its
+   gradients' write-backs, which a prefetch would overtake (measured on the 0.15x-RAM headline
+   GPT: 0.8-0.9 s of waits for gradients per backward with a prefetch). A home whose
+   write-back from the last step is still in flight, or with no room beside the homes off NVMe
+   now, is not staged (the step stages it as before); ``optimizer.step()`` sends back any
+   staged home that will not step first (a chunk that got no gradient), so its room stays
+   exactly the plan's. With declared accumulation, only in the window's last backward.
 """
 
 from __future__ import annotations
