@@ -164,3 +164,52 @@ def test_deferred_scaling_is_what_every_later_reader_sees(tmp_path):
         _within_capacities(rt)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+@pytest.mark.parametrize(("dtype", "norm_type"), [(torch.bfloat16, 2.0), (torch.float16, float("inf"))])
+def test_clipping_half_precision_stored_gradients_is_bitwise(tmp_path, dtype, norm_type):
+    """Rule 6 on bf16/fp16 working gradients (``param_dtype=``): the kept norms and the deferred
+    scaling give plain PyTorch's master-weights loop that clips its working gradients, bitwise."""
+
+    def loop(model: nn.Module, step_fn) -> list[torch.Tensor]:
+        seen = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            seen.append(loss.detach())
+            seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type))
+            step_fn()
+        return seen
+
+    plain = make_model()
+    masters = [nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad) for p in plain.parameters()]
+    by_id = {id(p): m for p, m in zip(plain.parameters(), masters, strict=True)}
+    plain_opt = OPTIMIZERS["adamw"]([{**g, "params": [by_id[id(p)] for p in g["params"]]} for g in param_groups(plain)])
+    plain.to(dtype)
+
+    def master_step() -> None:
+        for p, m in zip(plain.parameters(), masters, strict=True):
+            m.grad = None if p.grad is None else p.grad.float()
+        plain_opt.step()
+        with torch.no_grad():
+            for p, m in zip(plain.parameters(), masters, strict=True):
+                p.copy_(m)
+        plain.zero_grad()
+
+    want = loop(plain, master_step)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED, param_dtype=dtype)
+        assert rt.plan.grad_home == "nvme"
+
+        def managed_step() -> None:
+            optimizer.step()
+            optimizer.zero_grad()
+
+        got = loop(model, managed_step)
+        stash = _states(rt).gradients.stash
+        assert stash.norms_kept > 0 and stash.scales_deferred > 0 and stash.write_backs == 0
+        _within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [m.detach() for m in masters])
