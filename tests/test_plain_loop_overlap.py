@@ -23,6 +23,7 @@ from tests.test_states import (
     state_bytes,
 )
 from tiermem.registry import ObjectState
+from tiermem.states.stored_grads import StoredGradient
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -213,3 +214,48 @@ def test_clipping_half_precision_stored_gradients_is_bitwise(tmp_path, dtype, no
         _within_capacities(rt)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [m.detach() for m in masters])
+
+
+def test_kept_norms_are_torchs_own_arithmetic_on_large_gradients(tmp_path):
+    """Rule 6a, where the arithmetic shows: gradients of half a million elements, whose fp32
+    2-norm torch accumulates in its own order (a norm computed another way, here in float64 and
+    rounded, differs in the last bit for some of them). From the second step on every per-gradient
+    norm is answered from the kept norms, and each is plain PyTorch's, bitwise."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(256, 2048), nn.GELU(), nn.Linear(2048, 256))
+
+    other_bits = []
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        seen = []
+        for step in range(3):
+            x = torch.randn(8, 256, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            grads = [p.grad for p in model.parameters()]
+            norms = torch._foreach_norm(grads, 2.0)  # what clip_grad_norm_ computes first
+            seen.extend(norms)
+            if step and not isinstance(grads[0], StoredGradient):
+                other_bits.extend(
+                    not torch.equal(n, torch.linalg.vector_norm(g.double()).float())
+                    for n, g in zip(norms, grads, strict=True)
+                )
+            seen.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+            optimizer.step()
+            optimizer.zero_grad()
+        return seen
+
+    plain = make()
+    want = run(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    assert any(other_bits)  # the test discriminates: another arithmetic gives other bits
+    model = make()
+    nbytes = 16 * sum(p.numel() for p in model.parameters())
+    with tiermem.Runtime(config(tmp_path, nbytes * 3 // 4, host=nbytes // 2)) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-2), plan=STORED)
+        got = run(model, optimizer)
+        stash = _states(rt).gradients.stash
+        assert stash.norms_kept >= 2 * 2 * 2  # two norms of the two weights in each later step, at least
+        _within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
