@@ -276,6 +276,7 @@ class GradientStash:
                 del kept[key]
         self.scales_deferred += 1
         if index in self._staged:
+            self.fence(grad.chunk)  # NOTE [ Step threads ] rule 4: no step reads the copy meanwhile
             self.buffer(grad.chunk)  # a staged copy carries every recorded scaling
         return True
 
