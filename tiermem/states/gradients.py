@@ -141,7 +141,8 @@ class Gradients:
             self.facts.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
         if chunk.grad_home == "nvme":
             slots = [slot for slot in chunk.layout.slots if self.store.has_grad[slot.index]]
-            self.stash.land(chunk, handle.tensor("device"), slots)  # NOTE [ Stored gradients ] rule 6a
+            # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)
+            self.stash.land(chunk, handle.tensor("device"), slots)
             self.registry.fence("device")  # the write-back starts after the norms read the buffer
             try:
                 handle.move_to("nvme", Priority.WRITEBACK)

@@ -430,7 +430,8 @@ class Stepper:
         if self.declared.max_norm is not None:
             optimizer.grad_norm = clip_declared(self.facts.params, self.declared.max_norm, self.facts.device)
         if self.relayout.pending:
-            self._send_back_staged(c for c in self.store.chunks if c.index not in stepped)  # rule 10
+            # homes staged in backward (rule 10) go back: the re-pack rebuilds every chunk
+            self._send_back_staged(c for c in self.store.chunks if c.index not in stepped)
             if self.save_guard is not None:
                 self.save_guard.before_rewrite()
             # Chunks stepped before a re-pack only with keep_gradients=False (rule 6): their
