@@ -22,6 +22,7 @@ from tests.test_states import (
     reference,
     state_bytes,
 )
+from tests.test_states_declared import plain_loop
 from tiermem.registry import ObjectState
 from tiermem.states.stored_grads import StoredGradient
 
@@ -258,4 +259,41 @@ def test_kept_norms_are_torchs_own_arithmetic_on_large_gradients(tmp_path):
         assert stash.norms_kept >= 2 * 2 * 2  # two norms of the two weights in each later step, at least
         _within_capacities(rt)
     assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_declared_clipping_stages_homes_in_the_windows_last_backward(tmp_path):
+    """Rule 10 in a declared loop that clips (no early steps): the first backward of a window of
+    two stages nothing (the step is a backward away), the last stages the step's first homes;
+    training is bitwise the plain loop that clips by hand."""
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["sgd"](param_groups(plain)), 3, 2, 0.5)
+    want_losses = [t for i, t in enumerate(want) if i % 3 != 2]
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("sgd", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["sgd"](param_groups(model)),
+            plan=NVME_HOMES,
+            grad_accumulation_steps=2,
+            clip_grad_norm=0.5,
+        )
+        stepper = _states(rt).stepper
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        got, staged = [], []
+        for step in range(3):
+            for micro in range(2):
+                tokens, targets = batch(step, micro)
+                loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()) / 2
+                loss.backward()
+                got.append(loss.detach())
+                chunks = _states(rt).store.chunks
+                staged.append(sum(1 for c in chunks if c.home_tier == "nvme" and _off_nvme(c.home)))
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+        assert staged[0::2] == [0, 0, 0]  # a backward away from the step
+        assert staged[1] == 0 and staged[3] > 0 and staged[5] > 0  # after the re-pack: the last backward
+        assert stepper.homes_staged_in_backward == staged[3] + staged[5]
+    assert_bitwise(got, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
