@@ -662,3 +662,26 @@ def test_optimizer_timing_takes_the_fastest_warm_step_and_samples_large_paramete
     WarmingSGD.calls = 0
     optimizer_probe.optimizer_seconds_per_byte(WarmingSGD, {"lr": 0.1}, [big], sample)
     assert WarmingSGD.calls == 3  # the creating step and two timed ones: the budget bounds it
+
+
+def test_the_plan_rt_manage_builds_is_the_one_the_planner_chose():
+    """The planner's request carries every choice its prediction counts: where gradients wait and
+    how many NVMe homes the host stages. Without them the placement built two staged homes against
+    the whole free host, beyond the host the planner kept for activations and its margin."""
+    from tiermem.layout.placement import Budgets, decide
+    from tiermem.planner.auto import _request
+
+    profile = dataclasses.replace(synthetic(8, saved=MiB, nvme=1e9), optimizer_s_per_byte=1e-8)
+    capacities = {"device": 16 * MiB, "nvme": 1 << 30, "host": 8 * MiB + 64 * 1024}
+    decision = search(profile, capacities)
+    assert decision.plan.staged_homes == 1 and decision.plan.grad_home == "nvme"  # the case that was lost
+    packing = next(iter(packings(profile, [decision.plan.chunk_size], False, ("host", "nvme"), (2,))))
+    built = decide(
+        packing.needs,
+        chunk_size=decision.plan.chunk_size,
+        min_buffers=packing.min_buffers,
+        budgets=Budgets(capacities["device"], capacities["host"], capacities["nvme"]),
+        request=_request(decision, profile),
+    )
+    assert (built.staged_homes, built.grad_home) == (decision.plan.staged_homes, decision.plan.grad_home)
+    assert built.state_home == decision.plan.state_home

@@ -377,3 +377,38 @@ def test_an_error_in_a_slice_is_raised_and_leaves_no_slice_on_the_host(tmp_path,
             optimizer.step()
         assert len(calls) >= 3 and rt.tiers["host"].statistics().current_bytes == host
     assert list(tmp_path.glob("tiermem-*")) == []
+
+
+def test_a_checkpoint_of_a_sliced_model_loads_at_the_same_host(tmp_path):
+    """rt.load writes a home the plan never stages whole (NOTE [ Sliced steps ] rule 4) by ranges:
+    at the least device and host 10%, save after one step, load into a fresh runtime and take the
+    second step: bitwise the uninterrupted run (staging the whole home raised "raise [host] capacity")."""
+    reference = hf_model("gpt2")
+    state = 16 * sum(p.numel() for p in reference.parameters())
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, reference.config.vocab_size, (1, 16), generator=generator) for _ in range(2)]
+
+    def step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batch: torch.Tensor) -> torch.Tensor:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.detach()
+
+    plain = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    want = [step(reference, plain, batch) for batch in ids]
+    host, nvme, device = state // 10, 4 * state, 12_910_592  # the least device the README names
+    config = settings(tmp_path, device, host, nvme)
+    with tiermem.Runtime(config) as rt:
+        model, optimizer = rt.manage(hf_model("gpt2"), torch.optim.AdamW, plan={"state_home": "nvme"}, lr=1e-3)
+        first = step(model, optimizer, ids[0])
+        rt.save(tmp_path / "checkpoint")
+    with tiermem.Runtime(config) as rt:
+        model, optimizer = rt.manage(hf_model("gpt2"), torch.optim.AdamW, plan={"state_home": "nvme"}, lr=1e-3)
+        assert rt.plan.slice_bytes is not None
+        rt.load(tmp_path / "checkpoint")
+        second = step(model, optimizer, ids[1])
+        host_peak = rt.tiers["host"].statistics().peak_bytes
+    assert host_peak <= host
+    assert bitwise([first, second], want)
+    assert bitwise(list(model.parameters()), list(reference.parameters()))

@@ -7,6 +7,7 @@ streamed beside a trained one in the same Runtime."""
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 
 import tiermem
-from tiermem.errors import PlanError
+from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest, decide
 from tiermem.planner.state_costs import Packing, StatesChoice, states_cost
 from tiermem.states.errors import StatesUsageError
@@ -271,3 +272,44 @@ def _profile_stub() -> Any:
         optimizer_s_per_byte = 0.0
 
     return Stub()
+
+
+def test_a_checkpoint_of_frozen_chunks_loads_at_the_least_capacities(tmp_path):
+    """A frozen chunk gets no host room to stage its home (it never steps), so rt.load writes its
+    NVMe home by ranges within the room kept for a trainable home: at the smallest capacities the
+    placement names, save after two steps, load into a fresh runtime, two more steps: bitwise the
+    uninterrupted run (staging the whole frozen home raised "raise [host] capacity")."""
+
+    def small(seed: int = 0) -> nn.Module:
+        model = llama(seed, layers=2, width=64).requires_grad_(False)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj = LoRALinear(layer.self_attn.q_proj, r=4)
+        return model
+
+    def steps(model: nn.Module, optimizer: torch.optim.Optimizer, which: range) -> list[torch.Tensor]:
+        losses = []
+        for step in which:
+            loss = model(input_ids=ids(step), labels=ids(step)).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    reference = small()
+    want = steps(reference, torch.optim.AdamW(trainable(reference), lr=1e-3), range(4))
+    with tiermem.Runtime(config(tmp_path, 4096, 4096)) as rt, pytest.raises(StatesMemoryError) as refused:
+        rt.manage(small(), torch.optim.AdamW, plan=DEFAULT_RULE, lr=1e-3)
+    device, host = (int(n.replace(",", "")) for n in re.findall(r"\(([\d,]+) bytes\)", str(refused.value))[:2])
+    with tiermem.Runtime(config(tmp_path, device, host)) as rt:
+        model, optimizer = rt.manage(small(), torch.optim.AdamW, plan=DEFAULT_RULE, lr=1e-3)
+        assert "nvme" in rt.plan.state_home
+        got = steps(model, optimizer, range(2))
+        rt.save(tmp_path / "checkpoint")
+    with tiermem.Runtime(config(tmp_path, device, host)) as rt:
+        model, optimizer = rt.manage(small(), torch.optim.AdamW, plan=DEFAULT_RULE, lr=1e-3)
+        rt.load(tmp_path / "checkpoint")
+        got += steps(model, optimizer, range(2, 4))
+        within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise(list(model.parameters()), list(reference.parameters()))

@@ -78,8 +78,18 @@ from tiermem.tiers.base import Tier, TierStatistics
 
 #: Move priorities and in-flight moves, re-exported: managed-object code imports them from here,
 #: never from the scheduler (the registry is the one door through which managed bytes move).
-__all__ = ["CachedBytes", "Handle", "KnownBytes", "ManagedObject", "ObjectState", "Priority", "Registry"]
-__all__ += ["RegistryStatistics", "Transfer", "storage_bytes"]
+__all__ = [
+    "CachedBytes",
+    "Handle",
+    "KnownBytes",
+    "ManagedObject",
+    "ObjectState",
+    "Priority",
+    "Registry",
+    "RegistryStatistics",
+    "Transfer",
+    "storage_bytes",
+]
 
 
 class Registry:

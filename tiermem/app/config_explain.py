@@ -190,7 +190,6 @@ def _ranks(probe: MachineProbe) -> str:
     return f", shared by {probe.local_world_size} ranks on this machine" if probe.local_world_size > 1 else ""
 
 
-# long: one sentence per setting and case, in the order the section lists them
 def _device_and_host(config: Config, resolved: Config, probe: MachineProbe) -> dict[str, str]:
     why: dict[str, str] = {}
     device = resolved.device.device

@@ -150,7 +150,6 @@ class LoadTree:
             return StateTensor(i, key, values[i].shape, values[i].dtype, values[i].chunk)
         return None
 
-    # long: one pass over the checkpoint's entries of one model, each kind of entry a few lines
     def _model(self, m: int, states: ModelStates, paths: dict[str, ObjPath], metadata: Metadata) -> None:
         model_key, optim_key = keys_of(m)
         stateio = self.stateios[m]

@@ -9,12 +9,12 @@ from typing import TypeVar
 
 from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import (
-    STAGED_HOMES,
     Budgets,
     ChunkNeeds,
     Plan,
     PlanRequest,
     decide,
+    gradients_at_once,
     normalize_chunk_size,
     nvme_grad_bytes,
     staging_bytes,
@@ -124,7 +124,7 @@ def smallest_budgets(
     if stored <= budgets.nvme:
         # one trainable home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
         # stored gradients, or the two streamed ones passing through; two slices of a sliced one (rule 6)
-        passing = STAGED_HOMES if grads_stream else 1
+        passing = gradients_at_once(grads_stream, "nvme", 1)
         host = nvme_grad_bytes(needs, passing, chunk_size) + staging_bytes(needs, chunk_size, staged=1)
         least = Budgets(device=device, host=host, nvme=stored)
     else:

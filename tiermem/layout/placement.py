@@ -399,7 +399,7 @@ def _decide(
         )
     homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
     _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged)
-    passing = _passing(grads_stream, grad_home, staged)
+    passing = gradients_at_once(grads_stream, grad_home, staged)
     slices = _slice_bytes(needs, homes, chunk_size, budgets, passing, staged, request.slice_bytes)
     return Plan(
         chunk_size=chunk_size,
@@ -512,7 +512,7 @@ def _default_persistent(
     return len(needs)
 
 
-def _passing(grads_stream: bool, grad_home: str, staged: int) -> int:
+def gradients_at_once(grads_stream: bool, grad_home: str, staged: int) -> int:
     """Rule 3: NVMe chunks' gradients on the host at once: two streamed ones, ``staged`` stored
     on NVMe, or 0 when they all wait on the host."""
     return STAGED_HOMES if grads_stream else (staged if grad_home == "nvme" else 0)
@@ -617,7 +617,7 @@ def _check_fits(
     device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    passing = _passing(grads_stream, grad_home, staged)
+    passing = gradients_at_once(grads_stream, grad_home, staged)
     host = _host_bytes(needs, homes, passing, staged, chunk_size)
     nvme = nvme_bytes(nvme_homes, grad_home, chunk_size)
     waiting = (
@@ -633,7 +633,7 @@ def _check_fits(
             f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
         )
     if host > budgets.host:
-        whole = [n.home_bytes for n in nvme_homes if n.nbytes > chunk_size and not n.sliceable]
+        whole = [n.home_bytes for n in nvme_homes if n.trainable and n.nbytes > chunk_size and not n.sliceable]
         staging = _count(staged, "trainable NVMe home")
         if any(n.sliced(chunk_size) for n in nvme_homes):
             staging += " or two slices of those that step in slices"

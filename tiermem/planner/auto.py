@@ -256,4 +256,7 @@ def _request(decision: Decision, profile: Profile) -> PlanRequest:
         chosen.predicted,
         order=profile.order,
         slice_bytes=chosen.slice_bytes,  # the slices its host prediction counts
+        # where gradients wait and how many homes the host stages: what its host prediction counts too
+        grad_home=chosen.grad_home,
+        staged_homes=chosen.staged_homes,
     )

@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, streamed_reserve
+from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, gradients_at_once, streamed_reserve
 from tiermem.planner.profile import Profile
 
 
@@ -98,10 +98,6 @@ class Packing:
     def chunks(self) -> int:
         return len(self.needs)
 
-    @property
-    def shared_chunks(self) -> int:
-        return len(self.shared)
-
     @staticmethod
     def _sum(prefix: list[int], start: int, stop: int) -> int:
         return prefix[stop] - prefix[start] if stop > start else 0
@@ -131,7 +127,7 @@ class Packing:
         slices of a chunk that steps in slices, and of its gradients, which wait on NVMe)."""
         n = self.chunks
         staged = self.staged_homes
-        passing = STAGED_HOMES if self.grads_stream else (staged if self.grad_home == "nvme" else 0)
+        passing = gradients_at_once(self.grads_stream, self.grad_home, staged)
         sliced_grads = STAGED_HOMES * self._max_sliced_grad_from[host_end]
         if passing:
             nvme_grads = max(passing * self._max_whole_grad_from[host_end], sliced_grads)
@@ -146,7 +142,9 @@ class Packing:
         lo, hi = persistent, self.chunks
         if self.host_bytes(persistent, hi) <= host_budget:
             return hi
-        # host_bytes grows with host_end (a home costs more than staging it): binary search.
+        # Binary search: host_bytes grows with host_end (a home costs more than staging it), except
+        # where a sliced chunk moving to the host drops its two slices' staging; there the search may
+        # keep a home on NVMe that would fit on the host, never put one on the host that does not fit.
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.host_bytes(persistent, mid) <= host_budget:

@@ -117,23 +117,23 @@ class ChunkStep:
     #: what :meth:`compute` found: per parameter index, the record :meth:`commit` stores
     records: dict[int, ParamState] = dataclasses.field(default_factory=dict)
 
-    # long: one pass over the chunk's slots per kind of view, kept together so the order stays plain
     @classmethod
     def prepare(
         cls,
         facts: ModelFacts,
         store: ChunkStore,
         gradients: Gradients,
-        work: tuple[Chunk, list[Slot], torch.Tensor | None],
+        chunk: Chunk,
+        slots: list[Slot],
+        home: torch.Tensor | None,
         optimizer: ManagedOptimizer,
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
         piece: Piece | None = None,
     ) -> ChunkStep:
-        """On the training thread: the views of ``work`` (a chunk, the slots that step, and its
+        """On the training thread: the views of ``chunk``'s ``slots`` that step in ``home`` (its
         home bytes in memory, staged by the caller), its gradients, states and groups; or of one
         slice of it (``piece``: NOTE [ Sliced steps ] rule 1), whose small states are copies."""
-        chunk, slots, home = work
         section_base = chunk.section_base
         if piece is not None:
             slots, home, section_base = piece.slots, piece.home, piece.section_base
@@ -282,7 +282,9 @@ class SlicedStep:
                         self.facts,
                         self.store,
                         self.gradients,
-                        (chunk, slots, None),
+                        chunk,
+                        slots,
+                        None,
                         optimizer,
                         group_of,
                         attributes,

@@ -147,9 +147,9 @@ class Gradients:
             try:
                 handle.move_to("nvme", Priority.WRITEBACK)
             except TierCapacityError as exc:
-                raise StatesMemoryError.tier_full(
-                    exc, f"chunk {chunk.index}'s gradients, waiting on NVMe until the step (grad_home 'nvme'),"
-                ) from exc
+                why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
+                what = f"chunk {chunk.index}'s gradients, waiting on NVMe until the step ({why}),"
+                raise StatesMemoryError.tier_full(exc, what) from exc
             return
         try:
             handle.move_to("host", Priority.WRITEBACK)

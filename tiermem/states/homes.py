@@ -120,7 +120,7 @@ class Homes:
             try:
                 handle.move_to("host", Priority.DEMAND, known)
             except TierCapacityError as exc:
-                what = f"staging chunk {chunk.index}'s NVMe home for its step"
+                what = f"staging chunk {chunk.index}'s NVMe home on the host"
                 raise StatesMemoryError.tier_full(exc, what) from exc
         handle.wait()
 
@@ -201,8 +201,7 @@ class Homes:
             try:
                 return registry.register(buffer, "host", dedup=False, kind="chunk")
             except TierCapacityError as exc:
-                span = format_size(chunk.slice_span or 0)
-                what = f"stepping chunk {chunk.index} in slices of {span} (a slice of its home and gradients at a time)"
+                what = f"chunk {chunk.index}'s NVMe home, read or written {format_size(nbytes)} at a time"
                 raise StatesMemoryError.tier_full(exc, what) from exc
 
     @staticmethod
@@ -240,17 +239,18 @@ class Homes:
         finally:
             piece.handle.free()
 
-    def write_range(self, chunk: Chunk, offset: int, data: torch.Tensor) -> None:
+    def write_range(self, chunk: Chunk, offset: int, data: torch.Tensor, span: int | None = None) -> None:
         """Write ``data`` (bytes in CPU memory) into ``chunk``'s NVMe home at ``offset``, through a
-        host buffer of at most the chunk's slice span at a time (NOTE [ Sliced steps ] rule 4: a
-        home too large to stage whole, written from a state import)."""
+        host buffer of at most ``span`` bytes (None: the chunk's slice span) at a time (NOTE
+        [ Sliced steps ] rule 4: a home the plan gives no room to stage whole, written from a state
+        import or a checkpoint load)."""
         self.fence(chunk)
         home = chunk.home
-        assert home is not None and chunk.slice_span is not None
+        step = span or chunk.slice_span
+        assert home is not None and step is not None
         home.wait()
         self._read_cache = None
         flat = data.reshape(-1).view(torch.uint8)
-        step = chunk.slice_span
         handle = self._register_slice(chunk, min(step, flat.numel()))
         try:
             buffer = handle.tensor("host")

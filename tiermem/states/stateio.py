@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from tiermem.errors import internal_error
+from tiermem.layout.chunks import Slot
 from tiermem.registry import Handle, Priority
 from tiermem.states import core
 from tiermem.states.access import internal
@@ -29,7 +30,7 @@ from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.materialize import DEFAULT_MIN_BYTES, file_backed_empty, release_file_pages
 from tiermem.states.store import ChunkStore
-from tiermem.units import format_size
+from tiermem.units import ALIGNMENT, format_size
 
 log = logging.getLogger("tiermem.states")
 
@@ -383,12 +384,17 @@ class StateIO:
             raise internal_error(f"{chunk!r}: a streamed chunk is always offloaded")
         self.store.pool.release(chunk)
         names, scale = self.facts.state_names, chunk.master_scale
-        home_ctx = self.homes.writable(chunk) if chunk.home is not None else contextlib.nullcontext(None)
+        span = self._range_span(chunk)
+        staged = chunk.home is not None and span is None
+        home_ctx = self.homes.writable(chunk) if staged else contextlib.nullcontext(None)
         try:
             with home_ctx as home:
 
                 def put(tensor: StateTensor, value: torch.Tensor) -> None:
                     slot = self.store.slots[tensor.index][1]
+                    if span is not None:  # by ranges, as the home is laid out (no device copy to fill)
+                        self._put_ranges(chunk, slot, tensor.key, value, span)
+                        return
                     if tensor.key is not None:
                         base = chunk.section_base(names.index(tensor.key))
                         slot.master_view(home, base, scale).copy_(value)  # type: ignore[arg-type]
@@ -404,6 +410,39 @@ class StateIO:
         finally:
             self.store.generation += 1
             self.homes.forget()
+
+    def _range_span(self, chunk: Chunk) -> int | None:
+        """The bytes at a time a load writes ``chunk``'s NVMe home in, when the plan gives it no
+        host room to stage whole; None: staged whole. A chunk that steps in slices: its slice
+        span. A frozen one, which never steps: the room the plan keeps to stage one trainable
+        home (free while nothing steps), at least a page, at most the chunk size."""
+        plan = self.store.plan
+        if chunk.home is None or chunk.home_tier != "nvme" or chunk.persistent or plan is None:
+            return None
+        if chunk.slice_span is not None:
+            return chunk.slice_span
+        if chunk.trainable:
+            return None
+        stepping = [c.layout for c in self.store.chunks if c.trainable and c.home_tier == "nvme"]
+        room = max(
+            (n.staged_home_bytes(plan.chunk_size, plan.slice_bytes) for n in self.facts.needs(stepping)), default=0
+        )
+        return max(ALIGNMENT, min(room, plan.chunk_size) // ALIGNMENT * ALIGNMENT)
+
+    def _put_ranges(self, chunk: Chunk, slot: Slot, key: str | None, value: torch.Tensor, span: int) -> None:
+        """:meth:`chunk_writer`'s ``put`` for a home written by ranges: a state section, or the
+        parameter's master (fp32 under mixed precision) and its working copy."""
+        scale = chunk.master_scale
+        if key is not None:
+            base = chunk.section_base(self.facts.state_names.index(key))
+            dtype = torch.float32 if scale > 1 else slot.dtype
+            self.homes.write_range(chunk, base + slot.offset * scale, value.to("cpu", dtype).contiguous(), span)
+            return
+        if scale > 1:
+            self.homes.write_range(chunk, slot.offset * scale, value.to("cpu", torch.float32).contiguous(), span)
+        if chunk.offloaded:
+            working = value.to("cpu", slot.dtype).contiguous()
+            self.homes.write_range(chunk, chunk.working_base + slot.offset, working, span)
 
     def capture_layout(self, index: int) -> tuple[list[tuple[Handle, int]], CapturedView]:
         """What an asynchronous checkpoint copies of chunk ``index``: ``(handle, nbytes)`` regions

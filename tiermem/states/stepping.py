@@ -96,7 +96,6 @@ import torch
 from tiermem import tracing
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
-from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import KnownBytes, ObjectState, Priority
 from tiermem.states.chunk_step import ChunkStep, SlicedStep
 from tiermem.states.chunks import Chunk
@@ -254,7 +253,7 @@ class Stepper:
         if chunk.slice_span is not None:
             return  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         waiting, off_nvme = self._homes_off_nvme()
-        if waiting or off_nvme >= self._staged_homes():
+        if waiting or off_nvme >= self.store.staged_homes:
             return  # the step stages it on demand once earlier write-backs landed
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return
@@ -262,11 +261,6 @@ class Stepper:
             self.save_guard.before_move(chunk)
         with contextlib.suppress(TierCapacityError):  # no room yet: the step stages it on demand
             chunk.home.move_to("host", Priority.PREFETCH, self._known_home_bytes(chunk))
-
-    def _staged_homes(self) -> int:
-        """NVMe homes the plan has host room to stage at once (NOTE [ Default placement rule ] rule 3)."""
-        plan = self.store.plan
-        return plan.staged_homes if plan is not None else STAGED_HOMES
 
     def _finish_steps(self) -> None:
         """NOTE [ Step threads ] rules 2-4; a step's error leaves no NVMe home staged: homes
@@ -459,7 +453,7 @@ class Stepper:
         # a sliced step, whose slices take that room (NOTE [ Sliced steps ] rule 2)
         next_staged = (
             {a: b for a, b in itertools.pairwise(staged) if a.slice_span is None and b.slice_span is None}
-            if self._staged_homes() > 1
+            if self.store.staged_homes > 1
             else {}
         )
         for chunk, slots in work:
@@ -542,7 +536,7 @@ class Stepper:
         on_cpu = (home.device if home is not None else self.facts.device).type == "cpu"
         try:
             job = ChunkStep.prepare(
-                self.facts, self.store, self.gradients, (chunk, slots, home), optimizer, group_of, attributes
+                self.facts, self.store, self.gradients, chunk, slots, home, optimizer, group_of, attributes
             )
         except BaseException:
             if staged:

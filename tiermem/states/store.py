@@ -18,7 +18,7 @@ from torch import nn
 
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import ChunkLayout, Slot
-from tiermem.layout.placement import Plan
+from tiermem.layout.placement import STAGED_HOMES, Plan
 from tiermem.registry import Handle, Registry
 from tiermem.states.access import internal
 from tiermem.states.chunks import Chunk
@@ -63,6 +63,12 @@ class ChunkStore:
                 if handle is not None:
                     held[handle.tier] = held.get(handle.tier, 0) + handle.reserved
         return held
+
+    @property
+    def staged_homes(self) -> int:
+        """NVMe homes (and stored gradients) the plan has host room to stage at once (NOTE
+        [ Default placement rule ] rule 3)."""
+        return self.plan.staged_homes if self.plan is not None else STAGED_HOMES
 
     def register(self, tensor: torch.Tensor, tier: str, label: str) -> Handle:
         """Account ``tensor`` (adopted on a memory tier of its device, copied to NVMe); ``label``:

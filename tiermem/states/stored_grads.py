@@ -64,7 +64,6 @@ import torch
 
 from tiermem.errors import TierCapacityError, internal_error
 from tiermem.layout.chunks import Slot
-from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
@@ -291,7 +290,7 @@ class GradientStash:
     def prefetch(self, chunk: Chunk) -> None:
         """Start staging ``chunk``'s stored gradients while the host has room for them beside
         what is staged (the step reads them next); nothing when it has not."""
-        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= self._most():
+        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= self.store.staged_homes:
             return
         assert chunk.grad is not None
         if chunk.grad.state is ObjectState.MOVING:
@@ -306,15 +305,10 @@ class GradientStash:
         self.stagings += 1
         self._staged[chunk.index] = _Staged(handle, filling=filling)
 
-    def _most(self) -> int:
-        """Rule 2: chunks staged at once, as the plan has host room for."""
-        plan = self.store.plan
-        return plan.staged_homes if plan is not None else STAGED_HOMES
-
     def _stage(self, chunk: Chunk) -> _Staged:
         assert chunk.grad is not None
         chunk.grad.wait()  # the write-back from the device lands first
-        while len(self._staged) >= self._most():
+        while len(self._staged) >= self.store.staged_homes:
             self.release(self.store.chunks[next(iter(self._staged))])
         handle = self._register(chunk)
         try:
@@ -338,9 +332,9 @@ class GradientStash:
             try:
                 return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
             except TierCapacityError as exc:
-                raise StatesMemoryError.tier_full(
-                    exc, f"reading chunk {chunk.index}'s gradients, which wait on NVMe (grad_home 'nvme'),"
-                ) from exc
+                why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
+                what = f"reading chunk {chunk.index}'s gradients, which wait on NVMe ({why}), whole"
+                raise StatesMemoryError.tier_full(exc, what) from exc
 
     def release(self, chunk: Chunk) -> None:
         """Drop ``chunk``'s staged copy, written back to NVMe first if it was written."""

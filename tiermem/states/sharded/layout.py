@@ -5,8 +5,9 @@ packs its local shards by their *padded* shape, the shape FSDP2 pads each rank's
 (``ceil(size / mesh size)`` along each sharded dimension), so every rank builds the same chunks
 from the same global shapes, whatever its own shard's size; and one placement rule, fed the
 smallest free bytes of all ranks, decides how large chunks are and where each chunk's states
-live. The chunk size shrinks to the capacities as a single process's does (NOTE [ Default
-placement rule ] rules 3 and 4): the default size first, then smaller ones down to the floor,
+live. The chunk size shrinks to the capacities (NOTE [ Default placement rule ] rules 3 and 4;
+the largest size that fits, where a single process ranks fitting sizes by waste): the default
+size first, then smaller ones down to the floor,
 each with two homes staged for the step, then each with one; a refusal names the smallest
 per-rank capacities with which some size fits.
 """

@@ -190,7 +190,6 @@ class ShardSteps:
         with self.writable(chunk) as data:
             self._step(chunk, data, slots, optimizer, group_of, attributes)
 
-    # long: one step of one chunk, the aliases, the state views and rule 3 of NOTE [ Exact optimizer step ]
     def _step(
         self,
         chunk: StateChunk,
