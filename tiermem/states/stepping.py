@@ -216,7 +216,7 @@ class Stepper:
             return
         if chunk.index not in self._first_to_step():
             return
-        if self._homes_off_nvme()[1] >= self._staged_homes():
+        if self._homes_off_nvme()[1] >= self.store.staged_homes:
             return  # the room is taken (a write-back of the last step still in flight)
         if self.save_guard is not None:
             self.save_guard.before_move(chunk)
@@ -234,7 +234,7 @@ class Stepper:
         params = self.facts.params
         first: list[int] = []
         for c in self.store.chunks:
-            if len(first) == self._staged_homes():
+            if len(first) == self.store.staged_homes:
                 break
             if c.home_tier != "nvme" or not c.trainable:
                 continue
@@ -446,7 +446,7 @@ class Stepper:
                 work.append((chunk, slots))
         staged = [chunk for chunk, _ in work if chunk.home_tier == "nvme"]
         # rule 10: a home staged in backward that does not step first goes back, so the room is the step's
-        first = {chunk.index for chunk in staged[: self._staged_homes()]}
+        first = {chunk.index for chunk in staged[: self.store.staged_homes]}
         self._send_back_staged(c for c in self.store.chunks if c.index not in first and c.index not in stepped)
         # each NVMe chunk's next one, read while it steps where the plan has room for two homes
         # (with room for one, each home is read once the one before is written back); none beside
