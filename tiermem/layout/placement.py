@@ -29,7 +29,9 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    chunk never steps, its NVMe home is read straight into its device buffer): two (one steps
    while the next is read), or, when two leave the plan short, one (each home is read only once
    the one before is written back: the step's NVMe I/O no longer overlaps it, but the host holds
-   half the staging). An NVMe chunk's gradients wait until ``optimizer.step()``
+   half the staging). Between steps nothing else uses that room, so a backward that steps
+   nothing early stages the first homes of the coming step in it (NOTE [ Declared steps ] rule
+   10). An NVMe chunk's gradients wait until ``optimizer.step()``
    (``.grad`` stays readable and writable, TRAPS 4) where ``grad_home`` says: on the host
    when it holds all of them beside those homes, else on NVMe (``grad_home = "nvme"``: the
    host then holds ``staged_homes`` chunks' gradients at once, staged to step or to serve

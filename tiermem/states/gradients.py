@@ -83,7 +83,8 @@ class Gradients:
             del buffer  # only the allocation keeps it (TRAPS 14: the write-back must free it)
             return chunk.grad.tensor("device")
         if handle.tier != "device" or handle.state is ObjectState.MOVING:
-            self.stash.release(chunk)  # edits of stored gradients land on NVMe before they move
+            # edits (and deferred scalings) of stored gradients land on NVMe before they move
+            self.stash.settle(chunk)
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
         return handle.tensor("device")
@@ -139,6 +140,10 @@ class Gradients:
         for slot in chunk.layout.slots:
             self.facts.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
         if chunk.grad_home == "nvme":
+            slots = [slot for slot in chunk.layout.slots if self.store.has_grad[slot.index]]
+            # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)
+            self.stash.land(chunk, handle.tensor("device"), slots)
+            self.registry.fence("device")  # the write-back starts after the norms read the buffer
             try:
                 handle.move_to("nvme", Priority.WRITEBACK)
             except TierCapacityError as exc:

@@ -26,6 +26,30 @@
    lease of NOTE [ Host gradients ] rule 5 ends whenever the stored bytes move or are freed.
 5. Threads: a staged copy a chunk step still reads on the step thread is not dropped before
    that step finished (``fence``, NOTE [ Step threads ] rule 4).
+6. Clipping by hand reads each stored gradient once per step (the step's read), not three
+   times (the norm's, the scaling's read and write, the step's). ``clip_grad_norm_`` computes
+   each gradient's norm, then multiplies every gradient by one factor; both are answered
+   without staging:
+   a. Norms as gradients land: a norm op on one whole stored gradient (``_foreach_norm`` of a
+      list of one, which is what rule 3 of NOTE [ Host gradients ] splits torch's call into, or
+      ``linalg_vector_norm``) that finds no norm kept is staged and run as before, and its op
+      and arguments are remembered. From then on, when a chunk's gradients are sent to NVMe,
+      each of its gradients' norms is computed first, by that same op with the same arguments on
+      the device buffer, which holds the same bytes, shape and strides on the same device as
+      the transient copy the staged path computes on: the same kernel over the same values, so
+      the same bits. The next such op is answered with a copy of the kept norm. A norm is kept
+      only while no byte of its gradient is written (a write, a deferred scale, the next
+      backward bringing the gradients back, ``zero_grad``); otherwise it is computed as before.
+   b. Scaling deferred: an in-place multiplication of one whole stored gradient by a number or
+      a 0-dim tensor (``_foreach_mul_`` of a list of one, ``mul_``) is recorded, not run. The
+      staged copy carries every recorded scaling: they run in order on it when it is staged
+      (or at once when it is staged now), as the same op on the same device the HostGradient
+      path runs it on; the copy is not marked written, so dropping it writes nothing and the
+      next staging runs them again on the NVMe bytes. A copy written for another reason goes
+      back with them applied, and the record is cleared. The gradients brought back to the
+      device for the next backward are staged, scaled and written back first.
+   Gradients of a chunk that steps in slices are read by range (NOTE [ Sliced steps ]) and
+   take the staged path instead.
 """
 
 from __future__ import annotations
@@ -78,12 +102,56 @@ class Geometry:
         return torch.empty(0, dtype=self.dtype).set_(buffer.untyped_storage(), start, self.shape, self.stride)
 
 
+NormKey = tuple[Any, ...]
+"""Rule 6a: a norm op and its arguments after the gradient (hashable)."""
+_NORMS = (torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default)
+_SCALES = (
+    torch.ops.aten._foreach_mul_.Tensor,
+    torch.ops.aten._foreach_mul_.Scalar,
+    torch.ops.aten.mul_.Tensor,
+    torch.ops.aten.mul_.Scalar,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scale:
+    """Rule 6b: a recorded in-place multiplication of one whole stored gradient."""
+
+    geometry: Geometry
+    func: torch._ops.OpOverload
+    factor: Any
+    device: torch.device
+
+    def run(self, buffer: torch.Tensor) -> None:
+        """The op on ``buffer``'s bytes of the gradient, on its device, as NOTE [ Host gradients ]
+        rule 2 runs it (a transient device copy, written back), in place on the CPU."""
+        view = self.geometry.view(buffer)
+        target = view if self.device.type == "cpu" else view.to(self.device, copy=True)
+        self.func([target] if self.func.name().startswith("aten::_foreach_") else target, self.factor)
+        if target is not view:
+            view.copy_(target)
+
+
+def _norm_key(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]) -> NormKey | None:
+    """Rule 6a: the op and its arguments after the gradient, when they are plain values."""
+    rest = tuple(tuple(a) if isinstance(a, list) else a for a in args[1:])
+    key = (func, rest, tuple(sorted(kwargs.items())))
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    plain = (int, float, bool, type(None), torch.dtype, tuple, str)
+    return key if all(isinstance(a, plain) for a in (*rest, *kwargs.values())) else None
+
+
 @dataclasses.dataclass
 class _Staged:
     handle: Handle
     written: bool = False
     #: the copy from NVMe, while it runs (a prefetch)
     filling: Transfer | None = None
+    #: rule 6b: recorded scalings already run on this copy
+    scaled: int = 0
 
     def landed(self) -> None:
         if self.filling is not None:
@@ -103,6 +171,15 @@ class GradientStash:
         #: chunks staged from NVMe and bytes written back since the manager began (tests, reports)
         self.stagings = 0
         self.write_backs = 0
+        #: rule 6a: norm ops asked of stored gradients, computed as gradients land from now on
+        self.norm_keys: set[NormKey] = set()
+        #: rule 6a: per chunk, the kept norms by (gradient offset, norm key)
+        self._norms: dict[int, dict[tuple[int, NormKey], torch.Tensor]] = {}
+        #: rule 6b: per chunk, recorded scalings not in its NVMe bytes
+        self._scales: dict[int, list[_Scale]] = {}
+        #: norm ops answered from kept norms, scalings recorded (tests, reports)
+        self.norms_kept = 0
+        self.scales_deferred = 0
 
     @staticmethod
     def stored(chunk: Chunk) -> bool:
@@ -134,8 +211,81 @@ class GradientStash:
             self.discard(chunk)
             raise
         self._staged.move_to_end(chunk.index)
+        data = staged.handle.tensor("host")
+        scales = self._scales.get(chunk.index, ())
+        for scale in scales[staged.scaled :]:  # rule 6b: the copy carries every recorded scaling
+            scale.run(data)
+        staged.scaled = len(scales)
+        if write:
+            self._norms.pop(chunk.index, None)  # rule 6a: its bytes change
         staged.written = staged.written or write
-        return staged.handle.tensor("host")
+        return data
+
+    # -- rule 6: clipping by hand ---------------------------------------------------------------
+    def land(self, chunk: Chunk, data: torch.Tensor, slots: list[Slot]) -> None:
+        """Rule 6a: ``chunk``'s gradients (``data``, its device buffer) are about to go to NVMe:
+        keep the norms of ``slots``' gradients that norm ops asked for before."""
+        self._norms.pop(chunk.index, None)
+        self._scales.pop(chunk.index, None)
+        if not self.norm_keys or chunk.slice_span is not None:
+            return
+        kept = self._norms[chunk.index] = {}
+        for slot in slots:
+            view = slot.view(data)
+            for key in self.norm_keys:
+                func, rest, kwargs = key
+                if func is torch.ops.aten._foreach_norm.Scalar:
+                    kept[slot.offset, key] = func([view], *rest, **dict(kwargs))[0]
+                else:
+                    kept[slot.offset, key] = func(view, *rest, **dict(kwargs))
+
+    def kept_norm(
+        self, grad: StoredGradient, func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """Rule 6a: the answer to norm op ``func`` on ``grad`` alone from the kept norms, or None
+        (the op is then remembered, and runs on the staged bytes)."""
+        key = _norm_key(func, args, kwargs)
+        slot = grad.whole_slot()
+        if key is None or slot is None:
+            return None
+        norm = self._norms.get(grad.chunk.index, {}).get((slot.offset, key))
+        if norm is None:
+            self.norm_keys.add(key)
+            return None
+        self.norms_kept += 1
+        return [norm.clone()] if func is torch.ops.aten._foreach_norm.Scalar else norm.clone()
+
+    def defer_scale(self, grad: StoredGradient, func: torch._ops.OpOverload, factor: Any) -> bool:
+        """Rule 6b: record ``func`` (an in-place multiplication by ``factor``) of ``grad`` alone
+        instead of running it; False when it must run as before."""
+        slot = grad.whole_slot()
+        if slot is None or grad.chunk.slice_span is not None:
+            return False
+        if isinstance(factor, torch.Tensor):
+            if isinstance(factor, HostGradient) or factor.dim() != 0:
+                return False
+            factor = factor.detach().clone()  # the caller may reuse its tensor
+        elif not isinstance(factor, (int, float, bool)):
+            return False
+        index = grad.chunk.index
+        self._scales.setdefault(index, []).append(_Scale(grad.geometry, func, factor, grad.device))
+        kept = self._norms.get(index)
+        if kept is not None:
+            for key in [k for k in kept if k[0] == slot.offset]:
+                del kept[key]
+        self.scales_deferred += 1
+        if index in self._staged:
+            self.fence(grad.chunk)  # NOTE [ Step threads ] rule 4: no step reads the copy meanwhile
+            self.buffer(grad.chunk)  # a staged copy carries every recorded scaling
+        return True
+
+    def settle(self, chunk: Chunk) -> None:
+        """Rule 6: ``chunk``'s stored bytes are about to move (back to the device to accumulate):
+        recorded scalings are written into them first, and kept norms are forgotten."""
+        self._norms.pop(chunk.index, None)
+        if self._scales.get(chunk.index):
+            self.buffer(chunk, write=True)
+        self.release(chunk)
 
     def prefetch(self, chunk: Chunk) -> None:
         """Start staging ``chunk``'s stored gradients while the host has room for them beside
@@ -197,11 +347,14 @@ class GradientStash:
             if staged.written and chunk.grad is not None and not chunk.grad.freed:
                 chunk.grad.fill_from(staged.handle, nbytes=chunk.nbytes, priority=Priority.WRITEBACK).wait()
                 self.write_backs += 1
+                self._scales.pop(chunk.index, None)  # rule 6b: the NVMe bytes carry them now
         finally:
             staged.handle.free()
 
     def discard(self, chunk: Chunk) -> None:
         """Drop ``chunk``'s staged copy without writing it back (its gradients are freed)."""
+        self._norms.pop(chunk.index, None)
+        self._scales.pop(chunk.index, None)
         staged = self._staged.pop(chunk.index, None)
         if staged is not None:
             self.fence(chunk)
@@ -216,6 +369,8 @@ class GradientStash:
         for staged in self._staged.values():
             _free(staged)
         self._staged.clear()
+        self._norms.clear()
+        self._scales.clear()
 
 
 def _free(staged: _Staged) -> None:
@@ -274,6 +429,35 @@ class StoredGradient(HostGradient):
 
     def zero_host_(self) -> None:
         self.geometry.view(self.stash.buffer(self.chunk, write=True)).zero_()
+
+    def whole_slot(self) -> Slot | None:
+        """The parameter whose whole gradient this is as exposed (rule 6), or None (a view)."""
+        for slot in self.chunk.layout.slots:
+            if slot.offset == self.geometry.offset and self.stands_for(self.chunk, slot):
+                return slot
+        return None
+
+    @classmethod
+    def __torch_dispatch__(
+        cls,
+        func: torch._ops.OpOverload,
+        types: tuple[type, ...],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        """Rule 6: clipping's norm and scaling of one whole stored gradient, without staging."""
+        kwargs = kwargs or {}
+        if func in _NORMS or func in _SCALES:
+            first = args[0] if args else None
+            alone = first[0] if isinstance(first, list) and len(first) == 1 else first
+            if isinstance(alone, StoredGradient) and alone.lease[0]:
+                if func in _NORMS:
+                    answer = alone.stash.kept_norm(alone, func, args, kwargs)
+                    if answer is not None:
+                        return answer
+                elif not kwargs and len(args) == 2 and alone.stash.defer_scale(alone, func, args[1]):
+                    return None if alone is not first else alone
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
     def stands_for(self, chunk: Chunk, slot: Slot) -> bool:
         """This is ``slot``'s whole gradient in ``chunk`` as exposed (not a view, not reshaped)."""
