@@ -412,3 +412,36 @@ def test_a_checkpoint_of_a_sliced_model_loads_at_the_same_host(tmp_path):
     assert host_peak <= host
     assert bitwise([first, second], want)
     assert bitwise(list(model.parameters()), list(reference.parameters()))
+
+
+def test_clipping_by_hand_over_a_sliced_gradient_fits_the_host_and_is_bitwise(tmp_path):
+    """``clip_grad_norm_`` over a model whose embedding steps in slices, at the least device and
+    host 10%: its norm is kept as the gradient lands and its scaling runs on each slice the step
+    reads (NOTE [ Stored gradients ] rule 6), so the whole gradient is never staged (that raised
+    "raise [host] capacity") and the result is bitwise plain PyTorch's."""
+    reference = hf_model("gpt2")
+    state = 16 * sum(p.numel() for p in reference.parameters())
+    generator = torch.Generator().manual_seed(0)
+    ids = [torch.randint(0, reference.config.vocab_size, (1, 16), generator=generator) for _ in range(3)]
+
+    def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = []
+        for batch in ids:
+            loss = model(input_ids=batch, labels=batch).loss
+            loss.backward()
+            out.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5))
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    want = run(reference, torch.optim.AdamW(reference.parameters(), lr=1e-3))
+    host, nvme, device = state // 10, 4 * state, 12_910_592  # the least device the README names
+    with tiermem.Runtime(settings(tmp_path, device, host, nvme)) as rt:
+        model, optimizer = rt.manage(hf_model("gpt2"), torch.optim.AdamW, plan={"state_home": "nvme"}, lr=1e-3)
+        got = run(model, optimizer)
+        assert rt.plan.slice_bytes is not None
+        host_peak = rt.tiers["host"].statistics().peak_bytes
+    assert host_peak <= host
+    assert bitwise(got, want)
+    assert bitwise(list(model.parameters()), list(reference.parameters()))

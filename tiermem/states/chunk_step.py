@@ -278,6 +278,8 @@ class SlicedStep:
                 try:
                     grads = self.gradients.grad_range(chunk, piece)
                     self.homes.wait_slice(piece)
+                    if not self.gradients.addressable(chunk):  # a copy: a clip's deferred scaling
+                        self.gradients.stash.scale_range(chunk, lo, grads)  # (NOTE [ Stored gradients ] 6b)
                     job = ChunkStep.prepare(
                         self.facts,
                         self.store,

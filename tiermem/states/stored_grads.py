@@ -48,14 +48,19 @@
       next staging runs them again on the NVMe bytes. A copy written for another reason goes
       back with them applied, and the record is cleared. The gradients brought back to the
       device for the next backward are staged, scaled and written back first.
-   Gradients of a chunk that steps in slices are read by range (NOTE [ Sliced steps ]) and
-   take the staged path instead.
+   A chunk that steps in slices (NOTE [ Sliced steps ]) keeps its norms the same way, and the
+   default clip's (the 2-norm) from its first landing, since its whole gradient may not fit on
+   the host to answer a first call the staged way; its recorded scalings run on each slice of
+   its gradients as the sliced step reads it. So ``clip_grad_norm_`` with its default norm never
+   stages such a gradient whole (another norm type's first call does, refused with the sizes
+   when the host cannot hold it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -103,6 +108,13 @@ class Geometry:
 
 
 NormKey = tuple[Any, ...]
+#: Rule 6a: the norm ops ``torch.nn.utils.clip_grad_norm_`` runs with its default 2-norm (one
+#: ``linalg_vector_norm`` a gradient, as it does for tensor subclasses; ``_foreach_norm`` of one
+#: with ``foreach=True``): kept for a sliced chunk from its first landing, since its whole
+#: gradient may not fit on the host to answer a first call the staged way.
+DEFAULT_CLIP_NORMS: frozenset[NormKey] = frozenset(
+    {(torch.ops.aten.linalg_vector_norm.default, (2.0,), ()), (torch.ops.aten._foreach_norm.Scalar, (2.0,), ())}
+)
 """Rule 6a: a norm op and its arguments after the gradient (hashable)."""
 _NORMS = (torch.ops.aten._foreach_norm.Scalar, torch.ops.aten.linalg_vector_norm.default)
 _SCALES = (
@@ -126,6 +138,22 @@ class _Scale:
         """The op on ``buffer``'s bytes of the gradient, on its device, as NOTE [ Host gradients ]
         rule 2 runs it (a transient device copy, written back), in place on the CPU."""
         view = self.geometry.view(buffer)
+        target = view if self.device.type == "cpu" else view.to(self.device, copy=True)
+        self.func([target] if self.func.name().startswith("aten::_foreach_") else target, self.factor)
+        if target is not view:
+            view.copy_(target)
+
+    def run_range(self, data: torch.Tensor, lo: int) -> None:
+        """The op on the elements of this gradient (a whole one: contiguous) that bytes
+        ``[lo, lo + len(data))`` of the chunk's gradients hold, ``data`` being those bytes (a
+        slice read for a sliced step, NOTE [ Sliced steps ]). An element-wise multiplication, so
+        each element comes out as the op over the whole gradient makes it."""
+        g = self.geometry
+        start = max(lo, g.offset)
+        stop = min(lo + data.numel(), g.offset + math.prod(g.shape) * g.dtype.itemsize)
+        if stop <= start:
+            return
+        view = data[start - lo : stop - lo].view(g.dtype)
         target = view if self.device.type == "cpu" else view.to(self.device, copy=True)
         self.func([target] if self.func.name().startswith("aten::_foreach_") else target, self.factor)
         if target is not view:
@@ -227,12 +255,13 @@ class GradientStash:
         keep the norms of ``slots``' gradients that norm ops asked for before."""
         self._norms.pop(chunk.index, None)
         self._scales.pop(chunk.index, None)
-        if not self.norm_keys or chunk.slice_span is not None:
+        keys = self.norm_keys | DEFAULT_CLIP_NORMS if chunk.slice_span is not None else self.norm_keys
+        if not keys:
             return
         kept = self._norms[chunk.index] = {}
         for slot in slots:
             view = slot.view(data)
-            for key in self.norm_keys:
+            for key in keys:
                 func, rest, kwargs = key
                 if func is torch.ops.aten._foreach_norm.Scalar:
                     kept[slot.offset, key] = func([view], *rest, **dict(kwargs))[0]
@@ -259,7 +288,7 @@ class GradientStash:
         """Rule 6b: record ``func`` (an in-place multiplication by ``factor``) of ``grad`` alone
         instead of running it; False when it must run as before."""
         slot = grad.whole_slot()
-        if slot is None or grad.chunk.slice_span is not None:
+        if slot is None:
             return False
         if isinstance(factor, torch.Tensor):
             if isinstance(factor, HostGradient) or factor.dim() != 0:
@@ -278,6 +307,13 @@ class GradientStash:
             self.fence(grad.chunk)  # NOTE [ Step threads ] rule 4: no step reads the copy meanwhile
             self.buffer(grad.chunk)  # a staged copy carries every recorded scaling
         return True
+
+    def scale_range(self, chunk: Chunk, lo: int, data: torch.Tensor) -> None:
+        """Rule 6b for a chunk that steps in slices: the recorded scalings run on ``data``, bytes
+        ``[lo, lo + len(data))`` of its gradients read from NVMe for one slice's step (the
+        stored bytes stay as they are, as a staged copy's do)."""
+        for scale in self._scales.get(chunk.index, ()):
+            scale.run_range(data, lo)
 
     def settle(self, chunk: Chunk) -> None:
         """Rule 6: ``chunk``'s stored bytes are about to move (back to the device to accumulate):
