@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import tiermem
-from tiermem.errors import PlanError
+from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import Budgets, ChunkNeeds, PlanRequest, decide
 from tiermem.planner.state_costs import Packing, StatesChoice, states_cost
 from tiermem.states.errors import StatesUsageError
@@ -271,3 +271,53 @@ def _profile_stub() -> Any:
         optimizer_s_per_byte = 0.0
 
     return Stub()
+
+
+def gpt_lora(seed: int = 0) -> nn.Module:
+    """tiermem's GPT (4 x 512, 12 MiB blocks), frozen, LoRA on each block's attention ``qkv``:
+    at seq 256 a block saves more than a device of 40% of the base has room for, so blocks fall
+    back to recompute."""
+    from tiermem.app.models.gpt import GPT, GPTConfig
+
+    torch.manual_seed(seed)
+    model = GPT(GPTConfig(n_layer=4, d_model=512, n_head=4, vocab_size=512, seq_len=256)).requires_grad_(False)
+    for block in model.blocks:
+        block.attn.qkv = LoRALinear(block.attn.qkv)
+    return model
+
+
+def gpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+    losses = []
+    for step in range(steps):
+        tokens = torch.randint(0, 512, (2, 257), generator=torch.Generator().manual_seed(step))
+        _, loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_a_recomputed_block_has_room_for_its_chunks_or_is_refused_up_front(tmp_path):
+    """NOTE [ Default placement rule ] rule 4's floor: a block that falls back to recompute runs
+    its forward again inside backward beside the chunk backward holds. Chunks of about a block
+    (13 MiB) through one buffer failed mid-step (StatesMemoryError: a chunk needs 12 MiB, 13 of
+    20 MiB in use); now that hand plan is refused at rt.manage, saying why, and the default rule
+    trains bitwise plain with blocks recomputed, the device within its capacity."""
+    model = gpt_lora()
+    base = frozen_bytes(model)
+    with tiermem.Runtime(config(tmp_path, int(base * 0.4), int(base * 0.4))) as rt:
+        with pytest.raises(StatesMemoryError, match=r"\d buffers because a block whose activations may be recomputed"):
+            rt.manage(model, torch.optim.AdamW, lr=1e-3, plan={"chunk_size": "13MiB"})
+    plain = gpt_lora()
+    want = gpt_loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3), 2)
+    model = gpt_lora()
+    with tiermem.Runtime(config(tmp_path, int(base * 0.4), int(base * 0.4))) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan=DEFAULT_RULE)
+        states = rt.__dict__["_model_states"][0]
+        assert states.plan.buffers >= 2  # the floor: one module's chunk and the one backward holds
+        got = gpt_loop(model, optimizer, 2)
+        assert rt.stats().as_dict()["activations"]["fallback_reasons"].get("device_full->recompute", 0) > 0
+        within_capacities(rt)
+    assert_bitwise(got, want)
+    assert_bitwise(trainable(model), trainable(plain))

@@ -43,7 +43,14 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    parameters shared by several modules (tied weights stay pinned through backward), plus
    one slot to prefetch into; never more than the non-persistent chunks. When that reserve
    leaves the device short and buffers were not asked for, the prefetch slot goes before a
-   refusal (a chunk is then fetched on demand as its module starts). When no chunk size of
+   refusal (a chunk is then fetched on demand as its module starts), unless a block whose
+   activations may be recomputed (every block ``rt.manage`` applies a policy to but one a
+   user keeps: NOTE [ Activation fallbacks ] rules 2 and 4) needs that slot: its forward runs
+   again inside backward beside the chunk backward holds, so the buffers never go below one
+   module's span plus one, at most the block's own span (the ``floor``; measured: a 200M
+   LoRA at device 10% packed in 49 MiB chunks through one buffer fell back to recompute and
+   failed its second step, while ``chunk_size="auto"`` now skips that size; a hand plan
+   below the floor is refused up front). When no chunk size of
    at least the largest parameter fits, the sizes that give outliers chunks of their own are
    tried (NOTE [ Chunk layout rules ] rules 4 and 5). Every chunk size is tried with two
    staged homes, then with one (rule 3); of the sizes that fit, those that stage two win
@@ -351,16 +358,18 @@ def decide(
     budgets: Budgets,
     request: PlanRequest,
     grads_stream: bool = False,
+    floor: int = 0,
 ) -> Plan:
     """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes;
-    ``grads_stream``: rule 3's streaming gradients. The host stages the request's
-    ``staged_homes``, else two NVMe homes, or one when two leave the plan short (rule 3); a
-    refusal is the last depth's (the least it needs)."""
+    ``grads_stream``: rule 3's streaming gradients; ``floor``: rule 4's fewest buffers for a
+    recomputed block (0: none is). The host stages the request's ``staged_homes``, else two NVMe
+    homes, or one when two leave the plan short (rule 3); a refusal is the last depth's (the
+    least it needs)."""
     depths = STAGING_DEPTHS if request.staged_homes is None else (request.staged_homes,)
     for depth in depths[:-1]:
         with contextlib.suppress(StatesMemoryError):
-            return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depth)
-    return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1])
+            return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depth, floor)
+    return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1], floor)
 
 
 def _decide(
@@ -371,6 +380,7 @@ def _decide(
     request: PlanRequest,
     grads_stream: bool,
     staged: int,
+    floor: int = 0,
 ) -> Plan:
     """:func:`decide` with ``staged`` NVMe homes staged at once."""
     total = len(needs)
@@ -381,7 +391,7 @@ def _decide(
         # Rule 4: the prefetch slot goes before a refusal; then the persistent prefix is the
         # longest one beside that smaller reserve.
         fewer = default_buffers(min_buffers, total) - 1
-        if fewer >= max(min_buffers, 1) and not _device_short(
+        if fewer >= max(min_buffers, floor, 1) and not _device_short(
             needs, chunk_size, min_buffers, budgets, fewer, persistent
         ):
             request = dataclasses.replace(request, buffers=fewer)
@@ -395,8 +405,15 @@ def _decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
+    if streamed and buffers < floor and buffers < streamed:
+        raise PlanError(
+            f"tiermem plan: buffers={buffers} is too few: a block whose activations may be recomputed runs its "
+            f"forward again inside backward, beside the chunk backward holds, and needs {floor} device buffers at "
+            f"once; give buffers >= {floor} (a block under activations='keep' is never recomputed)"
+        )
     homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
-    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged)
+    recomputed = floor > min_buffers and buffers <= floor
+    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged, recomputed)
     passing = _passing(grads_stream, grad_home, staged)
     slices = _slice_bytes(needs, homes, chunk_size, budgets, passing, staged, request.slice_bytes)
     return Plan(
@@ -610,7 +627,10 @@ def _check_fits(
     grads_stream: bool = False,
     grad_home: str = "host",
     staged: int = STAGED_HOMES,
+    recomputed: bool = False,
 ) -> None:
+    """Rule 5: refuse, with the numbers, a plan that does not fit the free bytes; ``recomputed``:
+    its buffers are the fewest a recomputed block needs (rule 4), which the refusal says."""
     large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
     device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
@@ -629,6 +649,13 @@ def _check_fits(
             f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
             f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)}{_own_slots(large)} for "
             f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
+            + (
+                f"; {buffers} buffers because a block whose activations may be recomputed runs its forward again "
+                "inside backward beside the chunk backward holds (a block under activations='keep' is never "
+                "recomputed)"
+                if recomputed
+                else ""
+            )
         )
     if host > budgets.host:
         whole = [n.home_bytes for n in nvme_homes if n.nbytes > chunk_size and not n.sliceable]
