@@ -115,7 +115,9 @@ class ManagedRequest:
         # offloading one included: NOTE [ Activation fallbacks ] rules 2 and 4); the model states
         # keep room for each one's chunks together.
         everywhere = isinstance(activations, str) and activations != "keep"
-        self.recomputable = [block for (_, block), p in zip(found, policies, strict=True) if everywhere or p.value != "keep"]
+        self.recomputable = [
+            block for (_, block), policy in zip(found, policies, strict=True) if everywhere or policy.value != "keep"
+        ]
         if activations == "auto":
             return
         fixed = activations if isinstance(activations, str) else [p.value for p in policies]
