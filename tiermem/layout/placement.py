@@ -49,8 +49,9 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    again inside backward beside the chunk backward holds, so the buffers never go below one
    module's span plus one, at most the block's own span (the ``floor``; measured: a 200M
    LoRA at device 10% packed in 49 MiB chunks through one buffer fell back to recompute and
-   failed its second step, while ``chunk_size="auto"`` now skips that size; a hand plan
-   below the floor is refused up front). When no chunk size of
+   failed its second step; ``chunk_size="auto"`` now skips that size, and a hand chunk size
+   that leaves room for fewer is refused up front). Buffers a plan gives (a user's, the
+   planner's) are taken as given. When no chunk size of
    at least the largest parameter fits, the sizes that give outliers chunks of their own are
    tried (NOTE [ Chunk layout rules ] rules 4 and 5). Every chunk size is tried with two
    staged homes, then with one (rule 3); of the sizes that fit, those that stage two win
@@ -404,12 +405,6 @@ def _decide(
         raise PlanError(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
-        )
-    if streamed and buffers < floor and buffers < streamed:
-        raise PlanError(
-            f"tiermem plan: buffers={buffers} is too few: a block whose activations may be recomputed runs its "
-            f"forward again inside backward, beside the chunk backward holds, and needs {floor} device buffers at "
-            f"once; give buffers >= {floor} (a block under activations='keep' is never recomputed)"
         )
     homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
     recomputed = floor > min_buffers and buffers <= floor
