@@ -141,7 +141,7 @@ class Relayout:
             request=self.request,
             grads_stream=self._grads_stream,
             fallback=outlier_candidates(info) if self.request.chunk_size is None else (),
-            floor=self.facts.recompute_buffers,
+            recompute_buffers=self.facts.recompute_buffers,
         )
 
     # -- building ------------------------------------------------------------------------------
