@@ -80,7 +80,9 @@ def choose_layout(
         chunk_needs, min_buffers = needs(layouts)
         fewest = recompute_buffers(layouts) if recompute_buffers is not None else 0
         if request == PlanRequest(order=request.order, predicted=request.predicted):  # the rule alone
-            least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream, fewest)
+            # the least with which a size fits at all: automatic sizes may fit below the
+            # recomputed blocks' buffers (rule 4)
+            least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream)
             if least is not None and (
                 smallest is None or (least.device, least.host) < (smallest.device, smallest.host)
             ):
@@ -124,7 +126,6 @@ def smallest_budgets(
     min_buffers: int,
     budgets: Budgets,
     grads_stream: bool,
-    recompute_buffers: int = 0,
 ) -> Budgets | None:
     """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
     streamed through the fewest buffers; homes and gradients on NVMe when ``budgets.nvme``
@@ -132,7 +133,7 @@ def smallest_budgets(
     deciding again; None when that does not fit either."""
     if not needs:
         return None
-    device = streamed_reserve(needs, max(min_buffers, recompute_buffers, 1), chunk_size)
+    device = streamed_reserve(needs, max(min_buffers, 1), chunk_size)
     homes = sum(n.home_bytes for n in needs)
     # gradients wait on NVMe beside the homes (grad_home "nvme") unless they stream
     stored = homes + sum(n.grad_bytes for n in needs if not grads_stream or n.sliced(chunk_size))
@@ -152,7 +153,6 @@ def smallest_budgets(
             budgets=least,
             request=PlanRequest(),
             grads_stream=grads_stream,
-            recompute_buffers=recompute_buffers,
         )
     except (StatesMemoryError, PlanError):
         return None

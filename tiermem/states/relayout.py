@@ -229,7 +229,7 @@ class Relayout:
             log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
             return
         self._repack((layouts, plan, list(order)), self._in_force())
-        trim()  # NOTE [ Returning freed memory ] rule 4
+        trim()  # the snapshot's and the old chunks' freed heap (NOTE [ Returning freed memory ] rule 4)
 
     # -- rule 9: planning from the first step --------------------------------------------------
     def _plan_first_step(self) -> bool:
