@@ -101,6 +101,8 @@ class ChunkPool:
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
+        #: the chunks a room request of the pool's own is for (never released to make it)
+        self._keeping: tuple[Chunk, ...] = ()
         if self._keeps_spares:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
         if streamed:  # rule 6 of NOTE [ Model-state rules ]: after the spares, chunks no module uses now
@@ -235,7 +237,12 @@ class ChunkPool:
                 if victim is not None:
                     self.release(victim)
                     continue
-                if self.registry.reclaim("device", needed=exc.requested):
+                self._keeping = keep  # the reclaim below may reach evict_unused
+                try:
+                    reclaimed = self.registry.reclaim("device", needed=exc.requested)
+                finally:
+                    self._keeping = ()
+                if reclaimed:
                     continue
                 raise StatesMemoryError.tier_full(
                     exc, what, " and nothing more can be released, or give plan= fewer persistent_chunks or buffers"
@@ -316,7 +323,7 @@ class ChunkPool:
         True when one was released."""
         released = False
         while needed is None or self.registry.free_bytes("device") < needed:
-            victim = self._victim((), 0)
+            victim = self._victim(self._keeping, 0)  # never what the pool's own request is for
             if victim is None:
                 break
             self.release(victim)
