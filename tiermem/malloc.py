@@ -17,9 +17,11 @@
    re-pack), :func:`trim` hands the heap's free pages back (``malloc_trim(0)``): blocks below
    the mmap threshold (a 200M GPT's 2 MiB activations) freed in the middle of the heap stay
    resident otherwise, since only its top is trimmed. Measured on the 200M LoRA of
-   ``bench/lora.py``: 795 MiB resident in the steps after a first-step plan, 443 MiB after one
-   trim (the same steps with the plan made at ``rt.manage``: 492 MiB). It changes no setting,
-   so it runs whatever the environment says, but ``TIERMEM_KEEP_MALLOC=1`` turns it off.
+   ``bench/lora.py``: 907 MiB resident after the profiling step, 440 MiB after the trim before
+   the re-pack; the steps after held 575-633 MiB, against 795-827 MiB without it (the same
+   steps with the plan made at ``rt.manage``: 492-554 MiB). The profiling step's own peak
+   stays. It changes no setting, so it runs whatever the environment says, but
+   ``TIERMEM_KEEP_MALLOC=1`` turns it off.
 """
 
 from __future__ import annotations
