@@ -208,7 +208,11 @@ def main() -> int:
             for mode in MODES:
                 r = _run(mode, args)
                 runs[mode].append(r)
-                say(f"round {round_ + 1} {mode}: steps {', '.join(f'{t:.2f}' for t in r['step_s'])} s")
+                read = f", NVMe read {r['nvme_read'] / 2**20:.0f} MiB a step" if "nvme_read" in r else ""
+                say(
+                    f"round {round_ + 1} {mode}: steps {', '.join(f'{t:.2f}' for t in r['step_s'])} s, "
+                    f"ru_maxrss {r['ru_maxrss'] / 2**20:.0f} MiB{read}"
+                )
     finally:
         if own:
             shutil.rmtree(args.path, ignore_errors=True)

@@ -452,6 +452,7 @@ class Runtime:
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
             step_thread=(self.resolved or self.config).model_states.step_thread,
+            recomputed=managed_activations.recomputable,
         )
         if planned and sample is not None:
             # pack in execution order now, no re-pack at the first step
@@ -553,6 +554,7 @@ class Runtime:
                 plan_owner=self,
                 param_dtype=param_dtype,
                 step_thread=(self.resolved or self.config).model_states.step_thread,
+                recomputed=managed_activations.recomputable,
             )
         except BaseException:
             for p, requires_grad in wanted:  # refused: the model is as it was

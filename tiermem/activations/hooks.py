@@ -214,6 +214,10 @@ class SavedTensorHooks:
                     continue
                 if self.prefetcher.release(needed, exclude=obj):
                     continue
+                # others' objects that can move (model-state chunks no module uses now): rule 7
+                # of NOTE [ Managed object rules ]
+                if self.registry.reclaim("device", needed=needed):
+                    continue
                 error = self._demand_error(obj, obj.tier, group, exc)
                 exc.__traceback__ = None  # TRAPS 16: it may hold this frame's callers
                 raise error from exc

@@ -90,6 +90,8 @@ class ManagedRequest:
         self.activations = activations
         self.settings = settings
         self.count, self.fixed = 0, plan_fixed
+        #: the blocks whose chunks the model states keep room for together (set below)
+        self.recomputable: list[nn.Module] = []
         self.chosen = activations == "auto" and plan_fixed is None and planned
         if activations is None:
             return
@@ -99,7 +101,8 @@ class ManagedRequest:
                 f"from block (index or qualified name) to one, or None; got {activations!r}"
             )
         try:
-            names = [name for name, _ in find_blocks(model)]
+            found = find_blocks(model)
+            names = [name for name, _ in found]
             policies, _ = resolve_policies(activations, names, settings.policy)
         except ValueError as exc:
             if activations == "auto":  # a model without repeated blocks: nothing to apply
@@ -107,6 +110,14 @@ class ManagedRequest:
                 return
             raise ActivationPolicyError(f"tiermem manage: activations={activations!r}: {exc}") from None
         self.count = len(names)
+        # The blocks whose forward may run again in backward: every one but those a user keeps
+        # (a chosen or an offloading policy may fall back to recompute, the last block of a plain
+        # offloading one included: NOTE [ Activation fallbacks ] rules 2 and 4); the model states
+        # keep room for each one's chunks together.
+        everywhere = isinstance(activations, str) and activations != "keep"
+        self.recomputable = [
+            block for (_, block), policy in zip(found, policies, strict=True) if everywhere or policy.value != "keep"
+        ]
         if activations == "auto":
             return
         fixed = activations if isinstance(activations, str) else [p.value for p in policies]

@@ -55,6 +55,7 @@ def choose_layout(
     request: PlanRequest,
     grads_stream: bool = False,
     fallback: Sequence[int] = (),
+    recompute_buffers: Callable[[Layouts], int] | None = None,
 ) -> tuple[Layouts, Plan]:
     """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
     :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
@@ -62,9 +63,13 @@ def choose_layout(
     [ Default placement rule ] rules 3 and 4: their step overlaps its I/O), then the one that
     ``waste`` s least, the larger on a tie (fewer, larger transfers). The ``fallback`` sizes
     (outliers in chunks of their own, rule 4) are tried the same way when none of ``sizes``
-    fits. Raises the first size's error when none fits, with the smallest capacities with
-    which one would."""
-    best: tuple[tuple[int, int, int], Layouts, Plan] | None = None
+    fits. ``recompute_buffers(layouts)``: the fewest buffers a recomputed block needs (NOTE
+    [ Default placement rule ] rule 4; None: no block is recomputed): sizes whose plan keeps
+    them win; without a requested chunk size, a size that fits only below them is taken when
+    no size keeps them (blocks then recompute only where the device has room beside the
+    buffers; a block whose activations stay small never does). Raises the first size's error
+    when none fits, with the smallest capacities with which one would."""
+    best: tuple[tuple[bool, int, int, int], Layouts, Plan] | None = None
     first_error: Exception | None = None
     smallest: Budgets | None = None
     tries = [(size, False) for size in sizes] + [(size, True) for size in fallback]
@@ -73,27 +78,34 @@ def choose_layout(
             break  # an ordinary size fits: no parameter needs a chunk of its own
         layouts = pack(size)
         chunk_needs, min_buffers = needs(layouts)
+        fewest = recompute_buffers(layouts) if recompute_buffers is not None else 0
         if request == PlanRequest(order=request.order, predicted=request.predicted):  # the rule alone
+            # the least with which a size fits at all: automatic sizes may fit below the
+            # recomputed blocks' buffers (rule 4)
             least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream)
             if least is not None and (
                 smallest is None or (least.device, least.host) < (smallest.device, smallest.host)
             ):
                 smallest = least
-        try:
-            plan = decide(
-                chunk_needs,
-                chunk_size=size,
-                min_buffers=min_buffers,
-                budgets=budgets,
-                request=request,
-                grads_stream=grads_stream,
-            )
-        except (StatesMemoryError, PlanError) as exc:
-            first_error = first_error or exc
-            continue
-        rank = (-plan.staged_homes, waste(layouts, size), -size)
-        if best is None or rank < best[0]:
-            best = (rank, layouts, plan)
+        floors = (fewest, 0) if fewest and request.chunk_size is None else (fewest,)
+        for floor in floors:
+            try:
+                plan = decide(
+                    chunk_needs,
+                    chunk_size=size,
+                    min_buffers=min_buffers,
+                    budgets=budgets,
+                    request=request,
+                    grads_stream=grads_stream,
+                    recompute_buffers=floor,
+                )
+            except (StatesMemoryError, PlanError) as exc:
+                first_error = first_error or exc
+                continue
+            rank = (floor < fewest, -plan.staged_homes, waste(layouts, size), -size)
+            if best is None or rank < best[0]:
+                best = (rank, layouts, plan)
+            break
     if best is None:
         assert first_error is not None
         if smallest is not None and isinstance(first_error, StatesMemoryError):
@@ -109,7 +121,11 @@ def choose_layout(
 
 
 def smallest_budgets(
-    needs: Sequence[ChunkNeeds], chunk_size: int, min_buffers: int, budgets: Budgets, grads_stream: bool
+    needs: Sequence[ChunkNeeds],
+    chunk_size: int,
+    min_buffers: int,
+    budgets: Budgets,
+    grads_stream: bool,
 ) -> Budgets | None:
     """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
     streamed through the fewest buffers; homes and gradients on NVMe when ``budgets.nvme``

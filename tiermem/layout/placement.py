@@ -42,18 +42,28 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    6), so they never wait: the host only holds two chunks' gradients at once, the one
    stepping and the one on its way, and ``grad_home`` is ``"host"``.
 4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
-   parameters shared by several modules (tied weights stay pinned through backward), plus
-   one slot to prefetch into; never more than the non-persistent chunks. When that reserve
-   leaves the device short and buffers were not asked for, the prefetch slot goes before a
-   refusal (a chunk is then fetched on demand as its module starts). When no chunk size of
-   at least the largest parameter fits, the sizes that give outliers chunks of their own are
-   tried (NOTE [ Chunk layout rules ] rules 4 and 5). Every chunk size is tried with two
-   staged homes, then with one (rule 3); of the sizes that fit, those that stage two win
-   (their step overlaps its I/O), then the least waste. A refusal of the rule alone names the
-   smallest free bytes per tier with which some chunk size fits (``choose.py``), outliers'
-   own chunks included. Measured: a 4 x 256 GPT-2 and Llama (vocabulary 1,024, 52 MiB of
-   fp32 AdamW state) at device 25% and host 10% of it were refused with two staged homes
-   (8 MiB of host for 1 MiB chunks, the largest parameter's size) and train with one (4 MiB).
+   parameters shared by several modules (tied weights stay pinned through backward), plus one
+   slot to prefetch into; never more than the non-persistent chunks. When that reserve leaves
+   the device short and buffers were not asked for, the prefetch slot goes before a refusal (a
+   chunk is then fetched on demand as its module starts), unless a block whose activations may
+   be recomputed (every block ``rt.manage`` applies a policy to but one a user keeps:
+   NOTE [ Activation fallbacks ] rules 2 and 4) needs that slot: its forward runs again inside
+   backward beside the chunk backward holds, so it needs one module's span plus one, at most
+   the block's own span (``recompute_buffers``; measured: a 200M LoRA at device 10% packed in
+   49 MiB chunks through one buffer fell back to recompute and failed its second step). A hand
+   chunk size that leaves room for fewer is refused up front; of the automatic sizes, those
+   that keep them win, and one that fits only below them is taken when none does (a block
+   recomputes only when its saved bytes do not fit the device beside the buffers: a 6 x 256
+   LoRA of small activations at device 10% trains on one buffer and never recomputes). Buffers
+   a plan gives (a user's, the planner's) are taken as given. When no chunk size of at least
+   the largest parameter fits, the sizes that give outliers chunks of their own are tried
+   (NOTE [ Chunk layout rules ] rules 4 and 5). Every chunk size is tried with two staged homes, then
+   with one (rule 3); of the sizes that fit, those that stage two win (their step overlaps its
+   I/O), then the least waste. A refusal of the rule alone names the smallest free bytes per
+   tier with which some chunk size fits (``choose.py``), outliers' own chunks included.
+   Measured: a 4 x 256 GPT-2 and Llama (vocabulary 1,024, 52 MiB of fp32 AdamW state) at device
+   25% and host 10% of it were refused with two staged homes (8 MiB of host for 1 MiB chunks,
+   the largest parameter's size) and train with one (4 MiB).
 5. A hand-written field overrides the rule; the whole plan is then checked against the free
    capacities and rejected with the numbers when it cannot fit.
 6. Sliced steps: an NVMe chunk larger than the chunk size (an outlier's own) steps in slices of
@@ -353,16 +363,18 @@ def decide(
     budgets: Budgets,
     request: PlanRequest,
     grads_stream: bool = False,
+    recompute_buffers: int = 0,
 ) -> Plan:
     """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes;
-    ``grads_stream``: rule 3's streaming gradients. The host stages the request's
-    ``staged_homes``, else two NVMe homes, or one when two leave the plan short (rule 3); a
-    refusal is the last depth's (the least it needs)."""
+    ``grads_stream``: rule 3's streaming gradients; ``recompute_buffers``: rule 4's fewest
+    buffers for a recomputed block (0: none is). The host stages the request's ``staged_homes``, else two NVMe
+    homes, or one when two leave the plan short (rule 3); a refusal is the last depth's (the
+    least it needs)."""
     depths = STAGING_DEPTHS if request.staged_homes is None else (request.staged_homes,)
     for depth in depths[:-1]:
         with contextlib.suppress(StatesMemoryError):
-            return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depth)
-    return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1])
+            return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depth, recompute_buffers)
+    return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1], recompute_buffers)
 
 
 def _decide(
@@ -373,6 +385,7 @@ def _decide(
     request: PlanRequest,
     grads_stream: bool,
     staged: int,
+    recompute_buffers: int = 0,
 ) -> Plan:
     """:func:`decide` with ``staged`` NVMe homes staged at once."""
     total = len(needs)
@@ -383,7 +396,7 @@ def _decide(
         # Rule 4: the prefetch slot goes before a refusal; then the persistent prefix is the
         # longest one beside that smaller reserve.
         fewer = default_buffers(min_buffers, total) - 1
-        if fewer >= max(min_buffers, 1) and not _device_short(
+        if fewer >= max(min_buffers, recompute_buffers, 1) and not _device_short(
             needs, chunk_size, min_buffers, budgets, fewer, persistent
         ):
             request = dataclasses.replace(request, buffers=fewer)
@@ -398,7 +411,8 @@ def _decide(
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
     homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
-    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged)
+    recomputed = recompute_buffers > min_buffers and buffers <= recompute_buffers
+    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged, recomputed)
     passing = gradients_at_once(grads_stream, grad_home, staged)
     slices = _slice_bytes(needs, homes, chunk_size, budgets, passing, staged, request.slice_bytes)
     return Plan(
@@ -612,7 +626,10 @@ def _check_fits(
     grads_stream: bool = False,
     grad_home: str = "host",
     staged: int = STAGED_HOMES,
+    recomputed: bool = False,
 ) -> None:
+    """Rule 5: refuse, with the numbers, a plan that does not fit the free bytes; ``recomputed``:
+    its buffers are the fewest a recomputed block needs (rule 4), which the refusal says."""
     large = sorted(oversized_chunks(needs[persistent:], chunk_size), reverse=True)[:buffers]
     device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
@@ -631,6 +648,13 @@ def _check_fits(
             f"the device needs {format_size(device)} ({persistent} persistent chunks with their gradients and "
             f"optimizer states, plus {buffers} streaming buffers of {format_size(chunk_size)}{_own_slots(large)} for "
             f"parameters, and gradient buffers for the trainable ones) but has {format_size(budgets.device)} free"
+            + (
+                f"; {buffers} buffers because a block whose activations may be recomputed runs its forward again "
+                "inside backward beside the chunk backward holds (a block under activations='keep' is never "
+                "recomputed)"
+                if recomputed
+                else ""
+            )
         )
     if host > budgets.host:
         whole = [n.home_bytes for n in nvme_homes if n.trainable and n.nbytes > chunk_size and not n.sliceable]

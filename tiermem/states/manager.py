@@ -126,7 +126,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -195,6 +195,7 @@ class ModelStates:
         param_dtype: torch.dtype | None = None,
         first_step_planner: FirstStepPlanner | None = None,
         step_thread: str | None = None,
+        recomputed: Sequence[nn.Module] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"tiermem manage: model must be a torch.nn.Module, got {type(model).__name__}")
@@ -202,6 +203,10 @@ class ModelStates:
             raise StatesUsageError("tiermem manage: this model is already managed; call rt.manage once per model")
         self.registry = registry
         facts, base = ModelFacts.of(model, registry.device, optimizer, optimizer_kwargs, param_dtype)
+        # ``recomputed``: the activation blocks that may run their forward again in backward,
+        # whose chunks the placement keeps room for together (ModelFacts.min_buffers)
+        blocks = tuple(frozenset(facts.index[id(p)] for p in block.parameters()) for block in recomputed)
+        facts = dataclasses.replace(facts, recomputed=blocks)
         self.facts = collapse_regions(facts)  # each compiled region is hooked as one block
         #: the compiled regions rt.manage found (rule 2 there: no others may appear)
         self._regions = set(compiled_regions(model))

@@ -101,8 +101,12 @@ class ChunkPool:
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
+        #: the chunks a room request of the pool's own is for (never released to make it)
+        self._keeping: tuple[Chunk, ...] = ()
         if self._keeps_spares:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
+        if streamed:  # rule 6 of NOTE [ Model-state rules ]: after the spares, chunks no module uses now
+            registry.add_reclaimer("device", self.evict_unused, moves_objects=True)
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
         """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
@@ -233,7 +237,12 @@ class ChunkPool:
                 if victim is not None:
                     self.release(victim)
                     continue
-                if self.registry.reclaim("device", needed=exc.requested):
+                self._keeping = keep  # the reclaim below may reach evict_unused
+                try:
+                    reclaimed = self.registry.reclaim("device", needed=exc.requested)
+                finally:
+                    self._keeping = ()
+                if reclaimed:
                     continue
                 raise StatesMemoryError.tier_full(
                     exc, what, " and nothing more can be released, or give plan= fewer persistent_chunks or buffers"
@@ -305,6 +314,21 @@ class ChunkPool:
         buffer = torch.empty(0, dtype=torch.uint8).set_(storage)
         with contextlib.suppress(TierCapacityError):  # no room: dropping the only reference frees it
             self._spares.append(self.registry.adopt_cache("device", buffer))
+
+    def evict_unused(self, needed: int | None) -> bool:
+        """Release unpinned streamed chunks, least recently used first, until the device tier has
+        ``needed`` bytes free (every one when None): what another user of the device asks for when
+        it is short (NOTE [ Managed object rules ] rule 7; a saved activation backward needs back
+        while the buffers hold chunks it does not use now). They are fetched again when needed.
+        True when one was released."""
+        released = False
+        while needed is None or self.registry.free_bytes("device") < needed:
+            victim = self._victim(self._keeping, 0)  # never what the pool's own request is for
+            if victim is None:
+                break
+            self.release(victim)
+            released = True
+        return released
 
     def drop_spares(self) -> bool:
         """Free every spare; True when there was one."""

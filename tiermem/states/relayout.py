@@ -32,6 +32,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import ChunkLayout, outlier_candidates, pack, packing_floor, size_candidates, waste
 from tiermem.layout.placement import Budgets, Plan, PlanRequest
+from tiermem.malloc import trim
 from tiermem.registry import Registry
 from tiermem.states import facts as model_facts
 from tiermem.states.access import internal
@@ -140,6 +141,7 @@ class Relayout:
             request=self.request,
             grads_stream=self._grads_stream,
             fallback=outlier_candidates(info) if self.request.chunk_size is None else (),
+            recompute_buffers=self.facts.recompute_buffers,
         )
 
     # -- building ------------------------------------------------------------------------------
@@ -240,6 +242,7 @@ class Relayout:
         """The re-pack (or first-step plan) due at this optimizer.step(), backward being done."""
         self.pending = False
         if self._plan_batch is not None and self._plan_first_step():
+            trim()  # NOTE [ Returning freed memory ] rule 4: the profiling step's and the old chunks' heap
             return
         order = self.recorded
         if order is None or order == self.order:
@@ -251,6 +254,7 @@ class Relayout:
             log.warning("tiermem model states: keeping registration order; the execution-order plan fails: %s", exc)
             return
         self._repack((layouts, plan, list(order)), self._in_force())
+        trim()  # the snapshot's and the old chunks' freed heap (NOTE [ Returning freed memory ] rule 4)
 
     # -- rule 9: planning from the first step --------------------------------------------------
     def _plan_first_step(self) -> bool:
@@ -307,6 +311,9 @@ class Relayout:
             self._hook()
         if new is old:
             return True
+        # the profiling step's freed heap goes back before the re-pack allocates (NOTE [ Returning
+        # freed memory ] rule 4)
+        trim()
         if not self._repack(new, old):
             self.request = request
         return True
