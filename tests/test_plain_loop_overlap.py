@@ -23,6 +23,7 @@ from tests.test_states import (
     state_bytes,
 )
 from tests.test_states_declared import plain_loop
+from tests.test_states_stored_grads import _states, _within_capacities
 from tiermem.registry import ObjectState
 from tiermem.states.stored_grads import StoredGradient
 
@@ -30,16 +31,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP th
 
 NVME_HOMES = {"state_home": "nvme"}
 STORED = {"state_home": "nvme", "grad_home": "nvme"}
-
-
-def _states(rt: tiermem.Runtime):
-    return rt.__dict__["_model_states"][0]
-
-
-def _within_capacities(rt: tiermem.Runtime) -> None:
-    stats = rt.stats().as_dict()
-    for tier in ("device", "host", "nvme"):
-        assert stats["tiers"][tier]["peak_bytes"] <= stats["tiers"][tier]["capacity"], tier
 
 
 def _off_nvme(home) -> bool:

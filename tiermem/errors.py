@@ -241,8 +241,6 @@ class StatesMemoryError(TiermemError, MemoryError):
     ) -> StatesMemoryError:
         """The error of a model-state move a full tier refused: ``what`` needed room in
         ``exc.tier``; the tier's use, the capacity to raise and ``remedy`` (what else helps)."""
-        from tiermem.units import format_size  # errors is the leaf every layer imports first
-
         subject = "tiermem sharded model states" if sharded else "tiermem model states"
         per_rank = " (per rank)" if sharded else ""
         return cls(
