@@ -6,6 +6,7 @@ async save leaves the previous checkpoint loadable. (NOTE [ Asynchronous saves ]
 
 from __future__ import annotations
 
+import copy
 import os
 import pathlib
 import signal
@@ -233,4 +234,26 @@ def test_a_process_killed_during_an_async_save_leaves_the_previous_checkpoint(tm
     with tiermem.Runtime(config(tmp_path)) as rt:  # the next save removes the killed one's sibling
         manage(rt)
         rt.save(path, blocking=False).wait()
+    no_leftovers(tmp_path)
+
+
+def test_a_save_reserves_the_staging_room_each_plan_keeps_and_no_more(tmp_path):
+    """A save's copies leave free the host room each managed model's plan keeps to stage its NVMe
+    homes for the step: ``staged_homes`` trainable homes (so a one-home plan reserves one, where
+    two were reserved whatever the plan said), and nothing for a frozen model, which never steps."""
+    torch.manual_seed(0)
+    deep = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(6)))
+    teacher = torch.nn.Sequential(*(torch.nn.Linear(128, 128) for _ in range(6))).requires_grad_(False)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        for staged in (1, 2):
+            plan = {"state_home": "nvme", "chunk_size": "64KiB", "staged_homes": staged}
+            rt.manage(copy.deepcopy(deep), torch.optim.AdamW, lr=1e-3, plan=plan)
+        rt.manage(teacher, plan={"state_home": "nvme", "chunk_size": "64KiB"})
+        rooms = [states.checkpoint_io("save").staging_room() for states in rt._model_states]
+        largest = [max(c.home_bytes for c in states.chunks if c.home_tier == "nvme") for states in rt._model_states]
+        pending = rt.save(tmp_path / "ckpt", blocking=False)
+        reserve = pending._capture._host_reserve
+        pending.wait()
+    assert rooms == [largest[0], 2 * largest[1], 0]
+    assert reserve == sum(rooms)
     no_leftovers(tmp_path)

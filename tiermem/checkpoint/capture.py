@@ -19,7 +19,6 @@ import torch
 from tiermem import tracing
 from tiermem.checkpoint.dcp_planners import ChunkKey
 from tiermem.errors import CheckpointError, TierCapacityError
-from tiermem.layout.placement import STAGED_HOMES
 from tiermem.registry import Handle, ObjectState, Priority, Registry, Transfer
 from tiermem.states import ModelStates
 from tiermem.states.stateio import CapturedView, StateIO, StateTensor
@@ -59,8 +58,9 @@ class Capture:
         self.ahead_bound = AHEAD_CHUNKS * largest
         #: rule 4's bound on the bytes copies hold at once
         self.bound = self.ahead_bound + largest
-        homes = [c.home_bytes for s in all_states for c in s.chunks if c.home_tier == "nvme"]
-        self._host_reserve = STAGED_HOMES * max(homes, default=0)
+        # Every model's step may stage its homes while the save runs, so the reserve is the sum of
+        # the room each plan keeps for that (a frozen model stages none).
+        self._host_reserve = sum(stateio.staging_room() for stateio in self.stateios)
         self._cond = threading.Condition()
         self._copies: dict[ChunkKey, ChunkCopy] = {}
         self._taken: set[ChunkKey] = set()

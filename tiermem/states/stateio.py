@@ -20,6 +20,7 @@ from torch import nn
 
 from tiermem.errors import internal_error
 from tiermem.layout.chunks import Slot
+from tiermem.layout.placement import staging_bytes
 from tiermem.registry import Handle, Priority
 from tiermem.states import facts as model_facts
 from tiermem.states.access import internal
@@ -410,6 +411,17 @@ class StateIO:
         finally:
             self.store.generation += 1
             self.homes.forget()
+
+    def staging_room(self) -> int:
+        """Host bytes the plan keeps free to stage this model's trainable NVMe homes for its step
+        (placement rules 3 and 6: ``staged_homes`` whole homes, or two slices of a sliced one);
+        0 without a plan or without such homes. A checkpoint's copies leave this room alone, so a
+        save never makes a step short of its staging."""
+        plan = self.store.plan
+        if plan is None:
+            return 0
+        stepping = [c.layout for c in self.store.chunks if c.trainable and c.home_tier == "nvme" and not c.persistent]
+        return staging_bytes(self.facts.needs(stepping), plan.chunk_size, plan.slice_bytes, plan.staged_homes)
 
     def _range_span(self, chunk: Chunk) -> int | None:
         """The bytes at a time a load writes ``chunk``'s NVMe home in, when the plan gives it no
