@@ -76,8 +76,10 @@ combines them (rules 1, 3-5) and re-exports their names.
    evicts the chunks around it. Then the fetches follow the pool's least-recently-used
    eviction simulated over the runs (``Packing.fetches``): in forward with one slot over
    ``buffers`` (the adapter's module keeps its chunk pinned while its base layer fetches its
-   own, a demand over the buffers, which the device peak counts too), in backward with
-   ``buffers`` from what forward left. Each fetch costs its bytes (host homes: a memory copy;
+   own, a demand over the buffers), in backward with ``buffers`` from what forward left. The
+   device peak does not count that slot: measured on the model below, the device peaked at one
+   base slot and the adapters' gradient (1,351,680 bytes), what rule 1 gives; counting the
+   pinned adapters' chunk too predicted 22% over it. Each fetch costs its bytes (host homes: a memory copy;
    NVMe: the link) and one streamed chunk's overhead (rule 7); the NVMe bytes read past once a
    pass are demand fetches, added whole to the stall. Measured on the 6-block LoRA GPT of
    ``bench/lora.py --size tiny`` (20 frozen chunks of 1 MiB, one buffer, the adapters' chunk

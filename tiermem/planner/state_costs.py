@@ -6,7 +6,6 @@ adds the activations' part and re-exports every name here)."""
 from __future__ import annotations
 
 import itertools
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -142,12 +141,6 @@ class Packing:
         are used in one run each)."""
         runs = self.runs(persistent)
         return len(set(runs)) < len(runs)
-
-    def most_revisited(self, persistent: int) -> int:
-        """Rule 8: the streamed chunk used in the most runs (the adapters', used in every block;
-        its base's chunks in two or three), the one its module keeps pinned over the buffers."""
-        counts = Counter(self.runs(persistent))
-        return max(counts, key=lambda c: (counts[c], self.needs[c].nbytes))
 
     def fetches(self, persistent: int, buffers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """Rule 8: how often forward and backward fetch each chunk (0 for persistent ones), from
@@ -314,8 +307,6 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         refetch = (max(0, read[0] - nvme_fwd), max(0, read[1] - nvme_bwd))
         nvme_fwd, nvme_bwd = read
         fetches = sum(forward) + sum(backward)
-        # the demand one over the buffers: the most revisited chunk pinned beside them
-        pool += pk.needs[pk.most_revisited(p)].nbytes
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
