@@ -79,9 +79,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    own, a demand over the buffers), in backward with ``buffers`` from what forward left. The
    device peak does not count that slot: measured on the model below, the device peaked at one
    base slot and the adapters' gradient (1,351,680 bytes), what rule 1 gives; counting the
-   pinned adapters' chunk too predicted 22% over it. Each fetch costs its bytes (host homes: a memory copy;
-   NVMe: the link) and one streamed chunk's overhead (rule 7); the NVMe bytes read past once a
-   pass are demand fetches, added whole to the stall. Measured on the 6-block LoRA GPT of
+   pinned adapters' chunk too predicted 22% over it. Each fetch costs its bytes (host homes: a
+   memory copy; NVMe: the link) and one streamed chunk's overhead (rule 7); the NVMe bytes read
+   past once a pass are demand fetches, added whole to the stall. Measured on the 6-block LoRA GPT of
    ``bench/lora.py --size tiny`` (20 frozen chunks of 1 MiB, one buffer, the adapters' chunk
    streamed): forward fetched the adapters' chunk 6 times and each base chunk once, as
    simulated; backward the adapters' 12 times, as simulated, and base chunks 29 times where
