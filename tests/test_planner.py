@@ -24,7 +24,7 @@ from tiermem.layout.placement import Plan
 from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
 from tiermem.planner.calibrate import calibrate
-from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, TIERS, StatesChoice, predict
+from tiermem.planner.costmodel import FRAGMENTATION_MARGIN, TIERS, StatesChoice, predict, states_cost
 from tiermem.planner.errors import format_size_up
 from tiermem.planner.optimizer_probe import optimizer_seconds_per_byte
 from tiermem.planner.profile import PROFILE_VERSION
@@ -343,6 +343,79 @@ def test_chunk_reads_share_the_nvme_link_over_the_pass_instead_of_queuing_ahead_
     # backward's reads share the link with backward's chunk reads the same way
     slow_reads = activation_cost(profile, policies, (0.0, 10.0))
     assert slow_reads.stall_s > alone.stall_s
+
+
+def lora_synthetic(layers: int = 6, adapter: int = 32 << 10) -> Profile:
+    """A frozen base (an embedding, then per block two 1 MiB projections and a 2 MiB MLP) with
+    trainable LoRA adapters (two ``adapter``-byte parameters) on each projection, in the order a
+    LoRA module's forward pre-hook records them: the adapters before their base layer's weight."""
+    params, modules, order, param_block = [ParamStats(MiB, False, 0)], [(0,)], [0], [-1]
+    for i in range(layers):
+        for _ in range(2):
+            first = len(params)
+            params += [ParamStats(adapter), ParamStats(adapter), ParamStats(MiB, False, 0)]
+            modules += [(first, first + 1), (first + 2,)]
+        params.append(ParamStats(2 * MiB, False, 0))
+        modules.append((len(params) - 1,))
+        order += range(len(order), len(params))
+        param_block += [i] * (len(params) - len(param_block))
+    nvme = 1e9
+    links = {"device->host": 1e10, "host->device": 1e10}
+    links.update({k: nvme for k in ("device->nvme", "nvme->device", "host->nvme", "nvme->host")})
+    return Profile(
+        blocks=tuple(BlockStats(f"b{i}", 0.01, 0.02, MiB, input_bytes=MiB) for i in range(layers)),
+        outside=BlockStats("outside", 0.001, 0.002, MiB),
+        params=tuple(params),
+        order=tuple(order),
+        modules=tuple(modules),
+        shared=(),
+        links=links,
+        optimizer_s_per_byte=1e-10,
+        param_block=tuple(param_block),
+    )
+
+
+def test_a_streamed_adapters_chunk_is_charged_its_refetches_and_the_search_keeps_it_resident():
+    """NOTE [ Cost model ] rule 8: the adapters' one chunk leads (used in every block between its
+    base's chunks). Streamed through one buffer it is fetched once a block in forward (its module
+    pins it while the base layer inside fetches its own) and evicts the base chunks backward needs
+    again: the cost model charges those reads, as waits, where it charged each chunk once a pass
+    (the planner streamed it and the 200M LoRA of bench/lora.py read its base 3.7 times a step).
+    Kept on the device, every base chunk is read once a pass, and the search keeps it there when
+    the device has the room; when it has not, the streamed plan's prediction carries the cost."""
+    layers = 6
+    profile = lora_synthetic(layers)
+    packing = packings(profile, [4 * MiB])[0]
+    adapters = packing.needs[0]
+    assert adapters.trainable and not any(n.trainable for n in packing.needs[1:])
+    assert packing.revisits(0) and not packing.revisits(1)
+    forward, backward = packing.fetches(0, 1)
+    assert forward[0] == layers and forward[1:] == (1,) * (packing.chunks - 1)  # the base once in forward
+    assert backward[0] >= layers and sum(backward[1:]) > packing.chunks - 2  # backward reads base chunks again
+    frozen = sum(n.nbytes for n in packing.needs[1:])
+    streamed = states_cost(profile, StatesChoice(packing, 0, 1, 0))
+    assert streamed.nvme_read_forward == frozen + layers * adapters.nbytes
+    assert streamed.nvme_refetch[1] > 0 and streamed.nvme_read_backward > frozen
+    kept = states_cost(profile, StatesChoice(packing, 1, 1, 1))
+    assert kept.nvme_refetch == (0, 0) and kept.nvme_read_forward == frozen
+    # backward reads all but the last (cached) chunk again, once
+    assert kept.nvme_read_backward == frozen - packing.needs[-1].nbytes
+    policies = ("keep",) * layers
+    slow, fast = (predict(profile, StatesChoice(packing, p, 1, p), policies) for p in (0, 1))
+    assert slow.parts_s["io_stall"] - fast.parts_s["io_stall"] >= sum(streamed.nvme_refetch) / 1e9 * 0.99
+    # A host that holds every home: charged once a pass, streaming it looked free and the search
+    # streamed it at a device of 7-11 MiB, keeping more activations instead
+    caps = {"device": 8 * MiB, "host": 64 * MiB, "nvme": 1 << 30}
+    decision = search(profile, caps)
+    assert decision.plan.persistent_chunks >= 1 and decision.estimate.fits(caps)
+    # too small a device to keep it beside a buffer and the activations: it streams, charged
+    # (homes on the host here: the reads again are copies)
+    tight = search(profile, {**caps, "device": 6 * MiB})
+    assert tight.plan.persistent_chunks == 0 and "nvme" not in tight.plan.state_home
+    chosen = packings(profile, [tight.plan.chunk_size])[0]
+    cost = states_cost(profile, StatesChoice(chosen, 0, tight.plan.buffers, chosen.chunks))
+    assert cost.memcpy_bytes > 2 * sum(n.nbytes for n in chosen.needs)  # more than every chunk twice
+    assert tight.estimate.parts_s["copies"] >= cost.memcpy_bytes / 1e10
 
 
 def test_search_prefers_fewer_larger_chunks_where_the_device_has_room():

@@ -98,6 +98,23 @@ def test_each_nvme_path_gets_its_own_write_and_read_bandwidth(tmp_path):
     assert all(os.listdir(path) == [] for path in paths)  # the runtime's close removed its files
 
 
+def test_a_full_host_leaves_the_links_between_device_and_nvme_measured(tmp_path):
+    """Each link is probed at the room of the tiers it passes through: a host with less free than
+    the smallest probe (streamed profiling at a small host, full of the chunks' homes) leaves its
+    own links unmeasured but not the device's to and from NVMe (all were dropped, and the cost
+    model took every NVMe read as free: a LoRA plan at 10-20% of its base predicted 2.3x fast)."""
+    (path,) = nvme_dirs(tmp_path, 1)
+    config = settings([path], device="4MiB")
+    config["host"] = {"capacity": 4 * MIN_PROBE_BYTES - 4096}
+    with tiermem.Runtime(config) as rt:
+        assert probe_size(rt.registry) < MIN_PROBE_BYTES  # the least free tier: one probe for all was none
+        links = probe_links(rt.registry, 32 * MiB)
+        assert_nothing_left(rt)
+    assert links["device->nvme"] > 0 and links["nvme->device"] > 0
+    assert not any(key in links for key in ("device->host", "host->device", "host->nvme", "nvme->host"))
+    assert os.listdir(path) == []
+
+
 def test_one_path_reuses_the_aggregate_instead_of_probing_again(tmp_path, monkeypatch):
     (path,) = nvme_dirs(tmp_path, 1)
 

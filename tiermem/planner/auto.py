@@ -26,7 +26,7 @@ from tiermem.planner import cache
 from tiermem.planner.calibrate import calibrate
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.optimizer_probe import OPTIMIZER_SAMPLE_BYTES, optimizer_seconds_per_byte
-from tiermem.planner.probes import probe_links, probe_size
+from tiermem.planner.probes import PROBE_BYTES, probe_links, probe_size
 from tiermem.planner.profile import Profile
 from tiermem.planner.profiler import Sample, measure
 from tiermem.planner.search import Decision, search
@@ -130,7 +130,8 @@ def profile_model(
         extra = {"streamed": True, "fetch_wait_s": info.stalled() - stalled}
         info.release()
     size = probe_size(registry)
-    links = probe_links(registry, size)
+    # each link at the room of the tiers it passes through (NOTE [ Profiling step ] rule 5)
+    links = probe_links(registry, PROBE_BYTES)
     per_byte = optimizer_seconds_per_byte(cls, defaults, params, _optimizer_sample_bytes(registry, device, len(names)))
     copy_bw = min((links[k] for k in ("device->host", "host->device") if links.get(k)), default=0.0)
     overheads = calibrate(registry, cls, defaults, copy_bw)

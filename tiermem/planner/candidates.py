@@ -66,6 +66,9 @@ def packings(
         where = {slot.index: layout.index for layout in layouts for slot in layout.slots}
         span = max((len({where[i] for i in module}) for module in profile.modules if module), default=1)
         shared = {where[i] for i in profile.shared}
+        # NOTE [ Cost model ] rule 8: the chunks in forward's order of first use, repeats collapsed
+        used = [where[i] for i in profile.order if i in where]
+        visits = [c for k, c in enumerate(used) if k == 0 or used[k - 1] != c]
         stages = None
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
@@ -75,7 +78,17 @@ def packings(
         for grad_home in ("host",) if grads_stream else grad_homes:
             for staged in staged_homes:
                 result.append(
-                    Packing(size, needs, span + len(shared), sorted(shared), stages, grads_stream, grad_home, staged)
+                    Packing(
+                        size,
+                        needs,
+                        span + len(shared),
+                        sorted(shared),
+                        stages,
+                        grads_stream,
+                        grad_home,
+                        staged,
+                        visits,
+                    )
                 )
     return result
 

@@ -70,24 +70,29 @@ def move_seconds(registry: Registry, src: str, dst: str, nbytes: int) -> float:
 
 def probe_links(registry: Registry, size: int) -> dict[str, float]:
     """Rule 5: bytes/s of each link, moving ``size`` bytes through the real tiers (best of
-    three: the first touches fault pages in). Where the NVMe tier stripes over several paths,
-    also each path's own write and read bandwidth (:func:`probe_nvme_paths`), under the keys
-    of :func:`nvme_path_links`; with one path those are the aggregate ``host->nvme`` and
-    ``nvme->host`` (not probed twice). The cost model reads only the aggregate keys."""
+    three: the first touches fault pages in), or fewer where the tiers the link passes through
+    (the device, where the probe's bytes start, and its two ends) have less room: a host full of
+    the chunks' homes (streamed profiling at a small host) leaves the NVMe links between the
+    device and NVMe measurable, without which the cost model would take every NVMe read as free.
+    Where the NVMe tier stripes over several paths, also each path's own write and read
+    bandwidth (:func:`probe_nvme_paths`), under the keys of :func:`nvme_path_links`; with one
+    path those are the aggregate ``host->nvme`` and ``nvme->host`` (not probed twice). The cost
+    model reads only the aggregate keys."""
     result: dict[str, float] = {}
-    if size < MIN_PROBE_BYTES:
-        return result  # too little room to measure anything meaningful
     for src, dst in LINKS:
         if not (registry.has_tier(src) and registry.has_tier(dst)):
             continue
-        fastest = min(move_seconds(registry, src, dst, size) for _ in range(3))
-        result[f"{src}->{dst}"] = size / max(fastest, 1e-9)
+        nbytes = probe_size(registry, size, ("device", src, dst))
+        if nbytes < MIN_PROBE_BYTES:
+            continue  # too little room to measure anything meaningful
+        fastest = min(move_seconds(registry, src, dst, nbytes) for _ in range(3))
+        result[f"{src}->{dst}"] = nbytes / max(fastest, 1e-9)
     paths = nvme_paths(registry)
     if len(paths) == 1 and result.get("host->nvme") and result.get("nvme->host"):
         write, read = nvme_path_links(paths[0])
         result[write], result[read] = result["host->nvme"], result["nvme->host"]
     elif len(paths) > 1:
-        result.update(probe_nvme_paths(registry, size))
+        result.update(probe_nvme_paths(registry, probe_size(registry, size)))
     return result
 
 

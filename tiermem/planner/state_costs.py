@@ -27,7 +27,10 @@ class Packing:
         grads_stream: bool = False,
         grad_home: str = "host",
         staged_homes: int = STAGED_HOMES,
+        visits: Sequence[int] = (),
     ) -> None:
+        """``visits``: the chunks in the order forward first uses their parameters, a repeat of
+        the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run)."""
         self.chunk_size = chunk_size
         #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
         #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
@@ -93,6 +96,11 @@ class Packing:
             self._regular_from[i] = self._regular_from[i + 1] + regular
             untied = needs[i].grad_bytes if i not in shared_set else 0
             self._max_untied_grad_from[i] = max(self._max_untied_grad_from[i + 1], untied)
+        # NOTE [ Cost model ] rule 8: chunks used in more than one run of the forward (a LoRA
+        # adapters' chunk, used in every block between its base's chunks)
+        self.visits = tuple(visits)
+        self._runs: dict[int, tuple[int, ...]] = {}
+        self._fetches: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def chunks(self) -> int:
@@ -118,6 +126,35 @@ class Packing:
         of tied parameters (complete only at backward's end) and the largest other one (filled)."""
         tied = sum(self.needs[c].grad_bytes for c in self.shared if c >= persistent)
         return tied + self._max_untied_grad_from[persistent]
+
+    def runs(self, persistent: int) -> tuple[int, ...]:
+        """Rule 8: the streamed chunks (from ``persistent`` on) in forward's order of use, a
+        repeat of the one before left out."""
+        if persistent not in self._runs:
+            used = [c for c in self.visits if c >= persistent]
+            self._runs[persistent] = tuple(c for i, c in enumerate(used) if i == 0 or used[i - 1] != c)
+        return self._runs[persistent]
+
+    def revisits(self, persistent: int) -> bool:
+        """Rule 8: a streamed chunk is used in more than one run of the forward (once the
+        persistent ones are left out: with the adapters' chunk on the device, its base's chunks
+        are used in one run each)."""
+        runs = self.runs(persistent)
+        return len(set(runs)) < len(runs)
+
+    def fetches(self, persistent: int, buffers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rule 8: how often forward and backward fetch each chunk (0 for persistent ones), from
+        the pool's least-recently-used eviction over the runs of ``visits``: in forward with one
+        slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while the
+        module inside it fetches its own: one demand over the buffers, NOTE [ Model-state rules ]
+        rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward left."""
+        key = (persistent, buffers)
+        if key not in self._fetches:
+            runs = self.runs(persistent)
+            forward, resident = _lru(runs, buffers + 1, [], self.chunks)
+            backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks)
+            self._fetches[key] = (tuple(forward), tuple(backward))
+        return self._fetches[key]
 
     def host_bytes(self, persistent: int, host_end: int) -> int:
         """Host tier bytes when chunks ``persistent..host_end-1`` live on the host and the
@@ -152,6 +189,22 @@ class Packing:
             else:
                 hi = mid - 1
         return lo
+
+
+def _lru(runs: Sequence[int], slots: int, resident: list[int], chunks: int) -> tuple[list[int], list[int]]:
+    """Fetches per chunk of a least-recently-used pool of ``slots`` over ``runs`` (starting with
+    ``resident``, most recent last), and what it holds at the end."""
+    held = list(resident)
+    fetched = [0] * chunks
+    for chunk in runs:
+        if chunk in held:
+            held.remove(chunk)
+        else:
+            fetched[chunk] += 1
+            if len(held) >= slots:
+                del held[: len(held) - slots + 1]
+        held.append(chunk)
+    return fetched, held
 
 
 @dataclass(frozen=True)
@@ -206,6 +259,9 @@ class StatesCost:
     #: the step reads the next NVMe home while this one steps (two staged homes); with one
     #: staged its NVMe I/O adds to the step's time
     step_overlaps_io: bool = True
+    #: of ``nvme_read_forward`` and ``nvme_read_backward``, the bytes a revisited streamed chunk
+    #: makes forward and backward read again (rule 8): demand fetches, nothing to hide behind
+    nvme_refetch: tuple[int, int] = (0, 0)
 
 
 def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
@@ -236,6 +292,21 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         memcpy += s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
+    refetch = (0, 0)
+    fetches = (n - p) + (refetch_end - p)
+    if pk.revisits(p):
+        # Rule 8: a revisited chunk streams; it and the chunks it evicts are fetched again
+        forward, backward = pk.fetches(p, b)
+        sizes = [need.nbytes for need in pk.needs]
+        memcpy -= s(pk._nbytes, p, h) + s(pk._nbytes, p, min(h, refetch_end))
+        memcpy += sum((forward[c] + backward[c]) * sizes[c] for c in range(p, h))
+        read = (
+            sum(forward[c] * sizes[c] for c in range(h, n)),
+            sum(backward[c] * sizes[c] for c in range(max(h, p), n)),
+        )
+        refetch = (max(0, read[0] - nvme_fwd), max(0, read[1] - nvme_bwd))
+        nvme_fwd, nvme_bwd = read
+        fetches = sum(forward) + sum(backward)
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
@@ -264,8 +335,10 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_total=grad_total,
         grad_stages=stages,
         device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
-        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n),
+        # and the fetches past one a pass and the backward refetch of the standard count (rule 8)
+        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - (n - p) - (refetch_end - p),
         step_overlaps_io=pk.staged_homes > 1,
+        nvme_refetch=refetch,
     )
 
 
