@@ -71,7 +71,7 @@ from torch.utils._pytree import tree_leaves
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
-from tiermem.planner.streaming import compute_clock
+from tiermem.planner.streaming import compute_clock, streamed
 
 
 @dataclass(frozen=True)
@@ -197,7 +197,12 @@ class _BlockHooks:
         self.live = live
         self.marks = _Marks()
         self.running: int | None = None
-        self.seen: set[tuple[int, int]] = set()
+        #: storage id -> versions counted, while the storage lives (recomputed blocks free their
+        #: saved tensors in forward, so an id can come back as another storage's)
+        self.seen: dict[int, set[int]] = {}
+        #: rule 9: blocks run checkpointed; their saved tensors are counted by :meth:`count`
+        #: from inside the checkpoint, so the outer hook leaves what runs inside a block alone
+        self.inner_only = False
         self.peaks: dict[tuple[str, int], int] = {}
         self._base: dict[tuple[str, int], int] = {}
         self._handles: list[Any] = []
@@ -256,24 +261,97 @@ class _BlockHooks:
 
     # -- saved tensors, counted per block ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (self.inner_only and self.running is not None):
+            self.count(tensor)
+        return tensor  # kept: recompute (rule 9) drops tensors by its own hooks, not by these
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """One tensor autograd saves: the first saver of a (storage, version) counts it."""
         storage = tensor.untyped_storage()
-        key = (id(storage), tensor._version)
-        if id(storage) not in self.protected and key not in self.seen:
-            self.seen.add(key)
-            nbytes = storage.nbytes()
-            big = nbytes >= self.min_bytes
-            if self.running is None:
-                if big:
-                    self.marks.outside_saved += nbytes
-                    self.marks.outside_saved_count += 1
-                else:
-                    self.marks.outside_small += nbytes
-            elif big:
-                self.marks.saved[self.running] += nbytes
-                self.marks.saved_count[self.running] += 1
+        key = id(storage)
+        if key in self.protected:
+            return
+        versions = self.seen.get(key)
+        if versions is None:
+            versions = self.seen[key] = set()
+            weakref.finalize(storage, self.seen.pop, key, None)
+        elif tensor._version in versions:
+            return
+        versions.add(tensor._version)
+        nbytes = storage.nbytes()
+        big = nbytes >= self.min_bytes
+        if self.running is None:
+            if big:
+                self.marks.outside_saved += nbytes
+                self.marks.outside_saved_count += 1
             else:
-                self.marks.small[self.running] += nbytes
-        return tensor  # the graph keeps it alive, so ids are not reused while counting
+                self.marks.outside_small += nbytes
+        elif big:
+            self.marks.saved[self.running] += nbytes
+            self.marks.saved_count[self.running] += 1
+        else:
+            self.marks.small[self.running] += nbytes
+
+
+class _Recomputed:
+    """Rule 9: while entered, every block's forward runs under a non-reentrant
+    ``torch.utils.checkpoint`` whose forward context counts what autograd saves (chained in
+    front of the checkpoint's own pack hook, which then drops it: TRAPS 6) and whose recompute
+    context times the recomputation, so it can be taken out of the block's backward."""
+
+    def __init__(self, blocks: Sequence[nn.Module], hooks: _BlockHooks) -> None:
+        self.blocks = blocks
+        self.hooks = hooks
+        self.recompute_s = [0.0] * len(blocks)
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> _Recomputed:
+        self.hooks.inner_only = True
+        for index, block in enumerate(self.blocks):
+            # the instance's own forward where something (accelerate, peft, a user) set one; put
+            # back as it was on exit, as the activation offloader's recompute wrapper does
+            self._wrapped.append((block, vars(block).get("forward")))
+            block.forward = functools.partial(self._forward, index, block.forward)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.inner_only = False
+        for block, previous in reversed(self._wrapped):
+            if previous is not None:
+                block.forward = previous  # type: ignore[method-assign]
+            else:
+                del block.forward
+        self._wrapped.clear()
+
+    def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return original(*args, **kwargs)
+        contexts = functools.partial(self._contexts, index)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    def _contexts(self, index: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
+        return self._counted(), self._timed(index)
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert top is not None  # entered inside the checkpoint's own hooks
+        pack, unpack = top
+
+        def counted(tensor: torch.Tensor) -> Any:
+            self.hooks.count(tensor)
+            return pack(tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+            yield
+
+    @contextlib.contextmanager
+    def _timed(self, index: int) -> Iterator[None]:
+        start = compute_clock()
+        try:
+            yield
+        finally:
+            self.recompute_s[index] += compute_clock() - start
 
 
 def _blocks_and_order(model: nn.Module, blocks: BlockSpec) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter]]:
@@ -322,10 +400,16 @@ def _param_modules(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[li
 
 
 def _bytes_pass(
-    model: nn.Module, sample: Sample, params: Sequence[nn.Parameter], hooks: _BlockHooks, live: _LiveBytes
-) -> tuple[list[int], dict[int, int], int]:
-    """Pass 1 (rule 3): bytes, the execution order, warm-up. (order, first block each parameter
-    was used in, the head's transient peak)."""
+    model: nn.Module,
+    sample: Sample,
+    params: Sequence[nn.Parameter],
+    hooks: _BlockHooks,
+    live: _LiveBytes,
+    recomputed: _Recomputed | None = None,
+) -> tuple[list[int], dict[int, int], int, float, float]:
+    """Pass 1 (rule 3): bytes, the execution order, warm-up; its times, which rule 9 keeps.
+    (order, first block each parameter was used in, the head's transient peak, forward seconds,
+    backward seconds less the recomputation)."""
 
     def where() -> int:
         if hooks.running is not None:
@@ -335,18 +419,27 @@ def _bytes_pass(
 
     handles, order, seen, first_block = _record_order(model, params, where)
     try:
-        with hooks, live, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+        with (
+            hooks,
+            recomputed or contextlib.nullcontext(),
+            live,
+            torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t),
+        ):
             live.mark()
+            start = compute_clock()
             outputs = _loss(model, sample)
+            middle = compute_clock()
             # Peak since the last block ended (the head and loss) above what remains.
             head_transient = live.peak - live.live
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            end = compute_clock()
             del outputs
     finally:
         for handle in handles:
             handle.remove()
     order += [i for i in range(len(params)) if i not in seen]
-    return order, first_block, head_transient
+    recompute_s = sum(recomputed.recompute_s) if recomputed is not None else 0.0
+    return order, first_block, head_transient, middle - start, max(end - middle - recompute_s, 0.0)
 
 
 def _timing_passes(
@@ -381,9 +474,11 @@ def _block_stats(
     forward_s: float,
     backward_s: float,
     head_transient: int,
+    recompute_s: Sequence[float] = (),
 ) -> tuple[list[BlockStats], BlockStats]:
     """Rules 3 and 4: per block, its times (from the timed pass ``times``) and bytes (from the
-    bytes pass ``hooks``); then the part outside blocks, what the pass took beyond them."""
+    bytes pass ``hooks``); then the part outside blocks, what the pass took beyond them. Rule 9:
+    ``recompute_s``, each block's recomputation, is not its backward's."""
     marks = hooks.marks
     peaks = hooks.peaks
     stats = []
@@ -395,7 +490,8 @@ def _block_stats(
         b_end = times.backward_end.get(i)
         if b_end is None and b_start is not None:  # rule 4: input needed no gradient
             b_end = times.backward_start.get(i - 1) if i > 0 else None
-        b = max(b_end - b_start, 0.0) if b_start is not None and b_end is not None else 2 * f
+        again = recompute_s[i] if i < len(recompute_s) else 0.0
+        b = max(b_end - b_start - again, 0.0) if b_start is not None and b_end is not None else 2 * f
         block_fwd += f
         block_bwd += b
         transient = max(peaks.get(("forward", i), 0), peaks.get(("backward", i), 0) - marks.saved[i])
@@ -434,11 +530,19 @@ def measure(
     with unchanged_training_state(model, device):
         live = _LiveBytes()
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
-        order, first_block, head_transient = _bytes_pass(model, sample, params, hooks, live)
-        for p in params:
-            p.grad = None
-        forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
-    stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient)
+        if streamed() is not None:  # rule 9: one pass, its blocks recomputed
+            recomputed = _Recomputed(modules_list, hooks)
+            order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
+                model, sample, params, hooks, live, recomputed
+            )
+            times, recompute_s = hooks.marks, recomputed.recompute_s
+        else:
+            order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
+            for p in params:
+                p.grad = None
+            forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
+            recompute_s = []
+    stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient, recompute_s)
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]
     return stats, outside, param_stats, order, modules, shared, param_block
