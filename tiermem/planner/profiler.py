@@ -15,8 +15,9 @@
 3. Pass 1 measures bytes: saved tensors per block through saved-tensor hooks (first saver
    counts, parameters, buffers and their views left out, as the offloader does), and the
    live tensor bytes around every operator through a dispatch mode (the transient peaks).
-   It also warms up. The next passes measure time with only block hooks installed: three (of
-   two, the lower middle is the faster: a 3 s Hugging Face GPT-2 step was predicted 7-34% fast),
+   It also warms up. The next passes (none when streamed: rule 9) measure time with only block
+   hooks installed: three (of two, the lower middle is the faster: a 3 s Hugging Face GPT-2 step
+   was predicted 7-34% fast),
    and more while they have taken under ``TIMING_BUDGET_S`` together (at most
    ``MAX_TIMING_PASSES``); the median pass counts (the lower middle of an even count): the
    cost model predicts the median step a run measures, and the fastest pass of a shared
@@ -52,6 +53,21 @@
    Measured: streamed passes of a GPT took 0.15-0.22 s where plain ones took 0.30-0.39 s (a
    plain pass allocates every gradient afresh; a streamed one drops each as it accumulates,
    as a managed step does, which took 0.21 s): the streamed times are the closer ones.
+9. Streamed, one pass measures everything (issue 33 item 4, issue 34's memory goal): no timing
+   passes follow the bytes pass (each was a forward and backward streamed from NVMe: of a 210M
+   GPT's 131 s of first-step profiling, 90 s), so the times are the bytes pass's, under its
+   dispatch mode (whose per-operator cost a streamed pass's fetches dwarf) and of one pass, not
+   a median; the real first step has run just before, so the process is warm. And the pass
+   holds its activations as recompute would: every block's forward runs under a non-reentrant
+   ``torch.utils.checkpoint`` (restored RNG, so bitwise the same values), whose forward context
+   chains a counting hook in front of the checkpoint's own pack hook (TRAPS 6: one pushed
+   without chaining would keep every tensor), so each block's saved bytes are counted as the
+   plain bytes pass counts them while only the checkpoints' inputs stay alive through forward
+   (the plain pass held every block's activations beside the capacities: +520 MiB of a 200M
+   LoRA run's peak). Its recompute context times each recomputation, which is taken out of that
+   block's backward and the pass's; the outer hook leaves what runs inside a block to the
+   chained one (the checkpoint saves the block's inputs there too, which plain autograd saves
+   only where an operator does).
 """
 
 from __future__ import annotations
