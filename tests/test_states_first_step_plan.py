@@ -388,3 +388,39 @@ def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkey
     # counts as saved by the block's first operator) are what the checkpoints keep
     inputs = sum(b.input_bytes for b in plain[0])
     assert held["streamed"] <= held["plain"] - sum(saved) + inputs, (held, saved, inputs)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_models_own_checkpoint_is_counted_streamed_as_plain(reentrant):
+    """NOTE [ Profiling step ] rule 9: a block the model checkpoints itself runs under the
+    model's hooks, not the streamed pass's recompute, so both passes count what it saves alike
+    (non-reentrant: nothing kept; reentrant: what its recomputation saves in backward)."""
+    from tiermem.planner import profiler
+    from tiermem.planner.streaming import Streaming, streaming
+
+    inner = make_model(layers=2)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+            for block in inner.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+            return inner.head(inner.ln(x))
+
+    model = Checkpointed()
+    tokens, _ = batch(0)
+
+    def measure() -> tuple:
+        return profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu"))
+
+    plain = measure()
+    with streaming(Streaming(stalled=lambda: 0.0)):
+        streamed = measure()
+    counts = [(b.saved_bytes, b.saved_count) for b in plain[0]]
+    assert [(b.saved_bytes, b.saved_count) for b in streamed[0]] == counts
+    assert (min(c for c, _ in counts) > 0) == reentrant
+    assert streamed[2:] == plain[2:]

@@ -70,7 +70,8 @@
    LoRA run's peak). Its recompute context times each recomputation, which is taken out of that
    block's backward and the pass's; the outer hook leaves what runs inside a block to the
    chained one (the checkpoint saves the block's inputs there too, which plain autograd saves
-   only where an operator does).
+   only where an operator does). A block inside other saved-tensor hooks (the model's own
+   checkpoint around it) runs as they say, counted as the plain pass counts it.
 """
 
 from __future__ import annotations
@@ -358,7 +359,10 @@ class _Recomputed:
         self._wrapped.clear()
 
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not torch.is_grad_enabled() or top is None or top[0] != self.hooks.pack:
+            # Other saved-tensor hooks decide what this block keeps (the user's own checkpoint
+            # around it, save_on_cpu): as in the plain pass, they are not ours to count or drop.
             return original(*args, **kwargs)
         contexts = functools.partial(self._contexts, index)
         return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=contexts, **kwargs)
