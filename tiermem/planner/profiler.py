@@ -60,8 +60,8 @@
    clock that leaves out the dispatch mode's own bookkeeping (its Python around each operator;
    measured on a 2-core VM under load: a 30M GPT-2's plain forward and backward, 1,450
    operators, took 7-11% more CPU seconds under the mode, of which the bookkeeping timed is
-   about a third and the per-operator dispatch 6-8 us: the rest, not found, errs slow). And the pass
-   holds its activations as recompute would: every block's forward runs under a non-reentrant
+   about a third and the per-operator dispatch 6-8 us: the rest, not found, errs slow). And the
+   pass holds its activations as recompute would: every block's forward runs under a non-reentrant
    ``torch.utils.checkpoint`` (restored RNG, so bitwise the same values), whose forward context
    chains a counting hook in front of the checkpoint's own pack hook (TRAPS 6: one pushed
    without chaining would keep every tensor), so each block's saved bytes are counted as the
@@ -150,16 +150,13 @@ class _LiveBytes(TorchDispatchMode):
         return compute_clock() - self.spent
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        entered = time.perf_counter()
-        kwargs = kwargs or {}
-        called = time.perf_counter()
-        out = func(*args, **kwargs)
+        out = func(*args, **(kwargs or {}))
         returned = time.perf_counter()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._track(t.untyped_storage())
         self.peak = max(self.peak, self.live)
-        self.spent += (called - entered) + (time.perf_counter() - returned)
+        self.spent += time.perf_counter() - returned
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
