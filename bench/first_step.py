@@ -152,6 +152,7 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         cached_profile=any("the cached profile" in line for line in planner_log),
         planner_log=[line[:300] for line in planner_log],
         planned=(plan.get("predicted") or {}).get("step_s") is not None,
+        predicted_step_s=(plan.get("predicted") or {}).get("step_s"),
         plan={
             key: plan.get(key) for key in ("chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy")
         },

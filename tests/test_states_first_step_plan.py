@@ -335,3 +335,92 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
         losses = train(model, optimizer, range(3))
     assert_bitwise(losses, want_losses)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkeypatch):
+    """NOTE [ Profiling step ] rule 9: streamed, one pass measures bytes and times with every
+    block checkpointed: it counts the bytes each block saves as the plain bytes pass does, but
+    holds only the checkpoints' inputs through forward (what it holds as the forward returns
+    drops by the blocks' saved bytes less their inputs), and the blocks' forwards are put back."""
+    from tiermem.planner import profiler
+    from tiermem.planner.streaming import Streaming, streaming
+
+    held: dict[str, int] = {}  # live bytes as the forward returns, per mode
+    mode = ["plain"]
+    counters: list[profiler._LiveBytes] = []
+
+    class Counter(profiler._LiveBytes):
+        def __init__(self) -> None:
+            super().__init__()
+            counters.append(self)
+
+    monkeypatch.setattr(profiler, "_LiveBytes", Counter)
+    passes = []
+    real_timing = profiler._timing_passes
+    monkeypatch.setattr(profiler, "_timing_passes", lambda *a, **k: passes.append(1) or real_timing(*a, **k))
+    model = make_model(layers=4)
+    model.register_forward_hook(lambda *_: held.setdefault(mode[0], counters[-1].live) and None)  # the bytes pass
+    tokens, _ = batch(0)
+
+    def measure() -> tuple:
+        return profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu"))
+
+    plain = measure()
+    assert passes == [1]
+    mode[0] = "streamed"
+    with streaming(Streaming(stalled=lambda: 0.0)):
+        streamed = measure()
+    assert passes == [1]  # no separate timing passes
+    assert all("forward" not in vars(block) for block in model.blocks)
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+    saved = [b.saved_bytes for b in plain[0]]
+    assert len(saved) == 4 and min(saved) > 0
+    for got, want in zip((*streamed[0], streamed[1]), (*plain[0], plain[1]), strict=True):
+        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
+            want.saved_bytes,
+            want.small_bytes,
+            want.input_bytes,
+            want.saved_count,
+        )
+        assert got.forward_s > 0 and got.backward_s > 0
+    assert streamed[2:] == plain[2:]  # parameters, order, modules, shared, first blocks
+    # the blocks' saved tensors are dropped in forward; their inputs (which the plain pass
+    # counts as saved by the block's first operator) are what the checkpoints keep
+    inputs = sum(b.input_bytes for b in plain[0])
+    assert held["streamed"] <= held["plain"] - sum(saved) + inputs, (held, saved, inputs)
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_a_models_own_checkpoint_is_counted_streamed_as_plain(reentrant):
+    """NOTE [ Profiling step ] rule 9: a block the model checkpoints itself runs under the
+    model's hooks, not the streamed pass's recompute, so both passes count what it saves alike
+    (non-reentrant: nothing kept; reentrant: what its recomputation saves in backward)."""
+    from tiermem.planner import profiler
+    from tiermem.planner.streaming import Streaming, streaming
+
+    inner = make_model(layers=2)
+
+    class Checkpointed(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+            for block in inner.blocks:
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+            return inner.head(inner.ln(x))
+
+    model = Checkpointed()
+    tokens, _ = batch(0)
+
+    def measure() -> tuple:
+        return profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu"))
+
+    plain = measure()
+    with streaming(Streaming(stalled=lambda: 0.0)):
+        streamed = measure()
+    counts = [(b.saved_bytes, b.saved_count) for b in plain[0]]
+    assert [(b.saved_bytes, b.saved_count) for b in streamed[0]] == counts
+    assert (min(c for c, _ in counts) > 0) == reentrant
+    assert streamed[2:] == plain[2:]

@@ -15,8 +15,9 @@
 3. Pass 1 measures bytes: saved tensors per block through saved-tensor hooks (first saver
    counts, parameters, buffers and their views left out, as the offloader does), and the
    live tensor bytes around every operator through a dispatch mode (the transient peaks).
-   It also warms up. The next passes measure time with only block hooks installed: three (of
-   two, the lower middle is the faster: a 3 s Hugging Face GPT-2 step was predicted 7-34% fast),
+   It also warms up. The next passes (none when streamed: rule 9) measure time with only block
+   hooks installed: three (of two, the lower middle is the faster: a 3 s Hugging Face GPT-2 step
+   was predicted 7-34% fast),
    and more while they have taken under ``TIMING_BUDGET_S`` together (at most
    ``MAX_TIMING_PASSES``); the median pass counts (the lower middle of an even count): the
    cost model predicts the median step a run measures, and the fastest pass of a shared
@@ -52,12 +53,32 @@
    Measured: streamed passes of a GPT took 0.15-0.22 s where plain ones took 0.30-0.39 s (a
    plain pass allocates every gradient afresh; a streamed one drops each as it accumulates,
    as a managed step does, which took 0.21 s): the streamed times are the closer ones.
+9. Streamed, one pass measures everything (issue 33 item 4, issue 34's memory goal): no timing
+   passes follow the bytes pass (each was a forward and backward streamed from NVMe: of a 210M
+   GPT's 131 s of first-step profiling, 90 s), so the times are the bytes pass's, of one pass,
+   not a median (the real first step has run just before: the process is warm), read on a
+   clock that leaves out the dispatch mode's own bookkeeping (its Python around each operator;
+   measured on a 2-core VM under load: a 30M GPT-2's plain forward and backward, 1,450
+   operators, took 7-11% more CPU seconds under the mode, of which the bookkeeping timed is
+   about a third and the per-operator dispatch 6-8 us: the rest, not found, errs slow). And the
+   pass holds its activations as recompute would: every block's forward runs under a non-reentrant
+   ``torch.utils.checkpoint`` (restored RNG, so bitwise the same values), whose forward context
+   chains a counting hook in front of the checkpoint's own pack hook (TRAPS 6: one pushed
+   without chaining would keep every tensor), so each block's saved bytes are counted as the
+   plain bytes pass counts them while only the checkpoints' inputs stay alive through forward
+   (the plain pass held every block's activations beside the capacities: +520 MiB of a 200M
+   LoRA run's peak). Its recompute context times each recomputation, which is taken out of that
+   block's backward and the pass's; the outer hook leaves what runs inside a block to the
+   chained one (the checkpoint saves the block's inputs there too, which plain autograd saves
+   only where an operator does). A block inside other saved-tensor hooks (the model's own
+   checkpoint around it) runs as they say, counted as the plain pass counts it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -71,7 +92,7 @@ from torch.utils._pytree import tree_leaves
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
-from tiermem.planner.streaming import compute_clock
+from tiermem.planner.streaming import compute_clock, streamed
 
 
 @dataclass(frozen=True)
@@ -109,24 +130,33 @@ class _Marks:
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Live tensor bytes after every operator, and their peak since :meth:`mark` (rule 3)."""
+    """Live tensor bytes after every operator, and their peak since :meth:`mark` (rule 3); and
+    the seconds its own bookkeeping took, which :meth:`clock` leaves out (rule 9: the pass it
+    counts in is also the one timed)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
+        self.spent = 0.0
         self._seen: set[int] = set()
 
     def mark(self) -> int:
         self.peak = self.live
         return self.live
 
+    def clock(self) -> float:
+        """:func:`compute_clock` less this mode's bookkeeping so far."""
+        return compute_clock() - self.spent
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        returned = time.perf_counter()
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and t.layout == torch.strided:
                 self._track(t.untyped_storage())
         self.peak = max(self.peak, self.live)
+        self.spent += time.perf_counter() - returned
         return out
 
     def _track(self, storage: torch.UntypedStorage) -> None:
@@ -197,11 +227,18 @@ class _BlockHooks:
         self.live = live
         self.marks = _Marks()
         self.running: int | None = None
-        self.seen: set[tuple[int, int]] = set()
+        #: storage id -> versions counted, while the storage lives (recomputed blocks free their
+        #: saved tensors in forward, so an id can come back as another storage's)
+        self.seen: dict[int, set[int]] = {}
+        #: rule 9: blocks run checkpointed; their saved tensors are counted by :meth:`count`
+        #: from inside the checkpoint, so the outer hook leaves what runs inside a block alone
+        self.inner_only = False
         self.peaks: dict[tuple[str, int], int] = {}
         self._base: dict[tuple[str, int], int] = {}
         self._handles: list[Any] = []
         self._started = 0.0
+        #: the pass's clock: without the dispatch mode's bookkeeping where one counts bytes
+        self.clock: Callable[[], float] = live.clock if live is not None else compute_clock
 
     def __enter__(self) -> _BlockHooks:
         count = len(self.blocks)
@@ -222,7 +259,7 @@ class _BlockHooks:
 
     def _pre(self, index: int, _module: nn.Module, args: Any) -> None:
         self.running = index
-        self._started = compute_clock()
+        self._started = self.clock()
         tensors = [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
         if tensors:
             self.marks.inputs[index] = tensors[0].untyped_storage().nbytes()
@@ -233,7 +270,7 @@ class _BlockHooks:
             self._base[("forward", index)] = self.live.mark()
 
     def _post(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
-        self.marks.forward[index] = (self._started, compute_clock())
+        self.marks.forward[index] = (self._started, self.clock())
         self.running = None
         if self.live is not None:
             # Rule 3: peak above what the block leaves behind (its saved tensors and output).
@@ -245,35 +282,111 @@ class _BlockHooks:
                 break
 
     def _backward_start(self, index: int, _grads: Any) -> None:
-        self.marks.backward_start.setdefault(index, compute_clock())
+        self.marks.backward_start.setdefault(index, self.clock())
         if self.live is not None:
             self._base[("backward", index)] = self.live.mark()
 
     def _input_grad(self, index: int, _grad: torch.Tensor) -> None:
-        self.marks.backward_end.setdefault(index, compute_clock())
+        self.marks.backward_end.setdefault(index, self.clock())
         if self.live is not None and ("backward", index) in self._base:
             self.peaks[("backward", index)] = self.live.peak - self._base[("backward", index)]
 
     # -- saved tensors, counted per block ----------------------------------------------------------
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
+        if not (self.inner_only and self.running is not None):
+            self.count(tensor)
+        return tensor  # kept: recompute (rule 9) drops tensors by its own hooks, not by these
+
+    def count(self, tensor: torch.Tensor) -> None:
+        """One tensor autograd saves: the first saver of a (storage, version) counts it."""
         storage = tensor.untyped_storage()
-        key = (id(storage), tensor._version)
-        if id(storage) not in self.protected and key not in self.seen:
-            self.seen.add(key)
-            nbytes = storage.nbytes()
-            big = nbytes >= self.min_bytes
-            if self.running is None:
-                if big:
-                    self.marks.outside_saved += nbytes
-                    self.marks.outside_saved_count += 1
-                else:
-                    self.marks.outside_small += nbytes
-            elif big:
-                self.marks.saved[self.running] += nbytes
-                self.marks.saved_count[self.running] += 1
+        key = id(storage)
+        if key in self.protected:
+            return
+        versions = self.seen.get(key)
+        if versions is None:
+            versions = self.seen[key] = set()
+            weakref.finalize(storage, self.seen.pop, key, None)
+        elif tensor._version in versions:
+            return
+        versions.add(tensor._version)
+        nbytes = storage.nbytes()
+        big = nbytes >= self.min_bytes
+        if self.running is None:
+            if big:
+                self.marks.outside_saved += nbytes
+                self.marks.outside_saved_count += 1
             else:
-                self.marks.small[self.running] += nbytes
-        return tensor  # the graph keeps it alive, so ids are not reused while counting
+                self.marks.outside_small += nbytes
+        elif big:
+            self.marks.saved[self.running] += nbytes
+            self.marks.saved_count[self.running] += 1
+        else:
+            self.marks.small[self.running] += nbytes
+
+
+class _Recomputed:
+    """Rule 9: while entered, every block's forward runs under a non-reentrant
+    ``torch.utils.checkpoint`` whose forward context counts what autograd saves (chained in
+    front of the checkpoint's own pack hook, which then drops it: TRAPS 6) and whose recompute
+    context times the recomputation, so it can be taken out of the block's backward."""
+
+    def __init__(self, blocks: Sequence[nn.Module], hooks: _BlockHooks) -> None:
+        self.blocks = blocks
+        self.hooks = hooks
+        self.recompute_s = [0.0] * len(blocks)
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+
+    def __enter__(self) -> _Recomputed:
+        self.hooks.inner_only = True
+        for index, block in enumerate(self.blocks):
+            # the instance's own forward where something (accelerate, peft, a user) set one; put
+            # back as it was on exit, as the activation offloader's recompute wrapper does
+            self._wrapped.append((block, vars(block).get("forward")))
+            block.forward = functools.partial(self._forward, index, block.forward)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.hooks.inner_only = False
+        for block, previous in reversed(self._wrapped):
+            if previous is not None:
+                block.forward = previous  # type: ignore[method-assign]
+            else:
+                del block.forward
+        self._wrapped.clear()
+
+    def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        if not torch.is_grad_enabled() or top is None or top[0] != self.hooks.pack:
+            # Other saved-tensor hooks decide what this block keeps (the user's own checkpoint
+            # around it, save_on_cpu): as in the plain pass, they are not ours to count or drop.
+            return original(*args, **kwargs)
+        contexts = functools.partial(self._contexts, index)
+        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+    def _contexts(self, index: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
+        return self._counted(), self._timed(index)
+
+    @contextlib.contextmanager
+    def _counted(self) -> Iterator[None]:
+        top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        assert top is not None  # entered inside the checkpoint's own hooks
+        pack, unpack = top
+
+        def counted(tensor: torch.Tensor) -> Any:
+            self.hooks.count(tensor)
+            return pack(tensor)
+
+        with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
+            yield
+
+    @contextlib.contextmanager
+    def _timed(self, index: int) -> Iterator[None]:
+        start = self.hooks.clock()
+        try:
+            yield
+        finally:
+            self.recompute_s[index] += self.hooks.clock() - start
 
 
 def _blocks_and_order(model: nn.Module, blocks: BlockSpec) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter]]:
@@ -322,10 +435,16 @@ def _param_modules(model: nn.Module, params: Sequence[nn.Parameter]) -> tuple[li
 
 
 def _bytes_pass(
-    model: nn.Module, sample: Sample, params: Sequence[nn.Parameter], hooks: _BlockHooks, live: _LiveBytes
-) -> tuple[list[int], dict[int, int], int]:
-    """Pass 1 (rule 3): bytes, the execution order, warm-up. (order, first block each parameter
-    was used in, the head's transient peak)."""
+    model: nn.Module,
+    sample: Sample,
+    params: Sequence[nn.Parameter],
+    hooks: _BlockHooks,
+    live: _LiveBytes,
+    recomputed: _Recomputed | None = None,
+) -> tuple[list[int], dict[int, int], int, float, float]:
+    """Pass 1 (rule 3): bytes, the execution order, warm-up; its times, which rule 9 keeps.
+    (order, first block each parameter was used in, the head's transient peak, forward seconds,
+    backward seconds less the recomputation)."""
 
     def where() -> int:
         if hooks.running is not None:
@@ -335,18 +454,27 @@ def _bytes_pass(
 
     handles, order, seen, first_block = _record_order(model, params, where)
     try:
-        with hooks, live, torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t):
+        with (
+            hooks,
+            recomputed or contextlib.nullcontext(),
+            live,
+            torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t),
+        ):
             live.mark()
+            start = hooks.clock()
             outputs = _loss(model, sample)
+            middle = hooks.clock()
             # Peak since the last block ended (the head and loss) above what remains.
             head_transient = live.peak - live.live
             torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+            end = hooks.clock()
             del outputs
     finally:
         for handle in handles:
             handle.remove()
     order += [i for i in range(len(params)) if i not in seen]
-    return order, first_block, head_transient
+    recompute_s = sum(recomputed.recompute_s) if recomputed is not None else 0.0
+    return order, first_block, head_transient, middle - start, max(end - middle - recompute_s, 0.0)
 
 
 def _timing_passes(
@@ -381,9 +509,11 @@ def _block_stats(
     forward_s: float,
     backward_s: float,
     head_transient: int,
+    recompute_s: Sequence[float] = (),
 ) -> tuple[list[BlockStats], BlockStats]:
     """Rules 3 and 4: per block, its times (from the timed pass ``times``) and bytes (from the
-    bytes pass ``hooks``); then the part outside blocks, what the pass took beyond them."""
+    bytes pass ``hooks``); then the part outside blocks, what the pass took beyond them. Rule 9:
+    ``recompute_s``, each block's recomputation, is not its backward's."""
     marks = hooks.marks
     peaks = hooks.peaks
     stats = []
@@ -395,7 +525,8 @@ def _block_stats(
         b_end = times.backward_end.get(i)
         if b_end is None and b_start is not None:  # rule 4: input needed no gradient
             b_end = times.backward_start.get(i - 1) if i > 0 else None
-        b = max(b_end - b_start, 0.0) if b_start is not None and b_end is not None else 2 * f
+        again = recompute_s[i] if i < len(recompute_s) else 0.0
+        b = max(b_end - b_start - again, 0.0) if b_start is not None and b_end is not None else 2 * f
         block_fwd += f
         block_bwd += b
         transient = max(peaks.get(("forward", i), 0), peaks.get(("backward", i), 0) - marks.saved[i])
@@ -434,11 +565,19 @@ def measure(
     with unchanged_training_state(model, device):
         live = _LiveBytes()
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
-        order, first_block, head_transient = _bytes_pass(model, sample, params, hooks, live)
-        for p in params:
-            p.grad = None
-        forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
-    stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient)
+        if streamed() is not None:  # rule 9: one pass, its blocks recomputed
+            recomputed = _Recomputed(modules_list, hooks)
+            order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
+                model, sample, params, hooks, live, recomputed
+            )
+            times, recompute_s = hooks.marks, recomputed.recompute_s
+        else:
+            order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
+            for p in params:
+                p.grad = None
+            forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
+            recompute_s = []
+    stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient, recompute_s)
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]
     return stats, outside, param_stats, order, modules, shared, param_block

@@ -37,8 +37,9 @@ must be off while it is entered.
    have free plus what those chunks hold (``held``, taken with the pool emptied); the pool
    is emptied again, spares included, once the passes are done (``Streaming.release``),
    before the link probes, the overhead calibration and the search read free bytes.
-   Beyond the capacities the profiling holds what a plain step of the user's batch holds
-   (its activations and temporaries) and the optimizer timing's synthetic sample.
+   Beyond the capacities the profiling holds its blocks' inputs, one block's activations
+   (recomputed in backward: NOTE [ Profiling step ] rule 9), what outside the blocks saves, the
+   temporaries, and the optimizer timing's synthetic sample.
 """
 
 from __future__ import annotations
