@@ -119,7 +119,7 @@ class Homes:
     def stage(self, chunk: Chunk, known: KnownBytes | None = None) -> None:
         """Bring an NVMe home to the host for writing (DEMAND) and wait for it; ``known``: what
         memory holds of it already (NOTE [ Managed object rules ] rule 6). With no room, the
-        write-backs in flight land first."""
+        write-backs in flight land first, one at a time until it fits."""
         self.fence(chunk)
         handle = chunk.home
         assert handle is not None
