@@ -174,7 +174,7 @@ class Stepper:
         #: NVMe homes staged for optimizer.step() while backward ran (rule 11), cumulative
         self.homes_staged_in_backward = 0
         #: rule 3: the chunk whose home waits for room to be read ahead of its early step, and the
-        #: homes read so, once room freed later in its backward (cumulative, for stats and tests)
+        #: homes read so, once room freed later in its backward (cumulative)
         self._home_wanted: Chunk | None = None
         self.homes_read_when_room_freed = 0
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
@@ -221,6 +221,7 @@ class Stepper:
         self._start_queued()
         if self._queued or not (self._early and chunk.home_tier == "nvme" and chunk.trainable):
             return  # rule 9: a queued step's home is read first
+        self.backward_progress()  # an earlier chunk's wish first: it steps first
         if not self._prefetch_home(chunk) and self._home_wanted is None:
             self._home_wanted = chunk  # rule 3: read once the room frees (backward_progress)
 
@@ -541,15 +542,14 @@ class Stepper:
         )
         for chunk, slots in work:
             following = next_staged.get(chunk)
-            # stage the next NVMe home while this one steps; refused while the host is full of
-            # write-backs in flight, it is asked again once this step is handed over (one of
-            # them has often landed by then), not left for its own step to read on demand
-            reading = following is not None and self._read_ahead(following)
+            if following is not None:  # stage the next NVMe home while this one steps
+                if self.save_guard is not None:
+                    self.save_guard.before_move(following)
+                with contextlib.suppress(TierCapacityError):
+                    following.home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
             self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
-            if following is not None:
-                if not reading:
-                    self._read_ahead(following)
-                self.gradients.stash.prefetch(following)  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
+            if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
+                self.gradients.stash.prefetch(following)
             self.chunk_steps += 1
         self._finish_steps()  # the next forward reads stepped homes
         self.gradients.stash.release_all()
@@ -557,21 +557,6 @@ class Stepper:
             home = self.store.chunks[index].home
             if home is not None:
                 home.wait()
-
-    def _read_ahead(self, chunk: Chunk) -> bool:
-        """Start reading ``chunk``'s NVMe home to the host for the step phase (PREFETCH); False
-        when the host has no room for it now."""
-        home = chunk.home
-        assert home is not None
-        if home.state is ObjectState.MOVING or home.tier != "nvme":
-            return True  # on its way or there already
-        if self.save_guard is not None:
-            self.save_guard.before_move(chunk)
-        try:
-            home.move_to("host", Priority.PREFETCH)
-        except TierCapacityError:
-            return False
-        return True
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
