@@ -24,6 +24,7 @@ from tests.test_states import (
     param_groups,
     state_bytes,
 )
+from tiermem.registry import ObjectState
 from tiermem.states import StatesUsageError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
@@ -374,6 +375,99 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     assert all(waiting == 1 and off <= STAGED_HOMES for waiting, off in seen)  # the one just prefetched
     # Some prefetch went out while another home was still off NVMe (being written back).
     assert any(off == 2 for _waiting, off in seen)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+class _SlowBackward(torch.autograd.Function):
+    """The identity, whose backward takes 50 ms: a chunk's backward outlasts a home's write-back."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.05)
+        return grad
+
+
+def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 3: a chunk whose backward begins while the room is taken by the
+    last homes' write-backs (NVMe writes 20 ms late here) gets its home read by a later hook of the
+    same backward, once one landed (each block's backward takes 50 ms between its MLP and its
+    attention), not on demand by its step: every home read so was off NVMe when its step staged
+    it, the room (STAGED_HOMES homes) is never exceeded, nor the host; training stays bitwise."""
+    from tests import test_states
+    from tiermem.layout.placement import STAGED_HOMES
+    from tiermem.states.homes import Homes
+    from tiermem.states.stepping import Stepper
+    from tiermem.tiers.nvme import NvmeTier
+
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+
+    def slow_block(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).split(test_states.D, dim=-1)
+        x = _SlowBackward.apply(x + self.proj(nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)))
+        return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
+
+    monkeypatch.setattr(test_states.Block, "forward", slow_block)
+    write = NvmeTier.write
+
+    def slow_write(self, allocation, offset, src):
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def later() -> None:
+            time.sleep(0.02)
+            inner = write(self, allocation, offset, src)
+            inner.add_done_callback(
+                lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None)
+            )
+
+        threading.Thread(target=later, daemon=True).start()
+        return done
+
+    monkeypatch.setattr(NvmeTier, "write", slow_write)
+    room: list[int] = []  # homes off NVMe right after each read ahead of an early step
+    read_late: set[int] = set()  # chunks whose home a later hook read, in the current backward
+    found: list[bool] = []  # at each of their steps: was the home off NVMe already?
+    prefetch, progress, stage = Stepper._prefetch_home, Stepper.backward_progress, Homes.stage
+
+    def counted_prefetch(self, chunk):
+        before = chunk.home.state, chunk.home.tier
+        started = prefetch(self, chunk)
+        if (chunk.home.state, chunk.home.tier) != before:
+            room.append(self._homes_off_nvme()[1])
+        return started
+
+    def counted_progress(self):
+        wanted, before = self._home_wanted, self.homes_read_when_room_freed
+        progress(self)
+        if self.homes_read_when_room_freed > before:
+            read_late.add(wanted.index)
+
+    def counted_stage(self, chunk, known=None):
+        if chunk.index in read_late:
+            read_late.discard(chunk.index)
+            found.append(chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme")
+        stage(self, chunk, known)
+
+    monkeypatch.setattr(Stepper, "_prefetch_home", counted_prefetch)
+    monkeypatch.setattr(Stepper, "backward_progress", counted_progress)
+    monkeypatch.setattr(Homes, "stage", counted_stage)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
+        assert rt.plan.staged_homes == STAGED_HOMES
+        got = plain_loop(model, optimizer, steps, 1, None)
+        stepper = managed(rt).stepper
+        assert rt.stats().as_dict()["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+    assert stepper.homes_read_when_room_freed > 0, "no home was read once the room freed"
+    assert found and all(found), "a home read once the room freed was still on NVMe when its step staged it"
+    assert room and max(room) <= STAGED_HOMES
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 

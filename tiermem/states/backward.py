@@ -168,6 +168,7 @@ class BackwardTracker:
             self.store.pool.acquire(use.chunks, -1)
         for chunk in use.chunks:
             self._enter(chunk)
+        self.stepper.backward_progress()
 
     def _input_ready(self, use: Use, _grad: torch.Tensor) -> None:
         use.waiting -= 1
@@ -209,6 +210,7 @@ class BackwardTracker:
         if self.lifecycle.closed:
             return
         self._begin()
+        self.stepper.backward_progress()
         chunk = self.gradients.accumulate(i, p)
         if chunk is None:
             return

@@ -104,21 +104,39 @@ class Homes:
             if other.home is not None and other is not skip and other.home.state is ObjectState.MOVING:
                 other.home.wait()
 
+    def wait_write_back(self, skip: Chunk | None = None) -> bool:
+        """Wait for the first home (in chunk order) on its way back to NVMe but ``skip``'s; False
+        when none is: waiting frees nothing then."""
+        for other in self.store.chunks:
+            home = other.home
+            if other is skip or home is None or home.state is not ObjectState.MOVING:
+                continue
+            if home.obj.target_tier == "nvme":  # a read frees nothing
+                home.wait()
+                return True
+        return False
+
     def stage(self, chunk: Chunk, known: KnownBytes | None = None) -> None:
         """Bring an NVMe home to the host for writing (DEMAND) and wait for it; ``known``: what
         memory holds of it already (NOTE [ Managed object rules ] rule 6). With no room, the
-        write-backs in flight land first."""
+        write-backs in flight land first, one at a time until it fits."""
         self.fence(chunk)
         handle = chunk.home
         assert handle is not None
-        try:
-            handle.move_to("host", Priority.DEMAND, known)
-        except TierCapacityError:
-            # Earlier homes' write-backs free host memory when they land (the plan has room for
-            # its staged_homes: NOTE [ Default placement rule ] rule 3).
-            self.wait_moves(skip=chunk)
+        # Earlier homes' write-backs free host memory when they land (the plan has room for its
+        # staged_homes: NOTE [ Default placement rule ] rule 3). One at a time: the read starts as
+        # soon as one landed frees enough, not after the last one queued (the plain loop's step
+        # phase waited for two or three write-backs before every third read).
+        while True:
             try:
                 handle.move_to("host", Priority.DEMAND, known)
+                break
+            except TierCapacityError:
+                if self.wait_write_back(skip=chunk):
+                    continue
+            try:  # none in flight: the last may have landed since the refusal
+                handle.move_to("host", Priority.DEMAND, known)
+                break
             except TierCapacityError as exc:
                 what = f"staging chunk {chunk.index}'s NVMe home on the host"
                 raise StatesMemoryError.tier_full(exc, what) from exc
