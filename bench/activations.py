@@ -17,6 +17,12 @@ Usage::
 
     .venv/bin/python bench/activations.py                      # the issue's model (8x512, seq 512, batch 4)
     .venv/bin/python bench/activations.py --layers 2 --seq 128 --rounds 1 --steps 2   # a quick look
+    .venv/bin/python bench/activations.py --hf --policies keep,nvme   # issue 33: HF GPT-2, same sizes
+
+Besides step time and peaks it prints CPU seconds per step by thread (the training thread,
+tiermem's own threads with their kernel share, torch's workers) and, for each offloading
+policy, that CPU per GiB moved (written plus read back) against ``keep``: what the offload path
+costs where compute already fills every core (TRAPS 7).
 """
 
 from __future__ import annotations
