@@ -17,6 +17,12 @@ Usage::
 
     .venv/bin/python bench/activations.py                      # the issue's model (8x512, seq 512, batch 4)
     .venv/bin/python bench/activations.py --layers 2 --seq 128 --rounds 1 --steps 2   # a quick look
+    .venv/bin/python bench/activations.py --hf --policies keep,nvme   # issue 33: HF GPT-2, same sizes
+
+Besides step time and peaks it prints CPU seconds per step by thread (the training thread,
+tiermem's own threads with their kernel share, torch's workers) and, for each offloading
+policy, that CPU per GiB moved (written plus read back) against ``keep``: what the offload path
+costs where compute already fills every core (TRAPS 7).
 """
 
 from __future__ import annotations
@@ -45,15 +51,28 @@ def _worker(args: argparse.Namespace) -> dict:
     from tiermem.app.train import train_step
 
     torch.manual_seed(0)
-    config = GPTConfig(
-        n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq
-    )
-    model = GPT(config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
     x, y = tokens[:, :-1], tokens[:, 1:]
+    model: torch.nn.Module
+    if args.hf:
+        # Issue 33's case: Hugging Face GPT-2 built from a config (no download), its loss
+        # computed inside from ``labels``, its GPT2Block layers the offloader's blocks.
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        hf_config = GPT2Config(
+            n_layer=args.layers, n_embd=args.d_model, n_head=args.heads, n_positions=args.seq, vocab_size=args.vocab
+        )
+        model = GPT2LMHeadModel(hf_config)
+    else:
+        model = GPT(
+            GPTConfig(
+                n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq
+            )
+        )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     process = psutil.Process()
+    main_tid = threading.get_native_id()
     tier_config = {
         "device": {"device": "cpu", "capacity": "8GiB"},
         "host": {"capacity": "4GiB"},
@@ -65,7 +84,16 @@ def _worker(args: argparse.Namespace) -> dict:
     with tiermem.Runtime(tier_config) as rt:
 
         def step() -> float:
-            return train_step(rt, model, optimizer, x, y, args.policy)[1]
+            if not args.hf:
+                return train_step(rt, model, optimizer, x, y, args.policy)[1]
+            start = time.perf_counter()
+            with rt.offload_activations(model, policy=args.policy):
+                loss = model(input_ids=x, labels=x).loss
+                loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            loss.item()
+            return time.perf_counter() - start
 
         step()  # warm-up: allocator, thread pools, and auto's first measurement
         base_rss = process.memory_info().rss
@@ -80,15 +108,20 @@ def _worker(args: argparse.Namespace) -> dict:
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         before = rt.stats().as_dict()["activations"]
+        threads_before = _thread_cpu(process, main_tid)
         cpu_before = process.cpu_times()
         faults_before = resource.getrusage(resource.RUSAGE_SELF)
         times = [step() for _ in range(args.steps)]
         faults_after = resource.getrusage(resource.RUSAGE_SELF)
         cpu_after = process.cpu_times()
+        threads_after = _thread_cpu(process, main_tid)
         running = False
         sampler.join()
         after = rt.stats().as_dict()
     activations = after["activations"]
+    # CPU seconds per step by thread group over the measured steps (a thread that ended
+    # meanwhile drops out: tiermem's threads live as long as the Runtime).
+    threads = {k: (threads_after[k] - threads_before[k]) / args.steps for k in threads_after}
     return {
         "policy": args.policy,
         "step_s": times,
@@ -103,17 +136,55 @@ def _worker(args: argparse.Namespace) -> dict:
         "tiermem_peak_resident": activations["peak_resident_bytes"],
         "captured_per_step": (activations["captured_bytes"] - before["captured_bytes"]) // args.steps,
         "nvme_written_per_step": (activations["bytes_written"]["nvme"] - before["bytes_written"]["nvme"]) // args.steps,
+        # Every tier's bytes written and read back: what the per-GiB CPU cost divides by.
+        "moved_per_step": sum(
+            activations[key][tier] - before[key].get(tier, 0)
+            for key in ("bytes_written", "bytes_read")
+            for tier in activations[key]
+        )
+        // args.steps,
+        "thread_cpu_s_per_step": threads,
         "backward_wait_s": activations["backward_wait_s"] - before["backward_wait_s"],
         "fallbacks": activations["fallbacks"] - before["fallbacks"],
         "write_link": after["links"].get("device->nvme", {}),
     }
 
 
+def _thread_cpu(process: object, main_tid: int) -> dict[str, float]:
+    """CPU seconds (user + system) of ``process``'s threads by group: ``training`` (the calling
+    thread: compute plus the saved-tensor hooks), ``tiermem`` (its I/O, scheduler and copy
+    threads, named ``tiermem-*``), ``other`` (torch's intra-op workers: native threads Python
+    does not know, which the keep run has too); ``tiermem_sys``: the kernel's share of the
+    tiermem threads (O_DIRECT submission, pinning and faulting the pages it moves)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    groups = {"training": 0.0, "tiermem": 0.0, "tiermem_sys": 0.0, "other": 0.0}
+    for thread in process.threads():  # type: ignore[attr-defined]
+        cpu = thread.user_time + thread.system_time
+        if thread.id == main_tid:
+            groups["training"] += cpu
+        elif names.get(thread.id, "").startswith("tiermem"):
+            groups["tiermem"] += cpu
+            groups["tiermem_sys"] += thread.system_time
+        else:
+            groups["other"] += cpu
+    return groups
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
+    except OSError:
+        return platform.processor() or "unknown"
+
+
 def _machine(path: str) -> dict:
     import psutil
 
     return {
+        "cpu": _cpu_model(),
         "cpus": os.cpu_count(),
+        "load_at_start": round(os.getloadavg()[0], 1),  # other processes sharing the cores
         "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "python": platform.python_version(),
         "platform": platform.platform(),
@@ -144,6 +215,9 @@ def main() -> int:
     parser.add_argument(
         "--block-size", default=None, help="[nvme] block_size, also the scheduler's request size (default: config's)"
     )
+    parser.add_argument(
+        "--hf", action="store_true", help="Hugging Face GPT-2 from a config (issue 33's case) instead of tiermem's GPT"
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
@@ -162,6 +236,7 @@ def main() -> int:
         f"--batch={args.batch}",
         f"--steps={args.steps}",
         f"--path={path}",
+        *(["--hf"] if args.hf else []),
         *([f"--block-size={args.block_size}"] if args.block_size else []),
     ]
     policies = args.policies.split(",")
@@ -202,6 +277,11 @@ def main() -> int:
             "captured_bytes_per_step": results[-1]["captured_per_step"],
             "nvme_written_per_step": results[-1]["nvme_written_per_step"],
             "backward_wait_s": statistics.median(r["backward_wait_s"] / args.steps for r in results),
+            "moved_per_step": results[-1]["moved_per_step"],
+            **{
+                f"{group}_cpu_s": statistics.median(r["thread_cpu_s_per_step"][group] for r in results)
+                for group in ("training", "tiermem", "tiermem_sys", "other")
+            },
             "fallbacks": sum(r.get("fallbacks", 0) for r in results),
         }
     keep = summary.get("keep")
@@ -230,7 +310,31 @@ def main() -> int:
             f"{s['tiermem_peak_resident_bytes'] / 2**20:>11.0f}Mi {ratio('tiermem_peak_resident_bytes'):>7} "
             f"{s['nvme_written_per_step'] / 2**20:>8.0f}Mi {s['backward_wait_s']:>9.3f} {s['fallbacks']:>9}"
         )
+    _print_cpu_cost(summary)
     return 0
+
+
+def _print_cpu_cost(summary: dict[str, dict]) -> None:
+    """Where the offload path's CPU goes, per GiB moved (written + read back): the training
+    thread's extra over keep (the saved-tensor hooks), tiermem's own threads (scheduler, I/O
+    submission and reaping, copies; their kernel share apart) and the whole process's extra
+    over keep. CPU seconds, not wall: less sensitive to other processes on the cores, and on
+    a machine whose compute fills every core each CPU second of the I/O path displaces compute."""
+    keep = summary.get("keep")
+    print("CPU s per step by thread: training | tiermem threads (kernel) | other (torch workers)")
+    for policy, s in summary.items():
+        line = (
+            f"{policy:<10} {s['training_cpu_s']:>6.2f} | {s['tiermem_cpu_s']:>5.2f} ({s['tiermem_sys_cpu_s']:.2f}) "
+            f"| {s['other_cpu_s']:>6.2f}"
+        )
+        gib = s["moved_per_step"] / 2**30
+        if gib > 0:
+            line += f"   moved {gib:.2f} GiB/step: tiermem threads {s['tiermem_cpu_s'] / gib:.3f} CPU s/GiB"
+            if keep:
+                extra = s["cpu_s_per_step"] - keep["cpu_s_per_step"]
+                training = s["training_cpu_s"] - keep["training_cpu_s"]
+                line += f", training thread {training / gib:+.3f}, process {extra / gib:+.3f} over keep"
+        print(line)
 
 
 if __name__ == "__main__":
