@@ -73,6 +73,8 @@ LR = 1e-4
 #: lr 1e-4 that moves the loss by ~1e-7 relative, while a wrong update (another learning rate, no
 #: weight decay, a missing step) moves it by >= 1e-4 within two steps.
 LOSS_RTOL = 1e-5
+#: The worker's result line starts with this (DeepSpeed writes lines of its own to stdout).
+RESULT_MARK = "bench/deepspeed.py result: "
 #: What the caller set for torch's huge-page allocation, read before anything imports tiermem.
 CALLER_THP = os.environ.get("THP_MEM_ALLOC_ENABLE")
 
@@ -105,8 +107,10 @@ def deepspeed_config(
 
     - device (``device_fraction`` of the state bytes): what ZeRO-3 gathers at once,
       ``stage3_max_live_parameters`` (elements), and the parameter swap buffers of
-      ``offload_param`` (each must hold the largest parameter, here the tied embedding; DeepSpeed
-      needs at least 2 however small the budget);
+      ``offload_param`` (each must hold the largest parameter, here the tied embedding, and every
+      parameter swapped in takes a whole buffer: DeepSpeed's default of 5 is kept as the least, which
+      at 34M is 168 MB, twice the device budget; that can only help DeepSpeed's step, and its RSS
+      counts it);
     - host (``host_fraction``): the optimizer swapper's buffers (``buffer_count`` of them, each a
       ``sub_group_size`` of fp32 elements; its step works one sub-group at a time, pipelined), and no
       parameter kept in RAM besides NVMe (``max_in_cpu`` 0);
@@ -116,7 +120,7 @@ def deepspeed_config(
     device_elems = int(shape["state_bytes"] * device_fraction) // 4
     host_elems = int(shape["state_bytes"] * host_fraction) // 4
     largest = shape["largest"]
-    param_buffers = max(2, device_elems // largest)
+    param_buffers = max(5, device_elems // largest)
     optimizer_buffers = 8  # four tensors a sub-group (master, gradient, two states), two sub-groups in flight
     sub_group = max(1, host_elems // optimizer_buffers)
     zero: dict[str, Any] = {
@@ -382,7 +386,10 @@ def _run_worker(args: argparse.Namespace, config: str, path: str, offload: str) 
         shutil.rmtree(nvme, ignore_errors=True)
     if out.returncode != 0:
         return {"config": config, "error": f"exit {out.returncode}: {out.stderr[-3000:]}"}
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    marked = [line for line in out.stdout.splitlines() if line.startswith(RESULT_MARK)]
+    if not marked:
+        return {"config": config, "error": f"no result line: {out.stdout[-1500:]} {out.stderr[-1500:]}"}
+    return json.loads(marked[-1][len(RESULT_MARK) :])
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
@@ -511,7 +518,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.worker:
-        print(json.dumps(_worker(args)))
+        # marked: DeepSpeed prints its own lines to stdout, some of them at exit
+        print(RESULT_MARK + json.dumps(_worker(args)), flush=True)
         return 0
     if args.install:
         install(args.venv)
