@@ -108,9 +108,9 @@ def deepspeed_config(
     - device (``device_fraction`` of the state bytes): what ZeRO-3 gathers at once,
       ``stage3_max_live_parameters`` (elements), and the parameter swap buffers of
       ``offload_param`` (each must hold the largest parameter, here the tied embedding, and every
-      parameter swapped in takes a whole buffer: DeepSpeed's default of 5 is kept as the least, which
-      at 34M is 168 MB, twice the device budget; that can only help DeepSpeed's step, and its RSS
-      counts it);
+      parameter swapped in takes a whole buffer: at 34M, 5 (DeepSpeed's default) ran out of buffers
+      in forward ("Not enough buffers 0 for swapping 1"); 10 is kept as the least, 335 MB, four
+      times the device budget: that can only help DeepSpeed's step, and its RSS counts it);
     - host (``host_fraction``): the optimizer swapper's buffers (``buffer_count`` of them, each a
       ``sub_group_size`` of fp32 elements; its step works one sub-group at a time, pipelined), and no
       parameter kept in RAM besides NVMe (``max_in_cpu`` 0);
@@ -120,13 +120,16 @@ def deepspeed_config(
     device_elems = int(shape["state_bytes"] * device_fraction) // 4
     host_elems = int(shape["state_bytes"] * host_fraction) // 4
     largest = shape["largest"]
-    param_buffers = max(5, device_elems // largest)
-    optimizer_buffers = 8  # four tensors a sub-group (master, gradient, two states), two sub-groups in flight
+    param_buffers = max(10, device_elems // largest)
+    optimizer_buffers = 16  # 8 (four tensors a sub-group, two in flight) ran out of buffers in its step
     sub_group = max(1, host_elems // optimizer_buffers)
     zero: dict[str, Any] = {
         "stage": 3,
         "stage3_max_live_parameters": max(device_elems, largest),
-        "stage3_prefetch_bucket_size": largest,
+        # one weight prefetched at a time and each released after use: every parameter swapped
+        # in holds a buffer of the largest parameter's size until it is released
+        "stage3_prefetch_bucket_size": max(1, largest // 8),
+        "stage3_max_reuse_distance": 0,
         "sub_group_size": sub_group,
     }
     if offload == "nvme":
@@ -222,6 +225,13 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
             port = s.getsockname()[1]
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         ds_config = deepspeed_config(args.size, args.device_fraction, args.host_fraction, args.nvme_path, args.offload)
+        # Partitioned here with the config and no dtype, so the parameters stay fp32: left to
+        # deepspeed.initialize, ZeRO-3 partitions them with an explicit dtype, which its CPU
+        # accelerator turns into bf16 (DeepSpeed 0.19.8, zero/partition_parameters.py _set_dtype:
+        # `dtype or torch.float16 if ... else torch.bfloat16 if ...is_bf16_supported` binds the
+        # conditional first and tests the method, not its result), and the forward then fails
+        # mixing float and bf16. Init(module=...) keeps the values the seeded GPT was built with.
+        deepspeed.zero.Init(module=model, config_dict_or_path=ds_config, remote_device=args.offload, pin_memory=False)
         engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
 
         def ds_step(x: torch.Tensor, y: torch.Tensor) -> float:
