@@ -69,9 +69,10 @@ SIZES: dict[str, dict[str, int]] = {
 STATE_BYTES_PER_PARAM = 16  # fp32 parameter, gradient and two AdamW states
 LR = 1e-4
 #: DeepSpeed's losses against plain PyTorch's, relative. Its CPU Adam is a fused C++ update whose
-#: rounding differs from torch's AdamW by an ulp or so per element and step; after a few steps at
-#: lr 1e-4 that moves the loss by ~1e-7 relative, while a wrong update (another learning rate, no
-#: weight decay, a missing step) moves it by >= 1e-4 within two steps.
+#: rounding differs from torch's AdamW; that alone should keep the losses of a few steps at lr 1e-4
+#: within this. Measured at 34M (5 steps): the first loss (before any update) is bitwise equal,
+#: then 3e-7, 2.7e-5, 3.1e-5, 3.3e-4: more than rounding explains, cause not found (the tied
+#: embedding's gradient under ZeRO-3 or its Adam variant are the suspects), so the check says no.
 LOSS_RTOL = 1e-5
 #: The worker's result line starts with this (DeepSpeed writes lines of its own to stdout).
 RESULT_MARK = "bench/deepspeed.py result: "
