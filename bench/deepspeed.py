@@ -358,8 +358,7 @@ def install(venv: Path) -> None:
             say("libaio-dev is missing and this is not root: NVMe offload will fall back to cpu offload")
     if not _venv_python(venv).exists():
         say(f"creating {venv}")
-        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
-        subprocess.run([str(_venv_python(venv)), "-m", "ensurepip", "--upgrade"], check=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(_venv_python(venv)), "-m", "pip", "install", "--quiet"]
     release = torch.__version__.split("+")[0]
     say(f"installing torch=={release} (this process's release) and deepspeed into {venv}")
