@@ -17,9 +17,10 @@ out, free).
    are copied into one flat CPU buffer and its optimizer-state tensors into a second, both
    registered on the NVMe tier and waited for before the next chunk's are made: one chunk's
    buffers (plus the home read of an NVMe chunk) are in memory at a time. Two buffers,
-   because the build reads values and gradients chunk by chunk and the states' import reads
-   the states after it: in one buffer, each old chunk was read back twice, whole (measured on
-   the 30M first-step bench: 16 reads of 7 chunks' buffers, 1.1 s of a 3.0 s re-pack).
+   because the states are read at different times for different new chunks (with an NVMe
+   home, as it is built; else by the states' import after the build): in one buffer, each old
+   chunk was read back twice, whole (measured on the 30M first-step bench: 16 reads of 7
+   chunks' buffers, 1.1 s of a 3.0 s re-pack).
    Scalar states (``step``) stay in memory. Without NVMe room the spill frees what it wrote
    and raises ``StatesMemoryError``: nothing was changed and the caller keeps the layout in
    force.
@@ -30,7 +31,8 @@ out, free).
    written: training after the re-pack is bitwise what it would have been.
 4. Memory: besides the tiers' capacities, a spilled re-pack holds one old chunk's buffers
    (its values, gradients and states: ``(2 + sections) x`` the chunk's bytes at most, fp32
-   masters counted) while spilling and ``CACHED_CHUNKS`` of them while building, and the
+   masters counted) while spilling and ``CACHED_CHUNKS`` buffers (one of values and
+   gradients and one of states: again about one old chunk's) while building, and the
    build's own transients (a new NVMe home is made in memory, then written): the caller's
    ``before_read`` waits until the homes built before the chunk being filled have landed, so
    at most one new home's write is in flight.
@@ -55,9 +57,10 @@ from tiermem.states.homes import Homes
 from tiermem.states.stateio import StateIO
 from tiermem.states.store import ChunkStore
 
-CACHED_CHUNKS = 1
+CACHED_CHUNKS = 2
 """Rule 3: old chunks' buffers kept in memory while the new chunks are built (re-packing in
-execution order reads the old chunks nearly in their order: a miss costs an NVMe read)."""
+execution order reads the old chunks nearly in their order: a miss costs an NVMe read); two,
+because a new chunk's NVMe home reads its values' buffer and its states' buffer in turn."""
 _ALIGN = 64
 """Every tensor in a flat buffer starts at a multiple of this (any dtype views it in place)."""
 
