@@ -126,7 +126,7 @@ class StateIO:
         """For :meth:`ChunkStore.build`: write ``states``' section tensors into a new chunk's home
         bytes before the home is first written to NVMe, and add the chunk's index to ``filled``,
         which :meth:`import_states` is then given (it writes those chunks' records only: reading
-        each new NVMe home back to write its states cost a third of a spilled re-pack, measured
+        each new NVMe home back to write its states cost about a third of a spilled re-pack, measured
         on the 30M first-step bench). A chunk with a state of another shape is left to the
         import, which says so."""
         names = self.facts.state_names
