@@ -147,7 +147,7 @@ class Relayout:
     # -- building ------------------------------------------------------------------------------
     def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
         """Chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values, gradients and states."""
-        filled: set[int] = set()  # chunks whose NVMe homes were written with their states
+        filled: dict[int, dict[int, dict[str, Any]]] = {}  # chunks whose NVMe homes hold their states
         self.store.build(layouts, plan, snapshot, self.stateio.home_filler(snapshot.states, filled))
         self.gradients.expose()
         self.stateio.import_states(snapshot.states, filled)
