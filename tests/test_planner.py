@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import tiermem
+import tiermem.planner.calibrate as calibration
 from tiermem.app.models.data import MarkovChainData
 from tiermem.app.models.gpt import GPT, GPTConfig, measure_activations
 from tiermem.layout.placement import Plan
@@ -202,6 +203,39 @@ def test_calibration_falls_back_to_charging_nothing_without_room(tmp_path):
         costs = calibrate(rt.registry, torch.optim.AdamW, {"lr": 1e-3})
         assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
     assert costs == Overheads() and not costs.measured
+
+
+def test_calibration_stops_early_only_when_the_steps_around_each_median_agree(tmp_path, monkeypatch):
+    """NOTE [ Overhead calibration ] rule 5: three timed steps within ``SPREAD`` of their median
+    settle it, an outlier beside them does not unsettle five; steps scattered wider run all
+    ``STEPS``. Counted on the real calibration: SPREAD infinite stops after ``MIN_STEPS`` timed
+    rounds, SPREAD 0 (no two timings equal) runs every round."""
+    assert calibration._settled([1.0, 1.05, 1.1])
+    assert not calibration._settled([1.0, 1.1, 1.5])
+    assert calibration._settled([0.2, 1.0, 1.05, 1.1, 9.0])
+    assert not calibration._settled([0.2, 0.8, 1.05, 1.1, 9.0])
+    steps = 0
+    real = calibration._step
+
+    def counted(*args):
+        step = real(*args)
+
+        def run() -> None:
+            nonlocal steps
+            steps += 1
+            step()
+
+        return run
+
+    monkeypatch.setattr(calibration, "_step", counted)
+    configurations = 8
+    with tiermem.Runtime(settings(tmp_path, "64MiB")) as rt:
+        for spread, rounds in ((float("inf"), calibration.MIN_STEPS), (0.0, calibration.STEPS)):
+            monkeypatch.setattr(calibration, "SPREAD", spread)
+            steps = 0
+            costs = calibrate(rt.registry, torch.optim.AdamW, {"lr": 1e-3})
+            assert costs.measured and len(costs.steps_s) == configurations
+            assert steps == (rounds + 1) * configurations  # the timed rounds and the warm-up
 
 
 def test_a_profile_of_an_older_version_is_measured_again(tmp_path):

@@ -424,3 +424,45 @@ def test_a_models_own_checkpoint_is_counted_streamed_as_plain(reentrant):
     assert [(b.saved_bytes, b.saved_count) for b in streamed[0]] == counts
     assert (min(c for c, _ in counts) > 0) == reentrant
     assert streamed[2:] == plain[2:]
+
+
+def test_a_re_pack_mid_training_writes_nvme_homes_with_their_states_and_stays_bitwise(tmp_path, monkeypatch):
+    """A re-pack after steps (here a declaration that streams gradients: NOTE [ Declared steps ]
+    rule 10) writes each new NVMe home with its optimizer states already in it
+    (``StateIO.home_filler``): the states' import stages no home back from NVMe, and the
+    Adam moments carried across the re-pack keep training bitwise plain PyTorch's."""
+    from tiermem.states.homes import Homes
+    from tiermem.states.stateio import StateIO
+
+    importing, staged = [False], []
+    real_import, real_stage = StateIO.import_states, Homes.stage
+
+    def import_states(self, *args, **kwargs):
+        importing[0] = True
+        try:
+            return real_import(self, *args, **kwargs)
+        finally:
+            importing[0] = False
+
+    def stage(self, chunk, *args, **kwargs):
+        if importing[0]:
+            staged.append(chunk.index)
+        return real_stage(self, chunk, *args, **kwargs)
+
+    monkeypatch.setattr(StateIO, "import_states", import_states)
+    monkeypatch.setattr(Homes, "stage", stage)
+    torch.manual_seed(0)
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
+        got = train(model, optimizer, range(2))
+        before = rt.plan
+        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        assert rt.plan is not before and "nvme" in rt.plan.state_home  # re-packed, NVMe homes built
+        got += train(model, optimizer, range(2, 4))
+    assert staged == []
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

@@ -17,7 +17,7 @@
    managed with the whole model in one streamed chunk (host home, one buffer); and one
    streamed chunk a layer (two buffers); an eighth runs the plain model's forward alone.
    They alternate step by step (A B C ... A B C ...), so a change of load hits each alike;
-   each takes the median of ``STEPS`` steps after one warm-up.
+   each takes the median of its steps after one warm-up round.
 3. What: differences of those medians, each per unit of the work it adds (never below 0):
    ``param_s`` (persistent minus plain, per parameter), ``saved_s`` (keep minus persistent,
    per saved tensor), ``offload_s`` (host minus keep, per saved tensor, less the bytes'
@@ -31,6 +31,13 @@
    not touched, and every chunk and saved tensor it made is freed before it returns. When
    the tiers have no room for it (a tiny device budget), the fallback is ``Overheads()``:
    nothing measured, nothing charged (``measured`` False), and the planner prices bytes only.
+5. How many steps: as many as the spread asks for, ``MIN_STEPS`` to ``STEPS``. After an odd
+   count of timed rounds (3, 5, 7) it stops when, for every configuration, the three steps
+   around the median lie within ``SPREAD`` of it: one more step moves the median at most to
+   one of those neighbours, so the median is known to about that much. A steady machine
+   stops early (three timed rounds of eight are half the calibration's steps); a loaded one,
+   whose steps scatter by 2-5x (measured here at load ~7), runs all ``STEPS``, as before,
+   because its medians need them.
 """
 
 from __future__ import annotations
@@ -60,7 +67,11 @@ LAYERS = 16
 WIDTH = 64
 BATCH = 64
 STEPS = 7
-"""Rule 2: timed steps per configuration (after one warm-up)."""
+"""Rule 5: the most timed steps per configuration (after one warm-up round)."""
+MIN_STEPS = 3
+"""Rule 5: the fewest timed steps per configuration, the fewest a median can drop an outlier from."""
+SPREAD = 0.2
+"""Rule 5: how far (relative to the median) the three steps around it may lie for the median to be kept."""
 
 
 class _Net(nn.Module):
@@ -155,6 +166,8 @@ def calibrate(
                     step()
                     if round_:
                         times[name].append(time.perf_counter() - start)
+                if MIN_STEPS <= round_ < STEPS and round_ % 2 and all(_settled(values) for values in times.values()):
+                    break
         except (MemoryError, PlanError) as exc:  # the tiers have no room for it (rule 4)
             log.info("tiermem planner: no room to calibrate the managed step's overheads (%s); not charged", exc)
             return Overheads()
@@ -173,6 +186,13 @@ def calibrate(
         measured=True,
         steps_s=median,
     )
+
+
+def _settled(values: list[float]) -> bool:
+    """Rule 5: whether the three timed steps around the median of ``values`` (an odd count) lie
+    within ``SPREAD`` of it, so that more steps would not move the median further than that."""
+    middle = sorted(values)[len(values) // 2 - 1 : len(values) // 2 + 2]
+    return middle[2] - middle[0] <= SPREAD * middle[1]
 
 
 def _step(

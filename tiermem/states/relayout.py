@@ -147,9 +147,10 @@ class Relayout:
     # -- building ------------------------------------------------------------------------------
     def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
         """Chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values, gradients and states."""
-        self.store.build(layouts, plan, snapshot)
+        filled: dict[int, dict[int, dict[str, Any]]] = {}  # chunks whose NVMe homes hold their states
+        self.store.build(layouts, plan, snapshot, self.stateio.home_filler(snapshot.states, filled))
         self.gradients.expose()
-        self.stateio.import_states(snapshot.states)
+        self.stateio.import_states(snapshot.states, filled)
         owner = self._plan_owner() if self._plan_owner is not None else None
         if owner is not None:
             owner.plan = plan  # type: ignore[attr-defined]

@@ -49,6 +49,10 @@ class StateTensor:
     chunk: int
 
 
+_WRITTEN = object()
+"""A section tensor :meth:`StateIO.home_filler` wrote into its chunk's home as it was built."""
+
+
 class SaveGuard(Protocol):
     """An asynchronous checkpoint in progress (NOTE [ Asynchronous saves ] in
     :mod:`tiermem.checkpoint.background`), told on the training thread before chunk bytes change."""
@@ -120,8 +124,45 @@ class StateIO:
         index = self.facts.index
         self.import_states({index[id(p)]: dict(s) for p, s in state.items() if s and id(p) in index})
 
-    def import_states(self, states: Mapping[int, dict[str, Any]]) -> None:
-        """Write per-parameter optimizer states (keyed by parameter index) into the chunks."""
+    def home_filler(
+        self, states: Mapping[int, dict[str, Any]], filled: dict[int, dict[int, dict[str, Any]]]
+    ) -> Callable[[Chunk, torch.Tensor], None]:
+        """For :meth:`ChunkStore.build`: write ``states``' section tensors into a new chunk's home
+        bytes before the home is first written to NVMe, and keep in ``filled`` (by chunk, then
+        parameter) each state entry with those tensors marked written, which :meth:`import_states`
+        is then given: it writes those chunks' records only, reading neither the home back
+        (measured: about a third of a spilled re-pack on the 30M first-step bench) nor the
+        snapshot's tensors again. A chunk with a state of another shape is left to the import,
+        which says so."""
+        names = self.facts.state_names
+
+        def fill(chunk: Chunk, home: torch.Tensor) -> None:
+            writes, entries = [], {}
+            for slot in chunk.layout.slots:
+                entry = states.get(slot.index)
+                if entry is None:
+                    continue
+                kept = dict(entry)
+                for key, value in entry.items():
+                    if self.facts.is_section(slot.index, key) and chunk.sections and isinstance(value, torch.Tensor):
+                        if tuple(value.shape) != slot.shape:
+                            return
+                        writes.append((slot, chunk.section_base(names.index(key)), value))
+                        kept[key] = _WRITTEN
+                entries[slot.index] = kept
+            for slot, base, value in writes:
+                slot.master_view(home, base, chunk.master_scale).copy_(value)
+            filled[chunk.index] = entries
+
+        return fill
+
+    def import_states(
+        self, states: Mapping[int, dict[str, Any]], filled: Mapping[int, Mapping[int, dict[str, Any]]] | None = None
+    ) -> None:
+        """Write per-parameter optimizer states (keyed by parameter index) into the chunks;
+        ``filled``: chunks whose homes hold their section tensors already, with their entries
+        (:meth:`home_filler`)."""
+        filled = filled or {}
         self._settle_save()
         names = self.facts.state_names
         pstate = self.store.pstate
@@ -133,19 +174,23 @@ class StateIO:
             tensors = [
                 s
                 for s in slots
-                if chunk.sections and any(facts.is_section(s.index, k) for k in states.get(s.index, {}))
+                if chunk.sections
+                and chunk.index not in filled
+                and any(facts.is_section(s.index, k) for k in states.get(s.index, {}))
             ]
             # a home too large to stage whole takes each tensor by ranges (NOTE [ Sliced steps ] rule 4)
             ranged = chunk.slice_span is not None and chunk.home is not None and chunk.home.tier == "nvme"
             home_ctx = self.homes.writable(chunk) if tensors and not ranged else contextlib.nullcontext(None)
             with home_ctx as home:
                 for slot in slots:
-                    entry = states.get(slot.index)
+                    entry = filled[chunk.index].get(slot.index) if chunk.index in filled else states.get(slot.index)
                     if not entry:
                         pstate.pop(slot.index, None)
                         continue
                     record = ParamState(list(entry))
                     for key, value in entry.items():
+                        if value is _WRITTEN:
+                            continue  # written with the home (home_filler)
                         if facts.is_section(slot.index, key) and chunk.sections and isinstance(value, torch.Tensor):
                             if tuple(value.shape) != slot.shape:
                                 raise ValueError(

@@ -11,7 +11,7 @@ in ``manager.py``) and, while building, ``.grad``. It decides nothing about orde
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -81,14 +81,23 @@ class ChunkStore:
             ) from exc
 
     # -- building and freeing ---------------------------------------------------------------
-    def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:
+    def build(
+        self,
+        layouts: Sequence[ChunkLayout],
+        plan: Plan,
+        snapshot: Snapshot,
+        fill_home: Callable[[Chunk, torch.Tensor], None] | None = None,
+    ) -> None:
         """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values and
-        gradients (optimizer states are the caller's: :class:`~tiermem.states.stateio.StateIO`)."""
+        gradients (optimizer states are the caller's: :class:`~tiermem.states.stateio.StateIO`).
+        ``fill_home``: given a chunk whose home goes to NVMe and the home's bytes in memory, it
+        may write the chunk's optimizer states there before the home is written once (the
+        caller's import then need not read the home back to write them)."""
         facts = self.facts
         self.plan = plan
         slots: list[tuple[Chunk, Slot] | None] = [None] * len(facts.params)
         for layout in layouts:
-            chunk = self._build_chunk(layout, plan, snapshot)
+            chunk = self._build_chunk(layout, plan, snapshot, fill_home)
             for slot in layout.slots:
                 slots[slot.index] = (chunk, slot)
         self.pool = ChunkPool(self.registry, self.chunks, plan.buffers, plan.chunk_size)
@@ -106,7 +115,13 @@ class ChunkStore:
             for module, names in facts.module_names.items()
         }
 
-    def _build_chunk(self, layout: ChunkLayout, plan: Plan, snapshot: Snapshot) -> Chunk:
+    def _build_chunk(
+        self,
+        layout: ChunkLayout,
+        plan: Plan,
+        snapshot: Snapshot,
+        fill_home: Callable[[Chunk, torch.Tensor], None] | None,
+    ) -> Chunk:
         persistent = layout.index < plan.persistent_chunks
         chunk = Chunk(
             layout,
@@ -126,7 +141,7 @@ class ChunkStore:
         if persistent:
             self._fill_persistent(chunk, snapshot)
         else:
-            self._fill_streamed(chunk, snapshot)
+            self._fill_streamed(chunk, snapshot, fill_home)
         if not persistent or chunk.master_scale > 1:  # no device copy to read: reads fetch
             chunk.guard([self.facts.params[slot.index] for slot in layout.slots])
         grads = [(slot, snapshot.grads[slot.index]) for slot in layout.slots]
@@ -161,7 +176,9 @@ class ChunkStore:
         for slot in chunk.layout.slots:
             release_file_pages(snapshot.data[slot.index])
 
-    def _fill_streamed(self, chunk: Chunk, snapshot: Snapshot) -> None:
+    def _fill_streamed(
+        self, chunk: Chunk, snapshot: Snapshot, fill_home: Callable[[Chunk, torch.Tensor], None] | None
+    ) -> None:
         """A streamed chunk: parameters view its storage, emptied at once (rule 1: on CUDA all
         chunks at full size at once would be the whole model in device memory), and its home."""
         for slot in chunk.layout.slots:
@@ -179,6 +196,8 @@ class ChunkStore:
             # Copied into the home: the snapshot's file-backed pages can go back to their file, so a
             # model built under rt.init() never sits whole in RAM (NOTE [ Materialising under rt.init() ]).
             release_file_pages(snapshot.data[slot.index])
+        if fill_home is not None and chunk.home_tier == "nvme":
+            fill_home(chunk, home)
         chunk.home = self.register(home, chunk.home_tier, "chunk home")
 
     def free(self) -> None:
