@@ -5,6 +5,8 @@ arguments and re-packs under the planner's plan, and training stays bitwise plai
 from __future__ import annotations
 
 import logging
+import pathlib
+import re
 
 import pytest
 import torch
@@ -23,6 +25,7 @@ from tests.test_states import (
     train,
 )
 from tiermem.planner.errors import NoPlanFitsError, ProfileError
+from tiermem.states import backward, streamed_profile
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -466,3 +469,11 @@ def test_a_re_pack_mid_training_writes_nvme_homes_with_their_states_and_stays_bi
     assert staged == []
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_the_profiling_steps_stand_in_answers_every_call_backward_makes_on_the_stepper():
+    """The streamed profiling pass tracks backward with a stepper that steps nothing; a call the
+    tracker gains on the real stepper must exist on the stand-in too (one missing made every
+    first-step plan fall back to the default placement, logged, never raised)."""
+    called = set(re.findall(r"self\.stepper\.(\w+)\(", pathlib.Path(backward.__file__).read_text()))
+    assert called and not {name for name in called if not hasattr(streamed_profile._NoSteps, name)}
