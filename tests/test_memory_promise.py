@@ -16,8 +16,9 @@ import textwrap
 SLACK = 48 << 20
 """The stated constant: what the process holds beyond the tiers' capacities from ``rt.manage``
 through a planned first step and the next (the plain forward's activations and autograd's
-temporaries, of the user's step and of the profiling passes; the optimizer timing's synthetic
-tensors, 4 x ``STREAMED_OPTIMIZER_SAMPLE_BYTES``; the spilled snapshot's chunk buffer; a new
+temporaries, of the user's step and of the one profiling pass, whose blocks are recomputed; the
+optimizer timing's synthetic tensors, 4 x ``STREAMED_OPTIMIZER_SAMPLE_BYTES``; the spilled
+snapshot's two cached buffers, together about one old chunk; a new
 NVMe home on its way out; the NVMe tier's bounce buffers; allocator slack). Measured on this
 model (states 98 MiB, capacities 23 MiB): ru_maxrss grew 24-33 MiB planning streamed (8 runs),
 25-30 MiB where the default placement was kept (before streamed profiling); profiling on a
