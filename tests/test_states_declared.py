@@ -328,7 +328,6 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     never stages more than STAGED_HOMES homes; training stays exact."""
     from tiermem.layout.placement import STAGED_HOMES
     from tiermem.states.stepping import Stepper
-    from tiermem.tiers.nvme import NvmeTier
 
     seen: list[tuple[int, int]] = []  # (homes waiting for their step, homes off NVMe) at each prefetch
     original = Stepper.backward_entered
@@ -341,24 +340,7 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
             seen.append((waiting, off))
 
     monkeypatch.setattr(Stepper, "backward_entered", recorded)
-    write = NvmeTier.write
-
-    def slow_write(self, allocation, offset, src):
-        # Every NVMe write lands 20 ms late, so a home's write-back is still in flight when
-        # the next chunk's backward begins (on a fast disk it may land first: nothing to test).
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def later() -> None:
-            time.sleep(0.02)
-            inner = write(self, allocation, offset, src)
-            inner.add_done_callback(
-                lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None)
-            )
-
-        threading.Thread(target=later, daemon=True).start()
-        return done
-
-    monkeypatch.setattr(NvmeTier, "write", slow_write)
+    _slow_nvme_writes(monkeypatch)
     steps = 3
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
@@ -377,6 +359,29 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     assert any(off == 2 for _waiting, off in seen)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def _slow_nvme_writes(monkeypatch: pytest.MonkeyPatch, delay: float = 0.02) -> None:
+    """Every NVMe write lands ``delay`` late, so a home's write-back is still in flight when the
+    next chunk's backward begins (on a fast disk it may land first: nothing to test)."""
+    from tiermem.tiers.nvme import NvmeTier
+
+    write = NvmeTier.write
+
+    def slow_write(self, allocation, offset, src):
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+        def later() -> None:
+            time.sleep(delay)
+            inner = write(self, allocation, offset, src)
+            inner.add_done_callback(
+                lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None)
+            )
+
+        threading.Thread(target=later, daemon=True).start()
+        return done
+
+    monkeypatch.setattr(NvmeTier, "write", slow_write)
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -402,7 +407,6 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     from tiermem.layout.placement import STAGED_HOMES
     from tiermem.states.homes import Homes
     from tiermem.states.stepping import Stepper
-    from tiermem.tiers.nvme import NvmeTier
 
     steps = 3
     plain = make_model()
@@ -414,22 +418,7 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
         return x + self.out(nn.functional.gelu(self.fc(self.ln2(x))))
 
     monkeypatch.setattr(test_states.Block, "forward", slow_block)
-    write = NvmeTier.write
-
-    def slow_write(self, allocation, offset, src):
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-        def later() -> None:
-            time.sleep(0.02)
-            inner = write(self, allocation, offset, src)
-            inner.add_done_callback(
-                lambda f: done.set_exception(f.exception()) if f.exception() else done.set_result(None)
-            )
-
-        threading.Thread(target=later, daemon=True).start()
-        return done
-
-    monkeypatch.setattr(NvmeTier, "write", slow_write)
+    _slow_nvme_writes(monkeypatch)
     room: list[int] = []  # homes off NVMe right after each read ahead of an early step
     read_late: set[int] = set()  # chunks whose home a later hook read, in the current backward
     found: list[bool] = []  # at each of their steps: was the home off NVMe already?
