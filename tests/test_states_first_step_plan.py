@@ -341,7 +341,7 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
 
 
 def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkeypatch):
-    """NOTE [ Profiling step ] rule 9: streamed, one pass measures bytes and times with every
+    """NOTE [ Profiling step ] rules 9 and 11: streamed, one pass measures bytes and times with every
     block checkpointed: it counts the bytes each block saves as the plain bytes pass does, but
     holds only the checkpoints' inputs through forward (what it holds as the forward returns
     drops by the blocks' saved bytes less their inputs), and the blocks' forwards are put back."""
@@ -395,7 +395,7 @@ def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkey
 
 @pytest.mark.parametrize("reentrant", [True, False])
 def test_a_models_own_checkpoint_is_counted_streamed_as_plain(reentrant):
-    """NOTE [ Profiling step ] rule 9: a block the model checkpoints itself runs under the
+    """NOTE [ Profiling step ] rule 13: a block the model checkpoints itself runs under the
     model's hooks, not the streamed pass's recompute, so both passes count what it saves alike
     (non-reentrant: nothing kept; reentrant: what its recomputation saves in backward)."""
     from tiermem.planner import profiler

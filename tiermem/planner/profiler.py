@@ -53,25 +53,26 @@
    Measured: streamed passes of a GPT took 0.15-0.22 s where plain ones took 0.30-0.39 s (a
    plain pass allocates every gradient afresh; a streamed one drops each as it accumulates,
    as a managed step does, which took 0.21 s): the streamed times are the closer ones.
-9. Streamed, one pass measures everything (issue 33 item 4, issue 34's memory goal): no timing
-   passes follow the bytes pass (each was a forward and backward streamed from NVMe: of a 210M
-   GPT's 131 s of first-step profiling, 90 s), so the times are the bytes pass's, of one pass,
-   not a median (the real first step has run just before: the process is warm), read on a
-   clock that leaves out the dispatch mode's own bookkeeping (its Python around each operator;
-   measured on a 2-core VM under load: a 30M GPT-2's plain forward and backward, 1,450
-   operators, took 7-11% more CPU seconds under the mode, of which the bookkeeping timed is
-   about a third and the per-operator dispatch 6-8 us: the rest, not found, errs slow). And the
-   pass holds its activations as recompute would: every block's forward runs under a non-reentrant
-   ``torch.utils.checkpoint`` (restored RNG, so bitwise the same values), whose forward context
-   chains a counting hook in front of the checkpoint's own pack hook (TRAPS 6: one pushed
+9. Streamed, one pass measures everything: no timing passes follow the bytes pass. Each was a
+   forward and backward streamed from NVMe (of a 210M GPT's 131 s of first-step profiling,
+   90 s). The times are that one pass's, not a median: the real first step has just run, so
+   the process is warm.
+10. That pass reads a clock without the dispatch mode's own bookkeeping (its Python around
+   each operator), since the pass that counts bytes is now the one timed. Measured on a 2-core
+   VM under load: a 30M GPT-2's forward and backward (1,450 operators) took 7-11% more CPU
+   seconds under the mode; the timed bookkeeping is about a third of that, and the rest, not
+   found, makes the times err slow.
+11. The pass holds its activations as recompute would, so profiling stays near the capacities
+   (the plain pass held every block's activations: +520 MiB of a 200M LoRA run's peak). Each
+   block's forward runs under a non-reentrant ``torch.utils.checkpoint`` (RNG restored, so the
+   values are bitwise the same), and only the checkpoints' inputs stay alive through forward.
+12. A counting hook is chained in front of the checkpoint's own pack hook (TRAPS 6: one pushed
    without chaining would keep every tensor), so each block's saved bytes are counted as the
-   plain bytes pass counts them while only the checkpoints' inputs stay alive through forward
-   (the plain pass held every block's activations beside the capacities: +520 MiB of a 200M
-   LoRA run's peak). Its recompute context times each recomputation, which is taken out of that
-   block's backward and the pass's; the outer hook leaves what runs inside a block to the
-   chained one (the checkpoint saves the block's inputs there too, which plain autograd saves
-   only where an operator does). A block inside other saved-tensor hooks (the model's own
-   checkpoint around it) runs as they say, counted as the plain pass counts it.
+   plain pass counts them; the outer hook leaves what runs inside a block to it (the checkpoint
+   also saves the block's inputs, which plain autograd saves only where an operator does).
+13. The recompute context times each recomputation, and that time is taken out of the block's
+   backward and the pass's. A block inside other saved-tensor hooks (the model's own checkpoint
+   around it) runs as they say, and is counted as the plain pass counts it.
 """
 
 from __future__ import annotations
@@ -131,7 +132,7 @@ class _Marks:
 
 class _LiveBytes(TorchDispatchMode):
     """Live tensor bytes after every operator, and their peak since :meth:`mark` (rule 3); and
-    the seconds its own bookkeeping took, which :meth:`clock` leaves out (rule 9: the pass it
+    the seconds its own bookkeeping took, which :meth:`clock` leaves out (rule 10: the pass it
     counts in is also the one timed)."""
 
     def __init__(self) -> None:
@@ -230,7 +231,7 @@ class _BlockHooks:
         #: storage id -> versions counted, while the storage lives (recomputed blocks free their
         #: saved tensors in forward, so an id can come back as another storage's)
         self.seen: dict[int, set[int]] = {}
-        #: rule 9: blocks run checkpointed; their saved tensors are counted by :meth:`count`
+        #: rules 11-12: blocks run checkpointed; their saved tensors are counted by :meth:`count`
         #: from inside the checkpoint, so the outer hook leaves what runs inside a block alone
         self.inner_only = False
         self.peaks: dict[tuple[str, int], int] = {}
@@ -295,7 +296,7 @@ class _BlockHooks:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         if not (self.inner_only and self.running is not None):
             self.count(tensor)
-        return tensor  # kept: recompute (rule 9) drops tensors by its own hooks, not by these
+        return tensor  # kept: recompute (rule 11) drops tensors by its own hooks, not by these
 
     def count(self, tensor: torch.Tensor) -> None:
         """One tensor autograd saves: the first saver of a (storage, version) counts it."""
@@ -565,7 +566,7 @@ def measure(
     with unchanged_training_state(model, device):
         live = _LiveBytes()
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
-        if streamed() is not None:  # rule 9: one pass, its blocks recomputed
+        if streamed() is not None:  # rules 9-13: one pass, its blocks recomputed
             recomputed = _Recomputed(modules_list, hooks)
             order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
                 model, sample, params, hooks, live, recomputed

@@ -38,7 +38,7 @@ must be off while it is entered.
    is emptied again, spares included, once the passes are done (``Streaming.release``),
    before the link probes, the overhead calibration and the search read free bytes.
    Beyond the capacities the profiling holds its blocks' inputs, one block's activations
-   (recomputed in backward: NOTE [ Profiling step ] rule 9), what outside the blocks saves, the
+   (recomputed in backward: NOTE [ Profiling step ] rule 11), what outside the blocks saves, the
    temporaries, and the optimizer timing's synthetic sample.
 """
 
