@@ -1,0 +1,334 @@
+"""Hugging Face GPT-2 at a tenth of its state bytes: plain PyTorch, tiermem's declared loop and the
+plain (undeclared) loop, side by side, with where each second of the step goes.
+
+The case users bring: ``GPT2LMHeadModel`` built from a config (no download; 210M parameters, 3.2
+GiB of fp32 AdamW state at ``--size 210M``), ``rt.manage(model, torch.optim.AdamW)`` alone (the
+plan ``"auto"``: the first step profiles and plans, the plan's activation policy applied by
+``rt.manage``), device and host capacities each ``--fraction`` (default 10% at 210M) of the state bytes, the
+rest on NVMe under ``--path``. Modes, each a fresh process, the order reversed every round (A B C,
+C B A, ...):
+
+- ``plain``: plain PyTorch, everything in RAM; the reference losses and the compute floor;
+- ``declared``: ``rt.manage(..., grad_accumulation_steps=1, keep_gradients=False)``: each chunk
+  steps as its backward ends (NOTE [ Declared steps ]);
+- ``undeclared``: ``rt.manage(...)`` and the README loop as written (``.grad`` readable between
+  backward and the step, NOTE [ Stored gradients ]).
+
+The model is built as users build it (whole in RAM, then managed), so ``ru_maxrss`` is the whole
+process's from construction to exit. The tiermem processes share one private profile cache, so
+the first one profiles and the others plan from its profile; ``--warmup`` steps (the first one
+plans) are not timed. The timed steps run inside ``rt.trace``: each step's compute, waits by cause,
+busy links and the share of moves hidden come from ``tiermem trace summary``.
+
+The floor is max(plain PyTorch's step in the same run, the disk time of the mode's NVMe bytes per
+step at the read and write bandwidth ``tiermem bench io`` measures on ``--path`` in the same run).
+Goals: declared <= 1.25x the floor, undeclared <= 1.35x, ``ru_maxrss`` <= 0.45x plain's; the losses
+of every process bitwise equal (the run fails otherwise).
+
+    .venv/bin/python bench/hf_states.py                                   # 210M, 3 rounds
+    .venv/bin/python bench/hf_states.py --size tiny --rounds 1 --steps 2 --io-size 64MiB  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
+from states_headline import nvme_moved
+
+STATE_BYTES_PER_PARAM = 16  # fp32 AdamW: parameter, gradient, two states
+SIZES: dict[str, dict[str, int]] = {
+    "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "seq": 32, "batch": 2},
+    "30M": {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "seq": 256, "batch": 2},
+    "210M": {"n_layer": 16, "n_embd": 1024, "n_head": 16, "vocab_size": 8192, "seq": 256, "batch": 2},
+}
+#: device and host capacity each, as a fraction of the state bytes: the issue's 10%, and for the
+#: small models what their default placement needs (chunks are at least 64 KiB, 16 MiB at 30M)
+FRACTIONS = {"tiny": 0.30, "30M": 0.30, "210M": 0.10}
+MODES = ("plain", "declared", "undeclared")
+GOALS = {"declared": 1.25, "undeclared": 1.35}
+RSS_GOAL = 0.45
+
+
+def _clock() -> tuple[float, float]:
+    """Wall seconds and CPU seconds of the whole process (the I/O and step threads' included)."""
+    return time.perf_counter(), time.process_time()
+
+
+def _model(size: dict[str, int]) -> Any:
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=size["n_layer"],
+        n_embd=size["n_embd"],
+        n_head=size["n_head"],
+        vocab_size=size["vocab_size"],
+        n_positions=size["seq"],
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    return GPT2LMHeadModel(config)
+
+
+def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One mode's steps in this process: step and CPU seconds, losses, NVMe bytes per step, the
+    trace's breakdown per timed step and ``ru_maxrss``."""
+    import torch
+
+    import tiermem
+    from tiermem import tracing
+    from tiermem.app import trace_report
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    size = SIZES[args.size]
+    model = _model(size)
+    params = sum(p.numel() for p in model.parameters())
+    state_bytes = STATE_BYTES_PER_PARAM * params
+    generator = torch.Generator().manual_seed(1)
+    batches = [
+        torch.randint(0, size["vocab_size"], (size["batch"], size["seq"]), generator=generator)
+        for _ in range(args.warmup + args.steps)
+    ]
+    result: dict[str, Any] = {"mode": mode, "params": params, "state_bytes": state_bytes}
+    walls: list[float] = []
+    cpus: list[float] = []
+    losses: list[float] = []
+
+    def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
+        wall, cpu = _clock()
+        with tracing.traced("step", "step"):
+            with tracing.traced("forward pass", "phase"):
+                loss = model(input_ids=tokens, labels=tokens).loss
+            with tracing.traced("backward pass", "phase"):  # a declared loop steps its chunks in here
+                loss.backward()
+            with tracing.traced("optimizer.step", "phase"):
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+        now_wall, now_cpu = _clock()
+        walls.append(now_wall - wall)
+        cpus.append(now_cpu - cpu)
+        losses.append(loss.item())
+
+    if mode == "plain":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        for tokens in batches:
+            step(model, optimizer, tokens)
+    else:
+        capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
+        tiers = {
+            "device": {"device": "cpu", "capacity": capacity},
+            "host": {"capacity": capacity},
+            "nvme": {"paths": [args.path], "capacity": 2 * state_bytes + (1 << 30)},
+        }
+        declared = {"grad_accumulation_steps": 1, "keep_gradients": False} if mode == "declared" else {}
+        trace_path = os.path.join(args.path, f"{mode}.trace.json")
+        with tiermem.Runtime(tiers) as rt:
+            model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-4, **declared)
+            for tokens in batches[: args.warmup]:  # the first step profiles, plans and re-packs
+                step(model, optimizer, tokens)
+            before = rt.stats().as_dict()["links"]
+            with rt.trace(trace_path):
+                for tokens in batches[args.warmup :]:
+                    step(model, optimizer, tokens)
+            after = rt.stats().as_dict()["links"]
+            steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
+            os.remove(trace_path)
+            plan = rt.plan.as_dict() if rt.plan is not None else {}
+            tier_stats = rt.stats().as_dict()["tiers"]
+        moved = {k: (v["bytes"] - before.get(k, {"bytes": 0})["bytes"]) // args.steps for k, v in after.items()}
+        read, written = nvme_moved(moved)
+        result.update(
+            capacity=capacity,
+            nvme_read=read,
+            nvme_written=written,
+            moved=moved,
+            where_the_time_goes=steps,
+            plan={k: plan.get(k) for k in ("chunk_size", "persistent_chunks", "buffers", "block_policy")},
+            homes={h: (plan.get("state_home") or []).count(h) for h in ("device", "host", "nvme")},
+            predicted_step_s=(plan.get("predicted") or {}).get("step_s"),
+            tier_peaks={k: v["peak_bytes"] for k, v in tier_stats.items()},
+        )
+    result.update(
+        step_s=walls[args.warmup :],
+        cpu_s=cpus[args.warmup :],
+        first_step_s=walls[0],
+        losses=losses,
+        ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
+    return result
+
+
+def _run(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]:
+    command = [sys.executable, __file__, "--worker", mode, *_passed(args)]
+    env = {**os.environ, "XDG_CACHE_HOME": cache_home}
+    out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    for entry in os.listdir(args.path):  # a failed worker's files too
+        target = os.path.join(args.path, entry)
+        shutil.rmtree(target, ignore_errors=True) if os.path.isdir(target) else os.remove(target)
+    if out.returncode != 0:
+        raise SystemExit(f"bench/hf_states.py: the {mode} worker failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _passed(args: argparse.Namespace) -> list[str]:
+    names = ("size", "steps", "warmup", "fraction", "threads", "path")
+    return [f"--{name}={getattr(args, name)}" for name in names]
+
+
+def _disk(path: str, size: str) -> dict[str, float]:
+    """``tiermem bench io`` on ``path`` (a fresh process): median read and write bytes/s."""
+    command = [sys.executable, "-m", "tiermem", "bench", "io", "--path", path, "--size", size, "--repeats", "3"]
+    out = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
+    return {r["op"]: r["bytes_per_s"]["median"] for r in json.loads(out.stdout)["results"]}
+
+
+def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> dict[str, Any]:
+    """Medians per mode against the floor and plain PyTorch's RSS; refuses runs whose losses differ."""
+    reference = runs["plain"][0]["losses"]
+    for mode, mode_runs in runs.items():
+        for r in mode_runs:
+            if r["losses"] != reference:
+                raise SystemExit(
+                    f"bench/hf_states.py: the {mode} losses {r['losses']} differ from plain PyTorch's {reference}"
+                )
+    plain_s = statistics.median(t for r in runs["plain"] for t in r["step_s"])
+    plain_rss = statistics.median(r["ru_maxrss"] for r in runs["plain"])
+    modes: dict[str, Any] = {
+        "plain": {
+            "step_s": plain_s,
+            "cpu_s": statistics.median(t for r in runs["plain"] for t in r["cpu_s"]),
+            "ru_maxrss": plain_rss,
+        }
+    }
+    for mode in MODES[1:]:
+        mode_runs = runs[mode]
+        step_s = statistics.median(t for r in mode_runs for t in r["step_s"])
+        read = statistics.median(r["nvme_read"] for r in mode_runs)
+        written = statistics.median(r["nvme_written"] for r in mode_runs)
+        disk_s = read / disk["read"] + written / disk["write"]
+        floor = max(plain_s, disk_s)
+        steps = [s for r in mode_runs for s in r["where_the_time_goes"]]
+        causes = sorted({cause for s in steps for cause in s["waits"]})
+        rss = statistics.median(r["ru_maxrss"] for r in mode_runs)
+        modes[mode] = {
+            "step_s": step_s,
+            "cpu_s": statistics.median(t for r in mode_runs for t in r["cpu_s"]),
+            "nvme_read": read,
+            "nvme_written": written,
+            "disk_s": disk_s,
+            "floor_s": floor,
+            "step_over_floor": step_s / floor,
+            "goal": GOALS[mode],
+            "compute_s": statistics.median(s["compute_s"] for s in steps) if steps else None,
+            "wait_s": statistics.median(s["wait_s"] for s in steps) if steps else None,
+            "waits": {c: statistics.median(s["waits"].get(c, 0.0) for s in steps) for c in causes},
+            "phases": {
+                p: statistics.median(s["phases"].get(p, 0.0) for s in steps)
+                for p in sorted({p for s in steps for p in s["phases"]})
+            },
+            "hidden": statistics.median(s["overlap"] for s in steps if s["overlap"] is not None)
+            if any(s["overlap"] is not None for s in steps)
+            else None,
+            "ru_maxrss": rss,
+            "rss_over_plain": rss / plain_rss,
+            "plan": mode_runs[-1]["plan"],
+            "homes": mode_runs[-1]["homes"],
+            "predicted_step_s": mode_runs[-1]["predicted_step_s"],
+            "tier_peaks": mode_runs[-1]["tier_peaks"],
+            "capacity": mode_runs[-1]["capacity"],
+        }
+    return {"disk_bytes_per_s": disk, "modes": modes, "losses_bitwise_equal": True}
+
+
+def _report(summary: dict[str, Any], say: Any) -> None:
+    mib = 2**20
+    disk = summary["disk_bytes_per_s"]
+    modes = summary["modes"]
+    plain = modes["plain"]
+    say(
+        f"bench io: read {disk['read'] / mib:.0f} MiB/s, write {disk['write'] / mib:.0f} MiB/s; plain PyTorch "
+        f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s), ru_maxrss {plain['ru_maxrss'] / mib:.0f} MiB"
+    )
+    for mode in MODES[1:]:
+        m = modes[mode]
+        say(
+            f"{mode}: {m['step_s']:.2f} s a step ({m['cpu_s']:.1f} CPU s); floor {m['floor_s']:.2f} s (disk "
+            f"{m['disk_s']:.2f} s for {m['nvme_read'] / mib:.0f} MiB read + {m['nvme_written'] / mib:.0f} MiB "
+            f"written): {m['step_over_floor']:.2f}x (goal <= {m['goal']}x); ru_maxrss {m['ru_maxrss'] / mib:.0f} MiB "
+            f"= {m['rss_over_plain']:.2f}x plain (goal <= {RSS_GOAL}x)"
+        )
+        if m["compute_s"] is not None:
+            waits = ", ".join(f"{c} {s:.2f}" for c, s in sorted(m["waits"].items(), key=lambda kv: -kv[1])[:4])
+            phases = ", ".join(f"{p.split()[0]} {s:.2f}" for p, s in m["phases"].items())
+            hidden = "-" if m["hidden"] is None else f"{m['hidden']:.0%}"
+            say(
+                f"  where it goes (medians): compute {m['compute_s']:.2f} s + waits {m['wait_s']:.2f} s ({waits}); "
+                f"{phases}; {hidden} of the moves hidden"
+            )
+        say(f"  plan {m['plan']}, homes {m['homes']}, predicted step {m['predicted_step_s']}")
+    say("losses bitwise equal in every process")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size", choices=sorted(SIZES), default="210M")
+    parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
+    parser.add_argument("--warmup", type=int, default=1, help="steps before timing (the first one plans)")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--fraction", type=float, default=0.0, help="device and host capacity / state bytes (0: 10%% at 210M)"
+    )
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
+    parser.add_argument("--io-size", default="1GiB", help="bytes per tiermem bench io pass for the floor")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(run_mode(args.worker, args)))
+        return 0
+    if args.warmup < 1:
+        parser.error("--warmup must be >= 1: the first step of a managed model profiles and plans")
+    args.path = tempfile.mkdtemp(prefix="tiermem-bench-hf-states-", dir=args.path)
+    cache_home = tempfile.mkdtemp(prefix="tiermem-bench-hf-states-cache-")
+    say = (lambda *a: None) if args.json else print
+    facts = machine.facts()
+    say(f"machine: {facts}")
+    runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
+    try:
+        disk = _disk(args.path, args.io_size)
+        for round_ in range(args.rounds):
+            for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
+                r = _run(mode, args, cache_home)
+                runs[mode].append(r)
+                say(
+                    f"round {round_ + 1} {mode}: first step {r['first_step_s']:.1f} s, steps "
+                    f"{', '.join(f'{t:.2f}' for t in r['step_s'])} s, ru_maxrss {r['ru_maxrss'] / 2**20:.0f} MiB"
+                )
+    finally:
+        shutil.rmtree(args.path, ignore_errors=True)
+        shutil.rmtree(cache_home, ignore_errors=True)
+    summary = {"machine": facts, "settings": {k: v for k, v in vars(args).items() if k != "worker"}}
+    summary.update(summarize(runs, disk))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        _report(summary, say)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

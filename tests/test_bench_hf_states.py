@@ -1,0 +1,54 @@
+"""bench/hf_states.py at its tiny size, its modes run in this process (a worker process each would
+cost a torch import apiece): every mode trains the same losses, the summary's floor and ratios are
+the arithmetic its docstring states, the breakdown comes from the trace, and nothing is left on
+disk. No timing asserts (speed goals live in bench/, never in timed tests)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+BENCH = Path(__file__).resolve().parent.parent / "bench"
+
+
+@pytest.fixture(scope="module")
+def hf_states() -> Iterator[ModuleType]:
+    """The bench module, imported from bench/ as its scripts import each other."""
+    sys.path.insert(0, str(BENCH))
+    try:
+        import hf_states
+
+        yield hf_states
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
+    hf_states: ModuleType, tmp_path: Path
+) -> None:
+    args = argparse.Namespace(size="tiny", steps=1, warmup=1, fraction=0.0, threads=0, path=str(tmp_path))
+    runs = {mode: [hf_states.run_mode(mode, args)] for mode in hf_states.MODES}
+    assert list(tmp_path.iterdir()) == []  # the trace files went with the runs
+    disk = {"read": 1e9, "write": 5e8}
+    summary = hf_states.summarize(runs, disk)
+    assert summary["losses_bitwise_equal"] is True
+    plain = summary["modes"]["plain"]
+    for mode in ("declared", "undeclared"):
+        m, run = summary["modes"][mode], runs[mode][0]
+        assert run["nvme_read"] > 0 and run["nvme_written"] > 0  # at 30% most homes are on NVMe
+        assert m["disk_s"] == pytest.approx(run["nvme_read"] / 1e9 + run["nvme_written"] / 5e8)
+        assert m["floor_s"] == max(plain["step_s"], m["disk_s"])
+        assert m["step_over_floor"] == pytest.approx(m["step_s"] / m["floor_s"])
+        assert m["rss_over_plain"] == pytest.approx(run["ru_maxrss"] / runs["plain"][0]["ru_maxrss"])
+        assert len(run["where_the_time_goes"]) == args.steps  # one trace summary per timed step
+        assert m["phases"].keys() >= {"forward pass", "backward pass", "optimizer.step"}
+        for tier in ("device", "host"):
+            assert 0 < m["tier_peaks"][tier] <= m["capacity"]
+    runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
+    with pytest.raises(SystemExit, match="undeclared losses"):
+        hf_states.summarize(runs, disk)
