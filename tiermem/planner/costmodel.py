@@ -95,7 +95,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermem.planner.activation_costs import (
     LOOKAHEAD,
@@ -150,6 +150,8 @@ class Estimate:
     reserve_device_bytes: int
     #: the device peak without opportunistic prefetches: what must fit (rule 2)
     device_demand: int = 0
+    #: bytes a step moves per link, ``"src->dst"`` as ``rt.stats()`` names them (rule 10)
+    links: Mapping[str, int] = field(default_factory=dict)
 
     def needed(self) -> dict[str, int]:
         return {**self.peak_bytes, "device": self.device_demand or self.peak_bytes["device"]}
@@ -188,7 +190,7 @@ def device_peak(states: StatesCost, acts: ActivationCost, *, prefetch: bool = Tr
 
     moments = [head + grads_by(count), states.grad_total]
     moments += [live + grads_by(i) for i, live in enumerate(stages)]
-    return states.static_device + max(forward, states.grad_in_flight + max(moments))
+    return states.static_device + max(forward, states.grad_in_flight + states.recompute_bytes + max(moments))
 
 
 def transient_peak(profile: Profile) -> int:
@@ -242,12 +244,13 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
         device_parts={**states.device_parts, "activations": acts.device_peak},
         reserve_device_bytes=states.reserve_device_bytes,
         device_demand=device_peak(states, acts, prefetch=False),
+        links={k: states.links.get(k, 0) + acts.links.get(k, 0) for k in {*states.links, *acts.links}},
     )
 
 
 def predict(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
     """The full prediction for one plan (rules 1-6)."""
-    states = states_cost(profile, choice)
+    states = states_cost(profile, choice, policies=policies)
     read_bw = profile.links.get("nvme->device") or 0.0
     busy = (states.nvme_read_forward / read_bw, states.nvme_read_backward / read_bw) if read_bw else (0.0, 0.0)
     return combine(profile, states, activation_cost(profile, policies, busy))

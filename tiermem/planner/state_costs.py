@@ -6,7 +6,7 @@ adds the activations' part and re-exports every name here)."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, gradients_at_once, streamed_reserve
@@ -28,9 +28,13 @@ class Packing:
         grad_home: str = "host",
         staged_homes: int = STAGED_HOMES,
         visits: Sequence[int] = (),
+        block_visits: Sequence[Sequence[int]] = (),
     ) -> None:
         """``visits``: the chunks in the order forward first uses their parameters, a repeat of
-        the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run)."""
+        the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run).
+        ``block_visits``: the same split by where forward uses them: before the first block, in
+        each block, after the last (the head); a recomputed block's forward runs its own again in
+        backward (rule 9; empty: unknown, recompute fetches nothing again)."""
         self.chunk_size = chunk_size
         #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
         #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
@@ -99,8 +103,11 @@ class Packing:
         # NOTE [ Cost model ] rule 8: chunks used in more than one run of the forward (a LoRA
         # adapters' chunk, used in every block between its base's chunks)
         self.visits = tuple(visits)
+        self.block_visits = tuple(tuple(runs) for runs in block_visits)
         self._runs: dict[int, tuple[int, ...]] = {}
-        self._fetches: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._fetches: dict[
+            tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
+        ] = {}
 
     @property
     def chunks(self) -> int:
@@ -142,17 +149,54 @@ class Packing:
         runs = self.runs(persistent)
         return len(set(runs)) < len(runs)
 
-    def fetches(self, persistent: int, buffers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Rule 8: how often forward and backward fetch each chunk (0 for persistent ones), from
-        the pool's least-recently-used eviction over the runs of ``visits``: in forward with one
-        slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while the
-        module inside it fetches its own: one demand over the buffers, NOTE [ Model-state rules ]
-        rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward left."""
-        key = (persistent, buffers)
+    def refetches_in_recompute(self, persistent: int, recomputed: Sequence[int]) -> bool:
+        """Rule 9: a recomputed block uses a streamed chunk (its recompute fetches it again)."""
+        if not self.block_visits:
+            return False
+        return any(c >= persistent for block in recomputed for c in self.block_visits[block + 1])
+
+    def recompute_slots(self, persistent: int, buffers: int, recomputed: Sequence[int]) -> int:
+        """Rule 9: the pool slots past ``buffers`` a recomputed block's forward takes inside
+        backward, beside the chunks backward holds: one module's span plus one, at most the
+        block's own streamed chunks (the floor NOTE [ Default placement rule ] rule 4 keeps)."""
+        if not self.block_visits:
+            return 0
+        need = 0
+        for block in recomputed:
+            span = len({c for c in self.block_visits[block + 1] if c >= persistent})
+            need = max(need, min(self.min_buffers + 1, span))
+        return max(0, need - buffers)
+
+    def fetches(
+        self, persistent: int, buffers: int, recomputed: Sequence[int] = ()
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rules 8 and 9: how often forward and backward fetch each chunk (0 for persistent ones),
+        from the pool's least-recently-used eviction over the runs of ``visits``: in forward with
+        one slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while
+        the module inside it fetches its own: one demand over the buffers, NOTE [ Model-state
+        rules ] rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward
+        left. Backward walks the blocks in reverse; a block in ``recomputed`` runs its forward
+        again first (its chunks in forward's order, with forward's slot more), then its own
+        backward."""
+        recomputed = tuple(sorted(recomputed)) if self.block_visits else ()
+        key = (persistent, buffers, recomputed)
         if key not in self._fetches:
             runs = self.runs(persistent)
-            forward, resident = _lru(runs, buffers + 1, [], self.chunks)
-            backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks)
+            forward, resident = _lru(runs, buffers + 1, [], self.chunks, prefetch=+1, first=persistent)
+            if not recomputed:
+                backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks, prefetch=-1, first=persistent)
+            else:
+                backward, held = [0] * self.chunks, resident[-buffers:]
+                again = set(recomputed)
+                for position in range(len(self.block_visits) - 1, -1, -1):
+                    used = [c for c in self.block_visits[position] if c >= persistent]
+                    if used and position - 1 in again:
+                        # backward holds the block's last chunk while the recompute runs forward
+                        for segment, pinned, ahead in (([used[-1]], -1, -1), (used, used[-1], 0)):
+                            fetched, held = _lru(segment, buffers, held, self.chunks, pinned, ahead, persistent)
+                            backward = [a + b for a, b in zip(backward, fetched, strict=True)]
+                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, prefetch=-1, first=persistent)
+                    backward = [a + b for a, b in zip(backward, fetched, strict=True)]
             self._fetches[key] = (tuple(forward), tuple(backward))
         return self._fetches[key]
 
@@ -191,9 +235,21 @@ class Packing:
         return lo
 
 
-def _lru(runs: Sequence[int], slots: int, resident: list[int], chunks: int) -> tuple[list[int], list[int]]:
+def _lru(
+    runs: Sequence[int],
+    slots: int,
+    resident: list[int],
+    chunks: int,
+    pinned: int = -1,
+    prefetch: int = 0,
+    first: int = 0,
+) -> tuple[list[int], list[int]]:
     """Fetches per chunk of a least-recently-used pool of ``slots`` over ``runs`` (starting with
-    ``resident``, most recent last), and what it holds at the end."""
+    ``resident``, most recent last), and what it holds at the end. ``pinned`` is never evicted
+    (a demand past the slots then takes one more, as the pool's does). ``prefetch`` (+1, -1):
+    each use also fetches the next chunk in that direction (from ``first`` on) when a slot is
+    free or one behind it can go; it keeps the use it had (least recent when new), as the pool's
+    prefetch does."""
     held = list(resident)
     fetched = [0] * chunks
     for chunk in runs:
@@ -201,9 +257,17 @@ def _lru(runs: Sequence[int], slots: int, resident: list[int], chunks: int) -> t
             held.remove(chunk)
         else:
             fetched[chunk] += 1
-            if len(held) >= slots:
-                del held[: len(held) - slots + 1]
+            while len(held) >= slots and any(c != pinned for c in held):
+                held.remove(next(c for c in held if c != pinned))
         held.append(chunk)
+        ahead = chunk + prefetch
+        if prefetch and first <= ahead < chunks and ahead not in held:
+            behind = [c for c in held if c != pinned and c != chunk and (c - chunk) * prefetch < 0]
+            if len(held) >= slots and behind:
+                held.remove(behind[0])
+            if len(held) < slots:
+                fetched[ahead] += 1
+                held.insert(0, ahead)
     return fetched, held
 
 
@@ -262,10 +326,18 @@ class StatesCost:
     #: of ``nvme_read_forward`` and ``nvme_read_backward``, the bytes a revisited streamed chunk
     #: makes forward and backward read again (rule 8): demand fetches, nothing to hide behind
     nvme_refetch: tuple[int, int] = (0, 0)
+    #: bytes a step moves per link, ``"src->dst"`` as ``rt.stats()`` names them (rule 10)
+    links: Mapping[str, int] = field(default_factory=dict)
+    #: pool slots past the buffers a recomputed block's forward takes in backward (rule 9)
+    recompute_bytes: int = 0
 
 
-def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
-    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear)."""
+def states_cost(
+    profile: Profile, choice: StatesChoice, *, timeline: bool = True, policies: Sequence[str] = ()
+) -> StatesCost:
+    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear;
+    ``policies``: the blocks' activation policies, whose recomputed blocks fetch their streamed
+    chunks again in backward, rule 9; empty: none recomputed)."""
     pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
     n = pk.chunks
     s = Packing._sum
@@ -279,27 +351,27 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
     # fetched again (least recently used go first).
     refetch_end = max(p, n - b)
-    memcpy = (
-        s(pk._nbytes, p, h)  # forward fetch from host homes
-        + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
-    )
+    # forward's fetch and backward's refetch from host homes
+    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, p, min(h, refetch_end))
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
     stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
+    grad_writes = 0
     if not (pk.grads_stream and profile.device == "cpu"):
         # gradient write-back of every streamed chunk; streamed gradients on the CPU device
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
-        memcpy += s(pk._grad, p, n) - stored
+        grad_writes = s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
     nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
     refetch = (0, 0)
     fetches = (n - p) + (refetch_end - p)
-    if pk.revisits(p):
-        # Rule 8: a revisited chunk streams; it and the chunks it evicts are fetched again
-        forward, backward = pk.fetches(p, b)
+    recomputed = [i for i, policy in enumerate(policies) if policy == "recompute"]
+    if pk.revisits(p) or pk.refetches_in_recompute(p, recomputed):
+        # Rules 8 and 9: a revisited chunk streams, or a recomputed block's forward runs again in
+        # backward: those chunks and the ones they evict are fetched again
+        forward, backward = pk.fetches(p, b, recomputed)
         sizes = [need.nbytes for need in pk.needs]
-        memcpy -= s(pk._nbytes, p, h) + s(pk._nbytes, p, min(h, refetch_end))
-        memcpy += sum((forward[c] + backward[c]) * sizes[c] for c in range(p, h))
+        host_reads = sum((forward[c] + backward[c]) * sizes[c] for c in range(p, h))
         read = (
             sum(forward[c] * sizes[c] for c in range(h, n)),
             sum(backward[c] * sizes[c] for c in range(max(h, p), n)),
@@ -307,6 +379,10 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         refetch = (max(0, read[0] - nvme_fwd), max(0, read[1] - nvme_bwd))
         nvme_fwd, nvme_bwd = read
         fetches = sum(forward) + sum(backward)
+    memcpy = host_reads + grad_writes
+    # Rule 9: a recomputed block's forward fetches beside what backward holds; past the buffers,
+    # a demand takes a slot more (one of the largest regular chunk's bytes each)
+    recompute_slots = pk.recompute_slots(p, b, recomputed) * pk._max_regular_from[p]
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
@@ -316,6 +392,16 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     memcpy += known
     nvme_step_read = s(pk._staged, h, n) - known + stored
     nvme_step = nvme_step_read + s(pk._staged, h, n) + stored
+    # Rule 10: what each link carries, as the tiers count it (a chunk's fetch from its home
+    # straight to the device, the step's staging between NVMe and the host)
+    links = {
+        "host->device": host_reads,
+        "device->host": grad_writes + known,
+        "nvme->device": nvme_fwd + nvme_bwd,
+        "device->nvme": stored,
+        "nvme->host": nvme_step_read,
+        "host->nvme": s(pk._staged, h, n),
+    }
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
@@ -334,11 +420,18 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_in_flight=grads,
         grad_total=grad_total,
         grad_stages=stages,
-        device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
+        device_parts={
+            "persistent": persistent_bytes,
+            "buffers": pool,
+            "gradients": grads + grad_total,
+            **({"recompute slots": recompute_slots} if recompute_slots else {}),
+        },
         # and the fetches past one a pass and the backward refetch of the standard count (rule 8)
         streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - (n - p) - (refetch_end - p),
         step_overlaps_io=pk.staged_homes > 1,
         nvme_refetch=refetch,
+        links=links,
+        recompute_bytes=recompute_slots,
     )
 
 

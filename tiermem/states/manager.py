@@ -491,7 +491,10 @@ class ModelStates:
         if torch.is_grad_enabled():
             self.backward.call_started(module)
         chunks = self.store.module_chunks[module]
-        self.store.pool.acquire(chunks, +1)
+        # A forward inside backward is a checkpointed block recomputed: the next chunk in forward
+        # order is one backward has just used, so prefetching it only evicts the ones it needs next
+        recomputing = torch._C._current_graph_task_id() != -1
+        self.store.pool.acquire(chunks, 0 if recomputing else +1)
         for chunk in chunks:
             chunk.pins += 1
         traced = tracing.span("forward", "forward", self._trace_names.get(module))  # NOTE [ Timeline trace ]
