@@ -105,9 +105,7 @@ class Packing:
         self.visits = tuple(visits)
         self.block_visits = tuple(tuple(runs) for runs in block_visits)
         self._runs: dict[int, tuple[int, ...]] = {}
-        self._fetches: dict[
-            tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]
-        ] = {}
+        self._fetches: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def chunks(self) -> int:
@@ -182,7 +180,7 @@ class Packing:
         key = (persistent, buffers, recomputed)
         if key not in self._fetches:
             runs = self.runs(persistent)
-            forward, resident = _lru(runs, buffers + 1, [], self.chunks, prefetch=+1, first=persistent)
+            forward, resident = _lru(runs, buffers + 1, [], self.chunks)
             if not recomputed:
                 backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks, prefetch=-1, first=persistent)
             else:
