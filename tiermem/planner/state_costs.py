@@ -29,12 +29,14 @@ class Packing:
         staged_homes: int = STAGED_HOMES,
         visits: Sequence[int] = (),
         block_visits: Sequence[Sequence[int]] = (),
+        lookups: int = 0,
     ) -> None:
         """``visits``: the chunks in the order forward first uses their parameters, a repeat of
         the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run).
         ``block_visits``: the same split by where forward uses them: before the first block, in
         each block, after the last (the head); a recomputed block's forward runs its own again in
-        backward (rule 9; empty: unknown, recompute fetches nothing again)."""
+        backward (rule 9; empty: unknown, recompute fetches nothing again). ``lookups``: the
+        leading chunks only what runs before the first block uses (embeddings: rule 9)."""
         self.chunk_size = chunk_size
         #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
         #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
@@ -104,6 +106,7 @@ class Packing:
         # adapters' chunk, used in every block between its base's chunks)
         self.visits = tuple(visits)
         self.block_visits = tuple(tuple(runs) for runs in block_visits)
+        self.lookups = lookups
         self._runs: dict[int, tuple[int, ...]] = {}
         self._fetches: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -181,20 +184,24 @@ class Packing:
         if key not in self._fetches:
             runs = self.runs(persistent)
             forward, resident = _lru(runs, buffers + 1, [], self.chunks)
-            if not recomputed:
-                backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks, prefetch=-1, first=persistent)
+            # backward prefetches the chunk before each one it uses, down to the first one
+            # backward needs (embeddings' chunks it never fetches)
+            first = max(persistent, self.lookups)
+            held = resident[-buffers:]
+            if not self.block_visits:
+                backward, _ = _lru(runs[::-1], buffers, held, self.chunks, prefetch=-1, first=first)
             else:
-                backward, held = [0] * self.chunks, resident[-buffers:]
-                again = set(recomputed)
-                for position in range(len(self.block_visits) - 1, -1, -1):
+                backward, again = [0] * self.chunks, set(recomputed)
+                # what runs before the first block (embeddings) fetches nothing for backward
+                for position in range(len(self.block_visits) - 1, 0, -1):
                     used = [c for c in self.block_visits[position] if c >= persistent]
                     if used and position - 1 in again:
                         # backward holds the block's last chunk while the recompute runs forward
                         for segment, pinned, ahead in (([used[-1]], -1, -1), (used, used[-1], 0)):
-                            fetched, held = _lru(segment, buffers, held, self.chunks, pinned, ahead, persistent)
-                            backward = [a + b for a, b in zip(backward, fetched, strict=True)]
-                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, prefetch=-1, first=persistent)
-                    backward = [a + b for a, b in zip(backward, fetched, strict=True)]
+                            fetched, held = _lru(segment, buffers, held, self.chunks, pinned, ahead, first)
+                            backward = [x + y for x, y in zip(backward, fetched, strict=True)]
+                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, prefetch=-1, first=first)
+                    backward = [x + y for x, y in zip(backward, fetched, strict=True)]
             self._fetches[key] = (tuple(forward), tuple(backward))
         return self._fetches[key]
 
@@ -349,8 +356,10 @@ def states_cost(
     # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
     # fetched again (least recently used go first).
     refetch_end = max(p, n - b)
+    # and the leading chunks only embeddings use are not fetched for backward at all (rule 9)
+    refetch_start = max(p, pk.lookups)
     # forward's fetch and backward's refetch from host homes
-    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, p, min(h, refetch_end))
+    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, refetch_start, min(h, refetch_end))
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
     stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
@@ -360,9 +369,9 @@ def states_cost(
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
         grad_writes = s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
-    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
+    nvme_bwd = s(pk._nbytes, max(h, refetch_start), refetch_end)
     refetch = (0, 0)
-    fetches = (n - p) + (refetch_end - p)
+    standard = fetches = (n - p) + max(0, refetch_end - refetch_start)
     recomputed = [i for i, policy in enumerate(policies) if policy == "recompute"]
     if pk.revisits(p) or pk.refetches_in_recompute(p, recomputed):
         # Rules 8 and 9: a revisited chunk streams, or a recomputed block's forward runs again in
@@ -425,7 +434,7 @@ def states_cost(
             **({"recompute slots": recompute_slots} if recompute_slots else {}),
         },
         # and the fetches past one a pass and the backward refetch of the standard count (rule 8)
-        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - (n - p) - (refetch_end - p),
+        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - standard,
         step_overlaps_io=pk.staged_homes > 1,
         nvme_refetch=refetch,
         links=links,
