@@ -1,5 +1,5 @@
 """The cost model: a candidate plan's step time and its peak bytes on every tier. Pure.
-The model states' part is :mod:`~tiermem.planner.state_costs` (rules 1, 5, 7), the
+The model states' part is :mod:`~tiermem.planner.state_costs` (rules 1, 5, 7-10), the
 activations' part :mod:`~tiermem.planner.activation_costs` (rules 2, 6, 7); this module
 combines them (rules 1, 3-5) and re-exports their names.
 
@@ -88,6 +88,35 @@ combines them (rules 1, 3-5) and re-exports their names.
    the simulation says 24 (prefetches behind evict a little more): 56.0 MB read a step, 51.3 MB
    simulated, 39 MB charged before. When no chunk is revisited, or the revisited ones persist,
    every chunk is read once a pass (backward refetches all but the ``buffers`` cached).
+   Backward's simulation also prefetches as the pool does (the chunk before each one used, into
+   a free slot or one behind it, keeping its old place in the eviction order). What it still
+   misses (measured): a module that owns the adapters and wraps its base layer (the hand-written
+   LoRA of the tests and of ``bench/lora.py``) runs its backward before the base layer's, not
+   after as forward's order reversed says, so backward fetches the base's chunk once more per
+   wrapped layer: the tiny bench above reads 50.1 MB a step, 44.8 MB simulated; at 200M (10%, one
+   buffer) 2,226 MiB of chunks from NVMe, 1,926 MiB simulated. The profile records forward's
+   order only.
+9. Recomputed blocks and embeddings (``Packing.block_visits``, from NOTE [ Profile fields ] rule
+   4's ``param_block``). A recomputed block runs its forward again inside backward: backward
+   holds the block's last chunk while the recompute fetches the block's chunks in forward's
+   order (prefetching nothing: NOTE [ Model-state rules ] rule 3), then walks them back. The
+   simulation of rule 8 then runs per block, recomputes included, whenever a recomputed block
+   uses a streamed chunk; its extra fetches are demand fetches, like rule 8's. A recompute's
+   forward needs one module's span plus one slot beside what backward holds (at most the
+   block's own chunks, the floor of NOTE [ Default placement rule ] rule 4); past ``buffers``
+   the pool takes them as demands over the buffers, so the device peak counts them in backward
+   (``recompute_bytes``): plans of every block recomputed through one buffer failed mid-step
+   (StatesMemoryError) on the tests' LoRA Llama. Measured there (4 x 128, device and host 40% of
+   the base, every block recomputed): 6,078,464 bytes a step from NVMe and 3,432,448 from the
+   host, as predicted; charged once a pass, NVMe's were 20% under. What forward runs before the
+   first block (embeddings: backward reads no weight, NOTE [ Model-state rules ] rule 3) is not
+   fetched for backward: ``Packing.lookups`` leading chunks only it uses, tied ones left out.
+10. Bytes per link (``Estimate.links``, named as ``rt.stats()`` names them): chunk fetches from
+   host homes ``host->device`` and from NVMe homes ``nvme->device`` (rules 8, 9), gradient
+   write-backs ``device->host``, gradients stored on NVMe ``device->nvme``, the step's staging
+   ``nvme->host`` and ``host->nvme``, and offloaded activations both ways. Byte counts do not
+   depend on the machine's load, so they check the model where times cannot
+   (``tests/test_planner_links.py``; ``bench/lora.py`` prints both).
 """
 
 from __future__ import annotations

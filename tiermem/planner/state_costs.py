@@ -1,6 +1,6 @@
 """The cost model's model-state part: where a chunk packing's chunks live (a persistent prefix,
 streamed buffers, host then NVMe homes) and what that costs in bytes per tier and in time.
-Pure. Rules 1, 5 and 7 of NOTE [ Cost model ] (in :mod:`tiermem.planner.costmodel`, which
+Pure. Rules 1, 5 and 7-10 of NOTE [ Cost model ] (in :mod:`tiermem.planner.costmodel`, which
 adds the activations' part and re-exports every name here)."""
 
 from __future__ import annotations
@@ -176,9 +176,10 @@ class Packing:
         one slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while
         the module inside it fetches its own: one demand over the buffers, NOTE [ Model-state
         rules ] rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward
-        left. Backward walks the blocks in reverse; a block in ``recomputed`` runs its forward
-        again first (its chunks in forward's order, with forward's slot more), then its own
-        backward."""
+        left, prefetching the chunk before each one it uses. Backward walks the blocks in
+        reverse (with ``block_visits``; what runs before the first block, embeddings, fetches
+        nothing for it); a block in ``recomputed`` runs its forward again first: its last chunk
+        held, its chunks in forward's order, prefetching nothing (rule 9)."""
         recomputed = tuple(sorted(recomputed)) if self.block_visits else ()
         key = (persistent, buffers, recomputed)
         if key not in self._fetches:
