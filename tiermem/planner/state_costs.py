@@ -130,10 +130,10 @@ class Packing:
         return sum(large) + regular * self._max_regular_from[persistent]
 
     def grads_in_flight(self, persistent: int) -> int:
-        """Rule 1: streamed gradient chunks on the device at once: the streamed trainable chunks
-        of tied parameters (complete only at backward's end) and the largest other one (filled)."""
-        tied = sum(self.needs[c].grad_bytes for c in self.shared if c >= persistent)
-        return tied + self._max_untied_grad_from[persistent]
+        """Rule 1: streamed gradient chunks of untied parameters on the device at once: the
+        largest one (filled, then written back). Streamed tied ones stay from their stage on, as
+        persistent ones do (``states_cost``)."""
+        return self._max_untied_grad_from[persistent]
 
     def runs(self, persistent: int) -> tuple[int, ...]:
         """Rule 8: the streamed chunks (from ``persistent`` on) in forward's order of use, a
@@ -319,9 +319,9 @@ class StatesCost:
     static_device: int = 0
     #: streamed chunks' gradient chunks on the device at once
     grad_in_flight: int = 0
-    #: persistent chunks' gradient chunks, all of them
+    #: persistent chunks' gradient chunks, all of them, and streamed tied ones (rule 1)
     grad_total: int = 0
-    #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
+    #: (stage, bytes): those gradient chunks and the backward stage allocating them
     grad_stages: tuple[tuple[int, int], ...] = ()
     device_parts: dict[str, int] = field(default_factory=dict)
     #: chunks that stream, and slices of sliced steps past each one's first (rule 7)
@@ -347,13 +347,18 @@ def states_cost(
     pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
     n = pk.chunks
     s = Packing._sum
-    grad_total = s(pk._grad, 0, p)
-    persistent_bytes = s(pk._device, 0, p) - grad_total
+    persistent_grads = s(pk._grad, 0, p)
+    persistent_bytes = s(pk._device, 0, p) - persistent_grads
     pool = pk.pool_bytes(p, b)
+    # Rule 1: one untied streamed gradient chunk in flight at a time; a streamed chunk of tied
+    # parameters keeps its gradient from when backward reaches it to backward's end, as a
+    # persistent chunk does (its tied weight's gradient accumulates once, when its last use is done)
     grads = pk.grads_in_flight(p)
+    kept = [c for c in range(p) if pk.needs[c].grad_bytes] + [c for c in pk.shared if c >= p]
+    grad_total = sum(pk.needs[c].grad_bytes for c in kept)
     stages: tuple[tuple[int, int], ...] = ()
     if timeline:
-        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in range(p) if pk.needs[c].grad_bytes)
+        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in kept if pk.needs[c].grad_bytes)
     # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
     # fetched again (least recently used go first).
     refetch_end = max(p, n - b)
@@ -414,7 +419,7 @@ def states_cost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
         # gradients, and the pool's reserve
-        reserve_device_bytes=persistent_bytes + grad_total + streamed_reserve(pk.needs[p:], b, pk.chunk_size),
+        reserve_device_bytes=persistent_bytes + persistent_grads + streamed_reserve(pk.needs[p:], b, pk.chunk_size),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
         nvme_bytes=s(pk._home, h, n) + stored,
         memcpy_bytes=memcpy,
