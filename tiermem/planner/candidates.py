@@ -78,10 +78,10 @@ def packings(
                     runs = block_visits[min(max(profile.param_block[i], -1), len(profile.blocks)) + 1]
                     if not runs or runs[-1] != where[i]:
                         runs.append(where[i])
-        # the leading chunks only what runs before the first block uses (embeddings, whose
-        # backward reads no weight: NOTE [ Model-state rules ] rule 3), tied ones left out
-        later = [c for runs in block_visits[1:] for c in runs] + [where[i] for i in profile.shared]
-        lookups = min(later, default=0) if profile.param_block and profile.blocks else 0
+        # the chunks only what runs before the first block uses (embeddings, whose backward
+        # reads no weight: NOTE [ Model-state rules ] rule 3), tied ones left out
+        later = {c for runs in block_visits[1:] for c in runs} | {where[i] for i in profile.shared}
+        lookups = sorted(set(block_visits[0]) - later) if profile.param_block and profile.blocks else []
         stages = None
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.

@@ -113,7 +113,7 @@ combines them (rules 1, 3-5) and re-exports their names.
    the base, every block recomputed): 6,078,464 bytes a step from NVMe and 3,432,448 from the
    host, as predicted; charged once a pass, NVMe's were 20% under. What forward runs before the
    first block (embeddings: backward reads no weight, NOTE [ Model-state rules ] rule 3) is not
-   fetched for backward: ``Packing.lookups`` leading chunks only it uses, tied ones left out.
+   fetched for backward: ``Packing.lookups``, the chunks only it uses, tied ones left out.
 10. Bytes per link (``Estimate.links``, named as ``rt.stats()`` names them): chunk fetches from
    host homes ``host->device`` and from NVMe homes ``nvme->device`` (rules 8, 9), gradient
    write-backs ``device->host``, gradients stored on NVMe ``device->nvme``, the step's staging

@@ -29,14 +29,14 @@ class Packing:
         staged_homes: int = STAGED_HOMES,
         visits: Sequence[int] = (),
         block_visits: Sequence[Sequence[int]] = (),
-        lookups: int = 0,
+        lookups: Sequence[int] = (),
     ) -> None:
         """``visits``: the chunks in the order forward first uses their parameters, a repeat of
         the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run).
         ``block_visits``: the same split by where forward uses them: before the first block, in
         each block, after the last (the head); a recomputed block's forward runs its own again in
         backward (rule 9; empty: unknown, recompute fetches nothing again). ``lookups``: the
-        leading chunks only what runs before the first block uses (embeddings: rule 9)."""
+        chunks only what runs before the first block uses (embeddings: rule 9)"""
         self.chunk_size = chunk_size
         #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
         #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
@@ -106,7 +106,10 @@ class Packing:
         # adapters' chunk, used in every block between its base's chunks)
         self.visits = tuple(visits)
         self.block_visits = tuple(tuple(runs) for runs in block_visits)
-        self.lookups = lookups
+        #: rule 9: chunks only embeddings use, which backward never fetches
+        self.lookups = frozenset(lookups)
+        self._lookup_bytes = [0, *acc(n.nbytes if i in self.lookups else 0 for i, n in enumerate(needs))]
+        self._lookup_count = [0, *acc(int(i in self.lookups) for i in range(len(needs)))]
         self._runs: dict[int, tuple[int, ...]] = {}
         self._fetches: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
@@ -185,12 +188,12 @@ class Packing:
         if key not in self._fetches:
             runs = self.runs(persistent)
             forward, resident = _lru(runs, buffers + 1, [], self.chunks)
-            # backward prefetches the chunk before each one it uses, down to the first one
-            # backward needs (embeddings' chunks it never fetches)
-            first = max(persistent, self.lookups)
+            # backward prefetches the streamed chunk before each one it uses (an embeddings' one
+            # too: the pool does not know backward never uses it)
+            first = persistent
             held = resident[-buffers:]
             if not self.block_visits:
-                backward, _ = _lru(runs[::-1], buffers, held, self.chunks, prefetch=-1, first=first)
+                backward, _ = _lru(runs[::-1], buffers, held, self.chunks, -1, -1, first)
             else:
                 backward, again = [0] * self.chunks, set(recomputed)
                 # what runs before the first block (embeddings) fetches nothing for backward
@@ -201,7 +204,7 @@ class Packing:
                         for segment, pinned, ahead in (([used[-1]], -1, -1), (used, used[-1], 0)):
                             fetched, held = _lru(segment, buffers, held, self.chunks, pinned, ahead, first)
                             backward = [x + y for x, y in zip(backward, fetched, strict=True)]
-                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, prefetch=-1, first=first)
+                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, -1, -1, first)
                     backward = [x + y for x, y in zip(backward, fetched, strict=True)]
             self._fetches[key] = (tuple(forward), tuple(backward))
         return self._fetches[key]
@@ -362,10 +365,10 @@ def states_cost(
     # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
     # fetched again (least recently used go first).
     refetch_end = max(p, n - b)
-    # and the leading chunks only embeddings use are not fetched for backward at all (rule 9)
-    refetch_start = max(p, pk.lookups)
+    # but the chunks only embeddings use, which backward never fetches (rule 9)
+    lookup_end = min(h, refetch_end)
     # forward's fetch and backward's refetch from host homes
-    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, refetch_start, min(h, refetch_end))
+    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, p, lookup_end) - s(pk._lookup_bytes, p, lookup_end)
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
     stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
@@ -375,9 +378,9 @@ def states_cost(
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
         grad_writes = s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
-    nvme_bwd = s(pk._nbytes, max(h, refetch_start), refetch_end)
+    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end) - s(pk._lookup_bytes, max(h, p), refetch_end)
     refetch = (0, 0)
-    standard = fetches = (n - p) + max(0, refetch_end - refetch_start)
+    standard = fetches = (n - p) + (refetch_end - p) - s(pk._lookup_count, p, refetch_end)
     recomputed = [i for i, policy in enumerate(policies) if policy == "recompute"]
     if pk.revisits(p) or pk.refetches_in_recompute(p, recomputed):
         # Rules 8 and 9: a revisited chunk streams, or a recomputed block's forward runs again in
