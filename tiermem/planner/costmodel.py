@@ -110,8 +110,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    the pool takes them as demands over the buffers, so the device peak counts them in backward
    (``recompute_bytes``): plans of every block recomputed through one buffer failed mid-step
    (StatesMemoryError) on the tests' LoRA Llama. Measured there (4 x 128, device and host 40% of
-   the base, every block recomputed): 6,078,464 bytes a step from NVMe and 3,432,448 from the
-   host, as predicted; charged once a pass, NVMe's were 20% under. What forward runs before the
+   the base, every block recomputed; the plan varies with the profile's timings): each link's
+   bytes as predicted, to the byte (one run: 6,078,464 a step from NVMe, 3,432,448 from the
+   host); charged once a pass, the NVMe link's were 12-20% under. What forward runs before the
    first block (embeddings: backward reads no weight, NOTE [ Model-state rules ] rule 3) is not
    fetched for backward: ``Packing.lookups``, the chunks only it uses, tied ones left out.
 10. Bytes per link (``Estimate.links``, named as ``rt.stats()`` names them): chunk fetches from
