@@ -190,8 +190,7 @@ class Packing:
             forward, resident = _lru(runs, buffers + 1, [], self.chunks)
             # backward prefetches the streamed chunk before each one it uses (an embeddings' one
             # too: the pool does not know backward never uses it)
-            first = persistent
-            held = resident[-buffers:]
+            first, held = persistent, resident[-buffers:]
             if not self.block_visits:
                 backward, _ = _lru(runs[::-1], buffers, held, self.chunks, -1, -1, first)
             else:
