@@ -129,6 +129,7 @@ def _worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             after = rt.stats().as_dict()["links"]
             moved = {k: (after[k]["bytes"] - before.get(k, {"bytes": 0})["bytes"]) // args.steps for k in after}
             plan = rt._model_states[0].describe()
+            predicted_links = dict(rt.decision.estimate.links) if rt.decision is not None else {}
         result.update(
             capacity=capacity,
             plan={
@@ -138,6 +139,12 @@ def _worker(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 "buffers": plan["plan"]["buffers"],
                 "homes": {h: plan["plan"]["state_home"].count(h) for h in ("device", "host", "nvme")},
                 "predicted_step_s": (plan["plan"].get("predicted") or {}).get("step_s"),
+            },
+            # per link, the planner's bytes a step (NOTE [ Cost model ] rule 10) and the measured
+            links={
+                k: {"predicted": predicted_links.get(k, 0), "measured": moved.get(k, 0)}
+                for k in sorted({*moved, *predicted_links})
+                if moved.get(k) or predicted_links.get(k)
             },
             nvme_read=sum(v for k, v in moved.items() if k.startswith("nvme->")),
             nvme_written=sum(v for k, v in moved.items() if k.endswith("->nvme")),
@@ -232,6 +239,7 @@ def main() -> int:
         "base_bytes": plain[0]["base_bytes"],
         "adapter_bytes": plain[0]["adapter_bytes"],
         "plan": managed[-1]["plan"],
+        "links": managed[-1]["links"],
         "disk_bytes_per_s": disk,
         "plain_step_s": plain_s,
         "tiermem_step_s": step_s,
@@ -256,6 +264,12 @@ def main() -> int:
         f"step: plain {plain_s:.3f} s, tiermem {step_s:.3f} s; disk {disk_s:.3f} s for {read / mib:.0f} MiB read + "
         f"{written / mib:.0f} MiB written per step (bench io read {disk['read'] / mib:.0f} MiB/s, write "
         f"{disk['write'] / mib:.0f} MiB/s); {step_s / floor:.2f}x max(plain, disk) (goal <= 1.15x)"
+    )
+    print(
+        "bytes a step per link, predicted / measured: "
+        + "; ".join(
+            f"{k} {v['predicted'] / mib:.0f} / {v['measured'] / mib:.0f} MiB" for k, v in summary["links"].items()
+        )
     )
     predicted = summary["plan"]["predicted_step_s"]
     if predicted:

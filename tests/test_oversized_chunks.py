@@ -126,7 +126,8 @@ def test_the_planners_pool_and_gradients_in_flight_are_the_largest_streamed_chun
     streamed = states_cost(profile, StatesChoice(packing, 0, 3, n))
     regular = packing.needs[1].nbytes
     assert streamed.device_parts["buffers"] == 16 * MiB + 2 * regular
-    assert streamed.grad_in_flight == 16 * MiB + regular  # the tied chunk's, and the one filled
+    assert streamed.grad_in_flight == regular  # the one filled
+    assert streamed.grad_total == 16 * MiB  # the tied chunk's, from its stage on (NOTE [ Cost model ] rule 1)
     assert streamed.reserve_device_bytes == 2 * (16 * MiB + 2 * 2 * MiB)
     persistent = states_cost(profile, StatesChoice(packing, 1, 3, n))  # the outlier stays on the device
     assert persistent.device_parts["buffers"] == 3 * regular and persistent.grad_in_flight == regular

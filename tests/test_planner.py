@@ -12,6 +12,7 @@ import functools
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -203,6 +204,30 @@ def test_calibration_falls_back_to_charging_nothing_without_room(tmp_path):
         costs = calibrate(rt.registry, torch.optim.AdamW, {"lr": 1e-3})
         assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
     assert costs == Overheads() and not costs.measured
+
+
+def test_calibration_measures_within_small_capacities_on_a_narrower_model(tmp_path, monkeypatch):
+    """NOTE [ Overhead calibration ] rule 4: device and host of 1 MiB have no room for the
+    calibration model (~1.8 MiB of device, 2.2 MiB of host); it runs again at half the width and
+    measures (per-chunk costs included), within both capacities, freeing all it made. It charged
+    nothing before (the LoRA tests' 2 MiB tiers), and predicted every step too fast."""
+    monkeypatch.setattr(calibration, "SPREAD", float("inf"))  # the fewest rounds: what is measured is not timed here
+    widths: list[int] = []
+    measure = calibration._measure
+
+    def measured(*args: Any) -> Overheads:
+        widths.append(args[-1])
+        return measure(*args)
+
+    monkeypatch.setattr(calibration, "_measure", measured)
+    config = {**settings(tmp_path, "1MiB"), "host": {"capacity": "1MiB"}}
+    with tiermem.Runtime(config) as rt:
+        costs = calibrate(rt.registry, torch.optim.AdamW, {"lr": 1e-3})
+        tiers = rt.stats().as_dict()["tiers"]
+    assert costs.measured and len(costs.steps_s) == 8
+    assert widths[0] == calibration.WIDTH and len(widths) > 1 and widths[-1] >= calibration.MIN_WIDTH
+    for name in ("device", "host"):
+        assert 0 < tiers[name]["peak_bytes"] <= tiers[name]["capacity"] and tiers[name]["current_bytes"] == 0
 
 
 def test_calibration_stops_early_only_when_the_steps_around_each_median_agree(tmp_path, monkeypatch):

@@ -5,8 +5,8 @@ which adds the model states' part and re-exports every name here)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 from tiermem.layout.activation_policy import PREFETCH_START
 from tiermem.layout.shares import PREFETCH_SHARE
@@ -50,6 +50,8 @@ class ActivationCost:
     #: forward and backward wait for when the device is full (rule 2)
     forward_demand: int = 0
     head_demand: int = 0
+    #: bytes a step moves per link (NOTE [ Cost model ] rule 10): offloaded blocks out and back
+    links: Mapping[str, int] = field(default_factory=dict)
 
 
 def link_share(busy_s: float, pass_s: float) -> float:
@@ -227,6 +229,12 @@ def activation_cost(
         recomputed=recomputed,
         forward_demand=forward.demand,
         head_demand=forward.kept,
+        links={
+            "device->host": forward.host,
+            "host->device": forward.host,
+            "device->nvme": forward.nvme,
+            "nvme->device": forward.nvme,
+        },
     )
 
 

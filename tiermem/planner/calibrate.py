@@ -29,8 +29,12 @@
    links (NOTE [ Cost model ] rule 5).
 4. It changes nothing training depends on (TRAPS 10): the RNG is forked, the real model is
    not touched, and every chunk and saved tensor it made is freed before it returns. When
-   the tiers have no room for it (a tiny device budget), the fallback is ``Overheads()``:
-   nothing measured, nothing charged (``measured`` False), and the planner prices bytes only.
+   the tiers have no room for it (small device or host budgets: the LoRA tests' 10% of a
+   22 MiB base left 2 MiB of each, and the calibration charged 0 ms per chunk), it is freed and
+   runs again at half the width, down to ``MIN_WIDTH`` (what it measures is per object, and
+   16 x 16 layers' chunks still take a page each: ~0.3 MiB of device and host at the least).
+   Only when even that does not fit is the fallback ``Overheads()``: nothing measured, nothing
+   charged (``measured`` False), and the planner prices bytes only.
 5. How many steps: as many as the spread asks for, ``MIN_STEPS`` to ``STEPS``. After an odd
    count of timed rounds (3, 5, 7) it stops when, for every configuration, the three steps
    around the median lie within ``SPREAD`` of it: one more step moves the median at most to
@@ -65,6 +69,8 @@ log = logging.getLogger("tiermem.planner")
 
 LAYERS = 16
 WIDTH = 64
+MIN_WIDTH = 16
+"""Rule 4: the narrowest calibration model tried when the tiers have no room for a wider one."""
 BATCH = 64
 STEPS = 7
 """Rule 5: the most timed steps per configuration (after one warm-up round)."""
@@ -75,9 +81,9 @@ SPREAD = 0.2
 
 
 class _Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, width: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS))
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(LAYERS))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
@@ -118,8 +124,28 @@ def calibrate(
     if optimizer_class not in SUPPORTED:
         optimizer_class, defaults = torch.optim.AdamW, {"lr": 1e-3}
     kwargs = _kwargs(optimizer_class, defaults)
+    width = WIDTH
+    while True:
+        try:
+            return _measure(registry, optimizer_class, kwargs, memcpy_bw, width)
+        except (MemoryError, PlanError) as exc:  # the tiers have no room for it (rule 4)
+            if width // 2 < MIN_WIDTH:
+                log.info("tiermem planner: no room to calibrate the managed step's overheads (%s); not charged", exc)
+                return Overheads()
+            width //= 2
+
+
+def _measure(
+    registry: Registry,
+    optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any],
+    memcpy_bw: float,
+    width: int,
+) -> Overheads:
+    """Rules 2 and 3 with a calibration model of ``width``; raises when the tiers have no room
+    for it, everything it made freed."""
     device = registry.device
-    layer_bytes = (WIDTH * WIDTH + WIDTH) * 4
+    layer_bytes = (width * width + width) * 4
     per_layer = -(-(layer_bytes + 64) // ALIGNMENT) * ALIGNMENT  # one layer's parameters a chunk
     whole = per_layer * LAYERS
     persistent = {"chunk_size": per_layer, "persistent_chunks": LAYERS, "buffers": 0}
@@ -145,36 +171,32 @@ def calibrate(
     with contextlib.ExitStack() as stack, torch.random.fork_rng(devices=[]):
         stack.callback(lambda: [states.close() for states in managed])
         torch.manual_seed(0)
-        x = torch.randn(BATCH, WIDTH, device=device)
+        x = torch.randn(BATCH, width, device=device)
         saved = 0
-        try:
-            built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
-            for name, plan in plans.items():
-                model = _Net().to(device)
-                if plan is None:
-                    saved = _saved_count(model, x)
-                    built[name] = (model, optimizer_class(model.parameters(), **kwargs))
-                else:
-                    states = ModelStates(registry, model, optimizer_class, plan=plan, optimizer_kwargs=kwargs)
-                    managed.append(states)
-                    built[name] = (model, states.optimizer)
-            steps = {name: _step(registry, counters, *built[model], x, policy) for name, model, policy in configs}
-            times: dict[str, list[float]] = {name: [] for name in steps}
-            for round_ in range(STEPS + 1):
-                for name, step in steps.items():
-                    start = time.perf_counter()
-                    step()
-                    if round_:
-                        times[name].append(time.perf_counter() - start)
-                if MIN_STEPS <= round_ < STEPS and round_ % 2 and all(_settled(values) for values in times.values()):
-                    break
-        except (MemoryError, PlanError) as exc:  # the tiers have no room for it (rule 4)
-            log.info("tiermem planner: no room to calibrate the managed step's overheads (%s); not charged", exc)
-            return Overheads()
+        built: dict[str, tuple[nn.Module, torch.optim.Optimizer]] = {}
+        for name, plan in plans.items():
+            model = _Net(width).to(device)
+            if plan is None:
+                saved = _saved_count(model, x)
+                built[name] = (model, optimizer_class(model.parameters(), **kwargs))
+            else:
+                states = ModelStates(registry, model, optimizer_class, plan=plan, optimizer_kwargs=kwargs)
+                managed.append(states)
+                built[name] = (model, states.optimizer)
+        steps = {name: _step(registry, counters, *built[model], x, policy) for name, model, policy in configs}
+        times: dict[str, list[float]] = {name: [] for name in steps}
+        for round_ in range(STEPS + 1):
+            for name, step in steps.items():
+                start = time.perf_counter()
+                step()
+                if round_:
+                    times[name].append(time.perf_counter() - start)
+            if MIN_STEPS <= round_ < STEPS and round_ % 2 and all(_settled(values) for values in times.values()):
+                break
     median = {name: statistics.median(values) for name, values in times.items()}
     params = 2 * LAYERS
     bw = memcpy_bw or float("inf")
-    offload_bytes = 2 * saved * BATCH * WIDTH * 4  # to the host and back
+    offload_bytes = 2 * saved * BATCH * width * 4  # to the host and back
     # With two buffers, backward refetches all but the two chunks still cached.
     refetch_bytes = (LAYERS - 2) * per_layer
     return Overheads(

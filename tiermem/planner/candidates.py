@@ -69,6 +69,19 @@ def packings(
         # NOTE [ Cost model ] rule 8: the chunks in forward's order of first use, repeats collapsed
         used = [where[i] for i in profile.order if i in where]
         visits = [c for k, c in enumerate(used) if k == 0 or used[k - 1] != c]
+        # rule 9 there: the same per place forward uses them (before the blocks, each block, the
+        # head), which a recomputed block's forward runs again in backward
+        block_visits: list[list[int]] = [[] for _ in range(len(profile.blocks) + 2)]
+        if profile.param_block:
+            for i in profile.order:
+                if i in where:
+                    runs = block_visits[min(max(profile.param_block[i], -1), len(profile.blocks)) + 1]
+                    if not runs or runs[-1] != where[i]:
+                        runs.append(where[i])
+        # the chunks only what runs before the first block uses (embeddings, whose backward
+        # reads no weight: NOTE [ Model-state rules ] rule 3), tied ones left out
+        later = {c for runs in block_visits[1:] for c in runs} | {where[i] for i in profile.shared}
+        lookups = sorted(set(block_visits[0]) - later) if profile.param_block and profile.blocks else []
         stages = None
         if profile.param_block:
             # NOTE [ Cost model ] rule 1: a gradient chunk appears at its latest-used parameter.
@@ -88,6 +101,8 @@ def packings(
                         grad_home,
                         staged,
                         visits,
+                        block_visits if profile.param_block else (),
+                        lookups,
                     )
                 )
     return result

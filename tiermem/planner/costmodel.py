@@ -1,5 +1,5 @@
 """The cost model: a candidate plan's step time and its peak bytes on every tier. Pure.
-The model states' part is :mod:`~tiermem.planner.state_costs` (rules 1, 5, 7), the
+The model states' part is :mod:`~tiermem.planner.state_costs` (rules 1, 5, 7-10), the
 activations' part :mod:`~tiermem.planner.activation_costs` (rules 2, 6, 7); this module
 combines them (rules 1, 3-5) and re-exports their names.
 
@@ -13,9 +13,12 @@ combines them (rules 1, 3-5) and re-exports their names.
    allocated during backward, as activations are freed: a persistent chunk's gradient chunk
    appears when backward reaches the block that first used its last parameter (NOTE
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
-   write-back lands (one being filled, counted at the largest untied streamed chunk's bytes,
-   plus the streamed chunks of shared, tied parameters, whose gradients complete only at the
-   end of backward; a persistent tied chunk's gradient is a persistent one). The device peak
+   write-back lands (one being filled, counted at the largest untied streamed chunk's bytes). A
+   streamed chunk of shared, tied parameters keeps its gradient to the end of backward, from
+   the same stage as a persistent chunk would: a tied weight's gradient accumulates once, when
+   its last use (its first in forward) is done. Counted all backward instead, the 6-layer tied
+   GPT of ``tests/test_manage_activations.py`` at device 40% (everything streamed) was predicted
+   at 477,184 bytes, measured 423,936 (now 432,128). The device peak
    is the largest sum over that backward timeline and the end of forward, where no gradient
    exists yet: counting the streamed gradients in flight there too, and a persistent tied
    chunk twice, overestimated the 200M GPT of issue 20 at device and host 10% by 48 MiB
@@ -88,6 +91,36 @@ combines them (rules 1, 3-5) and re-exports their names.
    the simulation says 24 (prefetches behind evict a little more): 56.0 MB read a step, 51.3 MB
    simulated, 39 MB charged before. When no chunk is revisited, or the revisited ones persist,
    every chunk is read once a pass (backward refetches all but the ``buffers`` cached).
+   Backward's simulation also prefetches as the pool does (the chunk before each one used, into
+   a free slot or one behind it, keeping its old place in the eviction order). What it still
+   misses (measured): a module that owns the adapters and wraps its base layer (the hand-written
+   LoRA of the tests and of ``bench/lora.py``) runs its backward before the base layer's, not
+   after as forward's order reversed says, so backward fetches the base's chunk once more per
+   wrapped layer: the tiny bench above reads 50.1 MB a step, 44.8 MB simulated; at 200M (10%, one
+   buffer) 2,226 MiB of chunks from NVMe, 1,926 MiB simulated. The profile records forward's
+   order only.
+9. Recomputed blocks and embeddings (``Packing.block_visits``, from NOTE [ Profile fields ] rule
+   4's ``param_block``). A recomputed block runs its forward again inside backward: backward
+   holds the block's last chunk while the recompute fetches the block's chunks in forward's
+   order (prefetching nothing: NOTE [ Model-state rules ] rule 3), then walks them back. The
+   simulation of rule 8 then runs per block, recomputes included, whenever a recomputed block
+   uses a streamed chunk; its extra fetches are demand fetches, like rule 8's. A recompute's
+   forward needs one module's span plus one slot beside what backward holds (at most the
+   block's own chunks, the floor of NOTE [ Default placement rule ] rule 4); past ``buffers``
+   the pool takes them as demands over the buffers, so the device peak counts them in backward
+   (``recompute_bytes``): plans of every block recomputed through one buffer failed mid-step
+   (StatesMemoryError) on the tests' LoRA Llama. Measured there (4 x 128, device and host 40% of
+   the base, every block recomputed; the plan varies with the profile's timings): each link's
+   bytes as predicted, to the byte (one run: 6,078,464 a step from NVMe, 3,432,448 from the
+   host); charged once a pass, the NVMe link's were 12-20% under. What forward runs before the
+   first block (embeddings: backward reads no weight, NOTE [ Model-state rules ] rule 3) is not
+   fetched for backward: ``Packing.lookups``, the chunks only it uses, tied ones left out.
+10. Bytes per link (``Estimate.links``, named as ``rt.stats()`` names them): chunk fetches from
+   host homes ``host->device`` and from NVMe homes ``nvme->device`` (rules 8, 9), gradient
+   write-backs ``device->host``, gradients stored on NVMe ``device->nvme``, the step's staging
+   ``nvme->host`` and ``host->nvme``, and offloaded activations both ways. Byte counts do not
+   depend on the machine's load, so they check the model where times cannot
+   (``tests/test_planner_links.py``; ``bench/lora.py`` prints both).
 """
 
 from __future__ import annotations
@@ -95,7 +128,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tiermem.planner.activation_costs import (
     LOOKAHEAD,
@@ -150,6 +183,8 @@ class Estimate:
     reserve_device_bytes: int
     #: the device peak without opportunistic prefetches: what must fit (rule 2)
     device_demand: int = 0
+    #: bytes a step moves per link, ``"src->dst"`` as ``rt.stats()`` names them (rule 10)
+    links: Mapping[str, int] = field(default_factory=dict)
 
     def needed(self) -> dict[str, int]:
         return {**self.peak_bytes, "device": self.device_demand or self.peak_bytes["device"]}
@@ -188,7 +223,7 @@ def device_peak(states: StatesCost, acts: ActivationCost, *, prefetch: bool = Tr
 
     moments = [head + grads_by(count), states.grad_total]
     moments += [live + grads_by(i) for i, live in enumerate(stages)]
-    return states.static_device + max(forward, states.grad_in_flight + max(moments))
+    return states.static_device + max(forward, states.grad_in_flight + states.recompute_bytes + max(moments))
 
 
 def transient_peak(profile: Profile) -> int:
@@ -242,12 +277,13 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
         device_parts={**states.device_parts, "activations": acts.device_peak},
         reserve_device_bytes=states.reserve_device_bytes,
         device_demand=device_peak(states, acts, prefetch=False),
+        links={k: states.links.get(k, 0) + acts.links.get(k, 0) for k in {*states.links, *acts.links}},
     )
 
 
 def predict(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
     """The full prediction for one plan (rules 1-6)."""
-    states = states_cost(profile, choice)
+    states = states_cost(profile, choice, policies=policies)
     read_bw = profile.links.get("nvme->device") or 0.0
     busy = (states.nvme_read_forward / read_bw, states.nvme_read_backward / read_bw) if read_bw else (0.0, 0.0)
     return combine(profile, states, activation_cost(profile, policies, busy))

@@ -218,4 +218,4 @@ def explain(
 
 def combine_for(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
     """The estimate ``search`` used for one plan (for reports and tests)."""
-    return combine(profile, states_cost(profile, choice), activation_cost(profile, policies))
+    return combine(profile, states_cost(profile, choice, policies=policies), activation_cost(profile, policies))

@@ -1,12 +1,12 @@
 """The cost model's model-state part: where a chunk packing's chunks live (a persistent prefix,
 streamed buffers, host then NVMe homes) and what that costs in bytes per tier and in time.
-Pure. Rules 1, 5 and 7 of NOTE [ Cost model ] (in :mod:`tiermem.planner.costmodel`, which
+Pure. Rules 1, 5 and 7-10 of NOTE [ Cost model ] (in :mod:`tiermem.planner.costmodel`, which
 adds the activations' part and re-exports every name here)."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tiermem.layout.placement import STAGED_HOMES, ChunkNeeds, gradients_at_once, streamed_reserve
@@ -28,9 +28,15 @@ class Packing:
         grad_home: str = "host",
         staged_homes: int = STAGED_HOMES,
         visits: Sequence[int] = (),
+        block_visits: Sequence[Sequence[int]] = (),
+        lookups: Sequence[int] = (),
     ) -> None:
         """``visits``: the chunks in the order forward first uses their parameters, a repeat of
-        the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run)."""
+        the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run).
+        ``block_visits``: the same split by where forward uses them: before the first block, in
+        each block, after the last (the head); a recomputed block's forward runs its own again in
+        backward (rule 9; empty: unknown, recompute fetches nothing again). ``lookups``: the
+        chunks only what runs before the first block uses (embeddings: rule 9)"""
         self.chunk_size = chunk_size
         #: NVMe homes (and stored gradients) the host stages at once for the step (NOTE
         #: [ Default placement rule ] rule 3): with one, the step's NVMe I/O does not overlap it
@@ -99,8 +105,13 @@ class Packing:
         # NOTE [ Cost model ] rule 8: chunks used in more than one run of the forward (a LoRA
         # adapters' chunk, used in every block between its base's chunks)
         self.visits = tuple(visits)
+        self.block_visits = tuple(tuple(runs) for runs in block_visits)
+        #: rule 9: chunks only embeddings use, which backward never fetches
+        self.lookups = frozenset(lookups)
+        self._lookup_bytes = [0, *acc(n.nbytes if i in self.lookups else 0 for i, n in enumerate(needs))]
+        self._lookup_count = [0, *acc(int(i in self.lookups) for i in range(len(needs)))]
         self._runs: dict[int, tuple[int, ...]] = {}
-        self._fetches: dict[tuple[int, int], tuple[tuple[int, ...], tuple[int, ...]]] = {}
+        self._fetches: dict[tuple[int, int, tuple[int, ...]], tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     @property
     def chunks(self) -> int:
@@ -122,10 +133,10 @@ class Packing:
         return sum(large) + regular * self._max_regular_from[persistent]
 
     def grads_in_flight(self, persistent: int) -> int:
-        """Rule 1: streamed gradient chunks on the device at once: the streamed trainable chunks
-        of tied parameters (complete only at backward's end) and the largest other one (filled)."""
-        tied = sum(self.needs[c].grad_bytes for c in self.shared if c >= persistent)
-        return tied + self._max_untied_grad_from[persistent]
+        """Rule 1: streamed gradient chunks of untied parameters on the device at once: the
+        largest one (filled, then written back). Streamed tied ones stay from their stage on, as
+        persistent ones do (``states_cost``)."""
+        return self._max_untied_grad_from[persistent]
 
     def runs(self, persistent: int) -> tuple[int, ...]:
         """Rule 8: the streamed chunks (from ``persistent`` on) in forward's order of use, a
@@ -142,17 +153,58 @@ class Packing:
         runs = self.runs(persistent)
         return len(set(runs)) < len(runs)
 
-    def fetches(self, persistent: int, buffers: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Rule 8: how often forward and backward fetch each chunk (0 for persistent ones), from
-        the pool's least-recently-used eviction over the runs of ``visits``: in forward with one
-        slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while the
-        module inside it fetches its own: one demand over the buffers, NOTE [ Model-state rules ]
-        rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward left."""
-        key = (persistent, buffers)
+    def refetches_in_recompute(self, persistent: int, recomputed: Sequence[int]) -> bool:
+        """Rule 9: a recomputed block uses a streamed chunk (its recompute fetches it again)."""
+        if not self.block_visits:
+            return False
+        return any(c >= persistent for block in recomputed for c in self.block_visits[block + 1])
+
+    def recompute_slots(self, persistent: int, buffers: int, recomputed: Sequence[int]) -> int:
+        """Rule 9: the pool slots past ``buffers`` a recomputed block's forward takes inside
+        backward, beside the chunks backward holds: one module's span plus one, at most the
+        block's own streamed chunks (the floor NOTE [ Default placement rule ] rule 4 keeps)."""
+        if not self.block_visits:
+            return 0
+        need = 0
+        for block in recomputed:
+            span = len({c for c in self.block_visits[block + 1] if c >= persistent})
+            need = max(need, min(self.min_buffers + 1, span))
+        return max(0, need - buffers)
+
+    def fetches(
+        self, persistent: int, buffers: int, recomputed: Sequence[int] = ()
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Rules 8 and 9: how often forward and backward fetch each chunk (0 for persistent ones),
+        from the pool's least-recently-used eviction over the runs of ``visits``: in forward with
+        one slot more than ``buffers`` (the module using the revisited chunk keeps it pinned while
+        the module inside it fetches its own: one demand over the buffers, NOTE [ Model-state
+        rules ] rule 3 in ``states/manager.py``), in backward with ``buffers`` from what forward
+        left, prefetching the chunk before each one it uses. Backward walks the blocks in
+        reverse (with ``block_visits``; what runs before the first block, embeddings, fetches
+        nothing for it); a block in ``recomputed`` runs its forward again first: its last chunk
+        held, its chunks in forward's order, prefetching nothing (rule 9)."""
+        recomputed = tuple(sorted(recomputed)) if self.block_visits else ()
+        key = (persistent, buffers, recomputed)
         if key not in self._fetches:
             runs = self.runs(persistent)
             forward, resident = _lru(runs, buffers + 1, [], self.chunks)
-            backward, _ = _lru(runs[::-1], buffers, resident[-buffers:], self.chunks)
+            # backward prefetches the streamed chunk before each one it uses (an embeddings' one
+            # too: the pool does not know backward never uses it)
+            first, held = persistent, resident[-buffers:]
+            if not self.block_visits:
+                backward, _ = _lru(runs[::-1], buffers, held, self.chunks, -1, -1, first)
+            else:
+                backward, again = [0] * self.chunks, set(recomputed)
+                # what runs before the first block (embeddings) fetches nothing for backward
+                for position in range(len(self.block_visits) - 1, 0, -1):
+                    used = [c for c in self.block_visits[position] if c >= persistent]
+                    if used and position - 1 in again:
+                        # backward holds the block's last chunk while the recompute runs forward
+                        for segment, pinned, ahead in (([used[-1]], -1, -1), (used, used[-1], 0)):
+                            fetched, held = _lru(segment, buffers, held, self.chunks, pinned, ahead, first)
+                            backward = [x + y for x, y in zip(backward, fetched, strict=True)]
+                    fetched, held = _lru(used[::-1], buffers, held, self.chunks, -1, -1, first)
+                    backward = [x + y for x, y in zip(backward, fetched, strict=True)]
             self._fetches[key] = (tuple(forward), tuple(backward))
         return self._fetches[key]
 
@@ -191,9 +243,21 @@ class Packing:
         return lo
 
 
-def _lru(runs: Sequence[int], slots: int, resident: list[int], chunks: int) -> tuple[list[int], list[int]]:
+def _lru(
+    runs: Sequence[int],
+    slots: int,
+    resident: list[int],
+    chunks: int,
+    pinned: int = -1,
+    prefetch: int = 0,
+    first: int = 0,
+) -> tuple[list[int], list[int]]:
     """Fetches per chunk of a least-recently-used pool of ``slots`` over ``runs`` (starting with
-    ``resident``, most recent last), and what it holds at the end."""
+    ``resident``, most recent last), and what it holds at the end. ``pinned`` is never evicted
+    (a demand past the slots then takes one more, as the pool's does). ``prefetch`` (+1, -1):
+    each use also fetches the next chunk in that direction (from ``first`` on) when a slot is
+    free or one behind it can go; it keeps the use it had (least recent when new), as the pool's
+    prefetch does."""
     held = list(resident)
     fetched = [0] * chunks
     for chunk in runs:
@@ -201,9 +265,17 @@ def _lru(runs: Sequence[int], slots: int, resident: list[int], chunks: int) -> t
             held.remove(chunk)
         else:
             fetched[chunk] += 1
-            if len(held) >= slots:
-                del held[: len(held) - slots + 1]
+            while len(held) >= slots and any(c != pinned for c in held):
+                held.remove(next(c for c in held if c != pinned))
         held.append(chunk)
+        ahead = chunk + prefetch
+        if prefetch and first <= ahead < chunks and ahead not in held:
+            behind = [c for c in held if c != pinned and c != chunk and (c - chunk) * prefetch < 0]
+            if len(held) >= slots and behind:
+                held.remove(behind[0])
+            if len(held) < slots:
+                fetched[ahead] += 1
+                held.insert(0, ahead)
     return fetched, held
 
 
@@ -249,9 +321,9 @@ class StatesCost:
     static_device: int = 0
     #: streamed chunks' gradient chunks on the device at once
     grad_in_flight: int = 0
-    #: persistent chunks' gradient chunks, all of them
+    #: persistent chunks' gradient chunks, all of them, and streamed tied ones (rule 1)
     grad_total: int = 0
-    #: (stage, bytes): persistent gradient chunks and the backward stage allocating them
+    #: (stage, bytes): those gradient chunks and the backward stage allocating them
     grad_stages: tuple[tuple[int, int], ...] = ()
     device_parts: dict[str, int] = field(default_factory=dict)
     #: chunks that stream, and slices of sliced steps past each one's first (rule 7)
@@ -262,44 +334,59 @@ class StatesCost:
     #: of ``nvme_read_forward`` and ``nvme_read_backward``, the bytes a revisited streamed chunk
     #: makes forward and backward read again (rule 8): demand fetches, nothing to hide behind
     nvme_refetch: tuple[int, int] = (0, 0)
+    #: bytes a step moves per link, ``"src->dst"`` as ``rt.stats()`` names them (rule 10)
+    links: Mapping[str, int] = field(default_factory=dict)
+    #: pool slots past the buffers a recomputed block's forward takes in backward (rule 9)
+    recompute_bytes: int = 0
 
 
-def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True) -> StatesCost:
-    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear)."""
+def states_cost(
+    profile: Profile, choice: StatesChoice, *, timeline: bool = True, policies: Sequence[str] = ()
+) -> StatesCost:
+    """Rules 1 and 5 for the model states alone (``timeline``: also when gradients appear;
+    ``policies``: the blocks' activation policies, whose recomputed blocks fetch their streamed
+    chunks again in backward, rule 9; empty: none recomputed)."""
     pk, p, b, h = choice.packing, choice.persistent, choice.buffers, choice.host_end
     n = pk.chunks
     s = Packing._sum
-    grad_total = s(pk._grad, 0, p)
-    persistent_bytes = s(pk._device, 0, p) - grad_total
+    persistent_grads = s(pk._grad, 0, p)
+    persistent_bytes = s(pk._device, 0, p) - persistent_grads
     pool = pk.pool_bytes(p, b)
+    # Rule 1: one untied streamed gradient chunk in flight at a time; a streamed chunk of tied
+    # parameters keeps its gradient from when backward reaches it to backward's end, as a
+    # persistent chunk does (its tied weight's gradient accumulates once, when its last use is done)
     grads = pk.grads_in_flight(p)
+    kept = [c for c in range(p) if pk.needs[c].grad_bytes] + [c for c in pk.shared if c >= p]
+    grad_total = sum(pk.needs[c].grad_bytes for c in kept)
     stages: tuple[tuple[int, int], ...] = ()
     if timeline:
-        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in range(p) if pk.needs[c].grad_bytes)
+        stages = tuple((pk.stages[c], pk.needs[c].grad_bytes) for c in kept if pk.needs[c].grad_bytes)
     # Backward starts with the last ``buffers`` streamed chunks still cached; the others are
     # fetched again (least recently used go first).
     refetch_end = max(p, n - b)
-    memcpy = (
-        s(pk._nbytes, p, h)  # forward fetch from host homes
-        + s(pk._nbytes, p, min(h, refetch_end))  # backward refetch from host homes
-    )
+    # but the chunks only embeddings use, which backward never fetches (rule 9)
+    lookup_end = min(h, refetch_end)
+    # forward's fetch and backward's refetch from host homes
+    host_reads = s(pk._nbytes, p, h) + s(pk._nbytes, p, lookup_end) - s(pk._lookup_bytes, p, lookup_end)
     # Gradients waiting on NVMe (NOTE [ Stored gradients ]) are written there from the device
     # and read back to step: NVMe bytes, not memory copies.
     stored = s(pk._grad if pk.grad_home == "nvme" else pk._sliced_grad, max(h, p), n)
+    grad_writes = 0
     if not (pk.grads_stream and profile.device == "cpu"):
         # gradient write-back of every streamed chunk; streamed gradients on the CPU device
         # are stepped where they are (NOTE [ Declared steps ] rule 8)
-        memcpy += s(pk._grad, p, n) - stored
+        grad_writes = s(pk._grad, p, n) - stored
     nvme_fwd = s(pk._nbytes, h, n)
-    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end)
+    nvme_bwd = s(pk._nbytes, max(h, p), refetch_end) - s(pk._lookup_bytes, max(h, p), refetch_end)
     refetch = (0, 0)
-    fetches = (n - p) + (refetch_end - p)
-    if pk.revisits(p):
-        # Rule 8: a revisited chunk streams; it and the chunks it evicts are fetched again
-        forward, backward = pk.fetches(p, b)
+    standard = fetches = (n - p) + (refetch_end - p) - s(pk._lookup_count, p, refetch_end)
+    recomputed = [i for i, policy in enumerate(policies) if policy == "recompute"]
+    if pk.revisits(p) or pk.refetches_in_recompute(p, recomputed):
+        # Rules 8 and 9: a revisited chunk streams, or a recomputed block's forward runs again in
+        # backward: those chunks and the ones they evict are fetched again
+        forward, backward = pk.fetches(p, b, recomputed)
         sizes = [need.nbytes for need in pk.needs]
-        memcpy -= s(pk._nbytes, p, h) + s(pk._nbytes, p, min(h, refetch_end))
-        memcpy += sum((forward[c] + backward[c]) * sizes[c] for c in range(p, h))
+        host_reads = sum((forward[c] + backward[c]) * sizes[c] for c in range(p, h))
         read = (
             sum(forward[c] * sizes[c] for c in range(h, n)),
             sum(backward[c] * sizes[c] for c in range(max(h, p), n)),
@@ -307,6 +394,10 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         refetch = (max(0, read[0] - nvme_fwd), max(0, read[1] - nvme_bwd))
         nvme_fwd, nvme_bwd = read
         fetches = sum(forward) + sum(backward)
+    memcpy = host_reads + grad_writes
+    # Rule 9: a recomputed block's forward fetches beside what backward holds; past the buffers,
+    # a demand takes a slot more (one of the largest regular chunk's bytes each)
+    recompute_slots = pk.recompute_slots(p, b, recomputed) * pk._max_regular_from[p]
     # Stage each NVMe home in and write it back. A loop that steps every backward steps its
     # chunks early, staging each home with the working bytes copied from the device copy
     # (NOTE [ Declared steps ] rule 7): those are a memory copy, not an NVMe read.
@@ -316,11 +407,21 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
     memcpy += known
     nvme_step_read = s(pk._staged, h, n) - known + stored
     nvme_step = nvme_step_read + s(pk._staged, h, n) + stored
+    # Rule 10: what each link carries, as the tiers count it (a chunk's fetch from its home
+    # straight to the device, the step's staging between NVMe and the host)
+    links = {
+        "host->device": host_reads,
+        "device->host": grad_writes + known,
+        "nvme->device": nvme_fwd + nvme_bwd,
+        "device->nvme": stored,
+        "nvme->host": nvme_step_read,
+        "host->nvme": s(pk._staged, h, n),
+    }
     return StatesCost(
         device_bytes=persistent_bytes + pool + grads + grad_total,
         # what placement checks before building (its rule 1): persistent chunks with their
         # gradients, and the pool's reserve
-        reserve_device_bytes=persistent_bytes + grad_total + streamed_reserve(pk.needs[p:], b, pk.chunk_size),
+        reserve_device_bytes=persistent_bytes + persistent_grads + streamed_reserve(pk.needs[p:], b, pk.chunk_size),
         host_bytes=pk.host_bytes(p, h) if p < n else 0,
         nvme_bytes=s(pk._home, h, n) + stored,
         memcpy_bytes=memcpy,
@@ -334,11 +435,18 @@ def states_cost(profile: Profile, choice: StatesChoice, *, timeline: bool = True
         grad_in_flight=grads,
         grad_total=grad_total,
         grad_stages=stages,
-        device_parts={"persistent": persistent_bytes, "buffers": pool, "gradients": grads + grad_total},
+        device_parts={
+            "persistent": persistent_bytes,
+            "buffers": pool,
+            "gradients": grads + grad_total,
+            **({"recompute slots": recompute_slots} if recompute_slots else {}),
+        },
         # and the fetches past one a pass and the backward refetch of the standard count (rule 8)
-        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - (n - p) - (refetch_end - p),
+        streamed_chunks=n - p + s(pk._extra_slices, max(h, p), n) + fetches - standard,
         step_overlaps_io=pk.staged_homes > 1,
         nvme_refetch=refetch,
+        links=links,
+        recompute_bytes=recompute_slots,
     )
 
 

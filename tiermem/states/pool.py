@@ -109,7 +109,7 @@ class ChunkPool:
             registry.add_reclaimer("device", self.evict_unused, moves_objects=True)
 
     def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
-        """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction``, wait."""
+        """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction`` (0: none), wait."""
         traced = tracing.span("fetch chunk", "fetch", chunks[0].index)  # NOTE [ Timeline trace ]
         try:
             self._acquire(chunks, direction)
@@ -123,8 +123,9 @@ class ChunkPool:
             chunk.last_use = self._clock
         for chunk in chunks:
             self.fetch(chunk, Priority.DEMAND, chunks)
-        edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
-        self._prefetch(edge, direction, chunks)
+        if direction:
+            edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
+            self._prefetch(edge, direction, chunks)
         for chunk in chunks:
             self.wait(chunk)
 
