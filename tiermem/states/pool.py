@@ -58,6 +58,7 @@ import torch
 
 from tiermem import tracing
 from tiermem.errors import TierCapacityError
+from tiermem.malloc import trim_while_streaming
 from tiermem.registry import CachedBytes, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
@@ -144,6 +145,9 @@ class ChunkPool:
         if not self._make_slot(priority, keep, direction):
             return False
         home.wait()  # the master must have landed where it lives
+        # The blocks freed since the last chunk came in (a block's activations and temporaries)
+        # go back to the system before this one's bytes are taken (NOTE [ Returning freed memory ]).
+        trim_while_streaming()
         self._fill_storage(chunk)
         try:
             dev = self.device_room(
