@@ -22,17 +22,18 @@
    steps with the plan made at ``rt.manage``: 492-554 MiB). The profiling step's own peak
    stays. It changes no setting, so it runs whatever the environment says, but
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
-5. The heap is also trimmed while chunks stream (:func:`trim_while_streaming`, from the chunk pool
-   each time a streamed chunk is fetched: about once a block, forward and backward). Blocks below
-   the mmap threshold that a step frees in the middle of the heap (a block's 2 MiB activations
-   once written out or recomputed, its gradients' temporaries) otherwise stay resident until the
-   heap's next use of them, so the process holds the heap's high-water mark beside whatever the
-   tiers hold later in the step. Measured on the 200M LoRA of ``bench/lora.py`` (the mmap
-   threshold at 4 MiB, as the bench sets it): 146 MiB of the heap free but resident after the
-   first forward; FILLED_IN_BELOW. It costs a trim's walk of the heap's free
-   blocks (about 0.15 ms with nothing to give back, 16 ms for 200 MiB of holes here) and the page
-   faults of what is reused afterwards (about 0.4 ms a MiB, TRAPS 22). The same switches as
-   rule 4 apply.
+5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool:
+   whenever :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about
+   once a transformer block forward and backward). Blocks below the mmap threshold that a step
+   frees in the middle of the heap (a block's 2 MiB activations once written out or recomputed,
+   its gradients' temporaries) otherwise stay resident until the heap reuses them, so the process
+   holds the heap's high-water mark beside whatever the tiers hold later in the step. Measured on
+   the 200M LoRA of ``bench/lora.py`` (the mmap threshold at 4 MiB, as the bench sets it): 146 MiB
+   of the heap free but resident after the first forward; ru_maxrss FILLED_IN_BELOW. A trim walks
+   the heap's free blocks and advises each away (0.15 ms with little to give back on an idle
+   core, 16 ms for 200 MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk,
+   148 trims took 0.35-0.75 s of a 26 s step, hence the byte interval. What is reused afterwards
+   faults in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
 """
 
 from __future__ import annotations
@@ -94,9 +95,28 @@ def trim() -> bool:
     return malloc_trim is not None and bool(malloc_trim(0))
 
 
-def trim_while_streaming() -> bool:
-    """Rule 5: :func:`trim`, called by the chunk pool as a streamed chunk is fetched."""
-    return trim()
+TRIM_EVERY_STREAMED = 64 << 20
+"""Rule 5: chunk bytes fetched between two trims (a 200M GPT block's weights are 48 MiB)."""
+
+
+class StreamingTrim:
+    """Rule 5: counts the chunk bytes a pool fetches and trims the heap every
+    :data:`TRIM_EVERY_STREAMED` of them."""
+
+    def __init__(self, every: int = TRIM_EVERY_STREAMED) -> None:
+        self.every = every
+        self._since = 0
+        #: trims done (read by tests and traces)
+        self.trims = 0
+
+    def fetched(self, nbytes: int) -> None:
+        """``nbytes`` of a chunk are about to be fetched: trim first when the interval is full, so
+        the chunk's buffer and what its modules allocate can take the pages given back."""
+        self._since += nbytes
+        if self._since >= self.every:
+            self._since = 0
+            self.trims += 1
+            trim()
 
 
 _trim_function: Any = None  # glibc's malloc_trim once looked up; False where there is none
