@@ -24,16 +24,21 @@
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
 5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool:
    whenever :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about
-   once a transformer block forward and backward). Blocks below the mmap threshold that a step
+   once a transformer block, forward and backward). Blocks below the mmap threshold that a step
    frees in the middle of the heap (a block's 2 MiB activations once written out or recomputed,
    its gradients' temporaries) otherwise stay resident until the heap reuses them, so the process
-   holds the heap's high-water mark beside whatever the tiers hold later in the step. Measured on
-   the 200M LoRA of ``bench/lora.py`` (the mmap threshold at 4 MiB, as the bench sets it): 146 MiB
-   of the heap free but resident after the first forward; ru_maxrss FILLED_IN_BELOW. A trim walks
-   the heap's free blocks and advises each away (0.15 ms with little to give back on an idle
-   core, 16 ms for 200 MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk,
-   148 trims took 0.35-0.75 s of a 26 s step, hence the byte interval. What is reused afterwards
-   faults in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
+   holds the heap's high-water mark beside whatever the tiers hold later in the step, and the
+   mark creeps up from step to step. Measured on the 200M LoRA of ``bench/lora.py`` (the mmap
+   threshold at 4 MiB, as the bench sets it; a cached profile; one process each, under load):
+   146 MiB of the heap free but resident after the first forward; after each forward of the steps
+   that follow 571, 588, 598 MiB resident without it, 521, 522, 530 MiB with it; the first step's
+   peaks 729 MiB in backward and 903 MiB in the re-pack without it, 557-561 MiB with it. The
+   bench's whole-process ru_maxrss went from 727 MiB to MEASURED. A trim walks the heap's free
+   blocks and advises each away (0.15 ms with little to give back on an idle core, 16 ms for 200
+   MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk fetch, 148 trims took
+   0.35-0.75 s of a 26 s step, hence the byte interval (33 trims, 38-115 ms a step; CPU seconds
+   a step 7.8-8.5 with it, 7.6-8.8 without, within the noise). What is reused afterwards faults
+   in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
 """
 
 from __future__ import annotations
