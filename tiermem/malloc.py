@@ -33,7 +33,9 @@
    146 MiB of the heap free but resident after the first forward; after each forward of the steps
    that follow 571, 588, 598 MiB resident without it, 521, 522, 530 MiB with it; the first step's
    peaks 729 MiB in backward and 903 MiB in the re-pack without it, 557-561 MiB with it. The
-   bench's whole-process ru_maxrss went from 727 MiB to MEASURED. A trim walks the heap's free
+   bench's whole-process ru_maxrss (``--steps 2 --rounds 1``, uncached: the first step profiles)
+   went from 727 and 802 MiB (two runs) to 588-598 MiB (three), 0.41-0.45x plain PyTorch's to
+   0.33-0.34x; what is left is the first step's profiling pass. A trim walks the heap's free
    blocks and advises each away (0.15 ms with little to give back on an idle core, 16 ms for 200
    MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk fetch, 148 trims took
    0.35-0.75 s of a 26 s step, hence the byte interval (33 trims, 38-115 ms a step; CPU seconds
