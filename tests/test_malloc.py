@@ -62,3 +62,60 @@ def test_the_users_own_glibc_settings_win(tmp_path):
     measured = run(tmp_path, MALLOC_MMAP_THRESHOLD_=str(1 << 28), MALLOC_TRIM_THRESHOLD_=str(1 << 30))
     assert not measured["configured"]
     assert measured["kept"] > 12 << 20, measured  # glibc's behaviour, as the user asked for
+
+
+STREAMING = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+    import tiermem
+    from torch import nn
+
+    def anonymous():
+        with open("/proc/self/smaps_rollup") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("Anonymous:"))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB, a 4 MiB chunk each
+    x = torch.randn(4, 1024)
+    with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}) as rt:
+        plan = {"persistent_chunks": 0, "chunk_size": "4MiB", "state_home": "host"}
+        model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1, plan=plan, activations=None)
+        model(x).sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        # Holes in the middle of the heap: 2 MiB blocks (below the 4 MiB mmap threshold), each
+        # followed by a smaller one that stays, so that freeing them trims nothing off the top.
+        holes, kept = [], []
+        for _ in range(32):
+            holes.append(torch.ones(1 << 19))
+            kept.append(torch.ones(75_000))
+        before = anonymous()
+        del holes
+        freed = anonymous()
+        trims = rt._model_states[0].store.pool.trimming.trims
+        with torch.no_grad():
+            for _ in range(3):  # 96 MiB of chunks streamed in through the pool
+                model(x)
+        after = anonymous()
+        trims = rt._model_states[0].store.pool.trimming.trims - trims
+    print(json.dumps({"held_after_free": freed - before, "streamed": after - freed, "trims": trims}))
+    """
+)
+
+
+def test_streaming_chunks_returns_the_heaps_freed_blocks(tmp_path):
+    """Rule 5: blocks freed in the middle of the heap (a step's activations) leave the process's
+    RSS once the pool has streamed 64 MiB of chunks (once, not at every chunk), with glibc's
+    thresholds as the benchmarks set them (the mmap threshold at 4 MiB: 2 MiB blocks come from
+    the heap)."""
+    environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TIERMEM_KEEP"))}
+    environ |= {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": "0"}
+    out = subprocess.run(
+        [sys.executable, "-c", STREAMING, str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ
+    )
+    assert out.returncode == 0, out.stderr
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
+    assert measured["held_after_free"] > -8 << 20, measured  # freeing alone gave the 64 MiB of holes back
+    assert measured["streamed"] < -48 << 20, measured
+    assert 1 <= measured["trims"] <= 2, measured

@@ -58,6 +58,7 @@ import torch
 
 from tiermem import tracing
 from tiermem.errors import TierCapacityError
+from tiermem.malloc import StreamingTrim
 from tiermem.registry import CachedBytes, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
@@ -103,6 +104,8 @@ class ChunkPool:
         self._spares: list[CachedBytes] = []
         #: the chunks a room request of the pool's own is for (never released to make it)
         self._keeping: tuple[Chunk, ...] = ()
+        #: trims the heap as chunks stream (NOTE [ Returning freed memory ] rule 5)
+        self.trimming = StreamingTrim()
         if self._keeps_spares:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
         if streamed:  # rule 6 of NOTE [ Model-state rules ]: after the spares, chunks no module uses now
@@ -145,6 +148,9 @@ class ChunkPool:
         if not self._make_slot(priority, keep, direction):
             return False
         home.wait()  # the master must have landed where it lives
+        # The heap blocks freed as the last chunks were used (a block's activations and
+        # temporaries) go back to the system (NOTE [ Returning freed memory ] rule 5).
+        self.trimming.fetched(chunk.nbytes)
         self._fill_storage(chunk)
         try:
             dev = self.device_room(
