@@ -241,6 +241,9 @@ def _adopt(chunk: Chunk, facts: ModelFacts, store: ChunkStore, spilled: SpilledS
     """Rule 5: ``chunk``'s NVMe home becomes the snapshot's buffer of its values and states."""
     home = chunk.home
     assert home is not None
+    # freeing the old chunk waits for a copy of known bytes into its home (registry rule 6)
+    # before emptying its storage; once the home is adopted that wait is this one
+    home.wait_known_copy()
     buffer = len(spilled.handles)
     spilled.handles.append(home)
     spilled.adopted.append((chunk, home))
