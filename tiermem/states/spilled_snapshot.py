@@ -1,12 +1,13 @@
 """A re-pack's snapshot that waits on the NVMe tier, not in memory (issue 20 item 2): the
-model's values, gradients and optimizer states taken chunk by chunk, written to NVMe, and read
-back one old chunk at a time while the new chunks are built.
+model's values, gradients and optimizer states taken chunk by chunk, written to NVMe (or left
+in an old chunk's NVMe home, which already holds them), and read back one old chunk at a time
+while the new chunks are built.
 
-:func:`spill` owns the snapshot's NVMe objects (one per old chunk, kind ``"snapshot"``) until
-:meth:`SpilledSnapshot.free`. It may touch: the chunks' values through
+:func:`spill` owns the snapshot's NVMe objects (kind ``"snapshot"``) and the old NVMe homes it
+takes over until :meth:`SpilledSnapshot.free`. It may touch: the chunks' values through
 :class:`~tiermem.states.stateio.StateIO`, :class:`~tiermem.states.homes.Homes` and
-:class:`~tiermem.states.gradients.Gradients` (read only), and the registry (register, read
-out, free).
+:class:`~tiermem.states.gradients.Gradients` (read only), an old chunk's ``home`` (taken over,
+or given back when the spill fails: rule 5), and the registry (register, read out, free).
 
 # NOTE [ Spilled snapshots ]
 1. Why: a re-pack (rule 2 of NOTE [ Model-state rules ], or the first-step plan of rule 9)
