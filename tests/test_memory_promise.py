@@ -18,7 +18,7 @@ SLACK = 48 << 20
 through a planned first step and the next (the plain forward's activations and autograd's
 temporaries, of the user's step and of the one profiling pass, whose blocks are recomputed; the
 optimizer timing's synthetic tensors, 4 x ``STREAMED_OPTIMIZER_SAMPLE_BYTES``; the spilled
-snapshot's two cached buffers, together about one old chunk; a new
+snapshot's two cached buffers, together about one old chunk, or two old NVMe homes it took over; a new
 NVMe home on its way out; the NVMe tier's bounce buffers; allocator slack). Measured on this
 model (states 98 MiB, capacities 23 MiB): ru_maxrss grew 24-33 MiB planning streamed (8 runs),
 25-30 MiB where the default placement was kept (before streamed profiling); profiling on a

@@ -477,3 +477,53 @@ def test_the_profiling_steps_stand_in_answers_every_call_backward_makes_on_the_s
     first-step plan fall back to the default placement, logged, never raised)."""
     called = set(re.findall(r"self\.stepper\.(\w+)\(", pathlib.Path(backward.__file__).read_text()))
     assert called and not {name for name in called if not hasattr(streamed_profile._NoSteps, name)}
+
+
+def test_a_spilled_re_pack_keeps_old_nvme_homes_in_place_and_stays_bitwise(tmp_path, monkeypatch):
+    """NOTE [ Spilled snapshots ] rule 5: a re-pack after steps whose snapshot goes to NVMe takes
+    each old NVMe home as that chunk's snapshot buffer (its values and Adam moments are there
+    already): no old NVMe home is read back while spilling, and training stays bitwise plain
+    PyTorch's across the re-pack."""
+    import tiermem.states.relayout
+    from tiermem.states.homes import Homes
+
+    spilling, adopted, read_back = [False], [], []
+    real_spill, real_readable = tiermem.states.relayout.spill, Homes.readable
+
+    def spill(*args):
+        spilling[0] = True
+        try:
+            spilled = real_spill(*args)
+        finally:
+            spilling[0] = False
+        adopted.append(len(getattr(spilled, "adopted", ())))
+        return spilled
+
+    def readable(self, chunk):
+        if spilling[0] and chunk.home is not None and chunk.home.tier == "nvme":
+            read_back.append(chunk.index)
+        return real_readable(self, chunk)
+
+    monkeypatch.setattr(tiermem.states.relayout, "spill", spill)
+    monkeypatch.setattr(Homes, "readable", readable)
+    torch.manual_seed(0)
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
+        got = train(model, optimizer, range(2))
+        homes = [chunk["home"] for chunk in rt.__dict__["_model_states"][0].describe()["chunks"]]
+        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)  # re-packs (declared steps rule 10)
+        got += train(model, optimizer, range(2, 4))
+        stats = rt.stats().as_dict()["tiers"]
+    # two spilled re-packs: the first step's into execution order, then the declaration's, each
+    # taking over every old NVMe home (the second's are the ones listed before it)
+    assert len(adopted) == 2 and adopted[1] == homes.count("nvme") > 0, (adopted, homes)
+    assert read_back == []
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    for tier in ("device", "host", "nvme"):
+        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []

@@ -153,3 +153,41 @@ def test_declared_mixed_precision_steps_early_from_the_working_copy(tmp_path):
     assert_bitwise(got, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], want_masters)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spilled_re_pack_keeps_fp32_masters_in_old_nvme_homes_and_stays_exact(tmp_path, monkeypatch):
+    """NOTE [ Spilled snapshots ] rule 5 with bf16 working copies: an old NVMe home taken over as
+    the re-pack's snapshot is read where its fp32 masters and states lie (not its working
+    section), so training after the re-pack is still bitwise the master-weights loop."""
+    import tiermem.states.relayout
+
+    adopted = []
+    real_spill = tiermem.states.relayout.spill
+
+    def spill(*args):
+        spilled = real_spill(*args)
+        adopted.append(len(getattr(spilled, "adopted", ())))
+        return spilled
+
+    monkeypatch.setattr(tiermem.states.relayout, "spill", spill)
+    steps = 4
+    want_losses, want_masters = master_weights_loop(torch.bfloat16, "adamw", steps)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"}, param_dtype=torch.bfloat16
+        )
+        got = managed_loop(model, optimizer, 2)
+        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)  # re-packs (declared steps rule 10)
+        for step in range(2, steps):  # managed_loop's step, on the batches after the first two
+            tokens, targets = batch(step)
+            loss = nn.functional.cross_entropy(model(tokens).float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            got.append(loss.detach())
+    assert adopted and adopted[-1] > 0, adopted
+    assert_bitwise(got, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_masters)
+    assert list(tmp_path.iterdir()) == []
