@@ -73,6 +73,12 @@
 13. The recompute context times each recomputation, and that time is taken out of the block's
    backward and the pass's. A block inside other saved-tensor hooks (the model's own checkpoint
    around it) runs as they say, and is counted as the plain pass counts it.
+14. A recomputed block runs its forward again inside backward, beside the chunks that
+   backward pins: the device must hold one module's span of streamed chunks more than the
+   pool's buffers. Where it cannot (``Streaming.recompute`` is False), the pass keeps its
+   blocks' activations as a plain pass does, beyond the capacities, rather than fail: a LoRA
+   base of 1 MiB chunks at a device of 1.9 MiB failed its profiling pass there (a chunk needs
+   1.01 MiB, 1.01 MiB of 1.91 MiB in use) and kept the default placement.
 """
 
 from __future__ import annotations
@@ -566,12 +572,12 @@ def measure(
     with unchanged_training_state(model, device):
         live = _LiveBytes()
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
-        if streamed() is not None:  # rules 9-13: one pass, its blocks recomputed
-            recomputed = _Recomputed(modules_list, hooks)
+        if (info := streamed()) is not None:  # rules 9-14: one pass, its blocks recomputed where they fit
+            recomputed = _Recomputed(modules_list, hooks) if info.recompute else None
             order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
                 model, sample, params, hooks, live, recomputed
             )
-            times, recompute_s = hooks.marks, recomputed.recompute_s
+            times, recompute_s = hooks.marks, recomputed.recompute_s if recomputed is not None else []
         else:
             order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
             for p in params:

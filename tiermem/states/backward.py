@@ -50,6 +50,10 @@ class BackwardTracker:
         self._traced: tracing.Span | None = None  # the backward pass (NOTE [ Timeline trace ])
         self._uses_begun: dict[int, float] = {}  # and each use's backward, by id, while tracing
         self._uses: weakref.WeakSet[Use] = weakref.WeakSet()
+        #: uses whose backward pinned their chunks, by id, held strongly: a backward that raised
+        #: half-way may free the graph (and the hooks that keep ``_uses``' entries alive) before
+        #: :meth:`settle` runs, and a pin outliving its use would hold a buffer for good
+        self._pinned: dict[int, Use] = {}
         #: per trainable parameter index: the uses waiting for its gradient
         self._waiters: dict[int, weakref.WeakSet[Use]] = {}
         #: hooks on leaf tensors (they keep them): removed when backward ends
@@ -163,6 +167,7 @@ class BackwardTracker:
         if use.reads_values:
             if not use.done and not use.pinned:
                 use.pinned = True
+                self._pinned[id(use)] = use
                 for chunk in use.chunks:
                     chunk.pins += 1
             self.store.pool.acquire(use.chunks, -1)
@@ -184,6 +189,7 @@ class BackwardTracker:
             recorder.lane("backward per module call", name, "backward", begun, tracing.now(), None)
         if use.pinned:
             use.pinned = False
+            self._pinned.pop(id(use), None)
             for chunk in use.chunks:
                 chunk.pins -= 1
 
@@ -226,7 +232,7 @@ class BackwardTracker:
         """Autograd's final callback: unpin, send every gradient home, expose it."""
         chunks = self.store.chunks
         try:
-            for use in list(self._uses):
+            for use in [*self._uses, *self._pinned.values()]:
                 self._use_done(use)
             self._uses = weakref.WeakSet()
             self._waiters.clear()

@@ -40,6 +40,10 @@ must be off while it is entered.
    Beyond the capacities the profiling holds its blocks' inputs, one block's activations
    (recomputed in backward: NOTE [ Profiling step ] rule 11), what outside the blocks saves, the
    temporaries, and the optimizer timing's synthetic sample.
+7. A block recomputed in backward (NOTE [ Profiling step ] rule 14) acquires its modules'
+   chunks while backward pins the module it stopped in (and the shared chunks): where the
+   device's free bytes (the pool emptied) cannot hold one chunk more than that, nor the
+   buffers, of the largest streamed chunk, the pass is told not to recompute.
 """
 
 from __future__ import annotations
@@ -167,7 +171,12 @@ class StreamedProfiling:
                 self._hooks.append(p.register_post_accumulate_grad_hook(functools.partial(self.tracker.accumulated, i)))
         from tiermem.planner.streaming import Streaming, streaming  # the planner only when it plans
 
-        info = Streaming(stalled=lambda: self.pool.waited, held=self._held, release=self.store.pool.clear)
+        info = Streaming(
+            stalled=lambda: self.pool.waited,
+            held=self._held,
+            release=self.store.pool.clear,
+            recompute=self._recompute_fits(),
+        )
         self._context = streaming(info)
         self._context.__enter__()
         return self
@@ -188,6 +197,18 @@ class StreamedProfiling:
             self.store.pool.clear()
             for p, grad in zip(self.facts.params, self._grads, strict=True):
                 p.grad = grad
+
+    def _recompute_fits(self) -> bool:
+        """Rule 7: whether the device holds a recomputed block's chunk beside those its backward
+        pins: the buffers, and at least one chunk more than a module's span and the shared chunks
+        (the floor of NOTE [ Default placement rule ] rule 4), of the largest streamed chunk."""
+        pool = self.store.pool
+        streamed = [c for c in self.store.chunks if not c.persistent]
+        if not streamed:
+            return True
+        pinned = self.facts.min_buffers([c.layout for c in self.store.chunks])
+        need = max(pool.buffers, pinned + 1) * max(pool.slot_of(c) for c in streamed)
+        return need <= pool.registry.free_bytes("device")
 
     def _root_started(self, _module: nn.Module, _args: Any) -> None:
         self.tracker.new_forward()
