@@ -24,6 +24,7 @@ from tests.test_states import (
     state_bytes,
     train,
 )
+from tiermem.planner import cache
 from tiermem.planner.errors import NoPlanFitsError, ProfileError
 from tiermem.states import backward, streamed_profile
 
@@ -291,6 +292,9 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
     batch of other shapes than the cached one profiles and plans at the first step, as without
     a cache, and trains bitwise plain PyTorch on those batches."""
     calls = _count_planner_work(monkeypatch)
+    # A shared machine's load can swing one copy's bandwidth past the revalidation factor (2 of
+    # 10 runs failed here at load 3.5-5): widen it; tests/test_planner_probes.py checks the factor.
+    monkeypatch.setattr(cache, "REVALIDATE_FACTOR", 1e6)
     state = state_bytes("adamw", make_model())
     settings = config(tmp_path, state // 4, state // 4)
     runs = []
