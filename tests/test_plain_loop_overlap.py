@@ -21,6 +21,7 @@ from tests.test_states import (
     param_groups,
     reference,
     state_bytes,
+    train,
 )
 from tests.test_states_declared import plain_loop
 from tests.test_states_stored_grads import _states, _within_capacities
@@ -288,3 +289,31 @@ def test_declared_clipping_stages_homes_in_the_windows_last_backward(tmp_path):
         assert stepper.homes_staged_in_backward == staged[3] + staged[5]
     assert_bitwise(got, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+@pytest.mark.parametrize("host", ["64MiB", "700KiB"])
+def test_the_step_reads_homes_ahead_as_deep_as_the_host_holds(tmp_path, host):
+    """Rule 12: with every NVMe chunk's gradients on the host, ``optimizer.step()`` reads each home
+    it did not find staged ahead of its chunk's step, as many at once as the host tier takes:
+    where the host holds them all (64 MiB) its peak holds every gradient and every home at once;
+    where it holds a few (700 KiB) the reads wait for write-backs and the peak stays within the
+    capacity. Training is bitwise plain PyTorch's either way."""
+    want = reference("adamw", steps=3)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1), host)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=NVME_HOMES)
+        assert rt.plan.grad_home == "host" and rt.plan.staged_homes == 2
+        stepper = _states(rt).stepper
+        stepping = [c for c in _states(rt).store.chunks if c.home_tier == "nvme" and c.trainable]
+        got = train(model, optimizer, range(3))
+        # every home but those staged in backward is read ahead (the first step stages none)
+        assert stepper.homes_read_ahead == 3 * len(stepping) - stepper.homes_staged_in_backward
+        peak = rt.stats().as_dict()["tiers"]["host"]["peak_bytes"]
+        everything = sum(c.nbytes + c.home_bytes for c in stepping)
+        if host == "64MiB":
+            assert peak >= everything  # one step read one home ahead before: three at most
+        else:
+            assert peak < everything
+        _within_capacities(rt)
+    assert_bitwise(got, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
