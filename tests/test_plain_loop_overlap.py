@@ -26,6 +26,7 @@ from tests.test_states import (
 from tests.test_states_declared import plain_loop
 from tests.test_states_stored_grads import _states, _within_capacities
 from tiermem.registry import ObjectState
+from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.stored_grads import StoredGradient
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
@@ -317,3 +318,34 @@ def test_the_step_reads_homes_ahead_as_deep_as_the_host_holds(tmp_path, host):
         _within_capacities(rt)
     assert_bitwise(got, want[0])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+def test_homes_read_ahead_go_back_when_a_step_fails(tmp_path, monkeypatch):
+    """Rule 12: a chunk step that fails before it computes (here its preparation) ends
+    ``optimizer.step()`` with its error, and every home read ahead for the steps that will not run
+    goes back to NVMe as it was, none left holding host room."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=NVME_HOMES)
+        train(model, optimizer, range(1))  # the first step re-packs
+        prepare = ChunkStep.prepare.__func__
+        calls = []
+
+        def failing(cls, *args):
+            calls.append(None)
+            if len(calls) == 3:
+                raise RuntimeError("boom before the step")
+            return prepare(cls, *args)
+
+        monkeypatch.setattr(ChunkStep, "prepare", classmethod(failing))
+        stepper = _states(rt).stepper
+        with pytest.raises(RuntimeError, match="boom before the step"):
+            train(model, optimizer, range(1, 2))
+        assert stepper.homes_read_ahead > 3  # homes beyond the failing chunk's were read ahead
+        for chunk in _states(rt).store.chunks:
+            if chunk.home_tier == "nvme":
+                chunk.home.wait()
+                assert chunk.home.tier == "nvme" and chunk.home.state is ObjectState.RESIDENT
+        assert rt.stats().as_dict()["tiers"]["host"]["current_bytes"] <= sum(
+            c.nbytes for c in _states(rt).store.chunks
+        )  # the gradients, which wait for a step that failed, and no home
