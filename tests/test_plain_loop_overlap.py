@@ -26,6 +26,7 @@ from tests.test_states import (
 from tests.test_states_declared import plain_loop
 from tests.test_states_stored_grads import _states, _within_capacities
 from tiermem.registry import ObjectState
+from tiermem.states import chunk_step
 from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.stored_grads import StoredGradient
 
@@ -320,26 +321,39 @@ def test_the_step_reads_homes_ahead_as_deep_as_the_host_holds(tmp_path, host):
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
 
 
-def test_homes_read_ahead_go_back_when_a_step_fails(tmp_path, monkeypatch):
-    """Rule 12: a chunk step that fails before it computes (here its preparation) ends
-    ``optimizer.step()`` with its error, and every home read ahead for the steps that will not run
-    goes back to NVMe as it was, none left holding host room."""
+@pytest.mark.parametrize("where", ["prepare", "compute"])
+def test_homes_read_ahead_go_back_when_a_step_fails(tmp_path, monkeypatch, where):
+    """Rule 12: a chunk step that fails, before it computes (its preparation, on this thread) or
+    in its compute (on the step thread, raised when the step finishes), ends ``optimizer.step()``
+    with its error, and every home read ahead for the steps that will not run goes back to NVMe as
+    it was, none left holding host room."""
     model = make_model()
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
         model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=NVME_HOMES)
         train(model, optimizer, range(1))  # the first step re-packs
-        prepare = ChunkStep.prepare.__func__
         calls = []
+        if where == "prepare":
+            prepare = ChunkStep.prepare.__func__
 
-        def failing(cls, *args):
-            calls.append(None)
-            if len(calls) == 3:
-                raise RuntimeError("boom before the step")
-            return prepare(cls, *args)
+            def failing_prepare(cls, *args):
+                calls.append(None)
+                if len(calls) == 3:
+                    raise RuntimeError("boom in the step")
+                return prepare(cls, *args)
 
-        monkeypatch.setattr(ChunkStep, "prepare", classmethod(failing))
+            monkeypatch.setattr(ChunkStep, "prepare", classmethod(failing_prepare))
+        else:
+            run_step = chunk_step.run_step
+
+            def failing_compute(*args):
+                calls.append(None)
+                if len(calls) == 3:
+                    raise RuntimeError("boom in the step")
+                return run_step(*args)
+
+            monkeypatch.setattr(chunk_step, "run_step", failing_compute)
         stepper = _states(rt).stepper
-        with pytest.raises(RuntimeError, match="boom before the step"):
+        with pytest.raises(RuntimeError, match="boom in the step"):
             train(model, optimizer, range(1, 2))
         assert stepper.homes_read_ahead > 3  # homes beyond the failing chunk's were read ahead
         for chunk in _states(rt).store.chunks:

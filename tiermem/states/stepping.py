@@ -611,19 +611,20 @@ class Stepper:
         return False
 
     def _read_ahead_while_read(self, chunk: Chunk, ahead: list[Chunk]) -> None:
-        """Rule 12, before ``chunk`` (``ahead[0]``) steps: the step in flight finishes (its home's
-        write-back starts), and until ``chunk``'s home is on the host the homes not read yet are
-        read as each write-back in flight lands, one at a time (``chunk``'s own first)."""
-        self._read_ahead(ahead)
-        self._finish_steps()
+        """Rule 12, before ``chunk`` (``ahead[0]``) steps: until ``chunk``'s home is on the host,
+        the homes not read yet are read as each write-back in flight lands, one at a time
+        (``chunk``'s own first); the step in flight finishes as soon as its compute is done, so
+        its home's write-back starts while this thread waits for the others, not after."""
         home = chunk.home
-        while (
-            self._read_ahead(ahead)
-            and home is not None
-            and (home.state is ObjectState.MOVING or home.tier == "nvme")
-            and self.homes.wait_write_back(skip=chunk)
-        ):
-            pass
+        while True:
+            self.steps.poll()
+            if not (
+                self._read_ahead(ahead)
+                and home is not None
+                and (home.state is ObjectState.MOVING or home.tier == "nvme")
+                and self.homes.wait_write_back(skip=chunk)
+            ):
+                break
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
