@@ -619,9 +619,7 @@ class Stepper:
                 continue  # on its way to the host
             if reserve and registry.free_bytes("host") < registry.reserved_size("host", chunk.home_bytes) + reserve:
                 return True  # the stash's room for the gradients to step
-            if self.save_guard is not None:
-                self.save_guard.before_move(chunk)
-            try:
+            try:  # no asynchronous save to tell: none reads ahead while one runs
                 home.move_to("host", Priority.PREFETCH)
             except TierCapacityError:
                 return True
