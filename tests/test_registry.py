@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -230,40 +229,6 @@ def test_failed_writeback_leaves_the_source_resident_and_raises_at_wait(make_sto
     handle.wait()
     assert torch.equal(handle.tensor(), t)
     assert store.registry.statistics().failed_moves == 1
-
-
-def test_promoting_raises_a_moves_priority_and_never_starts_one(make_store):
-    """``Handle.promote``: a move on its way runs at the new priority from then on; an object that
-    is not moving (resident, or back after a failed write-back whose error is still to be raised)
-    is left as it is, so the error reaches ``wait``."""
-    store = make_store(gated=True)
-    t = torch.randn(8 * BLOCK // 4)
-    handle = store.registry.register(t.clone())
-    handle.promote(Priority.DEMAND)
-    assert handle.state is ObjectState.RESIDENT and handle.tier == "device"
-    transfer = handle.move_to("nvme", Priority.WRITEBACK)
-    store.nvme.wait_pending(1)
-    handle.promote(Priority.DEMAND)
-    deadline = time.monotonic() + 5
-    while transfer.priority != Priority.DEMAND and time.monotonic() < deadline:
-        time.sleep(0.005)  # the scheduler's loop thread takes the promotion
-    assert transfer.priority == Priority.DEMAND
-    store.nvme.gated = False
-    store.nvme.release_all()
-    handle.wait()
-    assert handle.tier == "nvme"
-    handle.promote(Priority.DEMAND)
-    assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
-
-    faulty = make_store(backend=FaultyBackend(PosixBackend(), eio_on_write=2))
-    other = faulty.registry.register(t.clone())
-    other.move_to("nvme", Priority.WRITEBACK)
-    while other.state is ObjectState.MOVING:
-        time.sleep(0.005)
-    other.promote(Priority.DEMAND)  # the failed write is not started again
-    with pytest.raises(StorageIOError, match="Input/output error"):
-        other.wait()
-    assert other.tier == "device" and faulty.registry.statistics().failed_moves == 1
 
 
 def test_corrupt_read_raises_and_never_returns_data(make_store):

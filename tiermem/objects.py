@@ -183,11 +183,6 @@ class Handle:
         self._check()
         return self.obj.registry.move(self.obj, tier, priority, known)
 
-    def promote(self, priority: Priority) -> None:
-        """Raise the priority of the object's move on its way, if any (none: nothing to do)."""
-        self._check()
-        self.obj.registry.promote(self.obj, priority)
-
     def wait(self) -> None:
         """Wait for the object's move to end; raise its error if it failed."""
         self._check()

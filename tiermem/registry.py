@@ -300,17 +300,6 @@ class Registry:
                 self._inflight.pop(transfer, None)
                 obj.settled.set()
 
-    def promote(self, obj: ManagedObject, priority: Priority) -> None:
-        """Raise the priority of ``obj``'s move in flight, if any, to ``priority`` (a move that
-        ended, or one that is cancelled, is left as it is: nothing starts here)."""
-        with self._lock:
-            if obj.state is not ObjectState.MOVING or obj.cancelling or obj.transfer is None:
-                return
-            if priority < obj.transfer.priority:
-                obj.transfer.promote(priority)
-                if obj.copy is not None:
-                    obj.copy.promote(priority)
-
     def wait(self, obj: ManagedObject) -> None:
         """Wait until ``obj``'s move has ended; raise the error it ended with (rule 2)."""
         with self._lock:

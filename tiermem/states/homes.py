@@ -4,7 +4,7 @@ and staging one slice of a home for a sliced step (NOTE [ Sliced steps ] in ``ch
 :class:`Homes` owns the cached copy of the last NVMe home read for export (one chunk at a time,
 valid for one :meth:`ChunkStore.version <tiermem.states.store.ChunkStore.version>`) and the host
 buffers of staged slices (:class:`HomeSlice`). It may touch chunk homes through their handles only
-(``move_to``, ``promote``, ``wait``, ``tensor``, ``copy_out``, ``fill_from``: NOTE [ Managed object rules ]),
+(``move_to``, ``wait``, ``tensor``, ``copy_out``, ``fill_from``: NOTE [ Managed object rules ]),
 never a chunk's device storage or gradients. Before it stages, reads or writes a chunk's home it
 calls ``fence`` with the chunk, so a step of that chunk still in flight finishes first (NOTE
 [ Step threads ] rule 4).
@@ -106,16 +106,12 @@ class Homes:
 
     def wait_write_back(self, skip: Chunk | None = None) -> bool:
         """Wait for the first home (in chunk order) on its way back to NVMe but ``skip``'s; False
-        when none is: waiting frees nothing then. The write-back is a demand from now on: this
-        thread waits for the room it frees, and at write-back priority it would yield the disk
-        to the reads queued meanwhile (a demand read holds the tier), whose room it is (the plain
-        loop's step phase, reading ahead, had its write-backs as its critical path)."""
+        when none is: waiting frees nothing then."""
         for other in self.store.chunks:
             home = other.home
             if other is skip or home is None or home.state is not ObjectState.MOVING:
                 continue
             if home.obj.target_tier == "nvme":  # a read frees nothing
-                home.promote(Priority.DEMAND)
                 home.wait()
                 return True
         return False

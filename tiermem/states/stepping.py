@@ -92,18 +92,18 @@ generation, the pool's residency (releases), and gradients through
     sends back any staged home that will not step first (a chunk that got no gradient), so its
     room stays exactly the plan's. With declared accumulation, only in the window's last
     backward.
-12. ``optimizer.step()`` reads homes ahead as deep as the host holds them: where no chunk it
-    steps is sliced (its slices take the staging room, NOTE [ Sliced steps ]), no asynchronous
-    save copies homes and the plan stages two homes, the next NVMe homes in step order are read
-    (PREFETCH) while the host tier takes them beside the gradient stash's room (``staged_homes``
-    copies of the largest stored gradient still to step, less what it holds: NOTE [ Stored
-    gradients ] rule 2; none where the gradients wait on the host), and while a chunk's own home
-    is not on the host yet the step waits for the write-backs in flight, one at a time, reading
-    the next home as each lands, rather than only after the chunk stepped. A chunk's step
-    computes in milliseconds, so the step phase is its home reads and write-backs; read one home
-    ahead, each read waited for the write-back of the home two chunks back and the disk idled
-    between reads (on the 0.15x-RAM headline GPT in a plain loop: 15 chunks, 1.9-2.1 s of a
-    2.7 s step phase waiting for reads). The host tier's capacity bounds the depth; a home read
+12. ``optimizer.step()`` reads homes ahead as deep as the host holds them: where every NVMe chunk
+    it steps keeps its gradients on the host (nothing else of the step then asks the host for
+    room: no stored gradient to stage, no slice, no asynchronous save copying homes) and the plan
+    stages two homes, the next NVMe homes in step order are read (PREFETCH) while the host tier
+    takes them, and while a chunk's own home is not on the host yet the step waits for the
+    write-backs in flight, one at a time, reading the next home as each lands, rather than only
+    after the chunk stepped. A chunk's step computes in milliseconds, so the step phase is its
+    home reads and write-backs; read one home ahead, each read waited for the write-back of the
+    home two chunks back and the disk idled between reads (on the 0.15x-RAM headline GPT in a
+    plain loop on a loaded machine: 15 chunks, 1.9-2.1 s of a 2.7 s step phase waiting for
+    reads). On a quiet machine the step phase is at the disk's rate either way (its reads and
+    write-backs alone take its time). The host tier's capacity bounds the depth; a home read
     ahead for a step that will not run (an error) goes back.
 """
 
@@ -571,8 +571,6 @@ class Stepper:
                 self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
                 if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
                     self.gradients.stash.prefetch(following)
-                if ahead:  # rule 12: the next chunk's stored gradients, in the stash's room
-                    self.gradients.stash.prefetch(ahead[0])
                 self.chunk_steps += 1
         except BaseException:
             self._send_back_staged(ahead)  # homes read ahead for steps that will not run now
@@ -591,34 +589,19 @@ class Stepper:
             len(staged) > 1
             and self.store.staged_homes > 1
             and self.save_guard is None
-            and all(c.slice_span is None for c in staged)
+            and all(c.slice_span is None and c.grad_home == "host" for c in staged)
         )
-
-    def _gradient_reserve(self, ahead: list[Chunk]) -> int:
-        """Rule 12: host bytes the homes read ahead leave free for the gradient stash, which stages
-        up to ``staged_homes`` copies of the stored gradients of ``ahead`` (NOTE [ Stored
-        gradients ] rule 2): that many of the largest, less what its copies hold already."""
-        stash = self.gradients.stash
-        stored = [c.nbytes for c in ahead if stash.stored(c)]
-        if not stored:
-            return 0
-        room = self.store.staged_homes * self.store.registry.reserved_size("host", max(stored))
-        return max(0, room - stash.staged_bytes())
 
     def _read_ahead(self, ahead: list[Chunk]) -> bool:
         """Rule 12: start reading the homes of ``ahead`` (NVMe chunks still to step, in step order)
-        that are not off NVMe yet, in order, while the host tier takes them beside the stash's
-        room; True when one is left for lack of room."""
-        reserve = self._gradient_reserve(ahead)
-        registry = self.store.registry
+        that are not off NVMe yet, in order, while the host tier takes them; True when one is left
+        for lack of room."""
         for chunk in ahead:
             home = chunk.home
             if home is None or (home.state is not ObjectState.MOVING and home.tier != "nvme"):
                 continue  # staged already
             if home.state is ObjectState.MOVING and home.obj.target_tier != "nvme":
                 continue  # on its way to the host
-            if reserve and registry.free_bytes("host") < registry.reserved_size("host", chunk.home_bytes) + reserve:
-                return True  # the stash's room for the gradients to step
             try:  # no asynchronous save to tell: none reads ahead while one runs
                 home.move_to("host", Priority.PREFETCH)
             except TierCapacityError:

@@ -218,11 +218,6 @@ class GradientStash:
         """A host copy of ``chunk``'s stored gradients is kept now."""
         return chunk.index in self._staged
 
-    def staged_bytes(self) -> int:
-        """Host bytes the staged copies take now (alignment included)."""
-        registry = self.store.registry
-        return sum(registry.reserved_size("host", self.store.chunks[i].nbytes) for i in self._staged)
-
     def ready(self, chunk: Chunk) -> bool:
         """Reading ``chunk``'s gradient bytes would not wait: they are not moving, and not stored
         or staged and landed (NOTE [ Declared steps ] rule 9 asks before a hook starts a step)."""
