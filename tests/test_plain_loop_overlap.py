@@ -21,10 +21,13 @@ from tests.test_states import (
     param_groups,
     reference,
     state_bytes,
+    train,
 )
 from tests.test_states_declared import plain_loop
 from tests.test_states_stored_grads import _states, _within_capacities
 from tiermem.registry import ObjectState
+from tiermem.states import chunk_step
+from tiermem.states.chunk_step import ChunkStep
 from tiermem.states.stored_grads import StoredGradient
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
@@ -288,3 +291,79 @@ def test_declared_clipping_stages_homes_in_the_windows_last_backward(tmp_path):
         assert stepper.homes_staged_in_backward == staged[3] + staged[5]
     assert_bitwise(got, want_losses)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+@pytest.mark.parametrize(("grad_home", "host"), [("host", "64MiB"), ("host", "700KiB"), ("nvme", "64MiB")])
+def test_the_step_reads_homes_ahead_as_deep_as_the_host_holds(tmp_path, grad_home, host):
+    """Rule 12: with every NVMe chunk's gradients on the host, ``optimizer.step()`` reads each home
+    it did not find staged ahead of its chunk's step, as many at once as the host tier takes:
+    where the host holds them all (64 MiB) its peak holds every gradient and every home at once;
+    where it holds a few (700 KiB) the reads wait for write-backs and the peak stays within the
+    capacity. Gradients stored on NVMe need the host's room to be staged: none is read ahead then.
+    Training is bitwise plain PyTorch's either way."""
+    want = reference("adamw", steps=3)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1), host)) as rt:
+        plan = {"state_home": "nvme", "grad_home": grad_home}
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        assert rt.plan.grad_home == grad_home and rt.plan.staged_homes == 2
+        stepper = _states(rt).stepper
+        stepping = [c for c in _states(rt).store.chunks if c.home_tier == "nvme" and c.trainable]
+        got = train(model, optimizer, range(3))
+        peak = rt.stats().as_dict()["tiers"]["host"]["peak_bytes"]
+        everything = sum(c.nbytes + c.home_bytes for c in stepping)
+        if grad_home == "nvme":
+            assert stepper.homes_read_ahead == 0
+        else:  # every home but those staged in backward is read ahead (the first step stages none)
+            assert stepper.homes_read_ahead == 3 * len(stepping) - stepper.homes_staged_in_backward
+            if host == "64MiB":
+                assert peak >= everything  # one step read one home ahead before: three at most
+            else:
+                assert peak < everything
+        _within_capacities(rt)
+    assert_bitwise(got, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+@pytest.mark.parametrize("where", ["prepare", "compute"])
+def test_homes_read_ahead_go_back_when_a_step_fails(tmp_path, monkeypatch, where):
+    """Rule 12: a chunk step that fails, before it computes (its preparation, on this thread) or
+    in its compute (on the step thread, raised when the step finishes), ends ``optimizer.step()``
+    with its error, and every home read ahead for the steps that will not run goes back to NVMe as
+    it was, none left holding host room."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=NVME_HOMES)
+        train(model, optimizer, range(1))  # the first step re-packs
+        calls = []
+        if where == "prepare":
+            prepare = ChunkStep.prepare.__func__
+
+            def failing_prepare(cls, *args):
+                calls.append(None)
+                if len(calls) == 3:
+                    raise RuntimeError("boom in the step")
+                return prepare(cls, *args)
+
+            monkeypatch.setattr(ChunkStep, "prepare", classmethod(failing_prepare))
+        else:
+            run_step = chunk_step.run_step
+
+            def failing_compute(*args):
+                calls.append(None)
+                if len(calls) == 3:
+                    raise RuntimeError("boom in the step")
+                return run_step(*args)
+
+            monkeypatch.setattr(chunk_step, "run_step", failing_compute)
+        stepper = _states(rt).stepper
+        with pytest.raises(RuntimeError, match="boom in the step"):
+            train(model, optimizer, range(1, 2))
+        assert stepper.homes_read_ahead > 3  # homes beyond the failing chunk's were read ahead
+        for chunk in _states(rt).store.chunks:
+            if chunk.home_tier == "nvme":
+                chunk.home.wait()
+                assert chunk.home.tier == "nvme" and chunk.home.state is ObjectState.RESIDENT
+        assert rt.stats().as_dict()["tiers"]["host"]["current_bytes"] <= sum(
+            c.nbytes for c in _states(rt).store.chunks
+        )  # the gradients, which wait for a step that failed, and no home

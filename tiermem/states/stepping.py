@@ -92,6 +92,19 @@ generation, the pool's residency (releases), and gradients through
     sends back any staged home that will not step first (a chunk that got no gradient), so its
     room stays exactly the plan's. With declared accumulation, only in the window's last
     backward.
+12. ``optimizer.step()`` reads homes ahead as deep as the host holds them: where every NVMe chunk
+    it steps keeps its gradients on the host (nothing else of the step then asks the host for
+    room: no stored gradient to stage, no slice, no asynchronous save copying homes) and the plan
+    stages two homes, the next NVMe homes in step order are read (PREFETCH) while the host tier
+    takes them, and while a chunk's own home is not on the host yet the step waits for the
+    write-backs in flight, one at a time, reading the next home as each lands, rather than only
+    after the chunk stepped. A chunk's step computes in milliseconds, so the step phase is its
+    home reads and write-backs; read one home ahead, each read waited for the write-back of the
+    home two chunks back and the disk idled between reads (on the 0.15x-RAM headline GPT in a
+    plain loop on a loaded machine: 15 chunks, 1.9-2.1 s of a 2.7 s step phase waiting for
+    reads). On a quiet machine the step phase is at the disk's rate either way (its reads and
+    write-backs alone take its time). The host tier's capacity bounds the depth; a home read
+    ahead for a step that will not run (an error) goes back.
 """
 
 from __future__ import annotations
@@ -173,6 +186,8 @@ class Stepper:
         self.chunk_steps = 0
         #: NVMe homes staged for optimizer.step() while backward ran (rule 11), cumulative
         self.homes_staged_in_backward = 0
+        #: NVMe homes ``optimizer.step()`` read ahead as deep as the host held them (rule 12), cumulative
+        self.homes_read_ahead = 0
         #: rule 3: the chunk whose home waits for room to be read ahead of its early step, and the
         #: homes read so, once room freed later in its backward (cumulative)
         self._home_wanted: Chunk | None = None
@@ -532,31 +547,83 @@ class Stepper:
         # rule 11: a home staged in backward that does not step first goes back, so the room is the step's
         first = {chunk.index for chunk in staged[: self.store.staged_homes]}
         self._send_back_staged(c for c in self.store.chunks if c.index not in first and c.index not in stepped)
+        deep = self._reads_ahead_deep(staged)
         # each NVMe chunk's next one, read while it steps where the plan has room for two homes
         # (with room for one, each home is read once the one before is written back); none beside
         # a sliced step, whose slices take that room (NOTE [ Sliced steps ] rule 2)
         next_staged = (
             {a: b for a, b in itertools.pairwise(staged) if a.slice_span is None and b.slice_span is None}
-            if self.store.staged_homes > 1
+            if self.store.staged_homes > 1 and not deep
             else {}
         )
-        for chunk, slots in work:
-            following = next_staged.get(chunk)
-            if following is not None:  # stage the next NVMe home while this one steps
-                if self.save_guard is not None:
-                    self.save_guard.before_move(following)
-                with contextlib.suppress(TierCapacityError):
-                    following.home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
-            self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
-            if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
-                self.gradients.stash.prefetch(following)
-            self.chunk_steps += 1
+        ahead = list(staged) if deep else []  # rule 12: NVMe chunks still to step, in order
+        try:
+            for chunk, slots in work:
+                following = next_staged.get(chunk)
+                if following is not None:  # stage the next NVMe home while this one steps
+                    if self.save_guard is not None:
+                        self.save_guard.before_move(following)
+                    with contextlib.suppress(TierCapacityError):
+                        following.home.move_to("host", Priority.PREFETCH)  # type: ignore[union-attr]
+                if ahead and ahead[0] is chunk:
+                    self._read_ahead_while_read(chunk, ahead)
+                    del ahead[0]
+                self._run_chunk_step(chunk, slots, optimizer, group_of, attributes)
+                if following is not None:  # and its stored gradients (NOTE [ Stored gradients ] rule 4)
+                    self.gradients.stash.prefetch(following)
+                self.chunk_steps += 1
+        except BaseException:
+            self._send_back_staged(ahead)  # homes read ahead for steps that will not run now
+            raise
         self._finish_steps()  # the next forward reads stepped homes
         self.gradients.stash.release_all()
         for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
             home = self.store.chunks[index].home
             if home is not None:
                 home.wait()
+
+    def _reads_ahead_deep(self, staged: list[Chunk]) -> bool:
+        """Rule 12: whether ``optimizer.step()`` reads the homes of ``staged`` (its NVMe chunks, in
+        order) ahead as deep as the host tier holds them."""
+        return (
+            len(staged) > 1
+            and self.store.staged_homes > 1
+            and self.save_guard is None
+            and all(c.slice_span is None and c.grad_home == "host" for c in staged)
+        )
+
+    def _read_ahead(self, ahead: list[Chunk]) -> bool:
+        """Rule 12: start reading the homes of ``ahead`` (NVMe chunks still to step, in step order)
+        that are not off NVMe yet, in order, while the host tier takes them; True when one is left
+        for lack of room."""
+        for chunk in ahead:
+            home = chunk.home
+            if home is None or (home.state is not ObjectState.MOVING and home.tier != "nvme"):
+                continue  # staged already
+            if home.state is ObjectState.MOVING and home.obj.target_tier != "nvme":
+                continue  # on its way to the host
+            try:  # no asynchronous save to tell: none reads ahead while one runs
+                home.move_to("host", Priority.PREFETCH)
+            except TierCapacityError:
+                return True
+            self.homes_read_ahead += 1
+        return False
+
+    def _read_ahead_while_read(self, chunk: Chunk, ahead: list[Chunk]) -> None:
+        """Rule 12, before ``chunk`` (``ahead[0]``) steps: until ``chunk``'s home is on the host,
+        the homes not read yet are read as each write-back in flight lands, one at a time
+        (``chunk``'s own first); the step in flight finishes as soon as its compute is done, so
+        its home's write-back starts while this thread waits for the others, not after."""
+        home = chunk.home
+        while True:
+            self.steps.poll()
+            if not (
+                self._read_ahead(ahead)
+                and home is not None
+                and (home.state is ObjectState.MOVING or home.tier == "nvme")
+                and self.homes.wait_write_back(skip=chunk)
+            ):
+                break
 
     def _check_gradients_untouched(self, stepped: set[int], counted: int) -> None:
         """Rule 4."""
