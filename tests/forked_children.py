@@ -1,0 +1,116 @@
+"""Fresh child processes for the tests that SIGKILL one (a save, a training step), without a new
+interpreter each: one server process imports torch, tiermem and the child module once, then forks
+one child per request. A child is a new process like a spawned one: it builds its own Runtime
+(the server never builds one, so no thread, file or lock is inherited), prints to the same pipe,
+and a SIGKILL ends it as it would end a spawned child. What the fork spares is the import of
+torch and of what the first ``rt.manage`` imports (about 3 CPU seconds a child on this VM).
+
+    python -m tests.forked_children MODULE
+
+MODULE (``tests.checkpoint_child``, ``tests.test_checkpoint_resume``) defines ``CHILDREN``, the
+child functions by name. Each line on the server's stdin is a JSON list ``[name, *args]``; the
+child prints ``started PID`` before it calls ``CHILDREN[name](*args)``, and the server prints
+``ended PID STATUS`` (``waitpid``'s status) once the child is gone, after everything it printed.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import traceback
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+class ForkServer:
+    """The tests' side: start children, read what they print, kill them."""
+
+    def __init__(self, module: str, env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "tests.forked_children", module],
+            cwd=ROOT,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def start(self, name: str, *args: str) -> int:
+        """Fork a child running ``CHILDREN[name](*args)``; its pid."""
+        assert self.process.stdin is not None
+        self.process.stdin.write(json.dumps([name, *args]) + "\n")
+        self.process.stdin.flush()
+        line = self.readline()
+        assert line.startswith("started "), f"the fork server answered {line!r}"
+        return int(line.split()[1])
+
+    def readline(self) -> str:
+        """The next line a child (or the server) printed, stripped; "" when the server is gone."""
+        assert self.process.stdout is not None
+        return self.process.stdout.readline().strip()
+
+    def kill(self, pid: int) -> tuple[list[str], int]:
+        """SIGKILL the child; the lines it printed that were not read yet, and its wait status."""
+        os.kill(pid, signal.SIGKILL)
+        return self.wait(pid)
+
+    def wait(self, pid: int) -> tuple[list[str], int]:
+        """Read until the child ``pid`` has ended: the lines it printed, and its wait status."""
+        lines = []
+        while True:
+            line = self.readline()
+            assert line, f"the fork server ended before child {pid} did: {lines}"
+            if line.startswith(f"ended {pid} "):
+                return lines, int(line.split()[2])
+            lines.append(line)
+
+    def close(self) -> None:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.close()
+        self.process.wait(timeout=30)
+        self.process.stdout.close()
+
+
+def _warm() -> None:
+    """What every child's first ``rt.manage`` imports lazily (torch._dynamo from an optimizer's
+    constructor, torch.distributed.tensor from the sharded-model check), imported once here."""
+    import torch
+    import torch.distributed.tensor
+
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+
+
+def _serve(module_name: str) -> None:
+    import torch
+
+    torch.set_num_threads(1)  # as the spawned children did: the same kernels' reduction order
+    children = importlib.import_module(module_name).CHILDREN
+    _warm()
+    for request in sys.stdin:
+        name, *args = json.loads(request)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            status = 0
+            try:
+                sys.stdin.close()
+                print(f"started {os.getpid()}", flush=True)
+                children[name](*args)
+            except BaseException:  # noqa: BLE001 - printed, and the child ends: never back into the loop
+                traceback.print_exc()
+                status = 1
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(status)
+        _, status = os.waitpid(pid, 0)
+        print(f"ended {pid} {status}", flush=True)
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])
