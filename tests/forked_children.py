@@ -1,5 +1,7 @@
-"""Fresh child processes for the tests that SIGKILL one (a save, a training step), without a new
-interpreter each: one server process imports torch, tiermem and the child module once, then forks
+"""Fresh child processes without a new interpreter each (suite time): for the tests that SIGKILL
+one (a save, a training step), and for the tests' gloo ranks.
+
+Killed children: one server process imports torch, tiermem and the child module once, then forks
 one child per request. A child is a new process like a spawned one: it builds its own Runtime
 (the server never builds one, so no thread, file or lock is inherited), prints to the same pipe,
 and a SIGKILL ends it as it would end a spawned child. What the fork spares is the import of
@@ -11,18 +13,28 @@ MODULE (``tests.checkpoint_child``, ``tests.test_checkpoint_resume``) defines ``
 child functions by name. Each line on the server's stdin is a JSON list ``[name, *args]``; the
 child prints ``started PID`` before it calls ``CHILDREN[name](*args)``, and the server prints
 ``ended PID STATUS`` (``waitpid``'s status) once the child is gone, after everything it printed.
+
+Ranks: :func:`start_ranks` is ``torch.multiprocessing.spawn`` with multiprocessing's forkserver,
+which imports torch, tiermem and FSDP2 once (``RANK_PRELOAD``) and forks every rank from there.
+A rank gets its target and arguments pickled, as a spawned one does, but its environment is the
+forkserver's, taken when the suite first used it: a test sets what a rank needs (MASTER_PORT,
+the torchrun variables) inside the rank, never in its own environment before starting it.
 """
 
 from __future__ import annotations
 
 import importlib
 import json
+import multiprocessing
+import multiprocessing.context
 import os
 import pathlib
 import signal
 import subprocess
 import sys
 import traceback
+from collections.abc import Callable
+from typing import Any
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -74,6 +86,27 @@ class ForkServer:
         self.process.stdin.close()
         self.process.wait(timeout=30)
         self.process.stdout.close()
+
+
+#: what a rank imports before its first step: torch, what an optimizer's constructor imports
+#: (torch._dynamo), FSDP2 and DTensor, tiermem, and pytest (the test modules import it)
+RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed.tensor", "torch.distributed.fsdp", "tiermem", "pytest"]
+
+
+def rank_context() -> multiprocessing.context.ForkServerContext:
+    """multiprocessing's forkserver context, its server importing ``RANK_PRELOAD`` once."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)  # read when the server starts: the suite's first use
+    return context
+
+
+def start_ranks(target: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """``torch.multiprocessing.spawn(target, args, nprocs)``, each rank forked from the forkserver;
+    returns when every rank has ended, raising the first rank's error as spawn does."""
+    import torch.multiprocessing
+
+    rank_context()
+    torch.multiprocessing.start_processes(target, args=args, nprocs=nprocs, join=True, start_method="forkserver")
 
 
 def _warm() -> None:
