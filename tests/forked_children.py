@@ -1,18 +1,21 @@
 """Fresh child processes without a new interpreter each (suite time): for the tests that SIGKILL
 one (a save, a training step), and for the tests' gloo ranks.
 
-Killed children: one server process imports torch, tiermem and the child module once, then forks
-one child per request. A child is a new process like a spawned one: it builds its own Runtime
-(the server never builds one, so no thread, file or lock is inherited), prints to the same pipe,
-and a SIGKILL ends it as it would end a spawned child. What the fork spares is the import of
-torch and of what the first ``rt.manage`` imports (about 3 CPU seconds a child on this VM).
+Killed children: one server process (the session's ``fork_server`` fixture in tests/conftest.py)
+imports torch and tiermem once, then forks one child per request. A child is a new process like a
+spawned one: it builds its own Runtime (the server never builds one, so no thread, file or lock
+is inherited), prints to the same pipe, and a SIGKILL ends it as it would end a spawned child.
+What the fork spares is the import of torch and of what the first ``rt.manage`` imports (about 3
+CPU seconds a child on this VM).
 
-    python -m tests.forked_children MODULE
+    python -m tests.forked_children
 
-MODULE (``tests.checkpoint_child``, ``tests.test_checkpoint_resume``) defines ``CHILDREN``, the
-child functions by name. Each line on the server's stdin is a JSON list ``[name, *args]``; the
-child prints ``started PID`` before it calls ``CHILDREN[name](*args)``, and the server prints
-``ended PID STATUS`` (``waitpid``'s status) once the child is gone, after everything it printed.
+Each line on the server's stdin is a JSON list ``[module, name, *args]``: the server imports
+``module`` (``tests.checkpoint_child``, ``tests.test_checkpoint_resume``, ...; kept for the next
+request), forks, and the child prints ``started PID`` before it calls
+``module.CHILDREN[name](*args)``; the server prints ``ended PID STATUS`` (``waitpid``'s status)
+once the child is gone, after everything it printed. One child at a time: the server waits for
+it before it reads the next request.
 
 Ranks: :func:`start_ranks` is ``torch.multiprocessing.spawn`` with multiprocessing's forkserver,
 which imports torch, tiermem and FSDP2 once (``RANK_PRELOAD``) and forks every rank from there.
@@ -40,26 +43,30 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 class ForkServer:
-    """The tests' side: start children, read what they print, kill them."""
+    """The tests' side: start children, read what they print, kill them. One child at a time: a
+    test ends its child (``kill`` or ``wait``) before it starts another, in a ``finally``, or the
+    next test's request waits behind it; ``close`` kills one left running."""
 
-    def __init__(self, module: str, env: dict[str, str] | None = None) -> None:
+    def __init__(self) -> None:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "tests.forked_children", module],
+            [sys.executable, "-m", "tests.forked_children"],
             cwd=ROOT,
-            env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
         )
+        self.running: int | None = None
 
-    def start(self, name: str, *args: str) -> int:
-        """Fork a child running ``CHILDREN[name](*args)``; its pid."""
+    def start(self, module: str, name: str, *args: str) -> int:
+        """Fork a child running ``module.CHILDREN[name](*args)``; its pid."""
+        assert self.running is None, f"child {self.running} of the fork server is still running"
         assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps([name, *args]) + "\n")
+        self.process.stdin.write(json.dumps([module, name, *args]) + "\n")
         self.process.stdin.flush()
         line = self.readline()
         assert line.startswith("started "), f"the fork server answered {line!r}"
-        return int(line.split()[1])
+        self.running = int(line.split()[1])
+        return self.running
 
     def readline(self) -> str:
         """The next line a child (or the server) printed, stripped; "" when the server is gone."""
@@ -78,11 +85,14 @@ class ForkServer:
             line = self.readline()
             assert line, f"the fork server ended before child {pid} did: {lines}"
             if line.startswith(f"ended {pid} "):
+                self.running = None
                 return lines, int(line.split()[2])
             lines.append(line)
 
     def close(self) -> None:
         assert self.process.stdin is not None and self.process.stdout is not None
+        if self.running is not None:
+            self.kill(self.running)
         self.process.stdin.close()
         self.process.wait(timeout=30)
         self.process.stdout.close()
@@ -118,14 +128,14 @@ def _warm() -> None:
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
 
 
-def _serve(module_name: str) -> None:
+def _serve() -> None:
     import torch
 
     torch.set_num_threads(1)  # as the spawned children did: the same kernels' reduction order
-    children = importlib.import_module(module_name).CHILDREN
     _warm()
     for request in sys.stdin:
-        name, *args = json.loads(request)
+        module, name, *args = json.loads(request)
+        children = importlib.import_module(module).CHILDREN
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
@@ -146,4 +156,4 @@ def _serve(module_name: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve()

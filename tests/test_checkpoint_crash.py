@@ -13,14 +13,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 
 import pytest
 import torch
 
 import tiermem
 from tests import checkpoint_child as child
-from tests.forked_children import ForkServer
 from tiermem.checkpoint import files
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -44,15 +42,6 @@ def spawn(mode: str, tmp_path: pathlib.Path, path: pathlib.Path, *args: str) -> 
     )
 
 
-@pytest.fixture(scope="module")
-def fork_server() -> Iterator[ForkServer]:
-    """The killed savers are forked from one server: each a process of its own, SIGKILLed as a
-    spawned one would be, without importing torch again (suite time)."""
-    server = ForkServer("tests.checkpoint_child")
-    yield server
-    server.close()
-
-
 def _leftovers(path: pathlib.Path) -> list[str]:
     return sorted(p.name for p in path.parent.iterdir() if p.name.startswith(f".{path.name}."))
 
@@ -66,11 +55,13 @@ def test_a_save_killed_at_any_moment_leaves_the_previous_checkpoint_loadable(tmp
     # Random kills check the whole process; the commit's instants are covered exactly by
     # tests/test_checkpoint_commit.py, so a few trials do (suite time); the commit is shared: fewer for zarr.
     for _ in range(3 if fmt == "dcp" else 2):
-        pid = fork_server.start("kill", str(_nvme(tmp_path, "kill")), str(path), fmt)
-        assert fork_server.readline() == "ready"
-        started = time.monotonic()
-        time.sleep(rng.uniform(0.0, 1.5))  # inside a save, between two, in the fsyncs or the commit
-        lines, status = fork_server.kill(pid)
+        pid = fork_server.start("tests.checkpoint_child", "kill", str(_nvme(tmp_path, "kill")), str(path), fmt)
+        try:
+            assert fork_server.readline() == "ready"
+            started = time.monotonic()
+            time.sleep(rng.uniform(0.0, 1.5))  # inside a save, between two, in the fsyncs or the commit
+        finally:
+            lines, status = fork_server.kill(pid)
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, lines  # not ended by itself
         kills.append((round(time.monotonic() - started, 2), sum(line.startswith("saved") for line in lines)))
         assert files.verify(path)  # every file present and matching its digest

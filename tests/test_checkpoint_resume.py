@@ -175,15 +175,6 @@ def child_save_loop(directory: str, path: str) -> None:
 CHILDREN = {"train": child_train, "save-loop": child_save_loop}
 
 
-@pytest.fixture(scope="module")
-def fork_server() -> Iterator[ForkServer]:
-    """Every child of this module is forked from one server: each a process of its own,
-    SIGKILLed as a spawned one would be, without importing torch again (suite time)."""
-    server = ForkServer("tests.test_checkpoint_resume")
-    yield server
-    server.close()
-
-
 def _killed(server: ForkServer, pid: int) -> list[str]:
     """SIGKILL the child ``pid``: the lines it printed that were not read yet."""
     lines, status = server.kill(pid)
@@ -196,7 +187,7 @@ def _killed(server: ForkServer, pid: int) -> list[str]:
 def killed_run(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> pathlib.Path:
     """The checkpoints of a child that trained N steps per variant and was SIGKILLed after."""
     root = tmp_path_factory.mktemp("killed")
-    pid = fork_server.start("train", str(root))
+    pid = fork_server.start(__name__, "train", str(root))
     try:
         assert fork_server.readline() == "ready"
         time.sleep(0.2)  # inside the training that follows
@@ -263,7 +254,7 @@ def _kill_inside_a_save(
 ) -> list[str]:
     """Fork the save loop, kill it ``fraction`` of a save's duration after save ``saves_before``
     began; every line it printed."""
-    pid = server.start("save-loop", str(nvme), str(path))
+    pid = server.start(__name__, "save-loop", str(nvme), str(path))
     lines: list[str] = []
     save_s = 0.05
     try:
