@@ -14,7 +14,8 @@ Each line on the server's stdin is a JSON list ``[module, name, *args]``: the se
 ``module`` (``tests.checkpoint_child``, ``tests.test_checkpoint_resume``, ...; kept for the next
 request), forks, and the child prints ``started PID`` before it calls
 ``module.CHILDREN[name](*args)``; the server prints ``ended PID STATUS`` (``waitpid``'s status)
-once the child is gone, after everything it printed. One child at a time: the server waits for
+once the child is gone, after everything it printed (its stderr goes to the same pipe; its exit
+status is ``sys.exit``'s, 1 after an exception, 0 otherwise). One child at a time: the server waits for
 it before it reads the next request.
 
 Ranks: :func:`start_ranks` is ``torch.multiprocessing.spawn`` with multiprocessing's forkserver,
@@ -72,6 +73,10 @@ class ForkServer:
         """The next line a child (or the server) printed, stripped; "" when the server is gone."""
         assert self.process.stdout is not None
         return self.process.stdout.readline().strip()
+
+    def returncode(self, status: int) -> int:
+        """A wait status as ``subprocess`` gives it: the exit status, or minus the signal."""
+        return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
     def kill(self, pid: int) -> tuple[list[str], int]:
         """SIGKILL the child; the lines it printed that were not read yet, and its wait status."""
@@ -142,8 +147,11 @@ def _serve() -> None:
             status = 0
             try:
                 sys.stdin.close()
+                os.dup2(sys.stdout.fileno(), sys.stderr.fileno())  # its errors reach the test, in order
                 print(f"started {os.getpid()}", flush=True)
                 children[name](*args)
+            except SystemExit as exc:  # sys.exit(n): the status a spawned child would end with
+                status = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
             except BaseException:  # noqa: BLE001 - printed, and the child ends: never back into the loop
                 traceback.print_exc()
                 status = 1
@@ -153,6 +161,7 @@ def _serve() -> None:
                 os._exit(status)
         _, status = os.waitpid(pid, 0)
         print(f"ended {pid} {status}", flush=True)
+    os._exit(0)  # stdin closed: the suite is done; an interpreter's teardown with torch loaded takes seconds
 
 
 if __name__ == "__main__":
