@@ -27,6 +27,7 @@ the torchrun variables) inside the rank, never in its own environment before sta
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import multiprocessing
@@ -78,9 +79,19 @@ class ForkServer:
         """A wait status as ``subprocess`` gives it: the exit status, or minus the signal."""
         return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
 
+    def alive(self, pid: int) -> bool:
+        """Whether the child ``pid`` still runs (the server reaps it as it ends)."""
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+
     def kill(self, pid: int) -> tuple[list[str], int]:
-        """SIGKILL the child; the lines it printed that were not read yet, and its wait status."""
-        os.kill(pid, signal.SIGKILL)
+        """SIGKILL the child (unless it ended by itself: its status says so); the lines it printed
+        that were not read yet, and its wait status."""
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
         return self.wait(pid)
 
     def wait(self, pid: int) -> tuple[list[str], int]:
