@@ -1,12 +1,14 @@
-"""Fresh child processes without a new interpreter each (suite time): for the tests that SIGKILL
-one (a save, a training step), and for the tests' gloo ranks.
+"""Fresh child processes without a new interpreter each (suite time): for the tests' children (the
+ones SIGKILLed inside a save or a step, the access child, the examples) and for their gloo ranks.
 
-Killed children: one server process (the session's ``fork_server`` fixture in tests/conftest.py)
-imports torch and tiermem once, then forks one child per request. A child is a new process like a
+Children: one server process (the session's ``fork_server`` fixture in tests/conftest.py) imports
+torch and tiermem once, then forks one child per request. A child is a new process like a
 spawned one: it builds its own Runtime (the server never builds one, so no thread, file or lock
-is inherited), prints to the same pipe, and a SIGKILL ends it as it would end a spawned child.
-What the fork spares is the import of torch and of what the first ``rt.manage`` imports (about 3
-CPU seconds a child on this VM).
+is inherited), and a SIGKILL or a crash ends it as it would end a spawned child. What the fork
+spares is the import of torch and of what the first ``rt.manage`` imports (about 3 CPU seconds a
+child on this VM). A child runs on one torch thread (the server's setting, as the spawned
+children set it) in the server's environment, the suite's at its start: a test passes what it
+changed (a thread count, a variable) for the child to set.
 
     python -m tests.forked_children
 
@@ -15,8 +17,8 @@ Each line on the server's stdin is a JSON list ``[module, name, *args]``: the se
 request), forks, and the child prints ``started PID`` before it calls
 ``module.CHILDREN[name](*args)``; the server prints ``ended PID STATUS`` (``waitpid``'s status)
 once the child is gone, after everything it printed (its stderr goes to the same pipe; its exit
-status is ``sys.exit``'s, 1 after an exception, 0 otherwise). One child at a time: the server waits for
-it before it reads the next request.
+status is ``sys.exit``'s, 1 after an exception, 0 otherwise). One child at a time: the server
+waits for it before it reads the next request.
 
 Ranks: :func:`start_ranks` is ``torch.multiprocessing.spawn`` with multiprocessing's forkserver,
 which imports torch, tiermem and FSDP2 once (``RANK_PRELOAD``) and forks every rank from there.
