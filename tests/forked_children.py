@@ -68,7 +68,11 @@ class ForkServer:
         self.process.stdin.write(json.dumps([module, name, *args]) + "\n")
         self.process.stdin.flush()
         line = self.readline()
-        assert line.startswith("started "), f"the fork server answered {line!r}"
+        if not line.startswith("started "):  # the module did not import: the server printed why
+            answer = [line]
+            while answer[-1] and answer[-1] != "import failed":
+                answer.append(self.readline())
+            raise AssertionError("the fork server answered:\n" + "\n".join(answer))
         self.running = int(line.split()[1])
         return self.running
 
@@ -153,7 +157,12 @@ def _serve() -> None:
     _warm()
     for request in sys.stdin:
         module, name, *args = json.loads(request)
-        children = importlib.import_module(module).CHILDREN
+        try:
+            children = importlib.import_module(module).CHILDREN
+        except Exception:  # noqa: BLE001 - the test gets the traceback; the server serves on
+            traceback.print_exc(file=sys.stdout)
+            print("import failed", flush=True)
+            continue
         sys.stdout.flush()
         pid = os.fork()
         if pid == 0:
