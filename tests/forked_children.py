@@ -48,8 +48,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 class ForkServer:
     """The tests' side: start children, read what they print, kill them. One child at a time: a
-    test ends its child (``kill`` or ``wait``) before it starts another, in a ``finally``, or the
-    next test's request waits behind it; ``close`` kills one left running."""
+    test ends its child (``kill`` or ``wait``) in a ``finally``; one a failed test left running is
+    killed by the next ``start`` or by ``close``."""
 
     def __init__(self) -> None:
         self.process = subprocess.Popen(
@@ -63,7 +63,8 @@ class ForkServer:
 
     def start(self, module: str, name: str, *args: str) -> int:
         """Fork a child running ``module.CHILDREN[name](*args)``; its pid."""
-        assert self.running is None, f"child {self.running} of the fork server is still running"
+        if self.running is not None:  # left by a test that failed (or timed out) before ending it
+            self.kill(self.running)
         assert self.process.stdin is not None
         self.process.stdin.write(json.dumps([module, name, *args]) + "\n")
         self.process.stdin.flush()
