@@ -1,10 +1,11 @@
 """Child of tests/test_states_access.py: ops on managed parameters against a plain model.
 
-Run as ``python access_child.py WHERE[,WHERE...] DEVICE`` with each WHERE one of ``released`` (host homes, every
-chunk released), ``cached`` (host homes, chunks left resident by a forward), ``nvme`` (NVMe
-homes). Every op runs on the managed model and on a plain copy; outputs and every parameter
-after the op must be bitwise equal. Exit status 0: all equal; 1: a difference (printed); a
-signal (a crash) shows as a negative return code in the parent.
+Run as ``python access_child.py WHERE[,WHERE...] DEVICE`` (the suite forks it instead: ``CHILDREN``
+and tests/forked_children.py) with each WHERE one of ``released`` (host homes, every chunk
+released), ``cached`` (host homes, chunks left resident by a forward), ``nvme`` (NVMe homes).
+Every op runs on the managed model and on a plain copy; outputs and every parameter after the op
+must be bitwise equal. Exit status 0: all equal; 1: a difference (printed); a signal (a crash)
+shows as a negative return code in the parent.
 """
 
 from __future__ import annotations
@@ -179,7 +180,14 @@ def main(where: str, device: str) -> int:
     return 1 if failures else 0
 
 
+def every_where(wheres: str, device: str = "cpu") -> None:
+    """Each WHERE (comma-separated) in the same process (one interpreter start for all: suite
+    time); exit status 1 when any differs."""
+    sys.exit(max(main(where, device) for where in wheres.split(",")))
+
+
+#: the children by name, for tests/forked_children.py
+CHILDREN = {"every-where": every_where}
+
 if __name__ == "__main__":
-    # Each WHERE in the same process (one interpreter start for all: suite time); 1 when any differs.
-    device = sys.argv[2] if len(sys.argv) > 2 else "cpu"
-    sys.exit(max(main(where, device) for where in sys.argv[1].split(",")))
+    every_where(*sys.argv[1:])

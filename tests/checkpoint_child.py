@@ -1,5 +1,6 @@
 """Child processes of tests/test_checkpoint_crash.py: a training process that saves again and
-again until it is killed, and one that measures the RSS a save and a load add.
+again until it is killed (forked by tests/forked_children.py), and one that measures the RSS a
+save and a load add.
 
     python -m tests.checkpoint_child kill DIR CHECKPOINT [FORMAT]
     python -m tests.checkpoint_child rss DIR CHECKPOINT [FORMAT]
@@ -114,6 +115,9 @@ def rss(directory: str, path: str, fmt: str | None = None) -> None:
         print(json.dumps(result), flush=True)
 
 
+#: the children by name, for ``python -m tests.checkpoint_child`` and tests/forked_children.py
+CHILDREN = {"kill": kill, "rss": rss}
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    {"kill": kill, "rss": rss}[sys.argv[1]](sys.argv[2], sys.argv[3], *sys.argv[4:])
+    CHILDREN[sys.argv[1]](sys.argv[2], sys.argv[3], *sys.argv[4:])

@@ -1,5 +1,6 @@
 """Fixtures shared by the scheduler tests (test_scheduler.py, test_scheduler_runs.py), the
-suite's own profile cache, and the signal dispositions of tests that signal themselves."""
+suite's own profile cache, the signal dispositions of tests that signal themselves, and the
+server that forks the children tests SIGKILL."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.forked_children import ForkServer
 from tests.gated_tier import BLOCK, GatedTier
 from tiermem.schedulers import AsyncioScheduler
 from tiermem.tiers.device import DeviceTier
@@ -25,6 +27,16 @@ def private_profile_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         os.environ.pop("XDG_CACHE_HOME", None)
     else:
         os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def fork_server(private_profile_cache: None) -> Iterator[ForkServer]:
+    """Children forked from one server that imported torch and tiermem once (tests/forked_children.py):
+    each a process of its own, SIGKILLed as a spawned one would be, without a new interpreter
+    (suite time). Started after the profile cache is set: its children inherit the environment."""
+    server = ForkServer()
+    yield server
+    server.close()
 
 
 @pytest.fixture

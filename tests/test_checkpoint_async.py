@@ -10,8 +10,6 @@ import copy
 import os
 import pathlib
 import signal
-import subprocess
-import sys
 import threading
 import time
 from typing import Any
@@ -24,9 +22,6 @@ from tests.test_checkpoint import assert_bitwise, config, manage, snapshot, trai
 from tiermem.checkpoint import background
 from tiermem.checkpoint.dcp_planners import StreamingSavePlanner
 from tiermem.errors import CheckpointError
-
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -182,13 +177,6 @@ def test_close_and_load_wait_for_a_pending_save(tmp_path, monkeypatch):
     no_leftovers(tmp_path)
 
 
-CHILD = """
-import sys
-from tests.test_checkpoint_async import child_saves_then_trains
-child_saves_then_trains(sys.argv[1], sys.argv[2])
-"""
-
-
 def child_saves_then_trains(nvme: str, path: str) -> None:
     """A blocking save at step 2, then an async save whose writer is slow while training goes on."""
     directory = pathlib.Path(nvme)
@@ -209,23 +197,22 @@ def child_saves_then_trains(nvme: str, path: str) -> None:
         train(model, optimizer, schedule, range(2, 100))
 
 
-def test_a_process_killed_during_an_async_save_leaves_the_previous_checkpoint(tmp_path):
+#: the children by name, for tests/forked_children.py
+CHILDREN = {"saves-then-trains": child_saves_then_trains}
+
+
+def test_a_process_killed_during_an_async_save_leaves_the_previous_checkpoint(tmp_path, fork_server):
     (tmp_path / "child").mkdir()
     path = tmp_path / "ckpt"
-    with subprocess.Popen(
-        [sys.executable, "-c", CHILD, str(tmp_path / "child"), str(path)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    ) as process:
-        try:
-            assert process.stdout is not None and process.stdout.readline().strip() == "saving"
-            time.sleep(0.3)  # the writer is in its data file now
-            assert [p for p in tmp_path.iterdir() if ".tiermem-tmp-" in p.name]
-        finally:
-            process.send_signal(signal.SIGKILL)
-            process.wait()
+    # a process of its own, forked from the suite's server (no new interpreter: suite time)
+    pid = fork_server.start(__name__, "saves-then-trains", str(tmp_path / "child"), str(path))
+    try:
+        assert fork_server.readline() == "saving"
+        time.sleep(0.3)  # the writer is in its data file now
+        assert [p for p in tmp_path.iterdir() if ".tiermem-tmp-" in p.name]
+    finally:
+        lines, status = fork_server.kill(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, lines  # not ended by itself
     with tiermem.Runtime(config(tmp_path)) as rt:
         model, optimizer, schedule = manage(rt)
         train(model, optimizer, schedule, range(2))

@@ -24,13 +24,17 @@ from tiermem.checkpoint import files
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-def spawn(mode: str, tmp_path: pathlib.Path, path: pathlib.Path, *args: str) -> subprocess.Popen[str]:
+def _nvme(tmp_path: pathlib.Path, mode: str) -> pathlib.Path:
     nvme = tmp_path / f"nvme-{mode}"
     nvme.mkdir(exist_ok=True)
+    return nvme
+
+
+def spawn(mode: str, tmp_path: pathlib.Path, path: pathlib.Path, *args: str) -> subprocess.Popen[str]:
     # TRAPS 8: glibc returns freed blocks to the system, so RSS follows what is live
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.checkpoint_child", mode, str(nvme), str(path), *args],
+        [sys.executable, "-m", "tests.checkpoint_child", mode, str(_nvme(tmp_path, mode)), str(path), *args],
         cwd=ROOT,
         env=env,
         stdout=subprocess.PIPE,
@@ -44,23 +48,22 @@ def _leftovers(path: pathlib.Path) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["dcp", "zarr"])
-def test_a_save_killed_at_any_moment_leaves_the_previous_checkpoint_loadable(tmp_path, fmt):
+def test_a_save_killed_at_any_moment_leaves_the_previous_checkpoint_loadable(tmp_path, fmt, fork_server):
     path = tmp_path / "ckpt"
     rng = random.Random(19)
     kills = []
     # Random kills check the whole process; the commit's instants are covered exactly by
     # tests/test_checkpoint_commit.py, so a few trials do (suite time); the commit is shared: fewer for zarr.
     for _ in range(3 if fmt == "dcp" else 2):
-        process = spawn("kill", tmp_path, path, fmt)
-        assert process.stdout is not None
-        assert process.stdout.readline().strip() == "ready"
-        started = time.monotonic()
-        time.sleep(rng.uniform(0.0, 1.5))  # inside a save, between two, in the fsyncs or the commit
-        process.send_signal(signal.SIGKILL)
-        saved = [line for line in process.stdout.read().splitlines() if line.startswith("saved")]
-        process.wait(timeout=30)
-        process.stdout.close()
-        kills.append((round(time.monotonic() - started, 2), len(saved)))
+        pid = fork_server.start("tests.checkpoint_child", "kill", str(_nvme(tmp_path, "kill")), str(path), fmt)
+        try:
+            assert fork_server.readline() == "ready"
+            started = time.monotonic()
+            time.sleep(rng.uniform(0.0, 1.5))  # inside a save, between two, in the fsyncs or the commit
+        finally:
+            lines, status = fork_server.kill(pid)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, lines  # not ended by itself
+        kills.append((round(time.monotonic() - started, 2), sum(line.startswith("saved") for line in lines)))
         assert files.verify(path)  # every file present and matching its digest
     torch.manual_seed(0)
     with tiermem.Runtime(child.config(str(tmp_path), **child.KILL_CONFIG)) as rt:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tests.forked_children import start_ranks
 from tiermem.errors import CheckpointError
 from tiermem.states import StatesUsageError
 
@@ -251,12 +252,11 @@ def _rank(rank: int, world: int, port: int, root: str, spawn: str) -> None:
 
 
 def _spawn(root: Path, spawn: str) -> list[dict[str, Any]]:
-    import torch.multiprocessing as mp
-
+    """New processes for the ranks (forked from a server that imported torch once: suite time)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_rank, args=(2, port, str(root), spawn), nprocs=2, join=True)
+    start_ranks(_rank, args=(2, port, str(root), spawn), nprocs=2)
     out = []
     for rank in range(2):
         with open(root / f"{spawn}{rank}.pt", "rb") as f:

@@ -1,5 +1,6 @@
 """Resume after SIGKILL (issue 19, item 4) and saves killed at random moments (item 3), each in a
-process of its own: ``python -m tests.test_checkpoint_resume train|save-loop ...`` is the child.
+process of its own: this module's ``CHILDREN`` (``train``, ``save-loop``), forked by
+tests/forked_children.py, are the children.
 
 - A child trains N steps, saves, trains on and is SIGKILLed mid-step; this (new) process builds
   the model (plainly, or under ``rt.init()``), manages it, loads and trains M more: the losses and
@@ -19,11 +20,10 @@ process of its own: ``python -m tests.test_checkpoint_resume train|save-loop ...
 from __future__ import annotations
 
 import contextlib
+import os
 import pathlib
 import random
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -33,11 +33,11 @@ import torch
 from torch import nn
 
 import tiermem
+from tests.forked_children import ForkServer
 from tiermem.checkpoint import files
 from tiermem.states import ModelStates
 from tiermem.states.hostgrad import HostGradient
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 W = 32
 N, M = 3, 3
 VARIANTS = ("nvme", "hostgrad", "bf16")
@@ -171,27 +171,28 @@ def child_save_loop(directory: str, path: str) -> None:
             n += 1
 
 
-def spawn(*args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "tests.test_checkpoint_resume", *args], cwd=ROOT, stdout=subprocess.PIPE, text=True
-    )
+#: the children by name, for tests/forked_children.py
+CHILDREN = {"train": child_train, "save-loop": child_save_loop}
+
+
+def _killed(server: ForkServer, pid: int) -> list[str]:
+    """SIGKILL the child ``pid``: the lines it printed that were not read yet."""
+    lines, status = server.kill(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, lines  # not ended by itself
+    return lines
 
 
 # -- resume after SIGKILL --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def killed_run(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+def killed_run(tmp_path_factory: pytest.TempPathFactory, fork_server: ForkServer) -> pathlib.Path:
     """The checkpoints of a child that trained N steps per variant and was SIGKILLed after."""
     root = tmp_path_factory.mktemp("killed")
-    process = spawn("train", str(root))
-    assert process.stdout is not None
+    pid = fork_server.start(__name__, "train", str(root))
     try:
-        assert process.stdout.readline().strip() == "ready"
+        assert fork_server.readline() == "ready"
         time.sleep(0.2)  # inside the training that follows
     finally:
-        process.send_signal(signal.SIGKILL)
-        process.wait(timeout=30)
-        process.stdout.close()
-    assert process.returncode == -signal.SIGKILL
+        _killed(fork_server, pid)
     return root
 
 
@@ -248,17 +249,18 @@ def _weights_after_each_step(steps: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def _kill_inside_a_save(path: pathlib.Path, nvme: pathlib.Path, saves_before: int, fraction: float) -> list[str]:
-    """Spawn the save loop, kill it ``fraction`` of a save's duration after save ``saves_before``
+def _kill_inside_a_save(
+    server: ForkServer, path: pathlib.Path, nvme: pathlib.Path, saves_before: int, fraction: float
+) -> list[str]:
+    """Fork the save loop, kill it ``fraction`` of a save's duration after save ``saves_before``
     began; every line it printed."""
-    process = spawn("save-loop", str(nvme), str(path))
-    assert process.stdout is not None
+    pid = server.start(__name__, "save-loop", str(nvme), str(path))
     lines: list[str] = []
     save_s = 0.05
     try:
         while True:
-            line = process.stdout.readline().split()
-            assert line, lines  # the child died by itself
+            line = server.readline().split()
+            assert line and line[0] != "ended", lines  # the child died by itself
             lines.append(" ".join(line))
             if line[0] == "saved":
                 save_s = float(line[2]) - float(lines[-2].split()[2])
@@ -266,15 +268,12 @@ def _kill_inside_a_save(path: pathlib.Path, nvme: pathlib.Path, saves_before: in
                 break
         time.sleep(fraction * save_s * 1.2)  # inside the save, or (1 in 6) just after its commit
     finally:
-        process.send_signal(signal.SIGKILL)
-        lines += [text.strip() for text in process.stdout.read().splitlines()]
-        process.wait(timeout=30)
-        process.stdout.close()
+        lines += _killed(server, pid)
     return lines
 
 
 @pytest.mark.slow
-def test_a_save_killed_inside_it_keeps_the_previous_checkpoint_exactly(tmp_path):
+def test_a_save_killed_inside_it_keeps_the_previous_checkpoint_exactly(tmp_path, fork_server):
     torch.set_num_threads(1)
     rng = random.Random(1919)
     reference = _weights_after_each_step(4)
@@ -282,7 +281,7 @@ def test_a_save_killed_inside_it_keeps_the_previous_checkpoint_exactly(tmp_path)
     previous = None  # the step the checkpoint at path holds before each trial
     for trial in range(5):  # the commit's instants are covered exactly by tests/test_checkpoint_commit.py
         saves_before = 0 if trial == 0 else rng.randint(0, 2)
-        lines = _kill_inside_a_save(path, tmp_path / "nvme", saves_before, rng.random())
+        lines = _kill_inside_a_save(fork_server, path, tmp_path / "nvme", saves_before, rng.random())
         saved = [int(line.split()[1]) for line in lines if line.startswith("saved")]
         if trial == 0 and not path.exists():
             continue  # killed inside the first save: no checkpoint at all, never a partial one
@@ -299,8 +298,3 @@ def test_a_save_killed_inside_it_keeps_the_previous_checkpoint_exactly(tmp_path)
                 assert torch.equal(value, reference[n][name]), (trial, n, name)
             rt.save(path, extra={"n": n})  # removes what the killed save left beside it
         assert _leftovers(path) == [], (trial, lines)
-
-
-if __name__ == "__main__":
-    torch.set_num_threads(1)
-    {"train": child_train, "save-loop": child_save_loop}[sys.argv[1]](*sys.argv[2:])

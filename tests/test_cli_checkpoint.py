@@ -10,7 +10,6 @@ import dataclasses
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 import warnings
@@ -21,6 +20,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from tests.forked_children import ForkServer
 from tiermem.app.models import GPT, GPTConfig
 from tiermem.checkpoint import files, storage_reader
 from tiermem.cli import main
@@ -40,7 +40,6 @@ TINY_ARGS = [
     "--batch-size",
     "4",
 ]
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
@@ -81,29 +80,43 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
     return state["model"]
 
 
-def _run_until_saved_then_kill(tmp_path: Path, path: Path) -> None:
-    """``tiermem train --save-every 2`` in a process of its own, SIGKILLed once a save is there."""
-    argv = [sys.executable, "-m", "tiermem", "train", *TINY_ARGS, "--config", _config_file(tmp_path)]
+def _train_child(threads: str, environment: str, *argv: str) -> None:
+    """The child: ``tiermem train ARGV`` on ``threads`` threads, with ``environment`` (JSON) as its
+    variables, its summary dropped (stdout to /dev/null)."""
+    torch.set_num_threads(int(threads))
+    os.environ.clear()
+    os.environ.update(json.loads(environment))
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    sys.exit(main(["train", *argv]))
+
+
+#: the children by name, for tests/forked_children.py
+CHILDREN = {"train": _train_child}
+
+
+def _run_until_saved_then_kill(tmp_path: Path, path: Path, fork_server: ForkServer) -> None:
+    """``tiermem train --save-every 2`` in a process of its own (forked from the suite's server,
+    without an interpreter start), SIGKILLed once a save is there."""
+    argv = [*TINY_ARGS, "--config", _config_file(tmp_path)]
     argv += ["--steps", "100000", "--save-every", "2", "--checkpoint", str(path), "--json"]
     # The child computes the saved steps with this process's thread count, as the in-process runs
-    # compared with it do (an embedding's backward sums in a thread-dependent order).
-    env = {**os.environ, "OMP_NUM_THREADS": str(torch.get_num_threads())}
-    child = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    # compared with it do (an embedding's backward sums in a thread-dependent order); and this
+    # process's environment (its profile cache, no TIERMEM_* variables).
+    threads, environment = str(torch.get_num_threads()), json.dumps(dict(os.environ))
+    pid = fork_server.start(__name__, "train", threads, environment, *argv)
     try:
         deadline = time.monotonic() + 120
-        while not (path / files.MANIFEST).exists():
-            assert child.poll() is None and time.monotonic() < deadline, child.stderr and child.stderr.read()
+        while not (path / files.MANIFEST).exists() and fork_server.alive(pid) and time.monotonic() < deadline:
             time.sleep(0.02)
     finally:
-        child.send_signal(signal.SIGKILL)
-        child.wait(timeout=30)
-        assert child.stderr is not None
-        child.stderr.close()
+        lines, status = fork_server.kill(pid)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, lines  # not ended by itself
+    assert (path / files.MANIFEST).exists(), lines
 
 
-def test_a_killed_train_resumes_on_the_exact_loss_curve(tmp_path, capsys):
+def test_a_killed_train_resumes_on_the_exact_loss_curve(tmp_path, capsys, fork_server):
     saved = tmp_path / "ckpt"
-    _run_until_saved_then_kill(tmp_path, saved)
+    _run_until_saved_then_kill(tmp_path, saved, fork_server)
     status, report = _inspect(capsys, saved)
     assert status == 0 and report["complete"], report
     step = report["step"]

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tests.forked_children import rank_context
 from tiermem import distributed
 from tiermem.config_fields import DistributedConfig
 from tiermem.distributed import PeerFailureError, RankContext
@@ -311,9 +312,7 @@ def test_a_failed_rank_ends_the_other_with_a_clear_error_in_bounded_time(tmp_pat
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
-    import torch.multiprocessing as mp
-
-    context = mp.get_context("spawn")
+    context = rank_context()  # new processes, forked from a server that imported torch once (suite time)
     port = _free_port()
     processes = [context.Process(target=_rank, args=(rank, port, str(tmp_path), mode)) for rank in (0, 1)]
     for process in processes:

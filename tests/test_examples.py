@@ -2,8 +2,9 @@
 nanoGPT ``train.py`` (fp16 autocast, ``GradScaler("cpu")``, accumulation, clipping after
 ``unscale_``, dropout, tied weights) and a torchtune full fine-tune (bf16 autocast, token-summed
 loss, hand-scaled gradients, clipping, ``LambdaLR``), each with a tiermem version 3 lines away.
-Each runs in a subprocess as a user would run it; the tiermem version prints bitwise the plain
-version's losses and final-weight digest, with its model states streamed through a device budget
+Each runs in a process of its own as a user would run it (forked from the suite's server, which
+spares the interpreter start: tests/forked_children.py); the tiermem version prints bitwise the
+plain version's losses and final-weight digest, with its model states streamed through a device budget
 smaller than they are and activations offloaded (the runtime's statistics say so)."""
 
 from __future__ import annotations
@@ -12,30 +13,42 @@ import difflib
 import json
 import os
 import pathlib
-import subprocess
+import runpy
 import sys
 
 import pytest
+
+from tests.forked_children import ForkServer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 NAMES = ["nanogpt_train", "torchtune_finetune"]
 
-#: Runs an example as ``python examples/<name>.py`` would, printing the statistics of every
-#: Runtime as it leaves ``with`` (the examples themselves print only losses and a digest).
-RUNNER = """
-import json, runpy, sys
-import tiermem
-leave = tiermem.Runtime.__exit__
-def report_then_leave(self, *exc_info):
-    print("TIERMEM-STATS " + json.dumps(self.stats().as_dict()), file=sys.stderr)
-    return leave(self, *exc_info)
-tiermem.Runtime.__exit__ = report_then_leave
-path = sys.argv[1]
-sys.argv = sys.argv[1:]
-sys.path.insert(0, str(__import__("pathlib").Path(path).parent))
-runpy.run_path(path, run_name="__main__")
-"""
+
+def run_example(path: str, environment: str, stdout: str, stderr: str) -> None:
+    """The child: runs an example as ``python examples/<name>.py`` would, with ``environment``
+    (JSON) added to its variables and its output in the files ``stdout`` and ``stderr``,
+    printing the statistics of every Runtime as it leaves ``with`` (the examples themselves
+    print only losses and a digest)."""
+    import tiermem
+
+    os.environ.update(json.loads(environment))
+    for fd, file in ((1, stdout), (2, stderr)):
+        os.dup2(os.open(file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+    leave = tiermem.Runtime.__exit__
+
+    def report_then_leave(self: tiermem.Runtime, *exc_info: object) -> object:
+        print("TIERMEM-STATS " + json.dumps(self.stats().as_dict()), file=sys.stderr)
+        return leave(self, *exc_info)  # type: ignore[arg-type]
+
+    tiermem.Runtime.__exit__ = report_then_leave  # type: ignore[method-assign]
+    sys.argv = [path]
+    sys.path.insert(0, str(pathlib.Path(path).parent))
+    runpy.run_path(path, run_name="__main__")
+
+
+#: the children by name, for tests/forked_children.py
+CHILDREN = {"example": run_example}
 
 #: Tier settings per example (environment variables: the examples construct tiermem.Runtime()):
 #: a 3 MiB device for ~3.4 (nanoGPT) and ~5 MiB (torchtune) of model states, which stream through
@@ -49,18 +62,16 @@ TIERS = {
 }
 
 
-def run(name: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", **env}
-    out = subprocess.run(
-        [sys.executable, "-c", RUNNER, str(EXAMPLES / f"{name}.py")],
-        cwd=ROOT,
-        env=environment,
-        capture_output=True,
-        text=True,
-        timeout=120,
+def run(fork_server: ForkServer, output: pathlib.Path, name: str, env: dict[str, str]) -> tuple[str, str]:
+    """The example's stdout and stderr; the server's process runs one torch thread, as
+    OMP_NUM_THREADS=1 would."""
+    stdout, stderr = output / f"{name}.out", output / f"{name}.err"
+    pid = fork_server.start(
+        __name__, "example", str(EXAMPLES / f"{name}.py"), json.dumps(env), str(stdout), str(stderr)
     )
-    assert out.returncode == 0, out.stderr[-4000:]
-    return out
+    lines, status = fork_server.wait(pid)
+    assert fork_server.returncode(status) == 0, (lines, stderr.read_text()[-4000:])
+    return stdout.read_text(), stderr.read_text()
 
 
 def changed_lines(name: str) -> tuple[list[str], list[str]]:
@@ -84,7 +95,7 @@ def test_the_tiermem_version_is_three_lines_from_the_plain_one(name):
 
 @pytest.mark.slow  # two processes of 3-5 s each
 @pytest.mark.parametrize("name", NAMES)
-def test_the_example_trains_bitwise_like_the_plain_one(tmp_path, name):
+def test_the_example_trains_bitwise_like_the_plain_one(tmp_path, tmp_path_factory, fork_server, name):
     env = {
         **TIERS[name],
         "TIERMEM_HOST_CAPACITY": "16MiB",
@@ -93,11 +104,12 @@ def test_the_example_trains_bitwise_like_the_plain_one(tmp_path, name):
         "XDG_CACHE_HOME": str(tmp_path / "cache"),  # the planner's profile cache
     }
     (tmp_path / "cache").mkdir()
-    out = run(f"{name}_tiermem", env)
-    want = run(name, {}).stdout
+    output = tmp_path_factory.mktemp("output")
+    out, err = run(fork_server, output, f"{name}_tiermem", env)
+    want, _ = run(fork_server, output, name, {})
     assert want.count("loss") >= 6 and "weights " in want
-    assert out.stdout == want  # every loss printed exactly, and the final weights' digest
-    reports = [line for line in out.stderr.splitlines() if line.startswith("TIERMEM-STATS ")]
+    assert out == want  # every loss printed exactly, and the final weights' digest
+    reports = [line for line in err.splitlines() if line.startswith("TIERMEM-STATS ")]
     assert len(reports) == 1
     stats = json.loads(reports[0].removeprefix("TIERMEM-STATS "))
     device = stats["tiers"]["device"]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tests.forked_children import start_ranks
 from tiermem.layout.placement import Budgets, PlanRequest
 from tiermem.states import PlanError, StatesClosedError, StatesMemoryError, StatesUsageError
 from tiermem.states.sharded.layout import (
@@ -495,10 +496,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     pytest.importorskip("torch.distributed.fsdp")
-    import torch.multiprocessing as mp
-
     root = tmp_path_factory.mktemp("fsdp_states")
-    mp.spawn(_rank, args=(2, _free_port(), str(root)), nprocs=2, join=True)
+    start_ranks(_rank, args=(2, _free_port(), str(root)), nprocs=2)  # forked from a server that imported torch once
     out = []
     for rank in range(2):
         with open(root / f"results{rank}.pt", "rb") as f:
