@@ -18,7 +18,8 @@ The model is built as users build it (whole in RAM, then managed), so ``ru_maxrs
 process's from construction to exit. The tiermem processes share one private profile cache, so
 the first one profiles and the others plan from its profile; ``--warmup`` steps (the first one
 plans) are not timed. The timed steps run inside ``rt.trace``: each step's compute, waits by cause,
-busy links and the share of moves hidden come from ``tiermem trace summary``.
+busy links and the share of moves hidden come from ``tiermem trace summary``; the CPU seconds of
+each kind of thread (training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``.
 
 The floor is max(plain PyTorch's step in the same run, the disk time of the mode's NVMe bytes per
 step at the read and write bandwidth ``tiermem bench io`` measures on ``--path`` in the same run).
@@ -34,12 +35,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -63,6 +66,33 @@ RSS_GOAL = 0.45
 def _clock() -> tuple[float, float]:
     """Wall seconds and CPU seconds of the whole process (the I/O and step threads' included)."""
     return time.perf_counter(), time.process_time()
+
+
+def thread_cpu() -> dict[int, float]:
+    """CPU seconds of each live thread of this process, by native thread id (``/proc``)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds: dict[int, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # ended meanwhile
+            continue
+        seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return seconds
+
+
+def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds each kind of thread spent between ``before`` and ``after``: the training
+    thread, each named Python thread pool (its number dropped), and threads Python does not know
+    (OpenMP's workers); threads that ended in between are in neither (the process total is)."""
+    main = threading.main_thread().native_id
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    spent: dict[str, float] = {}
+    for tid, total in after.items():
+        name = "training" if tid == main else re.sub(r"[_-]?\d+(_\d+)?$", "", names.get(tid, "")) or "native"
+        spent[name] = spent.get(name, 0.0) + total - before.get(tid, 0.0)
+    return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
 def _model(size: dict[str, int]) -> Any:
@@ -124,8 +154,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
 
     if mode == "plain":
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        for tokens in batches:
+        for tokens in batches[: args.warmup]:
             step(model, optimizer, tokens)
+        cpu_before = thread_cpu()
+        for tokens in batches[args.warmup :]:
+            step(model, optimizer, tokens)
+        threads = cpu_by_thread(cpu_before, thread_cpu())
     else:
         capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
         tiers = {
@@ -140,9 +174,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             for tokens in batches[: args.warmup]:  # the first step profiles, plans and re-packs
                 step(model, optimizer, tokens)
             before = rt.stats().as_dict()["links"]
+            cpu_before = thread_cpu()
             with rt.trace(trace_path):
                 for tokens in batches[args.warmup :]:
                     step(model, optimizer, tokens)
+            threads = cpu_by_thread(cpu_before, thread_cpu())
             after = rt.stats().as_dict()["links"]
             steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
             os.remove(trace_path)
@@ -164,6 +200,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     result.update(
         step_s=walls[args.warmup :],
         cpu_s=cpus[args.warmup :],
+        cpu_by_thread={name: spent / args.steps for name, spent in threads.items()},  # a step's
         first_step_s=walls[0],
         losses=losses,
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -195,6 +232,13 @@ def _disk(path: str, size: str) -> dict[str, float]:
     return {r["op"]: r["bytes_per_s"]["median"] for r in json.loads(out.stdout)["results"]}
 
 
+def _median_threads(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per kind of thread, the median over ``runs`` of its CPU seconds a step."""
+    names = sorted({name for r in runs for name in r["cpu_by_thread"]})
+    medians = {name: statistics.median(r["cpu_by_thread"].get(name, 0.0) for r in runs) for name in names}
+    return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> dict[str, Any]:
     """Medians per mode against the floor and plain PyTorch's RSS; refuses runs whose losses differ."""
     reference = runs["plain"][0]["losses"]
@@ -210,6 +254,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
         "plain": {
             "step_s": plain_s,
             "cpu_s": statistics.median(t for r in runs["plain"] for t in r["cpu_s"]),
+            "cpu_by_thread": _median_threads(runs["plain"]),
             "ru_maxrss": plain_rss,
         }
     }
@@ -226,6 +271,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
         modes[mode] = {
             "step_s": step_s,
             "cpu_s": statistics.median(t for r in mode_runs for t in r["cpu_s"]),
+            "cpu_by_thread": _median_threads(mode_runs),
             "nvme_read": read,
             "nvme_written": written,
             "disk_s": disk_s,
@@ -260,7 +306,8 @@ def _report(summary: dict[str, Any], say: Any) -> None:
     plain = modes["plain"]
     say(
         f"bench io: read {disk['read'] / mib:.0f} MiB/s, write {disk['write'] / mib:.0f} MiB/s; plain PyTorch "
-        f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s), ru_maxrss {plain['ru_maxrss'] / mib:.0f} MiB"
+        f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s: {_threads(plain)}), ru_maxrss "
+        f"{plain['ru_maxrss'] / mib:.0f} MiB"
     )
     for mode in MODES[1:]:
         m = modes[mode]
@@ -278,8 +325,13 @@ def _report(summary: dict[str, Any], say: Any) -> None:
                 f"  where it goes (medians): compute {m['compute_s']:.2f} s + waits {m['wait_s']:.2f} s ({waits}); "
                 f"{phases}; {hidden} of the moves hidden"
             )
+        say(f"  CPU s a step by thread: {_threads(m)}")
         say(f"  plan {m['plan']}, homes {m['homes']}, predicted step {m['predicted_step_s']}")
     say("losses bitwise equal in every process")
+
+
+def _threads(mode: dict[str, Any]) -> str:
+    return ", ".join(f"{name} {s:.2f}" for name, s in mode["cpu_by_thread"].items() if s >= 0.005)
 
 
 def main() -> int:

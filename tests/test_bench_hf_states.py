@@ -49,6 +49,10 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         assert m["phases"].keys() >= {"forward pass", "backward pass", "optimizer.step"}
         for tier in ("device", "host"):
             assert 0 < m["tier_peaks"][tier] <= m["capacity"]
+        # the CPU a step took, by thread (clock ticks: a tiny step may read 0): the training
+        # thread's, and each pool of tiermem's once, its threads' numbers dropped
+        assert "training" in m["cpu_by_thread"] and min(m["cpu_by_thread"].values()) >= 0
+        assert all(not name[-1].isdigit() for name in m["cpu_by_thread"])
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
         hf_states.summarize(runs, disk)
