@@ -67,16 +67,11 @@ def _since(start: tuple[float, float]) -> dict[str, float]:
     return {"wall_s": wall - start[0], "cpu_s": cpu - start[1]}
 
 
-def _worker(args: argparse.Namespace) -> dict[str, Any]:
-    import cProfile
-
+def hf_gpt2(size: dict[str, int]) -> Any:
+    """``GPT2LMHeadModel`` of ``size``'s shape built from a config (no download), seeded."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    import tiermem
-    from tiermem.planner import cache
-
-    size = SIZES[args.size]
     torch.manual_seed(0)
     config = GPT2Config(
         n_layer=size["n_layer"],
@@ -87,7 +82,19 @@ def _worker(args: argparse.Namespace) -> dict[str, Any]:
         bos_token_id=0,
         eos_token_id=0,
     )
-    model = GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config)
+
+
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
+    import cProfile
+
+    import torch
+
+    import tiermem
+    from tiermem.planner import cache
+
+    size = SIZES[args.size]
+    model = hf_gpt2(size)
     params = sum(p.numel() for p in model.parameters())
     state_bytes = STATE_BYTES_PER_PARAM * params
     generator = torch.Generator().manual_seed(1)

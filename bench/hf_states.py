@@ -46,14 +46,15 @@ import threading
 import time
 from typing import Any
 
+import first_step
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
-from states_headline import nvme_moved
+from first_step import STATE_BYTES_PER_PARAM, hf_gpt2
+from states_headline import measure_disk, nvme_moved
 
-STATE_BYTES_PER_PARAM = 16  # fp32 AdamW: parameter, gradient, two states
+#: the sizes of bench/first_step.py (the same models), and one for a smoke run
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "n_embd": 64, "n_head": 2, "vocab_size": 256, "seq": 32, "batch": 2},
-    "30M": {"n_layer": 8, "n_embd": 512, "n_head": 8, "vocab_size": 8192, "seq": 256, "batch": 2},
-    "210M": {"n_layer": 16, "n_embd": 1024, "n_head": 16, "vocab_size": 8192, "seq": 256, "batch": 2},
+    **first_step.SIZES,
 }
 #: device and host capacity each, as a fraction of the state bytes: the issue's 10%, and for the
 #: small models what their default placement needs (chunks are at least 64 KiB, 16 MiB at 30M)
@@ -95,23 +96,6 @@ def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
-def _model(size: dict[str, int]) -> Any:
-    import torch
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    config = GPT2Config(
-        n_layer=size["n_layer"],
-        n_embd=size["n_embd"],
-        n_head=size["n_head"],
-        vocab_size=size["vocab_size"],
-        n_positions=size["seq"],
-        bos_token_id=0,
-        eos_token_id=0,
-    )
-    return GPT2LMHeadModel(config)
-
-
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode's steps in this process: step and CPU seconds, losses, NVMe bytes per step, the
     trace's breakdown per timed step and ``ru_maxrss``."""
@@ -124,7 +108,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     size = SIZES[args.size]
-    model = _model(size)
+    model = hf_gpt2(size)
     params = sum(p.numel() for p in model.parameters())
     state_bytes = STATE_BYTES_PER_PARAM * params
     generator = torch.Generator().manual_seed(1)
@@ -223,13 +207,6 @@ def _run(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]
 def _passed(args: argparse.Namespace) -> list[str]:
     names = ("size", "steps", "warmup", "fraction", "threads", "path")
     return [f"--{name}={getattr(args, name)}" for name in names]
-
-
-def _disk(path: str, size: str) -> dict[str, float]:
-    """``tiermem bench io`` on ``path`` (a fresh process): median read and write bytes/s."""
-    command = [sys.executable, "-m", "tiermem", "bench", "io", "--path", path, "--size", size, "--repeats", "3"]
-    out = subprocess.run([*command, "--json"], capture_output=True, text=True, check=True)
-    return {r["op"]: r["bytes_per_s"]["median"] for r in json.loads(out.stdout)["results"]}
 
 
 def _median_threads(runs: list[dict[str, Any]]) -> dict[str, float]:
@@ -361,7 +338,7 @@ def main() -> int:
     say(f"machine: {facts}")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
     try:
-        disk = _disk(args.path, args.io_size)
+        disk = measure_disk(args.path, args.io_size)
         for round_ in range(args.rounds):
             for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
                 r = _run(mode, args, cache_home)

@@ -343,10 +343,10 @@ def gpt_lora(seed: int = 0) -> nn.Module:
     return model
 
 
-def gpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int) -> list[torch.Tensor]:
+def gpt_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range, seq: int = 256) -> list[torch.Tensor]:
     losses = []
-    for step in range(steps):
-        tokens = torch.randint(0, 512, (2, 257), generator=torch.Generator().manual_seed(step))
+    for step in steps:
+        tokens = torch.randint(0, 512, (2, seq + 1), generator=torch.Generator().manual_seed(step))
         _, loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         optimizer.step()
@@ -370,12 +370,12 @@ def test_a_recomputed_block_has_room_for_its_chunks_or_is_refused_up_front(tmp_p
     ):
         rt.manage(model, torch.optim.AdamW, lr=1e-3, plan={"chunk_size": "13MiB"})
     plain = gpt_lora()
-    want = gpt_loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3), 2)
+    want = gpt_loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3), range(2))
     model = gpt_lora()
     with tiermem.Runtime(config(tmp_path, int(base * 0.4), int(base * 0.4))) as rt:
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3, plan=DEFAULT_RULE)
         assert rt.plan.buffers >= 2  # the floor: one module's chunk and the one backward holds
-        got = gpt_loop(model, optimizer, 2)
+        got = gpt_loop(model, optimizer, range(2))
         assert rt.stats().as_dict()["activations"]["fallback_reasons"].get("device_full->recompute", 0) > 0
         within_capacities(rt)
     assert_bitwise(got, want)
@@ -421,18 +421,6 @@ def bench_lora(seed: int = 0) -> nn.Module:
     return model
 
 
-def bench_loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: range) -> list[torch.Tensor]:
-    losses = []
-    for step in steps:
-        tokens = torch.randint(0, 512, (2, 65), generator=torch.Generator().manual_seed(step))
-        _, loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.detach())
-    return losses
-
-
 def test_the_first_step_plans_a_lora_whose_device_holds_one_streamed_chunk(tmp_path, caplog):
     """NOTE [ Profiling step ] rule 14: the streamed profiling pass recomputes its blocks only
     where the device holds a recomputed block's chunk beside the one backward pins. bench/lora.py's
@@ -440,12 +428,12 @@ def test_the_first_step_plans_a_lora_whose_device_holds_one_streamed_chunk(tmp_p
     needs 1.01 MiB, 1.01 MiB of 1.91 MiB in use) and then every later step, on the pins the failed
     pass left. Now the first step plans, and every step trains bitwise plain PyTorch."""
     plain = bench_lora()
-    want = bench_loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3), range(3))
+    want = gpt_loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3), range(3), seq=64)
     model = bench_lora()
     base = frozen_bytes(model)
     with caplog.at_level("WARNING", logger="tiermem"), tiermem.Runtime(config(tmp_path, base // 10, base // 10)) as rt:
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-3)
-        got = bench_loop(model, optimizer, range(3))
+        got = gpt_loop(model, optimizer, range(3), seq=64)
         assert rt.plan.predicted.step_s is not None  # planned at the first step
         within_capacities(rt)
     assert "planning from the first step failed" not in caplog.text
@@ -492,7 +480,7 @@ def test_a_backward_that_raised_half_way_leaves_no_chunk_pinned(tmp_path):
             pytest.fail("the backward did not raise")
         del loss
         optimizer.zero_grad()
-        return bench_loop(model, optimizer, range(2))
+        return gpt_loop(model, optimizer, range(2), seq=64)
 
     plain = failing(bench_lora())
     want = loop(plain, torch.optim.AdamW(trainable(plain), lr=1e-3))
