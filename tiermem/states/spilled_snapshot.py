@@ -67,7 +67,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.registry import Handle, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
-from tiermem.states.facts import ModelFacts, Snapshot
+from tiermem.states.facts import ModelFacts, ParamState, Snapshot
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.stateio import StateIO
@@ -217,17 +217,24 @@ def _chunk_sources(
     home = homes.readable(chunk) if kept and chunk.home is not None else None
     names = facts.state_names
     for slot, record in kept:
-        scalars: dict[str, Any] = {}
         for key in record.keys:
-            if key in record.scalars:
-                value = record.scalars[key]
-                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            else:
+            if key not in record.scalars:
                 assert home is not None
                 view = slot.master_view(home, chunk.section_base(names.index(key)), chunk.master_scale)
                 sources.append(((slot.index, key), view))
-        records[slot.index] = (list(record.keys), scalars)
+        records[slot.index] = (list(record.keys), _scalars(record))
     return sources, records
+
+
+def _scalars(record: ParamState) -> dict[str, Any]:
+    """A parameter's scalar optimizer state (``step``) in key order, tensors cloned: the
+    snapshot outlives the chunks they came with."""
+    scalars: dict[str, Any] = {}
+    for key in record.keys:
+        if key in record.scalars:
+            value = record.scalars[key]
+            scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
+    return scalars
 
 
 def _in_place(chunk: Chunk, homes: Homes) -> bool:
@@ -260,15 +267,11 @@ def _adopt(chunk: Chunk, facts: ModelFacts, store: ChunkStore, spilled: SpilledS
         record = store.pstate.get(slot.index)
         if record is None:
             continue
-        scalars: dict[str, Any] = {}
         for key in record.keys:
-            if key in record.scalars:
-                value = record.scalars[key]
-                scalars[key] = value.clone() if isinstance(value, torch.Tensor) else value
-            else:
+            if key not in record.scalars:
                 offset = chunk.section_base(names.index(key)) + slot.offset * scale
                 spilled.pieces[(slot.index, key)] = _Piece(buffer, offset, slot.shape, dtype)
-        spilled.records[slot.index] = (list(record.keys), scalars)
+        spilled.records[slot.index] = (list(record.keys), _scalars(record))
 
 
 def _write(registry: Registry, spilled: SpilledSnapshot, sources: list[tuple[Key, torch.Tensor]]) -> Handle:
