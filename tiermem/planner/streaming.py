@@ -33,7 +33,8 @@ class Streaming:
     held: Mapping[str, int] = field(default_factory=dict)
     #: give the streamed chunks' device bytes back (after the passes, before the link probes)
     release: Callable[[], None] = lambda: None
-    #: whether the pass may recompute its blocks (NOTE [ Profiling step ] rule 14)
+    #: whether the pass may recompute its blocks: False where the device cannot hold a recomputed
+    #: block's chunk beside the ones backward pins (NOTE [ Profiling step ] rule 14)
     recompute: bool = True
 
 
