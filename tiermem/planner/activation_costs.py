@@ -8,7 +8,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.activation_policy import PREFETCH_START
 from tiermem.layout.shares import PREFETCH_SHARE
 from tiermem.planner.profile import Profile
 
@@ -161,8 +160,6 @@ def _backward(
     head_live = forward.kept + forward.pending_bytes
     stage_live = [0] * count
     stage_demand = [0] * count
-    # The offloader starts its window from the largest block it measured (any policy but recompute).
-    prefetch_start = int(PREFETCH_START * max((b.saved_bytes for b in blocks), default=0))
     for i in range(count - 1, -1, -1):
         issue_at = started[i + LOOKAHEAD] if i + LOOKAHEAD < count else clock
         if policies[i] == "nvme" and write_bw > 0:
@@ -177,11 +174,12 @@ def _backward(
         # prefetched behind it where there is room.
         own = blocks[i].saved_bytes if policies[i] in ("nvme", "host") else 0
         ahead = sum(blocks[j].saved_bytes for j in range(max(0, i - LOOKAHEAD), i) if policies[j] in ("nvme", "host"))
-        # NOTE [ Prefetch window ]: a quarter of the largest block ahead, whole blocks
-        # (LOOKAHEAD) once backward has had to wait for reads.
-        window = ahead if stall > 0 else min(ahead, prefetch_start)
+        # NOTE [ Prefetch window ]: the window starts at a quarter of the largest block and
+        # grows to whole blocks (LOOKAHEAD) whenever backward waits for reads, which on a
+        # loaded machine it does though the link keeps up: the peak counts the window it can
+        # grow to, the demand none of it (a prefetch that finds the device full is dropped).
         stage_demand[i] = live_kept + own
-        stage_live[i] = live_kept + own + window
+        stage_live[i] = live_kept + own + ahead
         if policies[i] == "keep":
             live_kept -= blocks[i].saved_bytes
         elif policies[i] == "recompute" and blocks[i].input_bytes >= profile.min_bytes:

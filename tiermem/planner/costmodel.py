@@ -13,7 +13,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    allocated during backward, as activations are freed: a persistent chunk's gradient chunk
    appears when backward reaches the block that first used its last parameter (NOTE
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
-   write-back lands (one being filled, counted at the largest untied streamed chunk's bytes). A
+   write-back lands (one being filled, counted at the largest untied streamed chunk's bytes;
+   on a loaded machine the write-back before it may not have landed yet, and the pool waits
+   for write-backs only once the device is full: a timing the prediction leaves out). A
    streamed chunk of shared, tied parameters keeps its gradient to the end of backward, from
    the same stage as a persistent chunk would: a tied weight's gradient accumulates once, when
    its last use (its first in forward) is done. Counted all backward instead, the 6-layer tied
@@ -26,9 +28,12 @@ combines them (rules 1, 3-5) and re-exports their names.
 2. Activations on the device: the part outside blocks, kept blocks, offloaded blocks whose
    write has not landed yet (the offloader keeps a tensor readable at its source until its
    write lands) and, in backward, the block being fetched back plus the prefetch window
-   ahead of it (NOTE [ Prefetch window ]: a quarter of the largest block, up to ``LOOKAHEAD``
-   blocks once reads stall; prefetches only take room that is free: the offloader drops
-   one that does not fit). Earlier blocks' writes in flight are opportunistic too: a block
+   ahead of it at the size it can grow to (NOTE [ Prefetch window ]: a quarter of the largest
+   block, up to ``LOOKAHEAD`` blocks once backward waits for reads, which a loaded machine
+   makes it do whatever the link's speed: predicted at its start, a GPT of
+   ``tests/test_oversized_chunks.py`` peaked 6% above the prediction beside other work);
+   prefetches only take room that is free: the offloader drops one that does not fit).
+   Earlier blocks' writes in flight are opportunistic too: a block
    that meets a full device waits for them to land (NOTE [ Activation fallbacks ] rules 4
    and 5), so what must fit (``device_demand``) holds each offloaded block's own bytes
    beside what stays, not the queue (a timing the link probes decide: on a 16 x 128 GPT at
