@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tests.forked_children import start_ranks
 from tiermem.activations import ActivationStorageError
 from tiermem.activations.storages import StorageWatch
 from tiermem.tiers.backends.faulty import FaultyBackend
@@ -451,9 +452,8 @@ def test_fsdp2_with_activations_on_nvme_matches_one_process(tmp_path):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     pytest.importorskip("torch.distributed.fsdp")
-    import torch.multiprocessing as mp
-
-    mp.spawn(_fsdp_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    # New processes, forked from a server that imported torch, FSDP2 and tiermem once (suite time)
+    start_ranks(_fsdp_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2)
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(2):
