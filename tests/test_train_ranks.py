@@ -5,15 +5,19 @@ of both ranks' batches."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.forked_children import start_ranks
 from tiermem.app.models.data import MarkovChainData
 from tiermem.app.models.gpt import GPT, GPTConfig
 from tiermem.cli import main
@@ -39,6 +43,30 @@ def _torchrun(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.Co
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=_environment(tmp_path), cwd=tmp_path
     )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_rank(rank: int, port: int, root: str, argv: list[str]) -> None:
+    """One rank of ``torchrun --nproc-per-node 2 -m tiermem train ARGV`` in ``root``, forked from
+    the suite's forkserver: the environment torchrun and :func:`_environment` give a rank, set
+    here (the forkserver's is the suite's), and its stdout in ``root/stdout<rank>``."""
+    for name in [name for name in os.environ if name.upper().startswith("TIERMEM_")]:
+        del os.environ[name]
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), XDG_CACHE_HOME=os.path.join(root, "cache"),
+    )  # fmt: skip
+    torch.set_num_threads(1)  # OMP_NUM_THREADS=1, read by torch at import: the forkserver imported it
+    warnings.simplefilter("ignore", FutureWarning)  # PYTHONWARNINGS
+    os.chdir(root)
+    with open(f"stdout{rank}", "w") as out, contextlib.redirect_stdout(out):
+        status = main(["train", *argv])
+    assert status == 0, f"rank {rank}: tiermem train ended with {status}"
 
 
 def _reference_losses(steps: int, batch_size: int, lr: float, seed: int = 0) -> list[float]:
@@ -70,11 +98,19 @@ def _nvme_config(tmp_path: Path) -> tuple[Path, Path]:
     return nvme, config
 
 
-def _run(tmp_path: Path, config: Path, steps: int, *args: str) -> dict:
-    done = _torchrun(
-        tmp_path, "--config", str(config), *FLAGS, "--batch-size", str(BATCH), "--steps", str(steps),
+def _run(tmp_path: Path, config: Path, steps: int, *args: str, torchrun: bool = True) -> dict:
+    """The GPT trained on 2 ranks, states and activations on NVMe: rank 0's JSON summary. Under
+    torchrun, or (``torchrun=False``) ranks forked with torchrun's environment, which spares the
+    3 new interpreters (torchrun's and 2 ranks') of a run whose launcher the test is not about."""
+    argv = [
+        "--config", str(config), *FLAGS, "--batch-size", str(BATCH), "--steps", str(steps),
         "--state-home", "nvme", "--policy", "nvme", "--json", *args,
-    )  # fmt: skip
+    ]  # fmt: skip
+    if not torchrun:
+        start_ranks(_train_rank, args=(_free_port(), str(tmp_path), argv), nprocs=2)
+        assert (tmp_path / "stdout1").read_text() == ""  # rank 1 prints nothing
+        return json.loads((tmp_path / "stdout0").read_text().strip().splitlines()[-1])
+    done = _torchrun(tmp_path, *argv)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])  # rank 0's; rank 1 prints nothing
 
@@ -102,14 +138,16 @@ def test_torchrun_trains_the_gpt_on_two_processes_with_nvme_states_exactly(unint
 def test_torchrun_checkpoint_then_resume_continues_the_uninterrupted_losses(
     uninterrupted, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """--checkpoint --save-every 1 on 2 processes, then --resume in a new torchrun: each rank's
+    """--checkpoint --save-every 1 on 2 processes, then --resume on 2 new ones: each rank's
     data stream goes on where it stood, so the losses are bitwise the uninterrupted run's; a
-    resume on another world size is refused, and a refused resume on 2 ranks says so once."""
+    resume on another world size is refused, and a refused resume on 2 ranks says so once (under
+    torchrun, whose output that is). The saving and resuming ranks are forked with torchrun's
+    environment (suite time): the uninterrupted run above is torchrun's."""
     nvme, config = _nvme_config(tmp_path)
     ckpt = tmp_path / "ckpt"
-    saved = _run(tmp_path, config, 2, "--checkpoint", str(ckpt), "--save-every", "1")
+    saved = _run(tmp_path, config, 2, "--checkpoint", str(ckpt), "--save-every", "1", torchrun=False)
     assert saved["losses"] == uninterrupted[0]["losses"][:2]
-    resumed = _run(tmp_path, config, STEPS, "--resume", str(ckpt))
+    resumed = _run(tmp_path, config, STEPS, "--resume", str(ckpt), torchrun=False)
     assert resumed["start_step"] == 2
     assert resumed["losses"] == uninterrupted[0]["losses"][2:]
     assert sorted(p.name for p in tmp_path.iterdir() if ".tiermem-" in p.name) == []  # no temporary siblings
