@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -22,6 +20,7 @@ import tiermem
 import tiermem.planner.calibrate as calibration
 from tiermem.app.models.data import MarkovChainData
 from tiermem.app.models.gpt import GPT, GPTConfig, measure_activations
+from tiermem.cli import main
 from tiermem.layout.placement import Plan
 from tiermem.planner import BlockStats, NoPlanFitsError, Overheads, ParamStats, Profile, cache, search
 from tiermem.planner.auto import profile_model
@@ -744,24 +743,27 @@ def test_plan_save_and_plan_path_round_trip(tmp_path):
         assert rt.plan.as_dict() == first.as_dict()
 
 
-def test_tiermem_plan_json_is_well_formed(tmp_path):
+def test_tiermem_plan_json_is_well_formed(tmp_path, capsys):
+    """``tiermem plan --json`` through the CLI's main in this process (two new interpreters
+    cost about 6 CPU s; ``python -m tiermem``'s own entry is tests/test_cli_config.py's)."""
     config = tmp_path / "tiers.toml"
     config.write_text(
         '[device]\ncapacity = "48MiB"\ndevice = "cpu"\n[host]\ncapacity = "512MiB"\n'
         f'[nvme]\ncapacity = "512MiB"\npaths = ["{tmp_path}"]\n'
     )
-    command = [sys.executable, "-m", "tiermem", "plan", "--config", str(config), "--model", "tiny", "--batch", "2"]
-    command += ["--seq", "64", "--json"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    argv = ["plan", "--config", str(config), "--model", "tiny", "--batch", "2", "--seq", "64", "--json"]
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 0, err
+    result = json.loads(out)
     plan = result["plan"]
     assert {"chunk_size", "persistent_chunks", "buffers", "state_home", "block_policy", "predicted"} <= set(plan)
     assert plan["predicted"]["peak_bytes"]["device"] <= result["capacities"]["device"]
     assert result["reasons"] and result["reasons"][0].startswith("binding tier")
     config.write_text(config.read_text().replace("48MiB", "1MiB"))
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
-    assert done.returncode == 1 and "device short by" in done.stderr and "Traceback" not in done.stderr
+    status = main(argv)
+    out, err = capsys.readouterr()
+    assert status == 1 and "device short by" in err and "Traceback" not in err
 
 
 def test_optimizer_timing_takes_the_fastest_warm_step_and_samples_large_parameters(monkeypatch):
