@@ -96,6 +96,12 @@ def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str
     return dict(sorted(spent.items(), key=lambda kv: -kv[1]))
 
 
+def _minor_faults() -> int:
+    """The process's page faults served without I/O so far: each maps a page the kernel zeroes
+    first, so their bytes are memory handed back to the system and taken again."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One mode's steps in this process: step and CPU seconds, losses, NVMe bytes per step, the
     trace's breakdown per timed step and ``ru_maxrss``."""
@@ -140,10 +146,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
         for tokens in batches[: args.warmup]:
             step(model, optimizer, tokens)
-        cpu_before = thread_cpu()
+        cpu_before, faults_before = thread_cpu(), _minor_faults()
         for tokens in batches[args.warmup :]:
             step(model, optimizer, tokens)
-        threads = cpu_by_thread(cpu_before, thread_cpu())
+        threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _minor_faults() - faults_before
     else:
         capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
         tiers = {
@@ -158,11 +164,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             for tokens in batches[: args.warmup]:  # the first step profiles, plans and re-packs
                 step(model, optimizer, tokens)
             before = rt.stats().as_dict()["links"]
-            cpu_before = thread_cpu()
+            cpu_before, faults_before = thread_cpu(), _minor_faults()
             with rt.trace(trace_path):
                 for tokens in batches[args.warmup :]:
                     step(model, optimizer, tokens)
-            threads = cpu_by_thread(cpu_before, thread_cpu())
+            threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _minor_faults() - faults_before
             after = rt.stats().as_dict()["links"]
             steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
             os.remove(trace_path)
@@ -185,6 +191,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         step_s=walls[args.warmup :],
         cpu_s=cpus[args.warmup :],
         cpu_by_thread={name: spent / args.steps for name, spent in threads.items()},  # a step's
+        fault_mib=faults * resource.getpagesize() / args.steps / (1 << 20),  # a step's
         first_step_s=walls[0],
         losses=losses,
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -232,6 +239,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "step_s": plain_s,
             "cpu_s": statistics.median(t for r in runs["plain"] for t in r["cpu_s"]),
             "cpu_by_thread": _median_threads(runs["plain"]),
+            "fault_mib": statistics.median(r["fault_mib"] for r in runs["plain"]),
             "ru_maxrss": plain_rss,
         }
     }
@@ -249,6 +257,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "step_s": step_s,
             "cpu_s": statistics.median(t for r in mode_runs for t in r["cpu_s"]),
             "cpu_by_thread": _median_threads(mode_runs),
+            "fault_mib": statistics.median(r["fault_mib"] for r in mode_runs),
             "nvme_read": read,
             "nvme_written": written,
             "disk_s": disk_s,
@@ -284,7 +293,7 @@ def _report(summary: dict[str, Any], say: Any) -> None:
     say(
         f"bench io: read {disk['read'] / mib:.0f} MiB/s, write {disk['write'] / mib:.0f} MiB/s; plain PyTorch "
         f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s: {_threads(plain)}), ru_maxrss "
-        f"{plain['ru_maxrss'] / mib:.0f} MiB"
+        f"{plain['ru_maxrss'] / mib:.0f} MiB, {plain['fault_mib']:.0f} MiB of pages faulted in a step"
     )
     for mode in MODES[1:]:
         m = modes[mode]
@@ -302,7 +311,7 @@ def _report(summary: dict[str, Any], say: Any) -> None:
                 f"  where it goes (medians): compute {m['compute_s']:.2f} s + waits {m['wait_s']:.2f} s ({waits}); "
                 f"{phases}; {hidden} of the moves hidden"
             )
-        say(f"  CPU s a step by thread: {_threads(m)}")
+        say(f"  CPU s a step by thread: {_threads(m)}; {m['fault_mib']:.0f} MiB of pages faulted in (zeroed) a step")
         say(f"  plan {m['plan']}, homes {m['homes']}, predicted step {m['predicted_step_s']}")
     say("losses bitwise equal in every process")
 
