@@ -174,10 +174,11 @@ def test_a_cached_profile_whose_bandwidth_no_longer_holds_is_measured_again(tmp_
     assert again.profiling_s > 0 and again.links["device->host"] < 1e15
 
 
-def test_profile_records_the_managed_steps_measured_overheads(tmp_path):
+def test_profile_records_the_managed_steps_measured_overheads(tmp_path, monkeypatch):
     """NOTE [ Overhead calibration ]: the profile carries per-unit costs measured on the real
     manager and offloader (eight configurations timed), they survive the JSON round trip, and
     the calibration leaves the RNG and the tiers as they were (TRAPS 10)."""
+    monkeypatch.setattr(calibration, "_recent", {})  # measured here, not one an earlier test made (rule 6)
     model = gpt()
     x, y = batches(1)[0]
     with tiermem.Runtime(settings(tmp_path, "64MiB")) as rt:
@@ -194,6 +195,35 @@ def test_profile_records_the_managed_steps_measured_overheads(tmp_path):
     assert min(costs.param_s, costs.saved_s, costs.offload_s, costs.recompute_s, costs.chunk_s) >= 0
     assert Profile.from_json(profile.to_json()).overheads == costs
     assert all(b.saved_count > 0 for b in profile.blocks)
+
+
+def test_the_planner_reuses_a_recent_calibration_only_where_it_applies(tmp_path, monkeypatch):
+    """NOTE [ Overhead calibration ] rule 6: a calibration made less than ``REUSE_S`` ago in this
+    process serves the planner again for the same device, optimizer and settings where the tiers
+    have at least the room they had; other settings, less room or an older one measure afresh,
+    and an unmeasured fallback is never reused."""
+    made: list[Overheads] = []
+
+    def measured(registry, optimizer_class, defaults, memcpy_bw=0.0):
+        made.append(Overheads(param_s=len(made) + 1.0, measured=len(made) != 3))
+        return made[-1]
+
+    monkeypatch.setattr(calibration, "_recent", {})
+    monkeypatch.setattr(calibration, "calibrate", measured)
+    adamw = (torch.optim.AdamW, {"lr": 1e-3})
+    with tiermem.Runtime(settings(tmp_path, "8MiB")) as rt:
+        first = calibration.recent_calibration(rt.registry, *adamw)
+        assert calibration.recent_calibration(rt.registry, *adamw) is first and len(made) == 1
+        assert calibration.recent_calibration(rt.registry, torch.optim.AdamW, {"lr": 1e-2}) is made[1]
+        held = rt.registry.tiers["device"].allocate(1 << 20)  # less device room than the first had
+        assert calibration.recent_calibration(rt.registry, *adamw) is made[2] and len(made) == 3
+        rt.registry.tiers["device"].free(held)
+        monkeypatch.setattr(calibration, "REUSE_S", 0.0)  # every calibration is too old now
+        assert calibration.recent_calibration(rt.registry, *adamw) is made[3] and not made[3].measured
+        monkeypatch.setattr(calibration, "REUSE_S", 3600.0)
+        assert calibration.recent_calibration(rt.registry, *adamw) is made[2]  # the fallback was not kept
+    with tiermem.Runtime(settings(tmp_path, "4MiB")) as rt:  # a smaller device: less room than any
+        assert calibration.recent_calibration(rt.registry, *adamw) is made[4]
 
 
 def test_calibration_falls_back_to_charging_nothing_without_room(tmp_path):

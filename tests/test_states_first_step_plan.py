@@ -257,7 +257,7 @@ def _count_planner_work(monkeypatch) -> dict[str, int]:
     import tiermem.planner.auto
     import tiermem.states.relayout
 
-    calls = {"measure": 0, "probe_links": 0, "optimizer_seconds_per_byte": 0, "calibrate": 0, "spill": 0}
+    calls = {"measure": 0, "probe_links": 0, "optimizer_seconds_per_byte": 0, "recent_calibration": 0, "spill": 0}
     for module, name in [(tiermem.planner.auto, n) for n in list(calls)[:4]] + [(tiermem.states.relayout, "spill")]:
         real = getattr(module, name)
 
@@ -307,7 +307,8 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
             runs.append((at_manage, rt.plan, dict(calls), losses, [p.detach().clone() for p in model.parameters()]))
     (first_manage, first_plan, after_first, *_), (second_manage, second_plan, after_second, *_) = runs
     assert first_manage.predicted.step_s is None and first_plan.predicted.step_s is not None
-    assert after_first == {"measure": 1, "probe_links": 1, "optimizer_seconds_per_byte": 1, "calibrate": 1, "spill": 1}
+    once = {"measure": 1, "probe_links": 1, "optimizer_seconds_per_byte": 1, "recent_calibration": 1, "spill": 1}
+    assert after_first == once
     assert second_manage.predicted.step_s is not None  # planned at rt.manage, from the cache
     assert second_plan == second_manage == first_plan  # the same plan, and not planned again
     assert after_second == after_first  # nothing profiled, probed, calibrated or spilled the second time

@@ -23,7 +23,7 @@ from tiermem.config import Config
 from tiermem.errors import PlanError
 from tiermem.layout.placement import PlanRequest
 from tiermem.planner import cache
-from tiermem.planner.calibrate import calibrate
+from tiermem.planner.calibrate import recent_calibration
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.optimizer_probe import OPTIMIZER_SAMPLE_BYTES, optimizer_seconds_per_byte
 from tiermem.planner.probes import PROBE_BYTES, probe_links, probe_size
@@ -134,7 +134,7 @@ def profile_model(
     links = probe_links(registry, PROBE_BYTES)
     per_byte = optimizer_seconds_per_byte(cls, defaults, params, _optimizer_sample_bytes(registry, device, len(names)))
     copy_bw = min((links[k] for k in ("device->host", "host->device") if links.get(k)), default=0.0)
-    overheads = calibrate(registry, cls, defaults, copy_bw)
+    overheads = recent_calibration(registry, cls, defaults, copy_bw)
     profile = Profile(
         blocks=tuple(blocks_stats),
         outside=outside,

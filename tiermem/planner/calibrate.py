@@ -42,6 +42,13 @@
    stops early (three timed rounds of eight are half the calibration's steps); a loaded one,
    whose steps scatter by 2-5x (measured here at load ~7), runs all ``STEPS``, as before,
    because its medians need them.
+6. Once per process and a while: the planner takes a calibration made in this process less
+   than ``REUSE_S`` ago on the same device, for the same optimizer and settings, where the tiers
+   have at least the room they had then (:func:`recent_calibration`): the per-object costs it
+   measures are this machine's at about this load, and a second ``rt.manage`` (a teacher and a
+   student, a reference and a policy, a quick experiment run again) need not pay 1-3 s for them
+   again. Older ones are measured afresh, since the load they price moves. :func:`calibrate`
+   itself always measures.
 """
 
 from __future__ import annotations
@@ -50,6 +57,7 @@ import contextlib
 import inspect
 import logging
 import statistics
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -78,6 +86,12 @@ MIN_STEPS = 3
 """Rule 5: the fewest timed steps per configuration, the fewest a median can drop an outlier from."""
 SPREAD = 0.2
 """Rule 5: how far (relative to the median) the three steps around it may lie for the median to be kept."""
+REUSE_S = 120.0
+"""Rule 6: how long a calibration serves the planner again in the same process."""
+
+#: rule 6: (device, optimizer, its settings) -> (when, device and host room then, what was measured)
+_recent: dict[tuple[str, type, tuple[tuple[str, str], ...]], tuple[float, int, int, Overheads]] = {}
+_recent_lock = threading.Lock()
 
 
 class _Net(nn.Module):
@@ -133,6 +147,30 @@ def calibrate(
                 log.info("tiermem planner: no room to calibrate the managed step's overheads (%s); not charged", exc)
                 return Overheads()
             width //= 2
+
+
+def recent_calibration(
+    registry: Registry,
+    optimizer_class: type[torch.optim.Optimizer],
+    defaults: Mapping[str, Any],
+    memcpy_bw: float = 0.0,
+) -> Overheads:
+    """Rule 6: :func:`calibrate`'s result, taken from one made in this process less than
+    ``REUSE_S`` ago where it applies here."""
+    key = (str(registry.device), optimizer_class, tuple(sorted((k, repr(v)) for k, v in defaults.items())))
+    room = (registry.free_bytes("device"), registry.free_bytes("host"))
+    now = time.monotonic()
+    with _recent_lock:
+        entry = _recent.get(key)
+    # A measurement that found room then finds it again where the tiers have at least as much free.
+    if entry is not None and now - entry[0] < REUSE_S and room[0] >= entry[1] and room[1] >= entry[2]:
+        log.info("tiermem planner: overheads calibrated %.0f s ago in this process reused", now - entry[0])
+        return entry[3]
+    overheads = calibrate(registry, optimizer_class, defaults, memcpy_bw)
+    if overheads.measured:
+        with _recent_lock:
+            _recent[key] = (time.monotonic(), *room, overheads)
+    return overheads
 
 
 def _measure(
