@@ -243,3 +243,46 @@ def test_peak_counts_only_allocations_that_exist(tmp_path):
     host.close()
     with pytest.raises(Exception, match="closed"):
         host.adopt(torch.zeros(10, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("make", [lambda: HostTier(16 << 20), lambda: DeviceTier(16 << 20, device="cpu")])
+def test_a_cpu_memory_tier_hands_a_freed_block_out_again_within_its_capacity(make):
+    """NOTE [ Spare tier blocks ] rules 2-3: a freed block comes back for the next allocation of its
+    size (no fresh pages to zero); one a view still reaches is let go, so the view's bytes stay
+    its own; kept and live blocks never exceed the capacity, since an allocation that needs the
+    room drops the kept ones first."""
+    tier = make()
+    try:
+        block = tier.allocate(6 << 20)
+        address = block.tensor.data_ptr()
+        tier.free(block)
+        again = tier.allocate(6 << 20)
+        assert again.tensor.data_ptr() == address  # the same bytes, handed out again
+        view = again.tensor[:4096]
+        view.fill_(7)
+        tier.free(again)  # a view lives on: not kept
+        other = tier.allocate(6 << 20)
+        other.tensor.fill_(1)
+        assert other.tensor.data_ptr() != address and bool((view == 7).all())
+        held = other.tensor  # another reference to the tensor: not kept either
+        tier.free(other)
+        assert tier._spare_bytes == 0
+        del held
+        kept = tier.allocate(6 << 20)
+        tier.free(kept)
+        assert tier._spare_bytes == tier.reserved_size(6 << 20)
+        whole = tier.allocate(tier.capacity)  # needs the kept block's room: it is dropped
+        assert tier._spare_bytes == 0 and tier.statistics().current_bytes == tier.capacity
+        tier.free(whole)
+        small = tier.allocate(2 << 20)
+        tier.free(small)
+        small = tier.allocate(2 << 20)  # the only kept block of its size handed out again
+        larger = tier.allocate(4 << 20)
+        tier.free(larger)
+        rest = tier.allocate(tier.capacity - small.reserved)  # drops the 4 MiB block, the one kept
+        assert tier._spare_bytes == 0
+        tier.free(rest)
+        tier.free(small)
+    finally:
+        tier.close()
+    assert tier._spare_bytes == 0
