@@ -282,6 +282,12 @@ def test_a_cpu_memory_tier_hands_a_freed_block_out_again_within_its_capacity(mak
         rest = tier.allocate(tier.capacity - small.reserved)  # drops the 4 MiB block, the one kept
         assert tier._spare_bytes == 0
         tier.free(rest)
+        kept = tier.allocate(6 << 20)
+        tier.free(kept)  # kept again; adopted bytes that need its room drop it
+        adopted = tier.adopt(torch.zeros(tier.capacity - small.reserved, dtype=torch.uint8))
+        assert tier._spare_bytes == 0
+        tier.free(adopted)
+        assert tier._spare_bytes == 0  # an adopted buffer is not the tier's to keep
         tier.free(small)
     finally:
         tier.close()

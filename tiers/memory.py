@@ -20,7 +20,8 @@ Two copy engines sit behind one small interface:
    a step, 3.1% of the process's CPU samples in its reads alone.
 2. What: a CPU memory tier keeps the blocks it allocated and frees, by size, and hands one out
    again for an allocation of the same reserved size. Kept blocks and live ones together never
-   exceed the capacity: an allocation that needs their room drops kept blocks first. So what the
+   exceed the capacity: an allocation or an adopted buffer that needs their room drops kept blocks
+   first. So what the
    tier holds in RAM stays within the capacity the user set, as before.
 3. A block is kept only when nothing else can reach its bytes: no other Python reference to its
    tensor and no other tensor on its storage (torch's own count; where a torch lacks that call,
@@ -159,6 +160,8 @@ def aligned_empty(nbytes: int, device: torch.device, *, pin_memory: bool = False
 
 #: references to a storage (torch's own count; None where this torch has no such call: no spares kept)
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)
+#: the ``location`` of a block a memory tier allocated itself (rule 3: only those may be kept)
+_MADE = object()
 
 
 class MemoryTier(Tier):
@@ -174,18 +177,13 @@ class MemoryTier(Tier):
         self._spares: dict[int, list[torch.Tensor]] = {}
         self._spare_bytes = 0
         self._keeps_spares = device.type == "cpu" and _storage_use_count is not None
-        #: ids of the live allocations this tier made (adopted buffers are not ours to keep)
-        self._made: set[int] = set()
 
     def _allocate(self, nbytes: int, reserved: int) -> Allocation:
         tensor = self._take_spare(reserved) if self._keeps_spares else None
-        allocation = Allocation(
-            self, nbytes, reserved, tensor=tensor if tensor is not None else aligned_empty(reserved, self.device)
-        )
-        if self._keeps_spares:
-            with self._lock:
-                self._made.add(allocation.id)
-        return allocation
+        if tensor is None:
+            tensor = aligned_empty(reserved, self.device)
+        # marked as made here: an adopted buffer is not the tier's to keep
+        return Allocation(self, nbytes, reserved, tensor=tensor, location=_MADE)
 
     def _take_spare(self, reserved: int) -> torch.Tensor | None:
         with self._lock:
@@ -196,16 +194,22 @@ class MemoryTier(Tier):
                 if not spares:
                     del self._spares[reserved]
                 return tensor
-            # the new block's bytes are counted in _current already: spares give way to them
-            dropped = []
-            while self._spare_bytes and self._current + self._spare_bytes > self.capacity:
-                size, blocks = next(iter(self._spares.items()))
-                dropped.append(blocks.pop())
-                self._spare_bytes -= size
-                if not blocks:
-                    del self._spares[size]
+            dropped = self._drop_spares_beyond_capacity()
         del dropped  # their memory goes back to the system here, outside the lock
         return None
+
+    def _drop_spares_beyond_capacity(self) -> list[torch.Tensor]:
+        """Take kept blocks out until they and the live allocations (whose bytes ``_current``
+        already counts, a new one's included) fit the capacity; called under the lock, the
+        caller drops what it returns outside it."""
+        dropped = []
+        while self._spare_bytes and self._current + self._spare_bytes > self.capacity:
+            size, blocks = next(iter(self._spares.items()))
+            dropped.append(blocks.pop())
+            self._spare_bytes -= size
+            if not blocks:
+                del self._spares[size]
+        return dropped
 
     def adopt(self, buffer: torch.Tensor) -> Allocation:
         """Account an existing contiguous uint8 buffer on this tier's device as an
@@ -220,9 +224,13 @@ class MemoryTier(Tier):
             )
         if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
             raise ValueError("tiermem: adopt() needs a contiguous 1-D uint8 tensor")
-        return self._account(
+        allocation = self._account(
             buffer.numel(), buffer.numel(), lambda: Allocation(self, buffer.numel(), buffer.numel(), tensor=buffer)
         )
+        with self._lock:  # adopted bytes count against the capacity too: kept blocks give way
+            dropped = self._drop_spares_beyond_capacity()
+        del dropped
+        return allocation
 
     def take(self, data: torch.Tensor, *, label: str = "") -> Allocation:
         """Adopt ``data`` in place (:meth:`adopt`) when it is on this tier's device and
@@ -242,13 +250,11 @@ class MemoryTier(Tier):
         if not self._keeps_spares or tensor is None:
             return
         with self._lock:
-            made = allocation.id in self._made
-            self._made.discard(allocation.id)
             # Kept only when nothing else can reach the bytes: no other Python reference to the
             # tensor (this frame's and getrefcount's own) and no other tensor on its storage (the
             # count asked holds one, and an aligned slice's base, which the slice keeps, another).
             if (
-                made
+                allocation.location is _MADE
                 and sys.getrefcount(tensor) == 2
                 and _storage_use_count(tensor.untyped_storage()._cdata) == 2 + (tensor._base is not None)
                 and self._current + self._spare_bytes + allocation.reserved <= self.capacity
