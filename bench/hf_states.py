@@ -97,8 +97,8 @@ def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str
 
 
 def _minor_faults() -> int:
-    """The process's page faults served without I/O so far: each maps a page the kernel zeroes
-    first, so their bytes are memory handed back to the system and taken again."""
+    """The process's page faults served without I/O so far: here almost all of them map fresh
+    anonymous pages, which the kernel zeroes first (memory handed back to the system and taken again)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 

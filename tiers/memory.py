@@ -21,8 +21,7 @@ Two copy engines sit behind one small interface:
 2. What: a CPU memory tier keeps the blocks it allocated and frees, by size, and hands one out
    again for an allocation of the same reserved size. Kept blocks and live ones together never
    exceed the capacity: an allocation or an adopted buffer that needs their room drops kept blocks
-   first. So what the
-   tier holds in RAM stays within the capacity the user set, as before.
+   first. So what the tier holds in RAM stays within the capacity the user set, as before.
 3. A block is kept only when nothing else can reach its bytes: no other Python reference to its
    tensor and no other tensor on its storage (torch's own count; where a torch lacks that call,
    nothing is kept). Freed while a view of it lives, the block is let go as before.
