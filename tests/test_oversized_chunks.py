@@ -225,12 +225,10 @@ def test_a_gpt_whose_embedding_set_every_chunk_size_now_fits_a_tight_device(tmp_
     assert peak <= device
     if sample:
         assert plan.predicted.step_s is not None
-        # The prediction counts one streamed gradient in flight (NOTE [ Cost model ] rule 1); on
-        # a loaded machine the write-backs of the one or two before may not have landed yet
-        # (measured beside three busy loops, all blocks recomputed: 3,211,264 and 3,477,504
-        # bytes against 2,957,312 predicted, with one and two more gradient chunks on the device).
+        # The prediction counts the streamed gradient being filled (NOTE [ Cost model ] rule
+        # 1): a fresh gradient buffer waits for the earlier write-backs, also on a loaded machine
         predicted = plan.predicted.peak_bytes["device"] * (1 + plan.predicted.fragmentation_margin)
-        assert peak <= predicted + 2 * plan.chunk_size
+        assert peak <= predicted
     assert bitwise(losses, want_losses) and bitwise(list(model.parameters()), want_params)
     assert list(tmp_path.glob("tiermem-*")) == []
 

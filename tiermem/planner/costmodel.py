@@ -14,8 +14,8 @@ combines them (rules 1, 3-5) and re-exports their names.
    appears when backward reaches the block that first used its last parameter (NOTE
    [ Profile fields ] rule 4); streamed chunks' gradients stay on the device only until their
    write-back lands (one being filled, counted at the largest untied streamed chunk's bytes;
-   on a loaded machine the write-back before it may not have landed yet, and the pool waits
-   for write-backs only once the device is full: a timing the prediction leaves out). A
+   a fresh gradient buffer waits for the write-backs in flight, NOTE [ Model-state rules ]
+   rule 6, so a loaded machine does not leave more on the device). A
    streamed chunk of shared, tied parameters keeps its gradient to the end of backward, from
    the same stage as a persistent chunk would: a tied weight's gradient accumulates once, when
    its last use (its first in forward) is done. Counted all backward instead, the 6-layer tied

@@ -73,6 +73,9 @@ class Gradients:
         handle = chunk.grad
         pool = self.store.pool
         if handle is None:
+            # rule 6: the earlier chunks' write-backs land first, so the device never holds
+            # more gradients than the one being filled (what NOTE [ Cost model ] rule 1 counts)
+            pool.wait_writebacks()
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.facts.device)
             chunk.grad = pool.device_room(
                 lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk", label="gradient"),

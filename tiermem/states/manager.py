@@ -81,7 +81,13 @@ backend, ``describe``, ``close``) and the wiring:
    object of kind ``"chunk"``, so the tiers refuse anything past capacity. A device
    allocation that does not fit waits for gradient write-backs, then evicts unpinned
    chunks, then asks the device's other users for room (``Registry.reclaim(needed=...)``:
-   kept activations written out, TRAPS 35), then raises :class:`StatesMemoryError`.
+   kept activations written out, TRAPS 35), then raises :class:`StatesMemoryError`. A
+   chunk's fresh gradient buffer waits for the write-backs in flight before it is allocated,
+   fit or not, so the device holds no gradient beyond the ones being filled, as the cost model
+   counts (NOTE [ Cost model ] rule 1). On a quiet machine they landed long before (a chunk's
+   backward ago); on a loaded one, without the wait, one or two more gradient chunks stayed on
+   the device (a GPT at a tight device, every block recomputed, beside three busy loops: device
+   peaks 8.6% and 17.6% over the prediction).
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's; on CUDA backward hooks run on autograd's device thread while
    the caller waits in ``backward()``, so they never overlap forward's); the manager is not
