@@ -19,7 +19,7 @@ CHILD = textwrap.dedent(
     import json, sys
     import torch
     import tiermem
-    from tiermem.malloc import return_freed_memory
+    from tiermem.malloc import return_freed_memory, trim
 
     def rss():
         with open("/proc/self/status") as f:
@@ -28,10 +28,21 @@ CHILD = textwrap.dedent(
     with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}) as rt:
         configured = return_freed_memory()
         before = rss()
-        for size in (24, 16):  # a freed mapped block raises the threshold: 16 MiB then comes from the heap
-            block = torch.ones(size << 18)  # size MiB of float32
+        block = torch.ones(48 << 18)  # 48 MiB of float32: above every threshold, mapped on its own
+        del block
+        big_kept = rss() - before
+        for size in (24, 16):  # a freed mapped block raises glibc's threshold: 16 MiB then comes from the heap
+            block = torch.ones(size << 18)
             del block
-        print(json.dumps({"configured": configured, "kept": rss() - before}))
+        block = torch.ones(16 << 18)  # the same size again, then once more uninitialised: reused
+        del block  # heap bytes still hold the ones, a fresh mapping comes zeroed by the kernel
+        reused = float((torch.empty(16 << 18) == 1).float().mean())
+        kept = rss() - before
+        trim()  # what rules 4 and 5 do during training
+        print(json.dumps({
+            "configured": configured, "big_kept": big_kept, "reused": reused, "kept": kept,
+            "after_trim": rss() - before,
+        }))
     """
 )
 
@@ -45,17 +56,23 @@ def run(tmp_path, **env: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_freed_large_blocks_leave_the_process(tmp_path):
+def test_freed_large_blocks_leave_the_process_and_smaller_ones_are_reused(tmp_path):
+    """Rule 2: a block of 32 MiB or more leaves at once; a smaller one is reused from the heap, its
+    pages not faulted in and zeroed again (the uninitialised block still holds the last one's
+    values, where a fresh mapping is zeros), and a trim hands it back."""
     measured = run(tmp_path)
     assert measured["configured"]
-    assert measured["kept"] < 4 << 20, measured  # without it glibc keeps the 16 MiB block
+    assert measured["big_kept"] < 4 << 20, measured
+    assert measured["reused"] > 0.99, measured
+    assert measured["after_trim"] < 4 << 20, measured
 
 
 def test_without_it_glibc_keeps_them(tmp_path):
-    """What the test above guards against (TIERMEM_KEEP_MALLOC=1: glibc's own dynamic threshold)."""
+    """What the test above guards against (TIERMEM_KEEP_MALLOC=1: glibc's own dynamic threshold,
+    and no trims)."""
     measured = run(tmp_path, TIERMEM_KEEP_MALLOC="1")
     assert not measured["configured"]
-    assert measured["kept"] > 12 << 20, measured
+    assert measured["after_trim"] > 12 << 20, measured
 
 
 def test_the_users_own_glibc_settings_win(tmp_path):

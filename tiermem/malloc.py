@@ -6,10 +6,23 @@
    and stay in the process after they are freed: a process that moved a few GiB through host
    buffers keeps them resident, and the host capacity the user set is broken in RSS, the
    meter users read. Measured: a GPT of 840 MB streamed through 400 MB of device and host
-   capacity held 960 MB of anonymous memory after three steps; with the threshold fixed, 380 MB.
+   capacity held 960 MB of anonymous memory after three steps; with the threshold fixed at 4 MiB,
+   380 MB. Rules 4 and 5 now return what the heap frees, so the threshold is set for speed
+   (rule 2); that GPT was not measured again at 32 MiB.
 2. What: when the first runtime starts, ``mallopt`` fixes the mmap threshold at
    :data:`MMAP_THRESHOLD` (blocks from that size are mapped, and unmapped when freed) and the
-   trim threshold at :data:`TRIM_THRESHOLD`. Smaller allocations keep glibc's heap.
+   trim threshold at :data:`TRIM_THRESHOLD`: where glibc's dynamic thresholds end up once a
+   32 MiB block was freed, from the first step on instead. Smaller allocations keep glibc's
+   heap and are reused from it; rules 4 and 5 hand its free pages back. A mapped block's pages
+   are faulted in and zeroed afresh each time it is allocated (TRAPS 22), which is why the
+   threshold is not lower: at 4 MiB, each weight's gradient and each MLP activation of a 210M
+   Hugging Face GPT-2 (12-16 MiB and 8 MiB, fresh every step) was a new mapping, and a step
+   faulted in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB). ``bench/hf_states.py --size 210M``
+   in fresh processes, 4 MiB then 32 MiB each round (2-vCPU EPYC, quiet): declared loop 7.74,
+   7.98, 8.21 s against 7.71, 7.72, 7.67 s a step, 0.32-0.38 GiB faulted in, ru_maxrss 1,421
+   against 1,433 MiB; plain loop 9.81, 9.05 s against 8.87, 8.18 s (1.25 CPU s a step less),
+   ru_maxrss 1,423 against 1,504-1,545 MiB (0.32-0.33x plain PyTorch's). The 4 MiB of rule 1's
+   measurement predates rule 5's trims.
 3. The user decides first: when ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is in
    the environment (glibc read it at start), or ``TIERMEM_KEEP_MALLOC=1``, nothing changes. On
    another C library nothing changes either.
@@ -24,9 +37,13 @@
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
 5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool:
    whenever :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about
-   once a transformer block, forward and backward). Blocks below the mmap threshold that a step
-   frees in the middle of the heap (a block's 2 MiB activations once written out or recomputed,
-   its gradients' temporaries) otherwise stay resident until the heap reuses them, so the process
+   once a transformer block, forward and backward), and while blocks offload their activations
+   (the activation offloader counts each offloading block's saved bytes as its forward ends;
+   ``bench/activations.py --hf`` at ``nvme``: RSS peak 229-254 MiB over the start against 343-347
+   at a 4 MiB threshold without these trims, 436-472 at 32 MiB without). Blocks below the mmap
+   threshold that a step frees in the middle of the heap (a block's 2 MiB activations once
+   written out or recomputed, its gradients' temporaries) otherwise stay resident until the
+   heap reuses them, so the process
    holds the heap's high-water mark beside whatever the tiers hold later in the step, and the
    mark creeps up from step to step. Measured on the 200M LoRA of ``bench/lora.py`` (the mmap
    threshold at 4 MiB, as the bench sets it; a cached profile; one process each, under load):
@@ -54,14 +71,16 @@ from typing import Any
 
 log = logging.getLogger("tiermem")
 
-MMAP_THRESHOLD = 4 << 20
-"""Rule 2: blocks of 4 MiB and more are mapped on their own. Lower costs speed: every mapped
-block is faulted in afresh, and a Hugging Face GPT-2 step (8 x 512, batch 4 x 256) took 3.46-3.67 s
-at 1 MiB against 2.85-3.09 s with glibc's default and 2.93 s at 4 MiB; its RSS is what 1 MiB gives
-(a 840 MB GPT streamed through 400 MB of capacities: 380 MB anonymous after three steps at 4 MiB,
-354 MB at 1 MiB, 772 MB at 16 MiB, 960 MB with glibc's default)."""
-TRIM_THRESHOLD = 16 << 20
-"""Rule 2: free heap above this at the top of the heap is returned."""
+MMAP_THRESHOLD = 32 << 20
+"""Rule 2: blocks of 32 MiB and more are mapped on their own (glibc's cap for its dynamic
+threshold). Lower costs speed: every mapped block is faulted in afresh (a Hugging Face GPT-2 step,
+8 x 512, batch 4 x 256, took 3.46-3.67 s at 1 MiB against 2.85-3.09 s with glibc's default and
+2.93 s at 4 MiB; the 210M one of rule 2, 3-10% more at 4 MiB than here). Without rule 5's trims
+lower held less (a 840 MB GPT streamed through 400 MB of capacities: 380 MB anonymous after three
+steps at 4 MiB, 354 MB at 1 MiB, 772 MB at 16 MiB, 960 MB with glibc's default)."""
+TRIM_THRESHOLD = 64 << 20
+"""Rule 2: free heap above this at the top of the heap is returned (twice the mmap threshold,
+as glibc's dynamic one sets it)."""
 
 _M_TRIM_THRESHOLD = -1  # glibc's malloc.h
 _M_MMAP_THRESHOLD = -3
@@ -107,8 +126,8 @@ TRIM_EVERY_STREAMED = 64 << 20
 
 
 class StreamingTrim:
-    """Rule 5: counts the chunk bytes a pool fetches and trims the heap every
-    :data:`TRIM_EVERY_STREAMED` of them."""
+    """Rule 5: counts the bytes a chunk pool fetches, or an activation offloader sends out, and
+    trims the heap every :data:`TRIM_EVERY_STREAMED` of them."""
 
     def __init__(self, every: int = TRIM_EVERY_STREAMED) -> None:
         self.every = every
@@ -116,9 +135,9 @@ class StreamingTrim:
         #: trims done (read by tests and traces)
         self.trims = 0
 
-    def fetched(self, nbytes: int) -> None:
-        """``nbytes`` of a chunk are about to be fetched: trim first when the interval is full, so
-        the chunk's buffer and what its modules allocate can take the pages given back."""
+    def streamed(self, nbytes: int) -> None:
+        """``nbytes`` of a chunk are about to be fetched, or a block's saved activations went out:
+        trim first when the interval is full, so what comes next can take the pages given back."""
         self._since += nbytes
         if self._since >= self.every:
             self._since = 0

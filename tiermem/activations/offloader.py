@@ -92,6 +92,7 @@ from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.prefetch import Prefetcher
 from tiermem.activations.saved import BlockGroup, Forwards, in_backward, version_error
 from tiermem.layout.activation_policy import BlockPolicy, PolicySpec, flexible_blocks, resolve_policies
+from tiermem.malloc import StreamingTrim
 from tiermem.registry import Registry
 
 # Imported from here by the runtime, the planner's calibration and the tests.
@@ -160,6 +161,8 @@ class ActivationOffloader:
         self._wrapped: list[tuple[nn.Module, Any]] = []
         self._saved_hooks: Any = None
         self._lock = threading.Lock()
+        #: trims the heap as blocks offload (NOTE [ Returning freed memory ] rule 5)
+        self.trimming = StreamingTrim()
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -313,6 +316,8 @@ class ActivationOffloader:
             group.pending.clear()
             if group.policy is not BlockPolicy.RECOMPUTE:  # a recomputed block saves ~nothing here
                 self.history.measured(index, group.saved_bytes, group.input_numel)
+            if group.policy.offloads:
+                self.trimming.streamed(group.saved_bytes)
             if self.adaptive and index == len(self.blocks) - 1:
                 self.adaptive_keep.forward_ended(group.forward_id)
 

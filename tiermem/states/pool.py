@@ -150,7 +150,7 @@ class ChunkPool:
         home.wait()  # the master must have landed where it lives
         # The heap blocks freed as the last chunks were used (a block's activations and
         # temporaries) go back to the system (NOTE [ Returning freed memory ] rule 5).
-        self.trimming.fetched(chunk.nbytes)
+        self.trimming.streamed(chunk.nbytes)
         self._fill_storage(chunk)
         try:
             dev = self.device_room(
