@@ -172,6 +172,23 @@ def test_offloaded_blocks_leave_the_device_once_written(runtime):
     assert runtime.stats().as_dict()["activations"]["bytes_read"]["nvme"] > 0
 
 
+def test_an_offloading_forward_trims_the_heap_once_at_its_end(runtime, monkeypatch):
+    """NOTE [ Returning freed memory ] rule 5: the heap holes offloaded blocks leave are handed
+    back once a forward, at its end (not at every block), and only when it offloaded."""
+    trims = []
+    monkeypatch.setattr(tiermem.malloc, "trim", lambda: trims.append(1) or True)
+    torch.manual_seed(0)
+    model = Decoder(layers=6)
+    tokens, targets = _batch()
+    for policy, want in (("keep", 0), ("nvme", 2)):
+        with runtime.offload_activations(model, policy=policy) as offloader:
+            offloader.trimming.every = 1  # any offloaded byte fills the interval
+            for _ in range(2):
+                nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+        assert len(trims) == want, policy
+        trims.clear()
+
+
 def test_a_tensor_and_its_transpose_share_bytes_but_keep_their_views(runtime):
     class Gram(nn.Module):
         def __init__(self) -> None:

@@ -38,9 +38,12 @@
 5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool:
    whenever :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about
    once a transformer block, forward and backward), and while blocks offload their activations
-   (the activation offloader counts each offloading block's saved bytes as its forward ends;
-   ``bench/activations.py --hf`` at ``nvme``: RSS peak 229-254 MiB over the start against 343-347
-   at a 4 MiB threshold without these trims, 436-472 at 32 MiB without). Blocks below the mmap
+   (the activation offloader counts, once a forward at its end, the saved bytes its blocks
+   offloaded; ``bench/activations.py --hf`` at ``nvme``, one process each: RSS peak 137-263 MiB
+   over the start against 343-347 at a 4 MiB threshold without these trims and 436-472 at 32 MiB
+   without. Counted at each block's end instead, a 210M GPT-2 whose blocks each save more than
+   the interval trimmed at every block, 15 times a step beside the pool's 11, and faulted in
+   567-728 MiB a step; once a forward, 1). Blocks below the mmap
    threshold that a step frees in the middle of the heap (a block's 2 MiB activations once
    written out or recomputed, its gradients' temporaries) otherwise stay resident until the
    heap reuses them, so the process
@@ -113,10 +116,15 @@ def _configure() -> bool:
     return ok
 
 
+_trims_done = 0  # every trim in the process, for rule 5's counters to see each other's
+
+
 def trim() -> bool:
     """Rule 4: give the heap's free pages back to the system; True when glibc released some."""
+    global _trims_done
     if os.environ.get("TIERMEM_KEEP_MALLOC") == "1":
         return False
+    _trims_done += 1
     malloc_trim = _malloc_trim()
     return malloc_trim is not None and bool(malloc_trim(0))
 
@@ -127,22 +135,27 @@ TRIM_EVERY_STREAMED = 64 << 20
 
 class StreamingTrim:
     """Rule 5: counts the bytes a chunk pool fetches, or an activation offloader sends out, and
-    trims the heap every :data:`TRIM_EVERY_STREAMED` of them."""
+    trims the heap every :data:`TRIM_EVERY_STREAMED` of them, counted from the last trim made
+    anywhere in the process (a trim returns what every user of the heap freed)."""
 
     def __init__(self, every: int = TRIM_EVERY_STREAMED) -> None:
         self.every = every
         self._since = 0
+        self._seen = _trims_done
         #: trims done (read by tests and traces)
         self.trims = 0
 
     def streamed(self, nbytes: int) -> None:
         """``nbytes`` of a chunk are about to be fetched, or a block's saved activations went out:
         trim first when the interval is full, so what comes next can take the pages given back."""
+        if self._seen != _trims_done:  # trimmed elsewhere since: count from there
+            self._seen, self._since = _trims_done, 0
         self._since += nbytes
         if self._since >= self.every:
             self._since = 0
             self.trims += 1
             trim()
+            self._seen = _trims_done
 
 
 _trim_function: Any = None  # glibc's malloc_trim once looked up; False where there is none

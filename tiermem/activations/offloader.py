@@ -163,6 +163,7 @@ class ActivationOffloader:
         self._lock = threading.Lock()
         #: trims the heap as blocks offload (NOTE [ Returning freed memory ] rule 5)
         self.trimming = StreamingTrim()
+        self._offloaded = 0  # saved bytes offloaded in this forward so far
 
     # -- context -------------------------------------------------------------------------------
     def __enter__(self) -> ActivationOffloader:
@@ -317,7 +318,10 @@ class ActivationOffloader:
             if group.policy is not BlockPolicy.RECOMPUTE:  # a recomputed block saves ~nothing here
                 self.history.measured(index, group.saved_bytes, group.input_numel)
             if group.policy.offloads:
-                self.trimming.streamed(group.saved_bytes)
+                self._offloaded += group.saved_bytes
+            if index == len(self.blocks) - 1:  # once a forward: the pool trims as it goes
+                offloaded, self._offloaded = self._offloaded, 0
+                self.trimming.streamed(offloaded)
             if self.adaptive and index == len(self.blocks) - 1:
                 self.adaptive_keep.forward_ended(group.forward_id)
 
