@@ -21,8 +21,11 @@
    in fresh processes, 4 MiB then 32 MiB each round (2-vCPU EPYC, quiet): declared loop 7.74,
    7.98, 8.21 s against 7.71, 7.72, 7.67 s a step, 0.32-0.38 GiB faulted in, ru_maxrss 1,421
    against 1,433 MiB; plain loop 9.81, 9.05 s against 8.87, 8.18 s (1.25 CPU s a step less),
-   ru_maxrss 1,423 against 1,504-1,545 MiB (0.32-0.33x plain PyTorch's). The 4 MiB of rule 1's
-   measurement predates rule 5's trims.
+   ru_maxrss 1,423 against 1,504-1,545 MiB (0.32-0.33x plain PyTorch's). The code before and
+   after, rule 5's offloader trims included, in fresh processes, three rounds: plain loop 10.17,
+   10.49, 9.56 against 10.29, 9.87, 9.13 s, declared 7.78, 8.06, 7.63 against 8.73, 7.46, 7.58
+   (about 3% off each median; faulted in 1.2-1.6 GiB against 0.37-0.56 GiB a step; ru_maxrss
+   +5-8% in the plain loop). The 4 MiB of rule 1's measurement predates rule 5's trims.
 3. The user decides first: when ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is in
    the environment (glibc read it at start), or ``TIERMEM_KEEP_MALLOC=1``, nothing changes. On
    another C library nothing changes either.
