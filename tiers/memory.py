@@ -12,12 +12,13 @@ Two copy engines sit behind one small interface:
   ``non_blocking``); skipped in tests without CUDA.
 
 # NOTE [ Spare tier blocks ]
-1. Why: a block of 4 MiB or more is mapped afresh by glibc at each allocation (NOTE [ Returning
-   freed memory ]) and the kernel zeroes every page of it at first touch. The tiers allocate and
+1. Why: a block at or above glibc's mmap threshold (NOTE [ Returning freed memory ]) is mapped
+   afresh at each allocation, and a smaller one freed in the heap is handed back by that NOTE's
+   trims; either way the kernel zeroes its pages again at first touch. The tiers allocate and
    free the same sizes again and again (a chunk's staging, its gradient's write-back), so on the
    CPU that zeroing was the scheduler thread's largest cost: the 210M HF GPT-2 of
-   ``bench/hf_states.py`` (declared, device and host 10%) faulted in 1,408-1,531 MiB of fresh pages
-   a step, 3.1% of the process's CPU samples in its reads alone.
+   ``bench/hf_states.py`` (declared, device and host 10%; the threshold then at 4 MiB) faulted in
+   1,408-1,531 MiB of fresh pages a step, 3.1% of the process's CPU samples in its reads alone.
 2. What: a CPU memory tier keeps the blocks it allocated and frees, by size, and hands one out
    again for an allocation of the same reserved size. Kept blocks and live ones together never
    exceed the capacity: an allocation or an adopted buffer that needs their room drops kept blocks

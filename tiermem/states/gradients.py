@@ -45,6 +45,8 @@ class Gradients:
         self._leases: dict[int, list[bool]] = {}
         #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight
         self.fence: Callable[[Chunk], None] = homes.fence
+        #: chunks whose gradients :meth:`flush` sent home since the last fresh gradient buffer
+        self._sent: list[Chunk] = []
         #: NOTE [ Stored gradients ]: host copies of the gradients that wait on NVMe
         self.stash = GradientStash(store, homes.wait_moves, homes.fence)
 
@@ -73,9 +75,9 @@ class Gradients:
         handle = chunk.grad
         pool = self.store.pool
         if handle is None:
-            # rule 6: the earlier chunks' write-backs land first, so the device never holds
-            # more gradients than the one being filled (what NOTE [ Cost model ] rule 1 counts)
-            pool.wait_writebacks()
+            # The earlier chunks' write-backs land first, so the device never holds more gradients
+            # than the ones being filled, what the planner's peak counts (rule 6 of the manager).
+            self._land_writebacks()
             buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.facts.device)
             chunk.grad = pool.device_room(
                 lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk", label="gradient"),
@@ -91,6 +93,13 @@ class Gradients:
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
         return handle.tensor("device")
+
+    def _land_writebacks(self) -> None:
+        """Wait for the gradient write-backs :meth:`flush` started that are still in flight."""
+        sent, self._sent = self._sent, []
+        for chunk in sent:
+            if chunk.grad is not None and chunk.grad.state is ObjectState.MOVING:
+                chunk.grad.wait()
 
     def accumulate(self, i: int, p: torch.Tensor) -> Chunk | None:
         """Rule 4, after autograd accumulated ``p.grad``: into its chunk's buffer; the chunk, or
@@ -142,6 +151,7 @@ class Gradients:
             return
         for slot in chunk.layout.slots:
             self.facts.params[slot.index].grad = None  # views would keep the device buffer alive (TRAPS 14)
+        self._sent.append(chunk)  # the next fresh buffer waits for its write-back
         if chunk.grad_home == "nvme":
             slots = [slot for slot in chunk.layout.slots if self.store.has_grad[slot.index]]
             # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)

@@ -238,7 +238,7 @@ class ChunkPool:
                     continue
                 if not demand:
                     return None
-                if self.wait_writebacks():
+                if self._wait_writebacks():
                     continue
                 victim = self._victim(keep, 0)
                 if victim is not None:
@@ -255,8 +255,7 @@ class ChunkPool:
                     exc, what, " and nothing more can be released, or give plan= fewer persistent_chunks or buffers"
                 ) from exc
 
-    def wait_writebacks(self) -> bool:
-        """Wait for every gradient move in flight (rule 6); whether there was one."""
+    def _wait_writebacks(self) -> bool:
         waited = False
         for chunk in self.chunks:
             if chunk.grad is not None and chunk.grad.state is ObjectState.MOVING:
