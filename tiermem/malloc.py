@@ -38,32 +38,30 @@
    steps with the plan made at ``rt.manage``: 492-554 MiB). The profiling step's own peak
    stays. It changes no setting, so it runs whatever the environment says, but
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
-5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool:
-   whenever :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about
-   once a transformer block, forward and backward), and while blocks offload their activations
-   (the activation offloader counts, once a forward at its end, the saved bytes its blocks
-   offloaded; ``bench/activations.py --hf`` at ``nvme``, one process each: RSS peak 137-263 MiB
-   over the start against 343-347 at a 4 MiB threshold without these trims and 436-472 at 32 MiB
-   without. Counted at each block's end instead, a 210M GPT-2 whose blocks each save more than
-   the interval trimmed at every block, 15 times a step beside the pool's 11, and faulted in
-   567-728 MiB a step; once a forward, 1). Blocks below the mmap
-   threshold that a step frees in the middle of the heap (a block's 2 MiB activations once
-   written out or recomputed, its gradients' temporaries) otherwise stay resident until the
-   heap reuses them, so the process
-   holds the heap's high-water mark beside whatever the tiers hold later in the step, and the
-   mark creeps up from step to step. Measured on the 200M LoRA of ``bench/lora.py`` (the mmap
-   threshold at 4 MiB, as the bench sets it; a cached profile; one process each, under load):
-   146 MiB of the heap free but resident after the first forward; after each forward of the steps
-   that follow 571, 588, 598 MiB resident without it, 521, 522, 530 MiB with it; the first step's
-   peaks 729 MiB in backward and 903 MiB in the re-pack without it, 557-561 MiB with it. The
-   bench's whole-process ru_maxrss (``--steps 2 --rounds 1``, uncached: the first step profiles)
-   went from 727 and 802 MiB (two runs) to 588-598 MiB (three), 0.41-0.45x plain PyTorch's to
-   0.33-0.34x; what is left is the first step's profiling pass. A trim walks the heap's free
-   blocks and advises each away (0.15 ms with little to give back on an idle core, 16 ms for 200
-   MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk fetch, 148 trims took
-   0.35-0.75 s of a 26 s step, hence the byte interval (33 trims, 38-115 ms a step; CPU seconds
-   a step 7.8-8.5 with it, 7.6-8.8 without, within the noise). What is reused afterwards faults
-   in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
+5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool: whenever
+   :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about once a
+   transformer block, forward and backward), and while blocks offload their activations (the
+   activation offloader counts, once a forward at its end, the saved bytes its blocks offloaded;
+   ``bench/activations.py --hf`` at ``nvme``, one process each: RSS peak 137-263 MiB over the start
+   against 343-347 at a 4 MiB threshold without these trims and 436-472 at 32 MiB without. Counted
+   at each block's end instead, a 210M GPT-2 whose blocks each save more than the interval trimmed
+   at every block, 15 times a step beside the pool's 11, and faulted in 567-728 MiB a step; once a
+   forward, 1). Blocks below the mmap threshold that a step frees in the middle of the heap (a
+   block's 2 MiB activations once written out or recomputed, its gradients' temporaries) otherwise
+   stay resident until the heap reuses them, so the process holds the heap's high-water mark beside
+   whatever the tiers hold later in the step, and the mark creeps up from step to step. Measured on
+   the 200M LoRA of ``bench/lora.py`` (the mmap threshold at 4 MiB, as the bench sets it; a cached
+   profile; one process each, under load): 146 MiB of the heap free but resident after the first
+   forward; after each forward of the steps that follow 571, 588, 598 MiB resident without it, 521,
+   522, 530 MiB with it; the first step's peaks 729 MiB in backward and 903 MiB in the re-pack
+   without it, 557-561 MiB with it. The bench's whole-process ru_maxrss (``--steps 2 --rounds 1``,
+   uncached: the first step profiles) went from 727 and 802 MiB (two runs) to 588-598 MiB (three),
+   0.41-0.45x plain PyTorch's to 0.33-0.34x; what is left is the first step's profiling pass. A trim
+   walks the heap's free blocks and advises each away (0.15 ms with little to give back on an idle
+   core, 16 ms for 200 MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk
+   fetch, 148 trims took 0.35-0.75 s of a 26 s step, hence the byte interval (33 trims, 38-115 ms a
+   step; CPU seconds a step 7.8-8.5 with it, 7.6-8.8 without, within the noise). What is reused
+   afterwards faults in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
 """
 
 from __future__ import annotations
