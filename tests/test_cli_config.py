@@ -119,7 +119,7 @@ def test_show_prints_the_resolved_configuration(tmp_path: Path, capsys: pytest.C
     assert shown["nvme"]["checksum"] is True
     assert shown["nvme"]["paths"] and all(os.path.isabs(p) for p in shown["nvme"]["paths"])
     # the planner's choice, not the machine's; where chunk steps compute (NOTE [ Step threads ])
-    assert shown["model_states"] == {"chunk_size": "auto", "step_thread": "auto"}
+    assert shown["model_states"] == {"chunk_size": "auto", "step_thread": "auto", "speculative_steps": "auto"}
 
 
 def test_show_without_a_file_uses_defaults_and_environment(

@@ -350,6 +350,9 @@ class ModelStatesConfig(_Section):
     chunk_size: int | Literal["auto"] = _setting(AUTO, _size_rule(auto=True, positive=True))
     #: where chunk steps compute (NOTE [ Step threads ] in tiermem.states.step_thread)
     step_thread: Literal["auto", "on", "off"] = _setting(AUTO, _choice_rule("step-thread setting", AUTO, "on", "off"))
+    #: whether an undeclared loop's backward may step NVMe chunks ahead into copies of their homes
+    #: (NOTE [ Speculative steps ] in tiermem.states.speculation): ``auto`` where the loop allows
+    speculative_steps: Literal["auto", "off"] = _setting(AUTO, _choice_rule("speculative-steps setting", AUTO, "off"))
 
 
 @dataclass(frozen=True)

@@ -452,6 +452,7 @@ class Runtime:
             keep_gradients=keep_gradients,
             param_dtype=param_dtype,
             step_thread=(self.resolved or self.config).model_states.step_thread,
+            speculative_steps=(self.resolved or self.config).model_states.speculative_steps,
             recomputed=managed_activations.recomputable,
         )
         if planned and sample is not None:
@@ -749,6 +750,8 @@ class Runtime:
             peak_resident_bytes={tier: registry.peak_resident_bytes("chunk", tier) for tier in tiers},
             chunk_steps=sum(d["chunk_steps"] for d in managed),
             early_chunk_steps=sum(d["early_chunk_steps"] for d in managed),
+            speculative_steps_kept=sum(d.get("speculative_steps_kept", 0) for d in managed),
+            speculative_steps_discarded=sum(d.get("speculative_steps_discarded", 0) for d in managed),
         )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},

@@ -64,6 +64,10 @@ class ModelStateStatistics:
     peak_resident_bytes: Mapping[str, int] = field(default_factory=dict)
     chunk_steps: int = 0
     early_chunk_steps: int = 0
+    #: an undeclared loop's chunk steps run in backward into copies of their homes, then kept by
+    #: ``optimizer.step()`` or discarded (NOTE [ Speculative steps ] in ``tiermem.states.speculation``)
+    speculative_steps_kept: int = 0
+    speculative_steps_discarded: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -74,6 +78,8 @@ class ModelStateStatistics:
             "peak_resident_bytes": dict(self.peak_resident_bytes),
             "chunk_steps": self.chunk_steps,
             "early_chunk_steps": self.early_chunk_steps,
+            "speculative_steps_kept": self.speculative_steps_kept,
+            "speculative_steps_discarded": self.speculative_steps_discarded,
         }
 
 

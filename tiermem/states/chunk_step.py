@@ -130,10 +130,14 @@ class ChunkStep:
         group_of: Mapping[int, int],
         attributes: Mapping[str, Any],
         piece: Piece | None = None,
+        *,
+        copy_small: bool = False,
     ) -> ChunkStep:
         """On the training thread: the views of ``chunk``'s ``slots`` that step in ``home`` (its
         home bytes in memory, staged by the caller), its gradients, states and groups; or of one
-        slice of it (``piece``: NOTE [ Sliced steps ] rule 1), whose small states are copies."""
+        slice of it (``piece``: NOTE [ Sliced steps ] rule 1), whose small states are copies, as
+        they are with ``copy_small`` (a step whose records may be dropped: NOTE [ Speculative
+        steps ] rule 3)."""
         section_base = chunk.section_base
         if piece is not None:
             slots, home, section_base = piece.slots, piece.home, piece.section_base
@@ -163,7 +167,7 @@ class ChunkStep:
             record = store.pstate.get(slot.index)
             if record is not None:
                 state[objects[slot.index]] = {
-                    key: _small(record.scalars[key], piece is not None)
+                    key: _small(record.scalars[key], piece is not None or copy_small)
                     if key in record.scalars
                     else sections[slot.index, key]
                     for key in record.keys

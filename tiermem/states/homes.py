@@ -142,6 +142,21 @@ class Homes:
                 raise StatesMemoryError.tier_full(exc, what) from exc
         handle.wait()
 
+    def copy_to_host(self, chunk: Chunk, priority: Priority) -> tuple[Handle, Transfer]:
+        """A new host object filled from ``chunk``'s NVMe home, which stays where it rests
+        (NOTE [ Speculative steps ] rule 3): the object and its fill, still in flight.
+        :class:`TierCapacityError` when the host has no room for it now."""
+        handle = chunk.home
+        assert handle is not None
+        handle.wait()  # read from the home where it rests, never from a move's source
+        buffer = torch.empty(chunk.home_bytes, dtype=torch.uint8)
+        copy = self.store.registry.register(buffer, "host", dedup=False, kind="chunk", label="chunk home")
+        try:
+            return copy, copy.fill_from(handle, nbytes=chunk.home_bytes, priority=priority)
+        except BaseException:
+            copy.free()
+            raise
+
     def send_back(self, chunk: Chunk) -> None:
         """Write a staged NVMe home back (WRITEBACK)."""
         assert chunk.home is not None

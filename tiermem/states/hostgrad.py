@@ -115,6 +115,20 @@ def _split(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[str,
     raise NotImplementedError(f"tiermem HostGradient: cannot split {func} over its tensor list")
 
 
+class GradientWrites:
+    """Writes to gradients held off the device, process-wide: every one passes through
+    :meth:`HostGradient.__torch_dispatch__` (views and ``.data`` included) or the stash of stored
+    gradients (a deferred scaling), where ``p.grad``'s version counter need not move (a view's has
+    its own, rule 4; a foreach op on a wrapper subclass moves none). NOTE [ Speculative steps ]
+    rule 4 in ``speculation.py`` compares it across backward and ``optimizer.step()``."""
+
+    count = 0
+
+    @classmethod
+    def note(cls) -> None:
+        cls.count += 1
+
+
 class HostGradient(torch.Tensor):
     """A device tensor whose bytes are ``host``, a view of a gradient on the host (NOTE [ Host gradients ])."""
 
@@ -149,10 +163,12 @@ class HostGradient(torch.Tensor):
 
     def write_host(self, value: torch.Tensor) -> None:
         """Rule 2: the result of an op that wrote this gradient, into its host bytes."""
+        GradientWrites.note()
         self.host.copy_(value)
 
     def zero_host_(self) -> None:
         """``zero_grad(set_to_none=False)``: zeros written where the bytes are, no device copy."""
+        GradientWrites.note()
         self.host.zero_()
 
     # Every torch function reaches __torch_dispatch__ as aten ops (the usual wrapper subclass setup).

@@ -204,6 +204,7 @@ class ModelStates:
         param_dtype: torch.dtype | None = None,
         first_step_planner: FirstStepPlanner | None = None,
         step_thread: str | None = None,
+        speculative_steps: str = "auto",
         recomputed: Sequence[nn.Module] = (),
     ) -> None:
         if not isinstance(model, nn.Module):
@@ -249,7 +250,15 @@ class ModelStates:
         #: the optimizer rt.manage returns; its step and early chunk steps both go through the stepper
         self.optimizer = ManagedOptimizer(self, base)
         self.stepper = Stepper(
-            facts, self.store, self.gradients, self.homes, self.relayout, declared, steps, self.optimizer
+            facts,
+            self.store,
+            self.gradients,
+            self.homes,
+            self.relayout,
+            declared,
+            steps,
+            self.optimizer,
+            speculate=speculative_steps != "off",
         )
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
         self.training = Training(facts)
@@ -571,6 +580,8 @@ class ModelStates:
             "order": "execution" if self.relayout.order == self.relayout.recorded else "registration",
             "chunk_steps": self.chunk_steps,
             "early_chunk_steps": self.early_chunk_steps,
+            "speculative_steps_kept": self.stepper.speculative_steps_kept,
+            "speculative_steps_discarded": self.stepper.speculative_steps_discarded,
             "chunks": [
                 {
                     "index": c.index,

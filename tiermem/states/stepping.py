@@ -14,7 +14,9 @@ generation, the pool's residency (releases), and gradients through
    ``optimizer.step()`` and ``optimizer.zero_grad()`` come after every N-th backward (N is 1
    when only ``clip_grad_norm`` is given), and user code does not edit gradients in between;
    the runtime clips. Undeclared, the step runs whole at ``optimizer.step()`` and user code
-   may read, clip and edit ``.grad`` freely (TRAPS 4).
+   may read, clip and edit ``.grad`` freely (TRAPS 4); backward may step NVMe chunks into
+   copies of their homes that ``optimizer.step()`` keeps only when nothing changed (NOTE
+   [ Speculative steps ] in ``speculation.py``).
 2. Counting: a backward counts when it ends complete, every parameter the forward used with
    grad enabled having received its gradient. A reentrant checkpoint's nested backward that
    ends ours early does not count (NOTE rule 8 of the manager) and turns early steps off
@@ -129,7 +131,9 @@ from tiermem.states.errors import StatesUsageError
 from tiermem.states.facts import ModelFacts
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
+from tiermem.states.hostgrad import GradientWrites
 from tiermem.states.optimizer import ManagedOptimizer
+from tiermem.states.speculation import Shadow, hyperparameters, same_hyperparameters
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
@@ -153,6 +157,8 @@ class Stepper:
         declared: Declarations,
         steps: StepThread,
         optimizer: ManagedOptimizer,
+        *,
+        speculate: bool = True,
     ) -> None:
         self.facts = facts
         self.store = store
@@ -192,6 +198,22 @@ class Stepper:
         #: homes read so, once room freed later in its backward (cumulative)
         self._home_wanted: Chunk | None = None
         self.homes_read_when_room_freed = 0
+        #: NOTE [ Speculative steps ]: allowed for this model (rule 5 turns them off), the last window
+        #: clean (rule 2), this backward steps into shadows, the shadows of this window by chunk
+        #: index, the hyperparameters as the backward began and the store's version as it ended (rule 4)
+        #: ``[model_states] speculative_steps``: off, none runs ahead whatever the loop
+        self._speculate = speculate
+        self._speculation_allowed = speculate and declared.accumulation is None and declared.max_norm is None
+        self._clean_window = False
+        self._speculative = False
+        self._shadows: dict[int, Shadow] = {}
+        self._shadow_hyperparameters: list[dict[str, Any]] = []
+        self._shadow_version: tuple[int, int] | None = None
+        self._gradient_writes = GradientWrites.count
+        #: speculative chunk steps run in backward, kept and discarded at optimizer.step() (cumulative)
+        self.speculative_chunk_steps = 0
+        self.speculative_steps_kept = 0
+        self.speculative_steps_discarded = 0
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on the same one
@@ -202,7 +224,10 @@ class Stepper:
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""
         self.abandon_queued()
-        self.steps.close()
+        try:
+            self.steps.close()
+        finally:
+            self._discard_shadows(None)
 
     # -- rule 2 and 3: told from forward and backward ------------------------------------------
     def forward_with_grad(self) -> None:
@@ -211,9 +236,29 @@ class Stepper:
             self.save_guard.pump()
 
     def arm_early_steps(self) -> None:
-        """At the start of a backward: will it step chunks early (rule 3)?"""
+        """At the start of a backward: will it step chunks early (rule 3), or into shadows (NOTE
+        [ Speculative steps ] rule 2)?"""
         declared = self.declared
-        self._early = (
+        if self._shadows:  # NOTE [ Speculative steps ] rule 5: their gradients are about to change
+            self._stepped -= self._discard_shadows("a backward began before optimizer.step() after steps ran ahead")
+        self._speculative = (
+            self._speculation_allowed
+            and self._clean_window
+            and declared.accumulation is None
+            and declared.max_norm is None
+            and self._grad_forwards == 1
+            and self._counted == 0
+            and not self._stepped
+            and not self.relayout.pending
+            and not self._partial_end
+            and self.save_guard is None
+            and not any(c.dirty for c in self.store.chunks)  # a dirty device copy is newer than its home
+            and self._nvme_room_for_shadows()
+        )
+        if self._speculative:
+            self._shadow_hyperparameters = hyperparameters(self.optimizer.param_groups)
+            self._shadow_version = self.store.version()
+        self._early = self._speculative or (
             self._early_allowed
             and declared.accumulation is not None
             and (self._windows > 0 or not declared.keep_gradients)
@@ -311,9 +356,13 @@ class Stepper:
             return True  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return True  # tied weights step after the whole backward
+        if chunk.index in self._shadows or (self._speculative and not self._speculates(chunk)):
+            return True  # copied already, or it steps at optimizer.step()
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= self.store.staged_homes:
             return False  # the step stages it on demand unless the room frees first
+        if self._speculative:  # NOTE [ Speculative steps ] rule 3: a copy; the home stays
+            return self._make_shadow(chunk, Priority.PREFETCH) is not None
         if self.save_guard is not None:
             self.save_guard.before_move(chunk)
         try:
@@ -342,7 +391,8 @@ class Stepper:
                         self.homes.send_back(c)
 
     def _homes_off_nvme(self) -> tuple[int, int]:
-        """NVMe homes holding host bytes (staged, or moving): of chunks waiting for their step, and all."""
+        """NVMe homes holding host bytes (staged, or moving): of chunks waiting for their step, and all.
+        A shadow counts as its chunk's staged home (NOTE [ Speculative steps ] rule 3)."""
         waiting = off_nvme = 0
         queued = {c.index for c, _, _ in self._queued}
         for c in self.store.chunks:
@@ -350,7 +400,189 @@ class Stepper:
             if c.home_tier == "nvme" and home is not None and (home.state is ObjectState.MOVING or home.tier != "nvme"):
                 off_nvme += 1
                 waiting += c.index not in self._stepped or c.index in queued
+        for shadow in self._shadows.values():
+            handle = shadow.handle
+            if handle.state is ObjectState.MOVING or handle.tier != "nvme":
+                off_nvme += 1
+                waiting += shadow.records is None
         return waiting, off_nvme
+
+    # -- NOTE [ Speculative steps ] -------------------------------------------------------------
+    def _speculates(self, chunk: Chunk) -> bool:
+        """Rule 3: an NVMe home, and gradients whose every write the runtime sees (stored on NVMe,
+        or a CUDA device's on the host), never plain tensors a ``.data`` could write unseen."""
+        observed = chunk.grad_home == "nvme" or self.facts.device.type == "cuda"
+        return chunk.home_tier == "nvme" and observed
+
+    def _nvme_room_for_shadows(self) -> bool:
+        """Rule 3: the NVMe tier holds a shadow of every chunk that may run ahead beside every
+        gradient this backward may store there, so a shadow never takes room the plan counted on."""
+        registry = self.store.registry
+        chunks = [c for c in self.store.chunks if c.trainable and self._speculates(c)]
+        needed = sum(
+            registry.reserved_size("nvme", c.home_bytes) + registry.reserved_size("nvme", c.nbytes) for c in chunks
+        )
+        return bool(chunks) and registry.free_bytes("nvme") >= needed
+
+    def _make_shadow(self, chunk: Chunk, priority: Priority) -> Shadow | None:
+        """Rule 3: start copying ``chunk``'s NVMe home into a new host object; None without room."""
+        try:
+            handle, fill = self.homes.copy_to_host(chunk, priority)
+        except TierCapacityError:
+            return None
+        shadow = self._shadows[chunk.index] = Shadow(chunk, handle, fill)
+        return shadow
+
+    def _shadow_for_step(self, chunk: Chunk) -> Shadow | None:
+        """Rule 3: ``chunk``'s shadow, made now if its home was not copied ahead (DEMAND), once
+        write-backs in flight free the room; None when the host has none."""
+        shadow = self._shadows.get(chunk.index)
+        while shadow is None:
+            shadow = self._make_shadow(chunk, Priority.DEMAND)
+            if shadow is None and not (self._wait_shadow_write_back() or self.homes.wait_write_back(skip=chunk)):
+                return None
+        return shadow
+
+    def _wait_shadow_write_back(self) -> bool:
+        """Wait for the first stepped shadow still on its way to NVMe; False when none is."""
+        for shadow in self._shadows.values():
+            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
+                shadow.handle.wait()
+                return True
+        return False
+
+    def _run_speculative_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
+        """Rule 3: ``chunk``'s step over its shadow, on the step thread; its records are kept aside.
+        Without host room for a shadow the chunk steps at ``optimizer.step()`` instead."""
+        self._finish_steps()  # one step in flight, its error before this one's shadow is made
+        shadow = self._shadow_for_step(chunk)
+        if shadow is None:
+            self._stepped.discard(chunk.index)
+            self.speculative_chunk_steps -= 1
+            return
+        traced = tracing.span("chunk step", "chunk_step", chunk.index)  # NOTE [ Timeline trace ]
+        try:
+            shadow.wait_filled()
+            job = ChunkStep.prepare(
+                self.facts,
+                self.store,
+                self.gradients,
+                chunk,
+                slots,
+                shadow.handle.tensor("host"),
+                self.optimizer,
+                group_of,
+                {},
+                copy_small=True,
+            )
+        except BaseException:
+            self._drop_shadow(chunk)
+            raise
+        finish = functools.partial(self._finish_speculative_step, shadow, job)
+        compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
+        self.steps.run(chunk.index, compute, finish, inline=False)
+        if traced is not None:
+            traced.end()
+
+    def _finish_speculative_step(self, shadow: Shadow, job: ChunkStep, ok: bool) -> None:
+        """Rule 3, on the training thread once ``job`` computed: the shadow goes to NVMe. A failed
+        step, or no NVMe room for the shadow, leaves the chunk to ``optimizer.step()``."""
+        chunk = shadow.chunk
+        self.gradients.stash.release(chunk)
+        if not ok:  # its error follows
+            self._abandon_speculation()
+            return
+        try:
+            shadow.handle.move_to("nvme", Priority.WRITEBACK)
+            shadow.records = job.records
+        except TierCapacityError:
+            self._drop_shadow(chunk)
+
+    def _abandon_speculation(self) -> None:
+        """Rule 5 after an error in this backward: nothing that ran ahead is kept, and nothing more
+        runs ahead (nor steps early in place) in it; the chunks step at ``optimizer.step()``."""
+        queued, self._queued = self._queued, []
+        for chunk, _, _ in queued:
+            if chunk.index not in self._shadows and chunk.index in self._stepped:
+                self._stepped.discard(chunk.index)
+                self.speculative_chunk_steps -= 1
+        self._discard_shadows(None)
+        self._speculative = self._early = False
+        self._home_wanted = None
+
+    def _drop_shadow(self, chunk: Chunk) -> None:
+        """``chunk``'s shadow freed; the chunk steps at ``optimizer.step()``."""
+        shadow = self._shadows.pop(chunk.index, None)
+        if shadow is None:
+            return
+        if chunk.index in self._stepped:
+            self._stepped.discard(chunk.index)
+            self.speculative_chunk_steps -= 1
+        with contextlib.suppress(Exception):  # never freed while its fill still writes it
+            shadow.wait_filled()
+        shadow.handle.free()
+
+    def _drop_unstepped_shadows(self) -> None:
+        """Rule 3, as backward ends: shadows of chunks that did not step go, so no copy reads a home."""
+        for shadow in [s for s in self._shadows.values() if s.records is None]:
+            self._drop_shadow(shadow.chunk)
+
+    def _discard_shadows(self, reason: str | None) -> set[int]:
+        """Rule 5: every shadow freed; their chunks, returned, step at ``optimizer.step()``. With a
+        ``reason`` (something the loop does), speculation is off for the model from now on."""
+        chunks = [shadow.chunk for shadow in self._shadows.values()]
+        self.speculative_steps_discarded += sum(s.records is not None for s in self._shadows.values())
+        for chunk in chunks:
+            self._drop_shadow(chunk)
+        if reason is not None and self._speculation_allowed:
+            self._speculation_allowed = False
+            log.info(
+                "tiermem model states: %s; the optimizer step of this undeclared loop will not run ahead in "
+                "backward (NOTE [ Speculative steps ] rule 5; rt.manage(grad_accumulation_steps=...) declares "
+                "the loop)",
+                reason,
+            )
+        return {c.index for c in chunks}
+
+    def _keep_shadows(self) -> None:
+        """Rule 4: each shadow becomes its chunk's home, with the optimizer records its step found."""
+        shadows, self._shadows = self._shadows, {}
+        for index in sorted(shadows):
+            shadow = shadows[index]
+            chunk = shadow.chunk
+            assert shadow.records is not None and chunk.home is not None
+            old, chunk.home = chunk.home, shadow.handle
+            old.free()
+            self.store.pstate.update(shadow.records)
+            self.speculative_steps_kept += 1
+        self.homes.forget()
+
+    def _window_unclean(self, counted: int, partial: bool, optimizer: ManagedOptimizer) -> str | None:
+        """Rules 2 and 4: why the window that ends at this ``optimizer.step()`` is not one whose
+        step can run ahead (None: it is). Consumes the gradient versions backward recorded."""
+        params = self.facts.params
+        changed = [
+            i
+            for i, (grad, version) in self._grad_versions.items()
+            if params[i].grad is not grad or grad._version != version
+        ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
+        self._grad_versions = {}
+        if counted != 1:
+            return f"{counted} backwards before optimizer.step()"
+        if partial:
+            return "a nested backward ended one early"
+        if changed:
+            names = ", ".join(self.facts.param_names(changed[:3]))
+            return f"gradients changed between backward and optimizer.step() ({names})"
+        if GradientWrites.count != self._gradient_writes:
+            return "gradients held off the device were written between backward and optimizer.step()"
+        if any(hasattr(optimizer, name) for name in ("grad_scale", "found_inf")):
+            return "the optimizer carries a gradient scaler's grad_scale/found_inf"
+        if self._shadows and not same_hyperparameters(self._shadow_hyperparameters, optimizer.param_groups):
+            return "the optimizer's hyperparameters changed between backward and optimizer.step()"
+        if self._shadows and self._shadow_version != self.store.version():
+            return "parameters or optimizer state were written between backward and optimizer.step()"
+        return None
 
     def gradients_complete(self, chunk: Chunk) -> None:
         """Every used parameter of an offloaded chunk has its gradient: send them home, and step
@@ -358,6 +590,7 @@ class Stepper:
         keep = self.declared.keep_gradients
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         early = early and chunk.slice_span is None  # at optimizer.step(): NOTE [ Sliced steps ] rule 4
+        early = early and (not self._speculative or self._speculates(chunk))
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
@@ -371,7 +604,10 @@ class Stepper:
                 self._stage_for_step(chunk)
             return
         self._stepped.add(chunk.index)
-        self.early_chunk_steps += 1
+        if self._speculative:
+            self.speculative_chunk_steps += 1
+        else:
+            self.early_chunk_steps += 1
         if went_home and (self._queued or self.steps.busy or not self._ready(chunk)):
             self._queued.append((chunk, slots, group_of))  # backward never waits on a home read
             self._start_queued()
@@ -379,6 +615,9 @@ class Stepper:
         self._run_early_step(chunk, slots, group_of)  # rule 6 when it finishes
 
     def _run_early_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
+        if self._speculative:
+            self._run_speculative_step(chunk, slots, group_of)
+            return
         self._run_chunk_step(chunk, slots, self.optimizer, group_of, {}, self._known_home_bytes(chunk))
 
     def _ready(self, chunk: Chunk) -> bool:
@@ -386,6 +625,9 @@ class Stepper:
         its gradients are where they go (staged, if stored on NVMe)."""
         home = chunk.home
         landed = home is not None and home.state is not ObjectState.MOVING and home.tier == "host"
+        if self._speculative:  # NOTE [ Speculative steps ] rule 3: its shadow filled instead
+            shadow = self._shadows.get(chunk.index)
+            landed = shadow is not None and shadow.landed()
         return self.gradients.stash.ready(chunk) and (chunk.home_tier != "nvme" or landed)
 
     def _start_queued(self) -> None:
@@ -423,15 +665,28 @@ class Stepper:
         queued, self._queued = self._queued, []
         self._home_wanted = None
         for chunk, _, _ in queued:
+            if chunk.index in self._shadows:
+                self._drop_shadow(chunk)
+                continue
             self._stepped.discard(chunk.index)
-            self.early_chunk_steps -= 1
+            if self._speculative:
+                self.speculative_chunk_steps -= 1
+            else:
+                self.early_chunk_steps -= 1
         self._send_back_staged(chunk for chunk, _, _ in queued)
 
     def backward_ended(self, complete: bool) -> None:
         """Rule 2 and 4: count the backward, record gradient versions, release stepped copies."""
         self._home_wanted = None
-        self._run_queued()  # steps backward queued rather than waited for
-        self._finish_steps()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
+        try:
+            self._run_queued()  # steps backward queued rather than waited for
+            self._finish_steps()  # NOTE [ Step threads ] rule 4: the next forward reads stepped homes
+        except BaseException:
+            if self._speculative:
+                self._abandon_speculation()
+            raise
+        finally:
+            self._drop_unstepped_shadows()
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
             if chunk.pins == 0:
@@ -449,10 +704,14 @@ class Stepper:
         self._grad_versions = {
             i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
         }
+        # NOTE [ Speculative steps ] rule 4: writes to stored gradients from here on spoil the window
+        self._gradient_writes = GradientWrites.count
 
     def redeclare(self, declared: Declarations) -> None:
         """Rule 10: ``declared`` in force from now on, unless a chunk already stepped early in
-        this window (its step used gradients promised under the old declaration)."""
+        this window (its step used gradients promised under the old declaration). Speculative
+        steps are dropped (NOTE [ Speculative steps ] rule 5, without turning them off)."""
+        self._discard_shadows(None)
         if self._stepped:
             raise StatesUsageError(
                 f"tiermem declare: {len(self._stepped)} chunk(s) already stepped during this window's backward under "
@@ -461,6 +720,7 @@ class Stepper:
             )
         self.declared = declared
         self._early_allowed = declared.accumulation is not None and declared.max_norm is None
+        self._speculation_allowed = self._speculate and declared.accumulation is None and declared.max_norm is None
         self._clipped, self._clipped_stale = None, False
 
     def clip(self) -> torch.Tensor:
@@ -478,8 +738,9 @@ class Stepper:
         return self._clipped
 
     def stepped_early(self, chunk: Chunk) -> bool:
-        """``chunk`` stepped during a backward of this window, before ``optimizer.step()``."""
-        return chunk.index in self._stepped
+        """``chunk`` stepped during a backward of this window, before ``optimizer.step()``, into its
+        home (a speculative step leaves the home as it was: NOTE [ Speculative steps ] rule 4)."""
+        return chunk.index in self._stepped and chunk.index not in self._shadows
 
     # -- the loop's position, for checkpoints -------------------------------------------------
     def loop_position(self) -> dict[str, int]:
@@ -512,10 +773,15 @@ class Stepper:
         counted, self._counted = self._counted, 0
         self._backward_since_step = False
         self._grad_forwards = 0
-        self._partial_end = False
+        partial, self._partial_end = self._partial_end, False
         if self.declared.accumulation is not None:
             self._check_gradients_untouched(stepped, counted)
             self._windows += 1
+        else:  # whether the next window may run ahead, and whether this one's steps ahead are kept
+            unclean = self._window_unclean(counted, partial, optimizer)
+            self._clean_window = unclean is None
+            if self._shadows and (unclean is not None or self.relayout.pending or self.save_guard is not None):
+                stepped -= self._discard_shadows(unclean)
         self.gradients.reconcile()
         clipped, self._clipped = self._clipped, None
         if clipped is not None:  # rule 10: the loop's own clip call ran the declared clip already
@@ -533,6 +799,8 @@ class Stepper:
                 self.relayout.run()
             stepped = set()
         self.store.pool.release_all()
+        if self._shadows:  # NOTE [ Speculative steps ] rule 4: no fetch reads an old home any more
+            self._keep_shadows()
         self.store.generation += 1
         group_of = self._group_of(optimizer)
         attributes = {

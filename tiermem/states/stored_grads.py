@@ -72,7 +72,7 @@ from tiermem.layout.chunks import Slot
 from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
-from tiermem.states.hostgrad import HostGradient
+from tiermem.states.hostgrad import GradientWrites, HostGradient
 from tiermem.states.store import ChunkStore
 
 
@@ -245,6 +245,7 @@ class GradientStash:
             scale.run(data)
         staged.scaled = len(scales)
         if write:
+            GradientWrites.note()
             self._norms.pop(chunk.index, None)  # rule 6a: its bytes change
         staged.written = staged.written or write
         return data
@@ -303,6 +304,7 @@ class GradientStash:
             for key in [k for k in kept if k[0] == slot.offset]:
                 del kept[key]
         self.scales_deferred += 1
+        GradientWrites.note()
         if index in self._staged:
             self.fence(grad.chunk)  # NOTE [ Step threads ] rule 4: no step reads the copy meanwhile
             self.buffer(grad.chunk)  # a staged copy carries every recorded scaling

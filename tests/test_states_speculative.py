@@ -1,0 +1,274 @@
+"""Speculative steps (NOTE [ Speculative steps ] in ``tiermem.states.speculation``): an undeclared
+loop's backward steps NVMe chunks into copies of their homes, and ``optimizer.step()`` keeps them
+only when the loop did nothing between backward and the step that would change it; either way
+training is bitwise plain PyTorch's on the CPU."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_model, param_groups, state_bytes
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
+
+#: what a loop does between backward and optimizer.step() at a given step (model, optimizer, step)
+Between = Callable[[nn.Module, torch.optim.Optimizer, int], Any]
+
+
+def loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, between: Between | None) -> list[Any]:
+    """An undeclared loop, with ``between`` run after each backward; losses and what it returned."""
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    out: list[Any] = []
+    for step in range(steps):
+        tokens, targets = batch(step, 0)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        out.append(loss.detach())
+        if between is not None:
+            seen = between(model, optimizer, step)
+            if isinstance(seen, list):
+                out.extend(seen)
+            elif seen is not None:
+                out.append(seen)
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    return out
+
+
+#: NVMe homes whose gradients wait on NVMe too: every write to them reaches the runtime
+STORED = {"state_home": "nvme", "grad_home": "nvme"}
+
+
+def run_both(tmp_path, steps: int, between: Between | None, plan: dict[str, str] = STORED) -> dict[str, Any]:
+    """The loop under plain PyTorch and under tiermem (``plan``), compared bitwise; tiermem's
+    model-state statistics."""
+    plain = make_model()
+    want = loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, between)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        got = loop(model, optimizer, steps, between)
+        stats = rt.stats().as_dict()["model_states"]
+        state = optimizer.state_dict()
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    want_state = plain_optimizer_state(plain, steps, between)
+    assert_bitwise(optimizer_values(state), optimizer_values(want_state))
+    assert list(tmp_path.iterdir()) == []
+    return stats
+
+
+def optimizer_values(state: dict[str, Any]) -> list[torch.Tensor]:
+    """Every value of an optimizer's state dict, by parameter index and state name."""
+    per_param = state["state"]
+    return [torch.as_tensor(per_param[i][name]) for i in sorted(per_param) for name in sorted(per_param[i])]
+
+
+def plain_optimizer_state(plain: nn.Module, steps: int, between: Between | None) -> dict[str, Any]:
+    """The plain run's optimizer state, from a second identical run (the first one's optimizer is gone)."""
+    model = make_model()
+    optimizer = OPTIMIZERS["adamw"](param_groups(model))
+    loop(model, optimizer, steps, between)
+    return optimizer.state_dict()
+
+
+def test_a_plain_loop_steps_nvme_chunks_in_backward_bitwise(tmp_path):
+    """From the second window on, NVMe chunks step during backward and every one is kept."""
+    stats = run_both(tmp_path, 4, None)
+    assert stats["speculative_steps_kept"] > 0
+    assert stats["speculative_steps_discarded"] == 0
+    assert stats["early_chunk_steps"] == 0  # nothing stepped in place
+
+
+@pytest.mark.parametrize("plan", [{"state_home": "host"}, {"state_home": "nvme", "grad_home": "host"}])
+def test_only_nvme_homes_with_stored_gradients_run_ahead(tmp_path, plan):
+    """Host homes step at memory speed at optimizer.step(); on the CPU, gradients waiting on the
+    host are plain tensors, which ``p.grad.data`` could write unseen, so they never run ahead."""
+    stats = run_both(tmp_path, 3, None, plan)
+    assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
+
+
+def clip(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+
+
+def clip_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    return clip(model, optimizer, step) if step >= 2 else None
+
+
+def clip_foreach_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    """torch's foreach clip: its in-place multiply moves no version counter of a stored gradient."""
+    if step >= 2:
+        return torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5, norm_type=3.0, foreach=True)
+    return None
+
+
+def lr_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    if step >= 2:
+        for group in optimizer.param_groups:
+            group["lr"] = group["lr"] * 0.5
+    return None
+
+
+def grad_data_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    """An edit through ``.data``, which moves no version counter of ``p.grad``."""
+    if step >= 2:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.data.mul_(0.5)
+    return None
+
+
+def weights_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    if step >= 2:
+        with torch.no_grad():
+            next(iter(model.parameters())).mul_(0.99)
+            list(model.parameters())[-1].add_(0.01)
+    return None
+
+
+def read_weights(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+    """Reading weights and optimizer state between backward and the step sees the values before it."""
+    return [p.detach().clone() for p in model.parameters()] + [
+        v.clone() for v in optimizer_values(optimizer.state_dict())
+    ]
+
+
+def test_a_loop_that_clips_never_runs_ahead(tmp_path, caplog):
+    """Clipping edits gradients after backward: the first window shows it, nothing runs ahead."""
+    stats = run_both(tmp_path, 4, clip)
+    assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
+
+
+@pytest.mark.parametrize(
+    ("between", "reason"),
+    [
+        (clip_from_third, "gradients"),
+        (clip_foreach_from_third, "gradients"),
+        (grad_data_from_third, "gradients"),
+        (lr_from_third, "hyperparameters changed"),
+        (weights_from_third, "written between backward"),
+    ],
+)
+def test_a_change_after_backward_discards_what_ran_ahead(tmp_path, caplog, between, reason):
+    """A loop that starts clipping, changes the learning rate or writes weights between backward
+    and the step after it ran ahead: the steps are discarded, the chunks step from their untouched
+    homes, bitwise, and the model runs ahead no more (logged with the reason)."""
+    with caplog.at_level(logging.INFO, logger="tiermem.states"):
+        stats = run_both(tmp_path, 5, between)
+    assert stats["speculative_steps_discarded"] > 0
+    kept = stats["speculative_steps_kept"]
+    assert kept > 0  # the second window ran ahead and was kept
+    assert any(reason in r.getMessage() and "Speculative steps" in r.getMessage() for r in caplog.records)
+
+
+def test_reads_between_backward_and_step_see_the_values_before_it(tmp_path):
+    stats = run_both(tmp_path, 4, read_weights)
+    assert stats["speculative_steps_kept"] > 0 and stats["speculative_steps_discarded"] == 0
+
+
+def test_accumulating_by_hand_never_runs_ahead(tmp_path):
+    """Two backwards a step (accumulation the runtime was not told of): bitwise, nothing kept."""
+
+    def accumulate(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
+        tokens, targets = batch(step, 1)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        return loss.detach()
+
+    stats = run_both(tmp_path, 4, accumulate)
+    assert stats["speculative_steps_kept"] == 0
+
+
+def test_a_state_load_before_forward_is_what_the_next_step_starts_from(tmp_path):
+    """``load_state_dict`` between steps leaves the loaded chunks' device copies newer than their
+    homes until released: that window does not run ahead (rule 2), the others do; bitwise."""
+    other = make_model(seed=7).state_dict()
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = []
+        for step in range(5):
+            if step == 2:
+                model.load_state_dict(other)
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        got = run(model, optimizer)
+        stats = rt.stats().as_dict()["model_states"]
+    assert stats["speculative_steps_kept"] > 0 and stats["speculative_steps_discarded"] == 0
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_step_ahead_raises_and_leaves_no_copy(tmp_path, monkeypatch):
+    """A speculative step that fails in its compute raises from backward; no shadow is left, the
+    chunks' homes are untouched, and training goes on from them bitwise (a loop that drops the
+    failed backward's gradients, as plain PyTorch's)."""
+    from tiermem.states import chunk_step
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer, fail: Callable[[], None] | None) -> list[Any]:
+        out = []
+        for step in range(5):
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            out.append(loss.detach())
+            if step == 2:
+                if fail is None:
+                    loss.backward()
+                else:
+                    with pytest.raises(RuntimeError, match="boom ahead"):
+                        loss.backward()
+                    fail()
+                optimizer.zero_grad()  # the loop drops the failed step
+                continue
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        return out
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)), None)
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        states = rt._model_states[-1]
+        run_step = chunk_step.run_step
+        calls: list[None] = []
+
+        def failing(*args: Any) -> Any:
+            if states.stepper._speculative and states.stepper.speculative_steps_kept > 0:
+                calls.append(None)  # the third window's: the second one ran ahead and was kept
+                if len(calls) == 2:
+                    raise RuntimeError("boom ahead")
+            return run_step(*args)
+
+        def after_failure() -> None:
+            assert states.stepper._shadows == {}
+            monkeypatch.setattr(chunk_step, "run_step", run_step)
+
+        monkeypatch.setattr(chunk_step, "run_step", failing)
+        got = run(model, optimizer, after_failure)
+        assert states.stepper.speculative_steps_kept > 0
+        assert rt.stats().as_dict()["tiers"]["host"]["current_bytes"] <= sum(c.nbytes for c in states.store.chunks)
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
