@@ -174,6 +174,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             os.remove(trace_path)
             plan = rt.plan.as_dict() if rt.plan is not None else {}
             tier_stats = rt.stats().as_dict()["tiers"]
+            states = rt.stats().as_dict()["model_states"]
         moved = {k: (v["bytes"] - before.get(k, {"bytes": 0})["bytes"]) // args.steps for k, v in after.items()}
         read, written = nvme_moved(moved)
         result.update(
@@ -186,6 +187,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             homes={h: (plan.get("state_home") or []).count(h) for h in ("device", "host", "nvme")},
             predicted_step_s=(plan.get("predicted") or {}).get("step_s"),
             tier_peaks={k: v["peak_bytes"] for k, v in tier_stats.items()},
+            chunk_steps={k: states[k] for k in states if "steps" in k},
         )
     result.update(
         step_s=walls[args.warmup :],

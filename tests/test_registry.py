@@ -243,6 +243,32 @@ def test_corrupt_read_raises_and_never_returns_data(make_store):
     assert store.current()["device"] == 0
 
 
+def test_made_objects_are_the_tiers_own_blocks_and_move_like_any(make_store):
+    """``Registry.make``: an object of bytes the memory tier allocates (a block it kept, where one
+    of that size was freed), counted against its capacity, read and written through its handle from
+    its first byte, and moved and freed like a registered one; refused on a storage tier and where
+    the tier has no room."""
+    store = make_store(device_capacity=1 << 20)
+    nbytes = 100_000  # not a multiple of the tier's alignment
+    first = store.registry.make("host", nbytes, kind="chunk")
+    block = first.obj.home.tensor.data_ptr()  # no reference kept: the tier keeps only blocks nobody holds
+    assert store.current()["host"] >= nbytes
+    data = torch.arange(nbytes, dtype=torch.int64).remainder(251).to(torch.uint8)
+    first.tensor("host").copy_(data)
+    first.move_to("nvme", Priority.WRITEBACK)
+    first.wait()
+    assert first.tier == "nvme" and torch.equal(first.tensor("device"), data)
+    second = store.registry.make("host", nbytes)
+    assert second.obj.home.tensor.data_ptr() == block  # the block the move freed, handed out again
+    second.free()
+    first.free()
+    assert store.current() == {"device": 0, "host": 0, "nvme": 0}
+    with pytest.raises(TierCapacityError, match="device tier"):
+        store.registry.make("device", 2 << 20)
+    with pytest.raises(Exception, match="only memory tiers"):
+        store.registry.make("nvme", nbytes)
+
+
 def test_capacity_exhausted_names_the_tier(make_store):
     store = make_store(device_capacity=1 << 20)
     with pytest.raises(TierCapacityError, match="device tier: cannot allocate"):

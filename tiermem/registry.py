@@ -157,6 +157,23 @@ class Registry:
                 self._dedup[key] = (weakref.ref(storage, self._storage_died(key)), version, obj)
             return Handle(obj, tensor)
 
+    def make(self, tier: str, nbytes: int, *, kind: str = "tensor", label: str | None = None) -> Handle:
+        """A new object of ``nbytes`` uninitialised bytes allocated by ``tier`` itself (a memory
+        tier hands out a block it kept, where :meth:`register` would adopt fresh pages the
+        kernel zeroes first); a ``uint8`` handle. :class:`TierCapacityError` without room."""
+        target = self._tier(tier)
+        if not target.is_memory:
+            raise internal_error(f"make() on the {tier} tier: only memory tiers hand out bytes to fill")
+        what = kind if label is None else label
+        allocation = target.allocate(nbytes)
+        with self._lock:
+            self._registered += 1
+            obj = ManagedObject(self, allocation, nbytes, kind, what)
+            self._objects[obj.id] = obj
+            self._count_resident(obj, allocation.tier, +1)
+        # the handle's view counts from the object's first byte (its block may start inside a larger buffer)
+        return Handle(obj, torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+
     def _storage_died(self, key: int) -> Callable[[weakref.ref[torch.UntypedStorage]], None]:
         """The weakref callback that drops ``key``'s dedup entry (holding the registry weakly)."""
         registry_ref = weakref.ref(self)

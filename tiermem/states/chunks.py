@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from tiermem.layout.chunks import ChunkLayout
@@ -61,6 +63,9 @@ class Chunk:
         self.last_use = 0
         #: the device copy holds bytes newer than the master (load_state_dict)
         self.dirty = False
+        #: copies still reading the device storage outside any move (a shadow's working bytes:
+        #: NOTE [ Speculative steps ] rule 3 in ``speculation.py``); emptying it waits for them
+        self.readers: list[Transfer] = []
         #: its backward began in the current backward pass
         self.entered = False
         #: trainable parameters used since the last backward whose gradient has not arrived
@@ -79,6 +84,10 @@ class Chunk:
         storage ] in ``pool.py``), and this storage is left empty the same way."""
         if self.home is not None:
             self.home.wait_known_copy()
+        readers, self.readers = self.readers, []
+        for transfer in readers:
+            with contextlib.suppress(Exception):  # its owner waits for it too, and sees its error
+                transfer.wait()
         storage = self.data.untyped_storage()
         if keep and storage.nbytes():
             spare = torch.UntypedStorage(0, device=storage.device)

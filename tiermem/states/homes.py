@@ -142,20 +142,37 @@ class Homes:
                 raise StatesMemoryError.tier_full(exc, what) from exc
         handle.wait()
 
-    def copy_to_host(self, chunk: Chunk, priority: Priority) -> tuple[Handle, Transfer]:
+    def copy_to_host(self, chunk: Chunk, priority: Priority, *, from_device: bool) -> tuple[Handle, list[Transfer]]:
         """A new host object filled from ``chunk``'s NVMe home, which stays where it rests
-        (NOTE [ Speculative steps ] rule 3): the object and its fill, still in flight.
+        (NOTE [ Speculative steps ] rule 3): the object and its fills, still in flight. With
+        ``from_device`` the working bytes come from the chunk's device copy (the caller vouches it
+        holds them as fetched, as NOTE [ Managed object rules ] rule 6 asks), the rest from NVMe.
         :class:`TierCapacityError` when the host has no room for it now."""
         handle = chunk.home
         assert handle is not None
         handle.wait()  # read from the home where it rests, never from a move's source
-        buffer = torch.empty(chunk.home_bytes, dtype=torch.uint8)
-        copy = self.store.registry.register(buffer, "host", dedup=False, kind="chunk", label="chunk home")
+        copy = self.store.registry.make("host", chunk.home_bytes, kind="chunk", label="chunk home")
+        fills: list[Transfer] = []
         try:
-            return copy, copy.fill_from(handle, nbytes=chunk.home_bytes, priority=priority)
+            if from_device and chunk.dev is not None:
+                lo, hi = chunk.working_base, chunk.working_base + chunk.nbytes
+                fills.append(copy.fill_from(chunk.dev, nbytes=chunk.nbytes, offset=lo, priority=priority))
+                chunk.readers.append(fills[-1])  # the device storage stays until this copy ended
+                ranges = [(0, lo), (hi, chunk.home_bytes)]
+            else:
+                ranges = [(0, chunk.home_bytes)]
+            for start, end in ranges:
+                if end > start:
+                    fills.append(
+                        copy.fill_from(handle, nbytes=end - start, source_offset=start, offset=start, priority=priority)
+                    )
         except BaseException:
+            for fill in fills:
+                with contextlib.suppress(Exception):
+                    fill.wait()
             copy.free()
             raise
+        return copy, fills
 
     def send_back(self, chunk: Chunk) -> None:
         """Write a staged NVMe home back (WRITEBACK)."""

@@ -61,18 +61,25 @@ class Shadow:
 
     chunk: Chunk
     handle: Handle
-    #: the read of the chunk's home into :attr:`handle`, until it landed
-    fill: Transfer | None
+    #: the copies into :attr:`handle` (from the home, and from the device copy), until they landed
+    fills: list[Transfer]
     #: the optimizer records the step found, once it ran (None: not stepped)
     records: dict[int, ParamState] | None = None
 
     def landed(self) -> bool:
-        return self.fill is None or self.fill.done()
+        return all(fill.done() for fill in self.fills)
 
     def wait_filled(self) -> None:
-        fill, self.fill = self.fill, None
-        if fill is not None:
-            fill.wait()
+        """Wait for every copy into the shadow; then raise the first one's error."""
+        fills, self.fills = self.fills, []
+        error: BaseException | None = None
+        for fill in fills:
+            try:
+                fill.wait()
+            except BaseException as exc:  # noqa: BLE001 - the others still write the shadow: wait for them too
+                error = error or exc
+        if error is not None:
+            raise error
 
 
 def hyperparameters(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

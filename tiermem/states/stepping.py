@@ -426,11 +426,13 @@ class Stepper:
 
     def _make_shadow(self, chunk: Chunk, priority: Priority) -> Shadow | None:
         """Rule 3: start copying ``chunk``'s NVMe home into a new host object; None without room."""
-        try:
-            handle, fill = self.homes.copy_to_host(chunk, priority)
+        try:  # the working bytes from the device copy where it holds them as fetched (rule 7's saving)
+            handle, fills = self.homes.copy_to_host(
+                chunk, priority, from_device=self._known_home_bytes(chunk) is not None
+            )
         except TierCapacityError:
             return None
-        shadow = self._shadows[chunk.index] = Shadow(chunk, handle, fill)
+        shadow = self._shadows[chunk.index] = Shadow(chunk, handle, fills)
         return shadow
 
     def _shadow_for_step(self, chunk: Chunk) -> Shadow | None:
