@@ -255,19 +255,19 @@ def test_a_failing_step_ahead_raises_and_leaves_no_copy(tmp_path, monkeypatch):
         calls: list[None] = []
 
         def failing(*args: Any) -> Any:
-            if states.stepper._speculative and states.stepper.speculative_steps_kept > 0:
+            if states.stepper._speculative and states.stepper.shadows.kept > 0:
                 calls.append(None)  # the third window's: the second one ran ahead and was kept
                 if len(calls) == 2:
                     raise RuntimeError("boom ahead")
             return run_step(*args)
 
         def after_failure() -> None:
-            assert states.stepper._shadows == {}
+            assert not states.stepper.shadows
             monkeypatch.setattr(chunk_step, "run_step", run_step)
 
         monkeypatch.setattr(chunk_step, "run_step", failing)
         got = run(model, optimizer, after_failure)
-        assert states.stepper.speculative_steps_kept > 0
+        assert states.stepper.shadows.kept > 0
         assert rt.stats().as_dict()["tiers"]["host"]["current_bytes"] <= sum(c.nbytes for c in states.store.chunks)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

@@ -580,8 +580,8 @@ class ModelStates:
             "order": "execution" if self.relayout.order == self.relayout.recorded else "registration",
             "chunk_steps": self.chunk_steps,
             "early_chunk_steps": self.early_chunk_steps,
-            "speculative_steps_kept": self.stepper.speculative_steps_kept,
-            "speculative_steps_discarded": self.stepper.speculative_steps_discarded,
+            "speculative_steps_kept": self.stepper.shadows.kept,
+            "speculative_steps_discarded": self.stepper.shadows.discarded,
             "chunks": [
                 {
                     "index": c.index,

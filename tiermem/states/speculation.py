@@ -4,55 +4,72 @@ chunks until the step shows they are the step it would have run.
 # NOTE [ Speculative steps ]
 1. Why: an undeclared loop (``rt.manage`` told nothing about the loop) may clip, scale or edit
    gradients, change hyperparameters or accumulate between backward and ``optimizer.step()``, so
-   its chunks cannot step early in place (NOTE [ Declared steps ] rule 3). Its step phase then
-   reads and writes every NVMe home while compute waits: on the 210M HF GPT-2 at 10% / 10% the
-   plain loop took 9.9 s a step against the declared loop's 7.6. Most plain loops do none of
-   those things, so their backward can step each NVMe chunk as a declared loop does, into a
-   copy of its home, and ``optimizer.step()`` keeps the copies when nothing changed.
+   its chunks cannot step early in place (NOTE [ Declared steps ] rule 3), and its step phase
+   reads and writes every NVMe home while compute waits. Most plain loops do none of those
+   things, so their backward steps each NVMe chunk as a declared loop does, into a copy of its
+   home, and ``optimizer.step()`` keeps the copies when nothing changed. Measured on the 210M
+   HF GPT-2 at 10% / 10% (bench/README, "HF GPT-2 210M"): the step phase falls from 1.6-2.3 s
+   to 0.05, the step from 8.66 to 8.29 s (on 2 cores the step's compute and I/O mostly move
+   into backward; where a core idles in backward the gain is the whole phase).
 2. When: a backward of an undeclared loop without clipping arms them when it is the first
    backward since ``optimizer.step()`` after one forward with grad, no re-pack is due, no
-   asynchronous checkpoint is pending, and the last window was *clean*: one counted backward,
-   its gradients untouched until ``optimizer.step()`` (rule 4 of NOTE [ Declared steps ]
-   records their versions), no optimizer attributes (``grad_scale``, ``found_inf``). So the
-   first window never speculates, and neither does a loop that accumulates or edits by hand.
-3. How: only chunks with NVMe homes. A chunk's *shadow* is a new host object filled from its
-   home (the home stays where it is, untouched); its step (``ChunkStep``, on the step thread as
-   any early step) computes over the shadow, with its small states (``step``) copies, and keeps
-   the optimizer records it found aside; the shadow then goes to NVMe as a new object. Host
-   room: a shadow counts as a staged home (the plan's ``staged_homes``); NVMe room: each
-   shadow is one more home until ``optimizer.step()`` (a shadow that does not fit is not
-   made: that chunk steps at ``optimizer.step()``). At the end of backward every step has
-   finished and shadows of chunks that did not step are freed, so after backward no copy
-   reads a home.
+   asynchronous checkpoint is pending, no device copy is newer than its home (a state load
+   writes it home later), the NVMe tier has room for a copy of every such home beside every
+   gradient the backward may store there (so a copy never takes room the plan counted on), and
+   the last window was *clean*: one counted backward, its gradients untouched until
+   ``optimizer.step()``, no optimizer attributes (``grad_scale``, ``found_inf``). So the first
+   window never speculates, and neither does a loop that accumulates or edits by hand.
+3. What: chunks with NVMe homes whose gradients the runtime sees every write to: stored on NVMe
+   (a :class:`~tiermem.states.stored_grads.StoredGradient`) or, on CUDA, waiting on the host (a
+   :class:`~tiermem.states.hostgrad.HostGradient`); every op on those passes its dispatch, views
+   and ``.data`` included, and counts in ``GradientWrites``. A plain tensor's ``.grad.data`` can
+   be written with no version counter moving, so on the CPU gradients waiting on the host never
+   run ahead. How: a chunk's *shadow* is a new host block (the host tier's own, counted as one of
+   the plan's ``staged_homes``) filled from its home, which stays where it is, untouched; the
+   working bytes come from the device copy where it holds them as fetched (its storage waits for
+   that copy before it empties). The step (``ChunkStep``, on the step thread as any early step)
+   computes over the shadow with copies of its small states (``step``) and keeps the optimizer
+   records it found aside; the shadow then goes to NVMe as a new object. A shadow with no room
+   is not made: that chunk steps at ``optimizer.step()``. At the end of backward every step has
+   finished and shadows of chunks that did not step are freed, so after backward no copy reads a
+   home.
 4. Kept: ``optimizer.step()`` keeps every shadow when the window held exactly one counted
-   backward, no gradient changed since it ended (tensor and version), the optimizer's groups
-   hold the same hyperparameters as when backward began (values compared, tensors by value),
-   the optimizer carries no ``grad_scale``/``found_inf``, no re-pack is due, and the store's
-   version (any write to a chunk or its optimizer records: parameter writes, state loads)
-   is the one backward ended with. Keeping one swaps the chunk's home for its shadow, frees the
-   old home and stores the records: the same bytes the step would have written in place.
+   backward, ended complete, no gradient changed since it ended (tensor, version, and no write
+   counted in ``GradientWrites``), the optimizer's groups hold the hyperparameters they held as
+   backward began (values compared, tensors by value), the optimizer carries no
+   ``grad_scale``/``found_inf``, no re-pack or asynchronous checkpoint is pending, and the store's
+   version (any write to a chunk or its optimizer records: parameter writes, state loads) is the
+   one backward began with. Keeping one swaps the chunk's home for its shadow, frees the old home
+   and stores the records: the same bytes the step would have written in place.
 5. Discarded otherwise, all of them: shadows freed, the records dropped, and every chunk steps
-   at ``optimizer.step()`` from its untouched home, as if nothing had run ahead. Speculation is
-   then off for the model (the loop showed it does such things), logged once with the reason.
+   at ``optimizer.step()`` from its untouched home, as if nothing had run ahead. Where the reason
+   is something the loop does, speculation is then off for the model (logged once with the
+   reason); a second backward before ``optimizer.step()`` discards them as it begins. A step that
+   fails in backward discards every shadow of that backward, and nothing more runs ahead in it.
 6. Exactness: the kept step is ``ChunkStep`` over the same home bytes, gradients and
    hyperparameters as the step ``optimizer.step()`` would run, so bitwise the same; until
    ``optimizer.step()`` parameters, optimizer state, state dicts and checkpoints all read the
-   untouched homes, as plain PyTorch's do before its step.
+   untouched homes, as plain PyTorch's do before its step. ``[model_states] speculative_steps =
+   "off"`` runs every step at ``optimizer.step()``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from tiermem.registry import Handle, Transfer
+from tiermem.errors import TierCapacityError
+from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.facts import ParamState
+from tiermem.states.homes import Homes
+from tiermem.states.store import ChunkStore
 
-__all__ = ["Shadow", "hyperparameters", "same_hyperparameters"]
+__all__ = ["Shadow", "Shadows", "hyperparameters", "same_hyperparameters"]
 
 
 @dataclasses.dataclass(eq=False)
@@ -80,6 +97,123 @@ class Shadow:
                 error = error or exc
         if error is not None:
             raise error
+
+
+class Shadows:
+    """Rule 3's shadows of one model's chunks, by chunk index: made and filled, sent to NVMe once
+    stepped, freed, or kept as the chunks' homes (rule 4). Mechanism only: when to make, keep or
+    discard them is :class:`~tiermem.states.stepping.Stepper`'s."""
+
+    def __init__(self, store: ChunkStore, homes: Homes) -> None:
+        self.store = store
+        self.homes = homes
+        self._by_index: dict[int, Shadow] = {}
+        #: stepped shadows kept as homes and discarded (cumulative, for stats)
+        self.kept = 0
+        self.discarded = 0
+
+    def __bool__(self) -> bool:
+        return bool(self._by_index)
+
+    def __contains__(self, index: int) -> bool:
+        return index in self._by_index
+
+    def chunks(self) -> list[Chunk]:
+        return [shadow.chunk for shadow in self._by_index.values()]
+
+    def unstepped(self) -> list[Chunk]:
+        """Chunks whose shadow was made but did not step."""
+        return [shadow.chunk for shadow in self._by_index.values() if shadow.records is None]
+
+    def stepped_count(self) -> int:
+        return sum(shadow.records is not None for shadow in self._by_index.values())
+
+    def landed(self, chunk: Chunk) -> bool:
+        """``chunk``'s shadow exists and is filled."""
+        shadow = self._by_index.get(chunk.index)
+        return shadow is not None and shadow.landed()
+
+    def room_on_nvme(self, chunks: list[Chunk]) -> bool:
+        """Rule 2: the NVMe tier holds a shadow of each of ``chunks`` beside every gradient of
+        theirs a backward may store there, so a shadow never takes room the plan counted on."""
+        registry = self.store.registry
+        needed = sum(
+            registry.reserved_size("nvme", c.home_bytes) + registry.reserved_size("nvme", c.nbytes) for c in chunks
+        )
+        return bool(chunks) and registry.free_bytes("nvme") >= needed
+
+    def off_nvme(self) -> tuple[int, int]:
+        """Shadows holding host bytes (filled, stepping, or on their way to NVMe): those not
+        stepped yet, and all; each counts as a staged home."""
+        waiting = off_nvme = 0
+        for shadow in self._by_index.values():
+            handle = shadow.handle
+            if handle.state is ObjectState.MOVING or handle.tier != "nvme":
+                off_nvme += 1
+                waiting += shadow.records is None
+        return waiting, off_nvme
+
+    def make(self, chunk: Chunk, priority: Priority, from_device: bool) -> Shadow | None:
+        """Start copying ``chunk``'s NVMe home into a new host block (its working bytes from the
+        device copy with ``from_device``); None without host room now."""
+        try:
+            handle, fills = self.homes.copy_to_host(chunk, priority, from_device=from_device)
+        except TierCapacityError:
+            return None
+        shadow = self._by_index[chunk.index] = Shadow(chunk, handle, fills)
+        return shadow
+
+    def for_step(self, chunk: Chunk, from_device: bool) -> Shadow | None:
+        """``chunk``'s shadow, made now if it was not copied ahead (DEMAND) once write-backs in
+        flight free host room; None when the host has none."""
+        shadow = self._by_index.get(chunk.index)
+        while shadow is None:
+            shadow = self.make(chunk, Priority.DEMAND, from_device)
+            if shadow is None and not (self._wait_write_back() or self.homes.wait_write_back(skip=chunk)):
+                return None
+        return shadow
+
+    def _wait_write_back(self) -> bool:
+        """Wait for the first stepped shadow still on its way to NVMe; False when none is."""
+        for shadow in self._by_index.values():
+            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
+                shadow.handle.wait()
+                return True
+        return False
+
+    def send(self, shadow: Shadow, records: dict[int, ParamState]) -> bool:
+        """``shadow`` stepped, finding ``records``: on its way to NVMe now. False without NVMe room
+        (the caller drops it)."""
+        try:
+            shadow.handle.move_to("nvme", Priority.WRITEBACK)
+        except TierCapacityError:
+            return False
+        shadow.records = records
+        return True
+
+    def drop(self, chunk: Chunk) -> bool:
+        """Free ``chunk``'s shadow once no copy writes it; False when it had none."""
+        shadow = self._by_index.pop(chunk.index, None)
+        if shadow is None:
+            return False
+        with contextlib.suppress(Exception):  # never freed while its fill still writes it
+            shadow.wait_filled()
+        shadow.handle.free()
+        return True
+
+    def keep(self) -> None:
+        """Rule 4: each stepped shadow becomes its chunk's home, with the optimizer records its
+        step found; the old homes are freed."""
+        shadows, self._by_index = self._by_index, {}
+        for index in sorted(shadows):
+            shadow = shadows[index]
+            chunk = shadow.chunk
+            assert shadow.records is not None and chunk.home is not None
+            old, chunk.home = chunk.home, shadow.handle
+            old.free()
+            self.store.pstate.update(shadow.records)
+            self.kept += 1
+        self.homes.forget()
 
 
 def hyperparameters(param_groups: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:

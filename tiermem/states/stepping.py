@@ -7,7 +7,9 @@ finished here, on the training thread, and computed by :class:`~tiermem.states.c
 inline or on the step thread (NOTE [ Step threads ] in ``step_thread.py``). It may touch: chunk
 homes (staged through :class:`~tiermem.states.homes.Homes`), the store's optimizer records and
 generation, the pool's residency (releases), and gradients through
-:class:`~tiermem.states.gradients.Gradients`; a pending re-pack it hands to the relayout.
+:class:`~tiermem.states.gradients.Gradients`; a pending re-pack it hands to the relayout. The
+copies of homes an undeclared loop's backward steps into are :class:`~tiermem.states.speculation.Shadows`'
+(NOTE [ Speculative steps ]); when to make, keep or discard them is decided here.
 
 # NOTE [ Declared steps ]
 1. ``rt.manage(..., grad_accumulation_steps=N, clip_grad_norm=max_norm)`` declares the loop:
@@ -133,7 +135,7 @@ from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import GradientWrites
 from tiermem.states.optimizer import ManagedOptimizer
-from tiermem.states.speculation import Shadow, hyperparameters, same_hyperparameters
+from tiermem.states.speculation import Shadow, Shadows, hyperparameters, same_hyperparameters
 from tiermem.states.stateio import SaveGuard
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
@@ -206,14 +208,12 @@ class Stepper:
         self._speculation_allowed = speculate and declared.accumulation is None and declared.max_norm is None
         self._clean_window = False
         self._speculative = False
-        self._shadows: dict[int, Shadow] = {}
+        self.shadows = Shadows(store, homes)
         self._shadow_hyperparameters: list[dict[str, Any]] = []
         self._shadow_version: tuple[int, int] | None = None
         self._gradient_writes = GradientWrites.count
-        #: speculative chunk steps run in backward, kept and discarded at optimizer.step() (cumulative)
+        #: speculative chunk steps run in backward (cumulative; kept and discarded: ``_shadows``)
         self.speculative_chunk_steps = 0
-        self.speculative_steps_kept = 0
-        self.speculative_steps_discarded = 0
         #: a pending asynchronous checkpoint: told before a chunk steps or its home moves, pumped here
         self.save_guard: SaveGuard | None = None
         #: where chunk steps compute (NOTE [ Step threads ]); homes and gradients wait on the same one
@@ -239,7 +239,7 @@ class Stepper:
         """At the start of a backward: will it step chunks early (rule 3), or into shadows (NOTE
         [ Speculative steps ] rule 2)?"""
         declared = self.declared
-        if self._shadows:  # NOTE [ Speculative steps ] rule 5: their gradients are about to change
+        if self.shadows:  # NOTE [ Speculative steps ] rule 5: their gradients are about to change
             self._stepped -= self._discard_shadows("a backward began before optimizer.step() after steps ran ahead")
         self._speculative = (
             self._speculation_allowed
@@ -253,7 +253,7 @@ class Stepper:
             and not self._partial_end
             and self.save_guard is None
             and not any(c.dirty for c in self.store.chunks)  # a dirty device copy is newer than its home
-            and self._nvme_room_for_shadows()
+            and self.shadows.room_on_nvme([c for c in self.store.chunks if c.trainable and self._speculates(c)])
         )
         if self._speculative:
             self._shadow_hyperparameters = hyperparameters(self.optimizer.param_groups)
@@ -356,13 +356,13 @@ class Stepper:
             return True  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return True  # tied weights step after the whole backward
-        if chunk.index in self._shadows or (self._speculative and not self._speculates(chunk)):
+        if chunk.index in self.shadows or (self._speculative and not self._speculates(chunk)):
             return True  # copied already, or it steps at optimizer.step()
         waiting, off_nvme = self._homes_off_nvme()
         if waiting or off_nvme >= self.store.staged_homes:
             return False  # the step stages it on demand unless the room frees first
         if self._speculative:  # NOTE [ Speculative steps ] rule 3: a copy; the home stays
-            return self._make_shadow(chunk, Priority.PREFETCH) is not None
+            return self.shadows.make(chunk, Priority.PREFETCH, self._known_home_bytes(chunk) is not None) is not None
         if self.save_guard is not None:
             self.save_guard.before_move(chunk)
         try:
@@ -400,12 +400,8 @@ class Stepper:
             if c.home_tier == "nvme" and home is not None and (home.state is ObjectState.MOVING or home.tier != "nvme"):
                 off_nvme += 1
                 waiting += c.index not in self._stepped or c.index in queued
-        for shadow in self._shadows.values():
-            handle = shadow.handle
-            if handle.state is ObjectState.MOVING or handle.tier != "nvme":
-                off_nvme += 1
-                waiting += shadow.records is None
-        return waiting, off_nvme
+        shadows_waiting, shadows_off_nvme = self.shadows.off_nvme()
+        return waiting + shadows_waiting, off_nvme + shadows_off_nvme
 
     # -- NOTE [ Speculative steps ] -------------------------------------------------------------
     def _speculates(self, chunk: Chunk) -> bool:
@@ -414,50 +410,11 @@ class Stepper:
         observed = chunk.grad_home == "nvme" or self.facts.device.type == "cuda"
         return chunk.home_tier == "nvme" and observed
 
-    def _nvme_room_for_shadows(self) -> bool:
-        """Rule 3: the NVMe tier holds a shadow of every chunk that may run ahead beside every
-        gradient this backward may store there, so a shadow never takes room the plan counted on."""
-        registry = self.store.registry
-        chunks = [c for c in self.store.chunks if c.trainable and self._speculates(c)]
-        needed = sum(
-            registry.reserved_size("nvme", c.home_bytes) + registry.reserved_size("nvme", c.nbytes) for c in chunks
-        )
-        return bool(chunks) and registry.free_bytes("nvme") >= needed
-
-    def _make_shadow(self, chunk: Chunk, priority: Priority) -> Shadow | None:
-        """Rule 3: start copying ``chunk``'s NVMe home into a new host object; None without room."""
-        try:  # the working bytes from the device copy where it holds them as fetched (rule 7's saving)
-            handle, fills = self.homes.copy_to_host(
-                chunk, priority, from_device=self._known_home_bytes(chunk) is not None
-            )
-        except TierCapacityError:
-            return None
-        shadow = self._shadows[chunk.index] = Shadow(chunk, handle, fills)
-        return shadow
-
-    def _shadow_for_step(self, chunk: Chunk) -> Shadow | None:
-        """Rule 3: ``chunk``'s shadow, made now if its home was not copied ahead (DEMAND), once
-        write-backs in flight free the room; None when the host has none."""
-        shadow = self._shadows.get(chunk.index)
-        while shadow is None:
-            shadow = self._make_shadow(chunk, Priority.DEMAND)
-            if shadow is None and not (self._wait_shadow_write_back() or self.homes.wait_write_back(skip=chunk)):
-                return None
-        return shadow
-
-    def _wait_shadow_write_back(self) -> bool:
-        """Wait for the first stepped shadow still on its way to NVMe; False when none is."""
-        for shadow in self._shadows.values():
-            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
-                shadow.handle.wait()
-                return True
-        return False
-
     def _run_speculative_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
         """Rule 3: ``chunk``'s step over its shadow, on the step thread; its records are kept aside.
         Without host room for a shadow the chunk steps at ``optimizer.step()`` instead."""
         self._finish_steps()  # one step in flight, its error before this one's shadow is made
-        shadow = self._shadow_for_step(chunk)
+        shadow = self.shadows.for_step(chunk, self._known_home_bytes(chunk) is not None)
         if shadow is None:
             self._stepped.discard(chunk.index)
             self.speculative_chunk_steps -= 1
@@ -494,10 +451,7 @@ class Stepper:
         if not ok:  # its error follows
             self._abandon_speculation()
             return
-        try:
-            shadow.handle.move_to("nvme", Priority.WRITEBACK)
-            shadow.records = job.records
-        except TierCapacityError:
+        if not self.shadows.send(shadow, job.records):
             self._drop_shadow(chunk)
 
     def _abandon_speculation(self) -> None:
@@ -505,7 +459,7 @@ class Stepper:
         runs ahead (nor steps early in place) in it; the chunks step at ``optimizer.step()``."""
         queued, self._queued = self._queued, []
         for chunk, _, _ in queued:
-            if chunk.index not in self._shadows and chunk.index in self._stepped:
+            if chunk.index not in self.shadows and chunk.index in self._stepped:
                 self._stepped.discard(chunk.index)
                 self.speculative_chunk_steps -= 1
         self._discard_shadows(None)
@@ -514,26 +468,20 @@ class Stepper:
 
     def _drop_shadow(self, chunk: Chunk) -> None:
         """``chunk``'s shadow freed; the chunk steps at ``optimizer.step()``."""
-        shadow = self._shadows.pop(chunk.index, None)
-        if shadow is None:
-            return
-        if chunk.index in self._stepped:
+        if self.shadows.drop(chunk) and chunk.index in self._stepped:
             self._stepped.discard(chunk.index)
             self.speculative_chunk_steps -= 1
-        with contextlib.suppress(Exception):  # never freed while its fill still writes it
-            shadow.wait_filled()
-        shadow.handle.free()
 
     def _drop_unstepped_shadows(self) -> None:
         """Rule 3, as backward ends: shadows of chunks that did not step go, so no copy reads a home."""
-        for shadow in [s for s in self._shadows.values() if s.records is None]:
-            self._drop_shadow(shadow.chunk)
+        for chunk in self.shadows.unstepped():
+            self._drop_shadow(chunk)
 
     def _discard_shadows(self, reason: str | None) -> set[int]:
         """Rule 5: every shadow freed; their chunks, returned, step at ``optimizer.step()``. With a
         ``reason`` (something the loop does), speculation is off for the model from now on."""
-        chunks = [shadow.chunk for shadow in self._shadows.values()]
-        self.speculative_steps_discarded += sum(s.records is not None for s in self._shadows.values())
+        chunks = self.shadows.chunks()
+        self.shadows.discarded += self.shadows.stepped_count()
         for chunk in chunks:
             self._drop_shadow(chunk)
         if reason is not None and self._speculation_allowed:
@@ -545,19 +493,6 @@ class Stepper:
                 reason,
             )
         return {c.index for c in chunks}
-
-    def _keep_shadows(self) -> None:
-        """Rule 4: each shadow becomes its chunk's home, with the optimizer records its step found."""
-        shadows, self._shadows = self._shadows, {}
-        for index in sorted(shadows):
-            shadow = shadows[index]
-            chunk = shadow.chunk
-            assert shadow.records is not None and chunk.home is not None
-            old, chunk.home = chunk.home, shadow.handle
-            old.free()
-            self.store.pstate.update(shadow.records)
-            self.speculative_steps_kept += 1
-        self.homes.forget()
 
     def _window_unclean(self, counted: int, partial: bool, optimizer: ManagedOptimizer) -> str | None:
         """Rules 2 and 4: why the window that ends at this ``optimizer.step()`` is not one whose
@@ -580,9 +515,9 @@ class Stepper:
             return "gradients held off the device were written between backward and optimizer.step()"
         if any(hasattr(optimizer, name) for name in ("grad_scale", "found_inf")):
             return "the optimizer carries a gradient scaler's grad_scale/found_inf"
-        if self._shadows and not same_hyperparameters(self._shadow_hyperparameters, optimizer.param_groups):
+        if self.shadows and not same_hyperparameters(self._shadow_hyperparameters, optimizer.param_groups):
             return "the optimizer's hyperparameters changed between backward and optimizer.step()"
-        if self._shadows and self._shadow_version != self.store.version():
+        if self.shadows and self._shadow_version != self.store.version():
             return "parameters or optimizer state were written between backward and optimizer.step()"
         return None
 
@@ -628,8 +563,7 @@ class Stepper:
         home = chunk.home
         landed = home is not None and home.state is not ObjectState.MOVING and home.tier == "host"
         if self._speculative:  # NOTE [ Speculative steps ] rule 3: its shadow filled instead
-            shadow = self._shadows.get(chunk.index)
-            landed = shadow is not None and shadow.landed()
+            landed = self.shadows.landed(chunk)
         return self.gradients.stash.ready(chunk) and (chunk.home_tier != "nvme" or landed)
 
     def _start_queued(self) -> None:
@@ -667,7 +601,7 @@ class Stepper:
         queued, self._queued = self._queued, []
         self._home_wanted = None
         for chunk, _, _ in queued:
-            if chunk.index in self._shadows:
+            if chunk.index in self.shadows:
                 self._drop_shadow(chunk)
                 continue
             self._stepped.discard(chunk.index)
@@ -742,7 +676,7 @@ class Stepper:
     def stepped_early(self, chunk: Chunk) -> bool:
         """``chunk`` stepped during a backward of this window, before ``optimizer.step()``, into its
         home (a speculative step leaves the home as it was: NOTE [ Speculative steps ] rule 4)."""
-        return chunk.index in self._stepped and chunk.index not in self._shadows
+        return chunk.index in self._stepped and chunk.index not in self.shadows
 
     # -- the loop's position, for checkpoints -------------------------------------------------
     def loop_position(self) -> dict[str, int]:
@@ -782,7 +716,7 @@ class Stepper:
         else:  # whether the next window may run ahead, and whether this one's steps ahead are kept
             unclean = self._window_unclean(counted, partial, optimizer)
             self._clean_window = unclean is None
-            if self._shadows and (unclean is not None or self.relayout.pending or self.save_guard is not None):
+            if self.shadows and (unclean is not None or self.relayout.pending or self.save_guard is not None):
                 stepped -= self._discard_shadows(unclean)
         self.gradients.reconcile()
         clipped, self._clipped = self._clipped, None
@@ -801,8 +735,8 @@ class Stepper:
                 self.relayout.run()
             stepped = set()
         self.store.pool.release_all()
-        if self._shadows:  # NOTE [ Speculative steps ] rule 4: no fetch reads an old home any more
-            self._keep_shadows()
+        if self.shadows:  # NOTE [ Speculative steps ] rule 4: no fetch reads an old home any more
+            self.shadows.keep()
         self.store.generation += 1
         group_of = self._group_of(optimizer)
         attributes = {
