@@ -142,6 +142,39 @@ def test_gradients_edited_after_early_steps_is_an_error(tmp_path):
             plain_loop(model, optimizer, 3, 1, None, edit_grads_at=1)
 
 
+@pytest.mark.parametrize("edit", ["data", "foreach_clip"])
+def test_unseen_edits_of_stored_gradients_after_early_steps_are_an_error(tmp_path, edit):
+    """Edits of gradients stored on NVMe that move no version counter of ``p.grad`` (a write
+    through ``.data``; torch's foreach clip, whose scaling the stash defers): counted by
+    ``GradientWrites``, so the guard still raises rather than keep a step made without them."""
+
+    def edit_grads(model: nn.Module) -> None:
+        if edit == "data":
+            for p in model.parameters():
+                if p.grad is not None:
+                    p.grad.data.mul_(0.5)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, norm_type=3.0, foreach=True)
+
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adam", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adam"](param_groups(model)),
+            plan={"state_home": "nvme", "grad_home": "nvme"},
+            grad_accumulation_steps=1,
+        )
+        with pytest.raises(StatesUsageError, match=r"gradients changed between backward and optimizer\.step"):
+            for step in range(3):
+                tokens, targets = batch(step, 0)
+                nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten()).backward()
+                if step >= 1:
+                    edit_grads(model)
+                optimizer.step()
+                optimizer.zero_grad()
+        assert managed(rt).early_chunk_steps > 0
+
+
 def test_gradients_edited_from_the_start_turn_early_steps_off(tmp_path):
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adam"](param_groups(plain)), 3, 2, None, edit_grads_at=0)

@@ -19,8 +19,9 @@
 4. Views (``detach``, ``.data``, ``view``, ``t``, ``flatten``...) are HostGradients over the
    matching view of the host bytes, so a write through a view lands in the gradient. They
    do not share the version counter of the tensor they view (autograd's views do): a write
-   through a view is invisible to NOTE [ Declared steps ] rule 4's guard, which only
-   declared loops use, where nobody edits gradients.
+   through a view moves no version NOTE [ Declared steps ] rule 4's guard reads, so every
+   write is counted in ``GradientWrites`` too, which that guard and NOTE [ Speculative steps ]
+   compare.
 5. A HostGradient is valid until its host bytes move or are freed: the next backward brings
    them back to the device, ``zero_grad`` frees them, a re-pack rebuilds them. Every
    HostGradient of those bytes, views included, shares a lease that the manager retires

@@ -41,7 +41,9 @@ copies of homes an undeclared loop's backward steps into are :class:`~tiermem.st
    released when backward ends, so the next forward reads the new values. Persistent chunks
    (their device copy is the master, still saved by autograd) and chunks that never completed
    step at ``optimizer.step()``, which also waits for the early steps' write-backs.
-4. Guard: gradient versions are recorded when a counted backward ends. If ``optimizer.step()``
+4. Guard: gradient versions are recorded when a counted backward ends, with the count of writes
+   to gradients held off the device (``GradientWrites`` in ``hostgrad.py``: a write through a
+   stored gradient's ``.data`` or a deferred scaling moves no version). If ``optimizer.step()``
    finds them changed (``GradScaler.unscale_``, clipping or edits by hand), or more counted
    backwards than declared (a loop accumulating by hand), after early steps used them, it
    raises :class:`StatesUsageError`, never a silently different step; if no early step ran
@@ -671,6 +673,7 @@ class Stepper:
             self._grad_versions = {
                 i: (p.grad, p.grad._version) for i, p in enumerate(self.facts.params) if p.grad is not None
             }
+            self._gradient_writes = GradientWrites.count
         return self._clipped
 
     def stepped_early(self, chunk: Chunk) -> bool:
@@ -858,6 +861,10 @@ class Stepper:
             if params[i].grad is not grad or grad._version != version
         ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
         self._grad_versions = {}
+        if not changed and GradientWrites.count != self._gradient_writes:
+            # Writes the version counters missed (a stored gradient's ``.data``, a deferred scaling):
+            # which gradient is unknown, so every one counts as changed.
+            changed = [i for i, p in enumerate(params) if p.grad is not None]
         if not changed:
             return
         if stepped:
