@@ -175,6 +175,43 @@ def test_unseen_edits_of_stored_gradients_after_early_steps_are_an_error(tmp_pat
         assert managed(rt).early_chunk_steps > 0
 
 
+@pytest.mark.parametrize("keep_gradients", [True, False])
+def test_a_state_load_between_steps_is_what_the_next_step_starts_from(tmp_path, keep_gradients):
+    """``load_state_dict`` between steps leaves the loaded chunks' device copies newer than their
+    homes until released: those chunks step at optimizer.step(), not early from the old home
+    (which trained on silently wrong values before); bitwise plain PyTorch."""
+    other = make_model(seed=7).state_dict()
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        out = []
+        for step in range(5):
+            if step == 2:
+                model.load_state_dict(other)
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.detach())
+        return out
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model,
+            OPTIMIZERS["adamw"](param_groups(model)),
+            plan={"state_home": "nvme"},
+            grad_accumulation_steps=1,
+            keep_gradients=keep_gradients,
+        )
+        got = run(model, optimizer)
+        assert managed(rt).early_chunk_steps > 0
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 def test_gradients_edited_from_the_start_turn_early_steps_off(tmp_path):
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adam"](param_groups(plain)), 3, 2, None, edit_grads_at=0)

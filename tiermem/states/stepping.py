@@ -39,8 +39,10 @@ copies of homes an undeclared loop's backward steps into are :class:`~tiermem.st
    home read before: 0.8-3.1 s a step). The step changes only the chunk's home (master and states);
    its device copy, which the rest of this backward may still hold for frozen parameters, is
    released when backward ends, so the next forward reads the new values. Persistent chunks
-   (their device copy is the master, still saved by autograd) and chunks that never completed
-   step at ``optimizer.step()``, which also waits for the early steps' write-backs.
+   (their device copy is the master, still saved by autograd), chunks that never completed and
+   chunks whose device copy is newer than their home (``load_state_dict`` since the last step:
+   the copy goes home when released) step at ``optimizer.step()``, which also waits for the early
+   steps' write-backs.
 4. Guard: gradient versions are recorded when a counted backward ends, with the count of writes
    to gradients held off the device (``GradientWrites`` in ``hostgrad.py``: a write through a
    stored gradient's ``.data`` or a deferred scaling moves no version). If ``optimizer.step()``
@@ -356,6 +358,8 @@ class Stepper:
             return True
         if chunk.slice_span is not None:
             return True  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
+        if chunk.dirty:
+            return True  # its home is older than its device copy: it steps at optimizer.step()
         if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
             return True  # tied weights step after the whole backward
         if chunk.index in self.shadows or (self._speculative and not self._speculates(chunk)):
@@ -530,6 +534,7 @@ class Stepper:
         early = self._early and chunk.index not in self._stepped and not chunk.persistent
         early = early and chunk.slice_span is None  # at optimizer.step(): NOTE [ Sliced steps ] rule 4
         early = early and (not self._speculative or self._speculates(chunk))
+        early = early and not chunk.dirty  # its device copy is newer than its home (a state load)
         group_of = self._group_of(self.optimizer) if early else {}
         slots = self._steppable(chunk, group_of) if early else []
         went_home = not slots or keep or self.facts.device.type != "cpu"
