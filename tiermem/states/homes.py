@@ -27,6 +27,19 @@ from tiermem.states.store import ChunkStore
 from tiermem.units import format_size
 
 
+def wait_every(transfers: list[Transfer]) -> None:
+    """Wait for each of ``transfers`` (the others still touch their buffers when one fails), then
+    raise the first one's error."""
+    error: BaseException | None = None
+    for transfer in transfers:
+        try:
+            transfer.wait()
+        except BaseException as exc:  # noqa: BLE001 - raised once every transfer ended
+            error = error or exc
+    if error is not None:
+        raise error
+
+
 @dataclasses.dataclass(eq=False)
 class HomeSlice:
     """Bytes ``[lo, hi)`` of a chunk's parameter space staged on the host for a sliced step: the
@@ -167,9 +180,8 @@ class Homes:
                         copy.fill_from(handle, nbytes=end - start, source_offset=start, offset=start, priority=priority)
                     )
         except BaseException:
-            for fill in fills:
-                with contextlib.suppress(Exception):
-                    fill.wait()
+            with contextlib.suppress(Exception):  # the error above is the one to report
+                wait_every(fills)
             copy.free()
             raise
         return copy, fills
@@ -258,14 +270,7 @@ class Homes:
     def wait_slice(piece: HomeSlice) -> None:
         """Wait until no copy touches ``piece`` any more; then raise the first one's error."""
         transfers, piece.transfers = piece.transfers, []
-        error: BaseException | None = None
-        for transfer in transfers:
-            try:
-                transfer.wait()
-            except BaseException as exc:  # noqa: BLE001 - the others still touch the buffer: wait for them too
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_every(transfers)
 
     def write_slice(self, chunk: Chunk, piece: HomeSlice) -> None:
         """Start writing ``piece``'s home ranges back into ``chunk``'s NVMe home (WRITEBACK)."""

@@ -66,7 +66,7 @@ from tiermem.errors import TierCapacityError
 from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.facts import ParamState
-from tiermem.states.homes import Homes
+from tiermem.states.homes import Homes, wait_every
 from tiermem.states.store import ChunkStore
 
 __all__ = ["Shadow", "Shadows", "hyperparameters", "same_hyperparameters"]
@@ -89,14 +89,7 @@ class Shadow:
     def wait_filled(self) -> None:
         """Wait for every copy into the shadow; then raise the first one's error."""
         fills, self.fills = self.fills, []
-        error: BaseException | None = None
-        for fill in fills:
-            try:
-                fill.wait()
-            except BaseException as exc:  # noqa: BLE001 - the others still write the shadow: wait for them too
-                error = error or exc
-        if error is not None:
-            raise error
+        wait_every(fills)
 
 
 class Shadows:

@@ -503,13 +503,7 @@ class Stepper:
     def _window_unclean(self, counted: int, partial: bool, optimizer: ManagedOptimizer) -> str | None:
         """Rules 2 and 4: why the window that ends at this ``optimizer.step()`` is not one whose
         step can run ahead (None: it is). Consumes the gradient versions backward recorded."""
-        params = self.facts.params
-        changed = [
-            i
-            for i, (grad, version) in self._grad_versions.items()
-            if params[i].grad is not grad or grad._version != version
-        ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
-        self._grad_versions = {}
+        changed = self._gradients_changed(counted)
         if counted != 1:
             return f"{counted} backwards before optimizer.step()"
         if partial:
@@ -517,8 +511,6 @@ class Stepper:
         if changed:
             names = ", ".join(self.facts.param_names(changed[:3]))
             return f"gradients changed between backward and optimizer.step() ({names})"
-        if GradientWrites.count != self._gradient_writes:
-            return "gradients held off the device were written between backward and optimizer.step()"
         if any(hasattr(optimizer, name) for name in ("grad_scale", "found_inf")):
             return "the optimizer carries a gradient scaler's grad_scale/found_inf"
         if self.shadows and not same_hyperparameters(self._shadow_hyperparameters, optimizer.param_groups):
@@ -859,17 +851,7 @@ class Stepper:
                     counted,
                     accumulation,
                 )
-        params = self.facts.params
-        changed = [
-            i
-            for i, (grad, version) in self._grad_versions.items()
-            if params[i].grad is not grad or grad._version != version
-        ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
-        self._grad_versions = {}
-        if not changed and GradientWrites.count != self._gradient_writes:
-            # Writes the version counters missed (a stored gradient's ``.data``, a deferred scaling):
-            # which gradient is unknown, so every one counts as changed.
-            changed = [i for i, p in enumerate(params) if p.grad is not None]
+        changed = self._gradients_changed(counted)
         if not changed:
             return
         if stepped:
@@ -888,6 +870,22 @@ class Stepper:
                 "tiermem model states: gradients change between backward and optimizer.step(); the optimizer "
                 "step will not overlap backward (NOTE [ Declared steps ] rule 4)"
             )
+
+    def _gradients_changed(self, counted: int) -> list[int]:
+        """Rule 4: the parameters whose gradient changed since the last counted backward ended
+        (another tensor, another version, or one that appeared); consumes the recorded versions.
+        Writes the version counters miss (a stored gradient's ``.data``, a deferred scaling) are
+        only counted, not placed, so then every gradient counts as changed."""
+        params = self.facts.params
+        changed = [
+            i
+            for i, (grad, version) in self._grad_versions.items()
+            if params[i].grad is not grad or grad._version != version
+        ] + [i for i, p in enumerate(params) if p.grad is not None and i not in self._grad_versions and counted]
+        self._grad_versions = {}
+        if not changed and GradientWrites.count != self._gradient_writes:
+            changed = [i for i, p in enumerate(params) if p.grad is not None]
+        return changed
 
     @staticmethod
     def _group_of(optimizer: ManagedOptimizer) -> dict[int, int]:
