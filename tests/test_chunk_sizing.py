@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import threading
+from concurrent.futures import Future
 from typing import Any
 
 import pytest
@@ -21,7 +23,10 @@ from tiermem.errors import PlanError, StatesMemoryError
 from tiermem.layout.placement import Budgets, ChunkNeeds, Plan, PlanRequest, decide, parse_plan
 from tiermem.planner.errors import NoPlanFitsError
 from tiermem.planner.search import search
+from tiermem.registry import Registry
 from tiermem.states.sharded.layout import ShardSpec, size_shards
+from tiermem.states.speculation import Shadows
+from tiermem.tiers.nvme import NvmeTier
 
 transformers = pytest.importorskip("transformers")
 
@@ -128,6 +133,79 @@ def test_plain_loop_at_device_25_and_host_10_percent_trains_bitwise_plain(tmp_pa
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     for tier in ("device", "host"):
         assert stats["tiers"][tier]["peak_bytes"] <= stats["tiers"][tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_speculative_step_reads_its_gradients_once_the_last_shadow_landed(tmp_path, monkeypatch):
+    """NOTE [ Speculative steps ] rule 3: a shadow counts as a staged home, so with one staged
+    home in the plan the next chunk's shadow and stored gradients fit once the last stepped
+    shadow's write-back landed; reading the gradients waits for it, as it waits behind staged
+    homes' write-backs. The seam: a shadow's write to NVMe starts only once someone waits for it
+    (a write-back slower than the next chunk's backward, as on a loaded machine), never by luck."""
+    gates: dict[tuple[int, int], threading.Event] = {}  # by the address range of a stepped shadow's host bytes
+    by_object: dict[int, threading.Event] = {}
+    held = []
+
+    def send(self, shadow, records):
+        gate = threading.Event()
+        data = shadow.handle.tensor("host")
+        lo, hi = data.data_ptr(), data.data_ptr() + data.nbytes
+        for key in [key for key in gates if key[0] < hi and lo < key[1]]:  # freed shadows' memory, reused
+            del gates[key]
+        gates[lo, hi] = by_object[id(shadow.handle.obj)] = gate
+        return real_send(self, shadow, records)
+
+    def keep(self):  # optimizer.step(): backward, where the room is short, is over
+        for gate in gates.values():
+            gate.set()
+        return real_keep(self)
+
+    def wait(self, obj):
+        gate = by_object.get(id(obj))
+        if gate is not None:
+            gate.set()
+        return real_wait(self, obj)
+
+    def write(self, allocation, offset, src):
+        address = src.data_ptr()  # the scheduler writes in pieces: any inside the shadow's bytes
+        gate = next((g for (lo, hi), g in gates.items() if lo <= address < hi), None)
+        if gate is None or gate.is_set():
+            return real_write(self, allocation, offset, src)
+        held.append(gate)
+        done: Future[None] = Future()
+
+        def start() -> None:  # off the scheduler's loop, which must not block
+            gate.wait(timeout=10)  # never forever: a failing run still ends
+            try:
+                real_write(self, allocation, offset, src).result()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiter
+                done.set_exception(exc)
+            else:
+                done.set_result(None)
+
+        threading.Thread(target=start, daemon=True).start()
+        return done
+
+    real_send, real_keep, real_wait, real_write = Shadows.send, Shadows.keep, Registry.wait, NvmeTier._write
+    monkeypatch.setattr(Shadows, "send", send)
+    monkeypatch.setattr(Shadows, "keep", keep)
+    monkeypatch.setattr(Registry, "wait", wait)
+    monkeypatch.setattr(NvmeTier, "_write", write)
+    plain = make("llama")
+    want = train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model = make("llama")
+    total = state_bytes(model)
+    settings = config(tmp_path, total // 4, total // 10)
+    settings["nvme"]["queue_depth"] = 1024  # held writes' blocks leave request slots to the reads
+    with tiermem.Runtime(settings) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-2)
+        got = train(model, optimizer)
+        stats = rt.stats().as_dict()
+    assert held, "no shadow's write-back was held: the seam no longer reaches it"
+    assert stats["model_states"]["speculative_steps_kept"] > 0
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert stats["tiers"]["host"]["peak_bytes"] <= stats["tiers"]["host"]["capacity"]
     assert list(tmp_path.iterdir()) == []
 
 

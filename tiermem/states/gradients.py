@@ -33,7 +33,14 @@ class Gradients:
     """The gradient buffers of ``store``'s chunks and the ``.grad`` of its parameters."""
 
     def __init__(
-        self, registry: Registry, facts: ModelFacts, store: ChunkStore, homes: Homes, *, proxy_host_gradients: bool
+        self,
+        registry: Registry,
+        facts: ModelFacts,
+        store: ChunkStore,
+        homes: Homes,
+        *,
+        proxy_host_gradients: bool,
+        wait_write_backs: Callable[[], None],
     ) -> None:
         self.registry = registry
         self.facts = facts
@@ -48,7 +55,9 @@ class Gradients:
         #: chunks whose gradients :meth:`flush` sent home since the last fresh gradient buffer
         self._sent: list[Chunk] = []
         #: NOTE [ Stored gradients ]: host copies of the gradients that wait on NVMe
-        self.stash = GradientStash(store, homes.wait_moves, homes.fence)
+        #: ``wait_write_backs``: every write-back to NVMe in flight (homes', shadows') lands, freeing
+        #: the host bytes the stash reads stored gradients into when it is short of room
+        self.stash = GradientStash(store, wait_write_backs, homes.fence)
 
     # -- in backward ---------------------------------------------------------------------------
     def device_grads(self, chunk: Chunk) -> torch.Tensor:

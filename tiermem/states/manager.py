@@ -166,6 +166,7 @@ from tiermem.states.moves import ParameterMoves, Training
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.pool import ChunkPool
 from tiermem.states.relayout import FirstStepPlanner, Relayout
+from tiermem.states.speculation import Shadows
 from tiermem.states.stateio import StateIO
 from tiermem.states.step_thread import StepThread
 from tiermem.states.stepping import Stepper
@@ -229,8 +230,15 @@ class ModelStates:
         #: where chunk steps compute (NOTE [ Step threads ]): homes, gradients and the stepper share it
         steps = StepThread.configured(step_thread)
         self.homes = Homes(self.store, steps)
+        #: NOTE [ Speculative steps ]: the stepper makes them; stored gradients wait for their write-backs
+        shadows = Shadows(self.store, self.homes)
         self.gradients = Gradients(
-            registry, facts, self.store, self.homes, proxy_host_gradients=self.proxy_host_gradients
+            registry,
+            facts,
+            self.store,
+            self.homes,
+            proxy_host_gradients=self.proxy_host_gradients,
+            wait_write_backs=shadows.wait_host_room,
         )
         self.stateio = StateIO(facts, self.store, self.homes, self.gradients, self.lifecycle)
         self.relayout = Relayout(
@@ -258,6 +266,7 @@ class ModelStates:
             declared,
             steps,
             self.optimizer,
+            shadows,
             speculate=speculative_steps != "off",
         )
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now

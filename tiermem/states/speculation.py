@@ -30,9 +30,11 @@ chunks until the step shows they are the step it would have run.
    that copy before it empties). The step (``ChunkStep``, on the step thread as any early step)
    computes over the shadow with copies of its small states (``step``) and keeps the optimizer
    records it found aside; the shadow then goes to NVMe as a new object. A shadow with no room
-   is not made: that chunk steps at ``optimizer.step()``. At the end of backward every step has
-   finished and shadows of chunks that did not step are freed, so after backward no copy reads a
-   home.
+   is not made: that chunk steps at ``optimizer.step()``. A chunk's stored gradients, read for
+   its step while the host is short, wait for stepped shadows' write-backs as they wait for
+   staged homes' (the plan's room beside one staged home holds them once those landed). At the
+   end of backward every step has finished and shadows of chunks that did not step are freed, so
+   after backward no copy reads a home.
 4. Kept: ``optimizer.step()`` keeps every shadow when the window held exactly one counted
    backward, ended complete, no gradient changed since it ended (tensor, version, and no write
    counted in ``GradientWrites``), the optimizer's groups hold the hyperparameters they held as
@@ -165,6 +167,16 @@ class Shadows:
             if shadow is None and not (self._wait_write_back() or self.homes.wait_write_back(skip=chunk)):
                 return None
         return shadow
+
+    def wait_host_room(self) -> None:
+        """Every write-back to NVMe in flight lands, homes' and stepped shadows': each frees the
+        host bytes it was staged in. A shadow counts as a staged home (rule 3), so a caller short
+        of the host room the plan keeps beside the staged homes (a chunk's stored gradients read
+        for its step) finds it once they landed, as it does behind homes' write-backs."""
+        self.homes.wait_moves()
+        for shadow in list(self._by_index.values()):
+            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
+                shadow.handle.wait()
 
     def _wait_write_back(self) -> bool:
         """Wait for the first stepped shadow still on its way to NVMe; False when none is."""

@@ -163,6 +163,7 @@ class Stepper:
         declared: Declarations,
         steps: StepThread,
         optimizer: ManagedOptimizer,
+        shadows: Shadows,
         *,
         speculate: bool = True,
     ) -> None:
@@ -212,7 +213,7 @@ class Stepper:
         self._speculation_allowed = speculate and declared.accumulation is None and declared.max_norm is None
         self._clean_window = False
         self._speculative = False
-        self.shadows = Shadows(store, homes)
+        self.shadows = shadows
         self._shadow_hyperparameters: list[dict[str, Any]] = []
         self._shadow_version: tuple[int, int] | None = None
         self._gradient_writes = GradientWrites.count

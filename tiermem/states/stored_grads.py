@@ -190,9 +190,9 @@ class _Staged:
 class GradientStash:
     """Host copies of stored gradient buffers, at most ``plan.staged_homes`` chunks at once (rule 2)."""
 
-    def __init__(self, store: ChunkStore, wait_home_moves: Callable[[], None], fence: Callable[[Chunk], None]) -> None:
+    def __init__(self, store: ChunkStore, wait_write_backs: Callable[[], None], fence: Callable[[Chunk], None]) -> None:
         self.store = store
-        self._wait_home_moves = wait_home_moves
+        self._wait_write_backs = wait_write_backs
         self._staged: OrderedDict[int, _Staged] = OrderedDict()
         #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight
         self.fence = fence
@@ -364,9 +364,10 @@ class GradientStash:
         try:
             return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
         except TierCapacityError:
-            # Staged NVMe homes free host bytes as their write-backs land; so do our other copies.
+            # Staged NVMe homes and stepped shadows of homes free host bytes as their write-backs
+            # land; so do our other copies.
             self.release_all()
-            self._wait_home_moves()
+            self._wait_write_backs()
             try:
                 return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
             except TierCapacityError as exc:
