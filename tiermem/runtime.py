@@ -752,6 +752,8 @@ class Runtime:
             early_chunk_steps=sum(d["early_chunk_steps"] for d in managed),
             speculative_steps_kept=sum(d.get("speculative_steps_kept", 0) for d in managed),
             speculative_steps_discarded=sum(d.get("speculative_steps_discarded", 0) for d in managed),
+            speculative_homes_read_ahead=sum(d.get("speculative_homes_read_ahead", 0) for d in managed),
+            speculative_homes_read_on_demand=sum(d.get("speculative_homes_read_on_demand", 0) for d in managed),
         )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},

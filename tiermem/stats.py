@@ -68,6 +68,9 @@ class ModelStateStatistics:
     #: ``optimizer.step()`` or discarded (NOTE [ Speculative steps ] in ``tiermem.states.speculation``)
     speculative_steps_kept: int = 0
     speculative_steps_discarded: int = 0
+    #: their copies of homes read ahead of the step, and read when the step asked (it waited)
+    speculative_homes_read_ahead: int = 0
+    speculative_homes_read_on_demand: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -80,6 +83,8 @@ class ModelStateStatistics:
             "early_chunk_steps": self.early_chunk_steps,
             "speculative_steps_kept": self.speculative_steps_kept,
             "speculative_steps_discarded": self.speculative_steps_discarded,
+            "speculative_homes_read_ahead": self.speculative_homes_read_ahead,
+            "speculative_homes_read_on_demand": self.speculative_homes_read_on_demand,
         }
 
 

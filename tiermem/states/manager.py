@@ -591,6 +591,8 @@ class ModelStates:
             "early_chunk_steps": self.early_chunk_steps,
             "speculative_steps_kept": self.stepper.shadows.kept,
             "speculative_steps_discarded": self.stepper.shadows.discarded,
+            "speculative_homes_read_ahead": self.stepper.shadows.read_ahead,
+            "speculative_homes_read_on_demand": self.stepper.shadows.read_on_demand,
             "chunks": [
                 {
                     "index": c.index,

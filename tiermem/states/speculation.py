@@ -82,6 +82,8 @@ class Shadow:
     handle: Handle
     #: the copies into :attr:`handle` (from the home, and from the device copy), until they landed
     fills: list[Transfer]
+    #: handed to the step thread: no longer waiting for its step (it computes, or finished)
+    stepping: bool = False
     #: the optimizer records the step found, once it ran (None: not stepped)
     records: dict[int, ParamState] | None = None
 
@@ -106,6 +108,9 @@ class Shadows:
         #: stepped shadows kept as homes and discarded (cumulative, for stats)
         self.kept = 0
         self.discarded = 0
+        #: shadows read ahead of their step, and when the step asked for them (cumulative, for stats)
+        self.read_ahead = 0
+        self.read_on_demand = 0
 
     def __bool__(self) -> bool:
         return bool(self._by_index)
@@ -138,14 +143,17 @@ class Shadows:
         return bool(chunks) and registry.free_bytes("nvme") >= needed
 
     def off_nvme(self) -> tuple[int, int]:
-        """Shadows holding host bytes (filled, stepping, or on their way to NVMe): those not
-        stepped yet, and all; each counts as a staged home."""
+        """Shadows holding host bytes (filled, stepping, or on their way to NVMe): those waiting
+        for their step, and all; each counts as a staged home. One whose step computes waits no
+        more, as a staged home whose step runs does not: the next chunk's shadow may be read
+        while it computes (counted as waiting, half the 6-window plain loop's shadows of
+        ``tests/test_states_speculative.py`` were read when their step asked for them)."""
         waiting = off_nvme = 0
         for shadow in self._by_index.values():
             handle = shadow.handle
             if handle.state is ObjectState.MOVING or handle.tier != "nvme":
                 off_nvme += 1
-                waiting += shadow.records is None
+                waiting += not shadow.stepping
         return waiting, off_nvme
 
     def make(self, chunk: Chunk, priority: Priority, from_device: bool) -> Shadow | None:
@@ -156,6 +164,10 @@ class Shadows:
         except TierCapacityError:
             return None
         shadow = self._by_index[chunk.index] = Shadow(chunk, handle, fills)
+        if priority is Priority.DEMAND:
+            self.read_on_demand += 1
+        else:
+            self.read_ahead += 1
         return shadow
 
     def for_step(self, chunk: Chunk, from_device: bool) -> Shadow | None:

@@ -446,6 +446,7 @@ class Stepper:
             raise
         finish = functools.partial(self._finish_speculative_step, shadow, job)
         compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
+        shadow.stepping = True  # the next chunk's shadow may be read now (Shadows.off_nvme)
         self.steps.run(chunk.index, compute, finish, inline=False)
         if traced is not None:
             traced.end()
