@@ -142,36 +142,48 @@ def test_a_speculative_step_reads_its_gradients_once_the_last_shadow_landed(tmp_
     shadow's write-back landed; reading the gradients waits for it, as it waits behind staged
     homes' write-backs. The seam: a shadow's write to NVMe starts only once someone waits for it
     (a write-back slower than the next chunk's backward, as on a loaded machine), never by luck."""
-    gates: dict[tuple[int, int], threading.Event] = {}  # by the address range of a stepped shadow's host bytes
-    by_object: dict[int, threading.Event] = {}
-    held = []
+    held: dict[int, tuple[int, int, threading.Event]] = {}  # stepped shadows' (lo, hi, gate) by object id
+    opened_for_room: list[int] = []  # shadows whose write-back a reader of stored gradients waited for
+
+    def open_gate(obj_id: int) -> bool:
+        entry = held.pop(obj_id, None)
+        if entry is not None:
+            entry[2].set()
+        return entry is not None
 
     def send(self, shadow, records):
-        gate = threading.Event()
         data = shadow.handle.tensor("host")
-        lo, hi = data.data_ptr(), data.data_ptr() + data.nbytes
-        for key in [key for key in gates if key[0] < hi and lo < key[1]]:  # freed shadows' memory, reused
-            del gates[key]
-        gates[lo, hi] = by_object[id(shadow.handle.obj)] = gate
+        held[id(shadow.handle.obj)] = (data.data_ptr(), data.data_ptr() + data.nbytes, threading.Event())
         return real_send(self, shadow, records)
 
-    def keep(self):  # optimizer.step(): backward, where the room is short, is over
-        for gate in gates.values():
-            gate.set()
-        return real_keep(self)
-
     def wait(self, obj):
-        gate = by_object.get(id(obj))
-        if gate is not None:
-            gate.set()
+        if open_gate(id(obj)) and room_wanted:
+            opened_for_room.append(id(obj))
         return real_wait(self, obj)
 
+    def wait_host_room(self):
+        room_wanted.append(True)
+        try:
+            return real_wait_host_room(self)
+        finally:
+            room_wanted.pop()
+
+    def keep(self):  # optimizer.step(): backward, where the room is short, is over
+        for obj_id in list(held):
+            open_gate(obj_id)
+        return real_keep(self)
+
+    def drop(self, chunk):  # a shadow freed without a wait: its memory may be reused
+        shadow = self._by_index.get(chunk.index)
+        if shadow is not None:
+            open_gate(id(shadow.handle.obj))
+        return real_drop(self, chunk)
+
     def write(self, allocation, offset, src):
-        address = src.data_ptr()  # the scheduler writes in pieces: any inside the shadow's bytes
-        gate = next((g for (lo, hi), g in gates.items() if lo <= address < hi), None)
-        if gate is None or gate.is_set():
+        address = src.data_ptr()  # the scheduler writes in pieces: any inside a held shadow's bytes
+        gate = next((g for lo, hi, g in list(held.values()) if lo <= address < hi), None)
+        if gate is None:
             return real_write(self, allocation, offset, src)
-        held.append(gate)
         done: Future[None] = Future()
 
         def start() -> None:  # off the scheduler's loop, which must not block
@@ -186,9 +198,11 @@ def test_a_speculative_step_reads_its_gradients_once_the_last_shadow_landed(tmp_
         threading.Thread(target=start, daemon=True).start()
         return done
 
-    real_send, real_keep, real_wait, real_write = Shadows.send, Shadows.keep, Registry.wait, NvmeTier._write
-    monkeypatch.setattr(Shadows, "send", send)
-    monkeypatch.setattr(Shadows, "keep", keep)
+    room_wanted: list[bool] = []
+    real_send, real_keep, real_drop = Shadows.send, Shadows.keep, Shadows.drop
+    real_wait_host_room, real_wait, real_write = Shadows.wait_host_room, Registry.wait, NvmeTier._write
+    for name, patched in (("send", send), ("keep", keep), ("drop", drop), ("wait_host_room", wait_host_room)):
+        monkeypatch.setattr(Shadows, name, patched)
     monkeypatch.setattr(Registry, "wait", wait)
     monkeypatch.setattr(NvmeTier, "_write", write)
     plain = make("llama")
@@ -200,8 +214,10 @@ def test_a_speculative_step_reads_its_gradients_once_the_last_shadow_landed(tmp_
     with tiermem.Runtime(settings) as rt:
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-2)
         got = train(model, optimizer)
+        planned = rt.plan
         stats = rt.stats().as_dict()
-    assert held, "no shadow's write-back was held: the seam no longer reaches it"
+    assert planned.staged_homes == 1 and planned.grad_home == "nvme"
+    assert opened_for_room, "no stored gradients' read waited for a shadow: the seam no longer reaches the case"
     assert stats["model_states"]["speculative_steps_kept"] > 0
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

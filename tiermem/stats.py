@@ -68,7 +68,8 @@ class ModelStateStatistics:
     #: ``optimizer.step()`` or discarded (NOTE [ Speculative steps ] in ``tiermem.states.speculation``)
     speculative_steps_kept: int = 0
     speculative_steps_discarded: int = 0
-    #: their copies of homes read ahead of the step, and read when the step asked (it waited)
+    #: their copies of homes made ahead of the step, and when the step asked (it waited); every
+    #: copy made counts, also one later discarded
     speculative_homes_read_ahead: int = 0
     speculative_homes_read_on_demand: int = 0
 

@@ -29,12 +29,15 @@ chunks until the step shows they are the step it would have run.
    working bytes come from the device copy where it holds them as fetched (its storage waits for
    that copy before it empties). The step (``ChunkStep``, on the step thread as any early step)
    computes over the shadow with copies of its small states (``step``) and keeps the optimizer
-   records it found aside; the shadow then goes to NVMe as a new object. A shadow with no room
-   is not made: that chunk steps at ``optimizer.step()``. A chunk's stored gradients, read for
-   its step while the host is short, wait for stepped shadows' write-backs as they wait for
-   staged homes' (the plan's room beside one staged home holds them once those landed). At the
-   end of backward every step has finished and shadows of chunks that did not step are freed, so
-   after backward no copy reads a home.
+   records it found aside; the shadow then goes to NVMe as a new object. Once a shadow's step
+   started it no longer waits for it, so the next chunk's shadow may be read ahead meanwhile,
+   within the same room (counted as waiting until its step finished, half of them were read
+   only when their step asked). A shadow with no room is not made: that chunk steps at
+   ``optimizer.step()``. A chunk's stored gradients, read for its step while the host is short,
+   wait for stepped shadows' write-backs as they wait for staged homes' (the plan's room beside
+   one staged home holds them once those landed). At the end of backward every step has
+   finished and shadows of chunks that did not step are freed, so after backward no copy reads
+   a home.
 4. Kept: ``optimizer.step()`` keeps every shadow when the window held exactly one counted
    backward, ended complete, no gradient changed since it ended (tensor, version, and no write
    counted in ``GradientWrites``), the optimizer's groups hold the hyperparameters they held as
@@ -82,8 +85,8 @@ class Shadow:
     handle: Handle
     #: the copies into :attr:`handle` (from the home, and from the device copy), until they landed
     fills: list[Transfer]
-    #: handed to the step thread: no longer waiting for its step (it computes, or finished)
-    stepping: bool = False
+    #: its step started (on the step thread, or inline): it no longer waits for it (Shadows.off_nvme)
+    step_started: bool = False
     #: the optimizer records the step found, once it ran (None: not stepped)
     records: dict[int, ParamState] | None = None
 
@@ -144,16 +147,14 @@ class Shadows:
 
     def off_nvme(self) -> tuple[int, int]:
         """Shadows holding host bytes (filled, stepping, or on their way to NVMe): those waiting
-        for their step, and all; each counts as a staged home. One whose step computes waits no
-        more, as a staged home whose step runs does not: the next chunk's shadow may be read
-        while it computes (counted as waiting, half the 6-window plain loop's shadows of
-        ``tests/test_states_speculative.py`` were read when their step asked for them)."""
+        for their step, and all; each counts as a staged home. One whose step started waits no
+        more, as a staged home whose step runs does not (rule 3)."""
         waiting = off_nvme = 0
         for shadow in self._by_index.values():
             handle = shadow.handle
             if handle.state is ObjectState.MOVING or handle.tier != "nvme":
                 off_nvme += 1
-                waiting += not shadow.stepping
+                waiting += not shadow.step_started
         return waiting, off_nvme
 
     def make(self, chunk: Chunk, priority: Priority, from_device: bool) -> Shadow | None:
@@ -186,17 +187,19 @@ class Shadows:
         of the host room the plan keeps beside the staged homes (a chunk's stored gradients read
         for its step) finds it once they landed, as it does behind homes' write-backs."""
         self.homes.wait_moves()
-        for shadow in list(self._by_index.values()):
-            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
-                shadow.handle.wait()
+        for shadow in self._writing_back():
+            shadow.handle.wait()
 
     def _wait_write_back(self) -> bool:
         """Wait for the first stepped shadow still on its way to NVMe; False when none is."""
-        for shadow in self._by_index.values():
-            if shadow.records is not None and shadow.handle.state is ObjectState.MOVING:
-                shadow.handle.wait()
-                return True
+        for shadow in self._writing_back():
+            shadow.handle.wait()
+            return True
         return False
+
+    def _writing_back(self) -> list[Shadow]:
+        """Stepped shadows still on their way to NVMe (a list: waiting may run code that drops shadows)."""
+        return [s for s in self._by_index.values() if s.records is not None and s.handle.state is ObjectState.MOVING]
 
     def send(self, shadow: Shadow, records: dict[int, ParamState]) -> bool:
         """``shadow`` stepped, finding ``records``: on its way to NVMe now. False without NVMe room

@@ -446,8 +446,13 @@ class Stepper:
             raise
         finish = functools.partial(self._finish_speculative_step, shadow, job)
         compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
-        shadow.stepping = True  # the next chunk's shadow may be read now (Shadows.off_nvme)
-        self.steps.run(chunk.index, compute, finish, inline=False)
+        shadow.step_started = True  # the next chunk's shadow may be read now (Shadows.off_nvme)
+        try:
+            self.steps.run(chunk.index, compute, finish, inline=False)
+        except BaseException:  # not handed over (no thread could start): no finish will run
+            self._drop_shadow(chunk)
+            self._abandon_speculation()
+            raise
         if traced is not None:
             traced.end()
 
