@@ -55,6 +55,29 @@ def test_auto_plans_at_the_first_step_and_training_stays_bitwise(tmp_path, fract
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
+    """``[model_states] chunk_size``: the default rule's first step and the planner's plan after it
+    use that size (the planner alone picks 20 KiB, then 28 KiB, here), training stays bitwise;
+    ``plan=`` naming a size wins over it."""
+    model = make_model()
+    settings = {**config(tmp_path, int(state_bytes("adamw", model) * 0.1)), "model_states": {"chunk_size": "16KiB"}}
+    with tiermem.Runtime(settings) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        first = rt.plan
+        losses = train(model, optimizer, range(3))
+        planned = rt.plan
+    assert first.chunk_size == planned.chunk_size == 16 << 10
+    assert first.predicted.step_s is None and planned.predicted.step_s is not None  # planned at the first step
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+    named = make_model()
+    with tiermem.Runtime(settings) as rt:
+        rt.manage(named, OPTIMIZERS["adamw"](param_groups(named)), plan={"chunk_size": "20KiB", "buffers": 3})
+        assert rt.plan.chunk_size == 20 << 10
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_forward_with_keyword_arguments_is_profiled_with_them(tmp_path):
     class Keyworded(nn.Module):
         def __init__(self) -> None:

@@ -29,7 +29,7 @@ from tiermem import distributed, tracing
 from tiermem.activations import ActivationCounters, ActivationOffloader
 from tiermem.activations.blocks import BlockSpec, find_blocks
 from tiermem.activations.managed import ManagedRequest, held_if_managed, refuse_sharded
-from tiermem.config import Config
+from tiermem.config import AUTO, Config
 from tiermem.errors import PlanError, RuntimeClosedError, StatesMemoryError, TierCapacityError
 from tiermem.interrupts import RuntimeInterruptGuard
 from tiermem.layout.activation_policy import PolicySpec
@@ -71,6 +71,21 @@ def _plan_from_first_step(
     from tiermem.planner.profiler import Batch  # the planner only when asked
 
     return planner(model, Batch(args, kwargs) if kwargs else args)
+
+
+def _sized(plan: Any, size: int | str) -> Any:
+    """``plan=`` with ``[model_states] chunk_size`` where it names no size: a dict gains it, None
+    or ``"auto"`` (the default rule) becomes ``{"chunk_size": size}``; a ``Plan``, a request or
+    a file is whole already. ``size`` ``"auto"``: the plan as it is (None for ``"auto"``)."""
+    if plan == AUTO:
+        plan = None
+    if size == AUTO:
+        return plan
+    if plan is None:
+        return {"chunk_size": size}
+    if isinstance(plan, Mapping) and plan.get("chunk_size") in (None, AUTO):
+        return {**plan, "chunk_size": size}
+    return plan
 
 
 @contextlib.contextmanager
@@ -434,12 +449,17 @@ class Runtime:
         # plan={"block_policy": ...} or activations=<policy>: the planner plans around that policy.
         fixed = plan["block_policy"] if isinstance(plan, Mapping) and set(plan) == {"block_policy"} else None
         planned = plan is None or plan == "auto" or fixed is not None
+        # [model_states] chunk_size: the one size the default rule and the planner use, unless plan= names one
+        size = (self.resolved or self.config).model_states.chunk_size
+        sizes = None if size == AUTO else (size,)
+        plan = _sized(plan, size) if isinstance(plan, Mapping) else plan
+        default = _sized(None, size)  # the first step's placement, until the planner's
         settings = (self.resolved or self.config).activations
         managed_activations = ManagedRequest(model, activations, settings, fixed, planned=planned)
         fixed = fixed if fixed is not None or not planned else managed_activations.fixed
         accumulation, max_norm = check_declarations(grad_accumulation_steps, clip_grad_norm)
         streams = grads_stream(accumulation, max_norm, keep_gradients)
-        planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams)
+        planner = functools.partial(self._plan_request, optimizer, optimizer_kwargs, fixed, streams, sizes)
         build = functools.partial(
             ModelStates,
             self.registry,
@@ -464,9 +484,17 @@ class Runtime:
             assert self.resolved is not None  # set whenever registry is reachable
             first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
             last_plan = functools.partial(
-                last_plan_request, self.registry, self.resolved, model, optimizer, optimizer_kwargs, fixed, streams
+                last_plan_request,
+                self.registry,
+                self.resolved,
+                model,
+                optimizer,
+                optimizer_kwargs,
+                fixed,
+                streams,
+                sizes,
             )
-            states = self._build_from_last_profile(build, first_step, last_plan)
+            states = self._build_from_last_profile(build, first_step, last_plan, default)
         else:
             states = build(plan=plan, first_step_planner=None)
         self._model_states.append(states)
@@ -551,7 +579,7 @@ class Runtime:
                 self.registry,
                 model,
                 no_optimizer(),
-                plan=None if plan == "auto" else plan,
+                plan=_sized(plan, (self.resolved or self.config).model_states.chunk_size),
                 plan_owner=self,
                 param_dtype=param_dtype,
                 step_thread=(self.resolved or self.config).model_states.step_thread,
@@ -604,7 +632,11 @@ class Runtime:
         return model, sharded.optimizer
 
     def _build_from_last_profile(
-        self, build: Callable[..., ModelStates], first_step: FirstStepPlanner, last_plan: Callable[[], Any]
+        self,
+        build: Callable[..., ModelStates],
+        first_step: FirstStepPlanner,
+        last_plan: Callable[[], Any],
+        default: Mapping[str, Any] | None,
     ) -> ModelStates:
         """NOTE [ Profile cache ] rule 6: the model states built under ``last_plan()``'s plan (from
         the cached profile of the model's last profiled batch), the first step planning only for a
@@ -622,7 +654,7 @@ class Runtime:
             else:
                 self.decision = decision
                 return states
-        return build(plan=None, first_step_planner=first_step)
+        return build(plan=default, first_step_planner=first_step)
 
     def _plan_request(
         self,
@@ -630,10 +662,12 @@ class Runtime:
         optimizer_kwargs: Mapping[str, Any],
         block_policy: Any,
         streams: bool,
+        chunk_sizes: tuple[int, ...] | None,
         model: torch.nn.Module,
         sample: Any,
     ) -> PlanRequest:
-        """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build."""
+        """Profile ``model`` on ``sample`` (or its cached profile) and search: the plan to build
+        (``chunk_sizes``: the sizes it may choose from, None: any)."""
         assert self.resolved is not None  # set whenever registry is reachable
         from tiermem.planner.auto import plan_request  # the planner only when asked
 
@@ -647,6 +681,7 @@ class Runtime:
                 sample,
                 block_policy=block_policy,
                 grads_stream=streams,
+                chunk_sizes=chunk_sizes,
             )
         self.decision = decision
         return request

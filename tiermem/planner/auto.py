@@ -173,15 +173,17 @@ def plan_model(
     capacities: Mapping[str, int] | None = None,
     block_policy: str | Sequence[str] | None = None,
     grads_stream: bool = False,
+    chunk_sizes: Sequence[int] | None = None,
 ) -> tuple[Decision, Profile]:
     """Profile, then search under ``capacities`` (default: what the tiers have free now);
     ``block_policy`` fixes the activation policy (NOTE [ Plan search ] rule 1); ``grads_stream``:
-    the loop frees NVMe chunks' gradients as they step (NOTE [ Default placement rule ] rule 3)."""
+    the loop frees NVMe chunks' gradients as they step (NOTE [ Default placement rule ] rule 3);
+    ``chunk_sizes``: the only sizes searched (``[model_states] chunk_size``; None: the planner's)."""
     profile = profile_model(
         registry, resolved, model, optimizer, optimizer_kwargs, sample, blocks=blocks, use_cache=use_cache
     )
     caps = dict(capacities) if capacities is not None else free_bytes(registry)
-    decision = search(profile, caps, block_policy=block_policy, grads_stream=grads_stream)
+    decision = search(profile, caps, chunk_sizes=chunk_sizes, block_policy=block_policy, grads_stream=grads_stream)
     log.info("tiermem planner: %s; %s", decision.plan.as_dict(), "; ".join(decision.reasons))
     return decision, profile
 
@@ -194,6 +196,7 @@ def last_plan_request(
     optimizer_kwargs: Mapping[str, Any],
     block_policy: str | Sequence[str] | None,
     grads_stream: bool,
+    chunk_sizes: Sequence[int] | None,
 ) -> tuple[PlanRequest, Decision, Callable[[tuple[Any, ...], dict[str, Any]], bool]] | None:
     """NOTE [ Profile cache ] rule 6: :func:`plan_request` from the profile of the model's last
     profiled sample, when it is cached and revalidates now, and whether a first forward's
@@ -210,7 +213,9 @@ def last_plan_request(
     if not cache.still_valid(profile, registry):
         return None
     try:
-        decision = search(profile, free_bytes(registry), block_policy=block_policy, grads_stream=grads_stream)
+        decision = search(
+            profile, free_bytes(registry), chunk_sizes=chunk_sizes, block_policy=block_policy, grads_stream=grads_stream
+        )
     except PlanError as exc:  # the capacities changed since: the first step plans, as without a cache
         log.info("tiermem planner: the cached profile %s of the last sample plans nothing now: %s", profile.key, exc)
         return None
@@ -229,6 +234,7 @@ def plan_request(
     *,
     block_policy: str | Sequence[str] | None,
     grads_stream: bool,
+    chunk_sizes: Sequence[int] | None = None,
 ) -> tuple[PlanRequest, Decision]:
     """What ``rt.manage`` builds: :func:`plan_model`'s plan as a request packed in the profiled
     execution order, and the decision (its reasons and predictions)."""
@@ -241,6 +247,7 @@ def plan_request(
         sample,
         block_policy=block_policy,
         grads_stream=grads_stream,
+        chunk_sizes=chunk_sizes,
     )
     return _request(decision, profile), decision
 
