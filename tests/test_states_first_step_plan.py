@@ -24,6 +24,7 @@ from tests.test_states import (
     state_bytes,
     train,
 )
+from tiermem.errors import PlanError
 from tiermem.planner import cache
 from tiermem.planner.errors import NoPlanFitsError, ProfileError
 from tiermem.states import backward, streamed_profile
@@ -75,6 +76,10 @@ def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
     with tiermem.Runtime(settings) as rt:
         rt.manage(named, OPTIMIZERS["adamw"](param_groups(named)), plan={"chunk_size": "20KiB", "buffers": 3})
         assert rt.plan.chunk_size == 20 << 10
+    small = {**settings, "model_states": {"chunk_size": "12KiB"}}  # below the largest parameter's 16 KiB
+    with tiermem.Runtime(small) as rt, pytest.raises(PlanError, match="below the largest parameter") as info:
+        rt.manage(make_model(), torch.optim.AdamW)
+    assert any("[model_states] chunk_size = 12288" in note for note in info.value.__notes__)  # where it came from
     assert list(tmp_path.iterdir()) == []
 
 

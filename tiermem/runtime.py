@@ -452,6 +452,7 @@ class Runtime:
         # [model_states] chunk_size: the one size the default rule and the planner use, unless plan= names one
         size = (self.resolved or self.config).model_states.chunk_size
         sizes = None if size == AUTO else (size,)
+        configured = sizes is not None and (plan in (None, AUTO) or _sized(plan, size) is not plan)
         plan = _sized(plan, size) if isinstance(plan, Mapping) else plan
         default = _sized(None, size)  # the first step's placement, until the planner's
         settings = (self.resolved or self.config).activations
@@ -475,28 +476,35 @@ class Runtime:
             speculative_steps=(self.resolved or self.config).model_states.speculative_steps,
             recomputed=managed_activations.recomputable,
         )
-        if planned and sample is not None:
-            # pack in execution order now, no re-pack at the first step
-            states = build(plan=planner(model, sample), first_step_planner=None)
-        elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
-            from tiermem.planner.auto import last_plan_request  # the planner only when asked
+        try:
+            if planned and sample is not None:
+                # pack in execution order now, no re-pack at the first step
+                states = build(plan=planner(model, sample), first_step_planner=None)
+            elif planned:  # the default rule carries the first step; the planner keeps a fixed policy
+                from tiermem.planner.auto import last_plan_request  # the planner only when asked
 
-            assert self.resolved is not None  # set whenever registry is reachable
-            first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
-            last_plan = functools.partial(
-                last_plan_request,
-                self.registry,
-                self.resolved,
-                model,
-                optimizer,
-                optimizer_kwargs,
-                fixed,
-                streams,
-                sizes,
-            )
-            states = self._build_from_last_profile(build, first_step, last_plan, default)
-        else:
-            states = build(plan=plan, first_step_planner=None)
+                assert self.resolved is not None  # set whenever registry is reachable
+                first_step = FirstStepPlanner(functools.partial(_plan_from_first_step, planner))
+                last_plan = functools.partial(
+                    last_plan_request,
+                    self.registry,
+                    self.resolved,
+                    model,
+                    optimizer,
+                    optimizer_kwargs,
+                    fixed,
+                    streams,
+                    sizes,
+                )
+                states = self._build_from_last_profile(build, first_step, last_plan, default)
+            else:
+                states = build(plan=plan, first_step_planner=None)
+        except (PlanError, StatesMemoryError) as exc:
+            if configured:  # the size refused is the configuration's, not one plan= named
+                exc.add_note(
+                    f'tiermem manage: that chunk size is [model_states] chunk_size = {size} ("auto": the planner\'s)'
+                )
+            raise
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
