@@ -452,8 +452,9 @@ class Runtime:
         # [model_states] chunk_size: the one size the default rule and the planner use, unless plan= names one
         size = (self.resolved or self.config).model_states.chunk_size
         sizes = None if size == AUTO else (size,)
-        configured = sizes is not None and (plan in (None, AUTO) or _sized(plan, size) is not plan)
-        plan = _sized(plan, size) if isinstance(plan, Mapping) else plan
+        sized = _sized(plan, size)
+        configured = sizes is not None and sized is not plan  # the size in force is the configuration's
+        plan = sized if isinstance(plan, Mapping) else plan
         default = _sized(None, size)  # the first step's placement, until the planner's
         settings = (self.resolved or self.config).activations
         managed_activations = ManagedRequest(model, activations, settings, fixed, planned=planned)
