@@ -59,7 +59,8 @@ def test_auto_plans_at_the_first_step_and_training_stays_bitwise(tmp_path, fract
 def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
     """``[model_states] chunk_size``: the default rule's first step and the planner's plan after it
     use that size (the planner alone picks 20 KiB, then 28 KiB, here), training stays bitwise;
-    ``plan=`` naming a size wins over it."""
+    ``plan=`` naming a size wins over it. A size refused says where it came from, with an
+    optimizer or without (a frozen model)."""
     model = make_model()
     settings = {**config(tmp_path, int(state_bytes("adamw", model) * 0.1)), "model_states": {"chunk_size": "16KiB"}}
     with tiermem.Runtime(settings) as rt:
@@ -80,6 +81,9 @@ def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
     with tiermem.Runtime(small) as rt, pytest.raises(PlanError, match="below the largest parameter") as info:
         rt.manage(make_model(), torch.optim.AdamW)
     assert any("[model_states] chunk_size = 12288" in note for note in info.value.__notes__)  # where it came from
+    with tiermem.Runtime(small) as rt, pytest.raises(PlanError, match="below the largest parameter") as info:
+        rt.manage(make_model())  # frozen (no optimizer): the same size, the same note
+    assert any("[model_states] chunk_size = 12288" in note for note in info.value.__notes__)
     assert list(tmp_path.iterdir()) == []
 
 

@@ -473,6 +473,22 @@ def _sized_to_capacities(plan: dict[str, Any]) -> Callable[[int, str], dict[str,
     return run
 
 
+def _configured_size(rank: int, path: str) -> dict[str, Any]:
+    """``[model_states] chunk_size`` sizes a sharded model's chunks as it sizes one process's (the
+    rule alone packs every state into one chunk here); a size below the largest shard (8 KiB a
+    rank) is refused with a note naming the setting."""
+    model = _sharded()
+    small = {**_config(path), "model_states": {"chunk_size": "4KiB"}}
+    with tiermem.Runtime(small) as rt, pytest.raises(PlanError, match="below the largest parameter shard") as info:
+        rt.manage(model, torch.optim.AdamW, lr=LR)
+    notes = getattr(info.value, "__notes__", [])
+    with tiermem.Runtime({**_config(path), "model_states": {"chunk_size": "16KiB"}}) as rt:
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=LR)
+        plan = rt.plan.as_dict()
+        _train(rt, model, optimizer, rank)
+    return {"plan": plan, "params": _gathered(model), "notes": notes}
+
+
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "host": _homes("host"),
     "nvme": _homes("nvme"),
@@ -487,6 +503,7 @@ SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
     "agreement": _agreement,
     "sized": _sized_to_capacities({}),
     "sized_one_staged": _sized_to_capacities({"staged_homes": 1}),
+    "configured_size": _configured_size,
 }
 
 
@@ -612,3 +629,14 @@ def test_chunks_are_sized_to_per_rank_capacities(ranks, scenario):
         assert torch.equal(a, b)
     for rank in ranks:
         assert all(peak <= capacity for peak, capacity in rank[scenario]["peaks"].values())
+
+
+def test_the_configured_chunk_size_sizes_every_ranks_chunks(ranks):
+    """``[model_states] chunk_size = "16KiB"``: both ranks pack at 16 KiB (several chunks where the
+    rule alone makes one), bitwise the single-process reference; 4 KiB is refused, and the
+    refusal says the size came from the configuration."""
+    for rank in ranks:
+        result = rank["configured_size"]
+        assert result["plan"]["chunk_size"] == 16 << 10 and len(result["plan"]["state_home"]) > 1
+        assert any("[model_states] chunk_size = 4096" in note for note in result["notes"])
+    _assert_reference(ranks[0]["configured_size"]["params"])

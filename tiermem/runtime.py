@@ -89,6 +89,21 @@ def _sized(plan: Any, size: int | str) -> Any:
 
 
 @contextlib.contextmanager
+def _configured_size_named(plan: Any, sized: Any, size: int | str) -> Iterator[None]:
+    """A chunk size refused inside that came from ``[model_states] chunk_size`` (``_sized`` put it
+    into ``plan``, which named none) says so: the user looks for it in the configuration, not in
+    the call."""
+    try:
+        yield
+    except (PlanError, StatesMemoryError) as exc:
+        if size != AUTO and sized is not plan:
+            exc.add_note(
+                f'tiermem manage: that chunk size is [model_states] chunk_size = {size} ("auto": the planner\'s)'
+            )
+        raise
+
+
+@contextlib.contextmanager
 def _held_run_directory(parent: str) -> Iterator[Any]:
     """``rt.init()``'s run directory, its ``path`` reaching it through the descriptor it holds
     (NOTE [ Run directory rules ] rule 7): renaming entries above it while the model is built
@@ -453,7 +468,7 @@ class Runtime:
         size = (self.resolved or self.config).model_states.chunk_size
         sizes = None if size == AUTO else (size,)
         sized = _sized(plan, size)
-        configured = sizes is not None and sized is not plan  # the size in force is the configuration's
+        named = _configured_size_named(plan, sized, size)
         plan = sized if isinstance(plan, Mapping) else plan
         default = _sized(None, size)  # the first step's placement, until the planner's
         settings = (self.resolved or self.config).activations
@@ -477,7 +492,7 @@ class Runtime:
             speculative_steps=(self.resolved or self.config).model_states.speculative_steps,
             recomputed=managed_activations.recomputable,
         )
-        try:
+        with named:
             if planned and sample is not None:
                 # pack in execution order now, no re-pack at the first step
                 states = build(plan=planner(model, sample), first_step_planner=None)
@@ -500,12 +515,6 @@ class Runtime:
                 states = self._build_from_last_profile(build, first_step, last_plan, default)
             else:
                 states = build(plan=plan, first_step_planner=None)
-        except (PlanError, StatesMemoryError) as exc:
-            if configured:  # the size refused is the configuration's, not one plan= named
-                exc.add_note(
-                    f'tiermem manage: that chunk size is [model_states] chunk_size = {size} ("auto": the planner\'s)'
-                )
-            raise
         self._model_states.append(states)
         managed_activations.apply(states, self._activation_counters)  # NOTE [ Managed activations ]
         return model, states.optimizer
@@ -583,17 +592,20 @@ class Runtime:
         wanted = [(p, p.requires_grad) for p in model.parameters()]
         for p, _ in wanted:
             p.requires_grad_(False)
+        size = (self.resolved or self.config).model_states.chunk_size  # [model_states] chunk_size, as in manage()
+        sized = _sized(plan, size)
         try:
-            states = ModelStates(
-                self.registry,
-                model,
-                no_optimizer(),
-                plan=_sized(plan, (self.resolved or self.config).model_states.chunk_size),
-                plan_owner=self,
-                param_dtype=param_dtype,
-                step_thread=(self.resolved or self.config).model_states.step_thread,
-                recomputed=managed_activations.recomputable,
-            )
+            with _configured_size_named(plan, sized, size):
+                states = ModelStates(
+                    self.registry,
+                    model,
+                    no_optimizer(),
+                    plan=sized,
+                    plan_owner=self,
+                    param_dtype=param_dtype,
+                    step_thread=(self.resolved or self.config).model_states.step_thread,
+                    recomputed=managed_activations.recomputable,
+                )
         except BaseException:
             for p, requires_grad in wanted:  # refused: the model is as it was
                 p.requires_grad_(requires_grad)
@@ -624,18 +636,21 @@ class Runtime:
                 "tiermem manage: sample= (profiling a step to plan) is not yet for FSDP2-sharded models; leave it "
                 "out: their optimizer states are placed from each rank's free bytes"
             )
-        sharded = ShardedModelStates(
-            self.registry,
-            model,
-            optimizer,
-            plan=None if plan == "auto" else plan,
-            optimizer_kwargs=optimizer_kwargs,
-            keep_gradients=keep_gradients,
-            param_dtype=param_dtype,
-            grad_accumulation_steps=grad_accumulation_steps,
-            clip_grad_norm=clip_grad_norm,
-            host_adopts_pageable=not self.resolved.host.pinned,
-        )
+        size = self.resolved.model_states.chunk_size  # every rank's configuration must give the same
+        sized = _sized(plan, size)
+        with _configured_size_named(plan, sized, size):
+            sharded = ShardedModelStates(
+                self.registry,
+                model,
+                optimizer,
+                plan=sized,
+                optimizer_kwargs=optimizer_kwargs,
+                keep_gradients=keep_gradients,
+                param_dtype=param_dtype,
+                grad_accumulation_steps=grad_accumulation_steps,
+                clip_grad_norm=clip_grad_norm,
+                host_adopts_pageable=not self.resolved.host.pinned,
+            )
         self._model_states.append(sharded)  # type: ignore[arg-type]  # what Runtime uses of a ModelStates
         self.plan = sharded.plan
         return model, sharded.optimizer

@@ -22,7 +22,8 @@ step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placeme
    shard fills the first elements of its slot. At ``rt.manage`` every rank sends its packing digest and free bytes
    (one ``all_gather_object`` on the default group); rank 0 checks that the digests are equal.
 3. One plan: rank 0 decides it (a hand plan's ``chunk_size``, ``state_home`` and
-   ``persistent_chunks`` are honoured; ``"auto"`` sizes and places chunks by the default rule of
+   ``persistent_chunks`` are honoured, ``[model_states] chunk_size`` where ``plan=`` names no
+   size, as in one process; ``"auto"`` sizes and places chunks by the default rule of
    :func:`~tiermem.states.sharded.layout.size_shards` on the smallest free bytes of all ranks,
    since the config's capacities are per rank: the largest chunk size that fits, two homes
    staged for the step where they fit, else one) and broadcasts it, or the error every rank then
