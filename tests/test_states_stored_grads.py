@@ -253,3 +253,44 @@ def test_a_repack_and_leaving_the_runtime_keep_stored_gradients(tmp_path):
     assert all((a is None) == (b is None) for a, b in grads)
     assert_bitwise([a for a, _ in grads if a is not None], [b for _, b in grads if b is not None])
     assert not any(isinstance(a, StoredGradient) for a, _ in grads)
+
+
+def test_stored_gradients_are_read_into_blocks_the_host_tier_kept(tmp_path, monkeypatch):
+    """NOTE [ Spare tier blocks ]: the host copy a stored gradient is read into is made by the
+    host tier, which hands out a block it kept where it has room, not a fresh buffer it adopts
+    (whose pages the kernel zeroes inside the read; a pinned tier copied such a buffer into its
+    pool first). After the first step no gradient read adopts a buffer, and most reuse a block."""
+    from tiermem.tiers import memory
+
+    fresh: list[int] = []
+    adopted: list[int] = []
+    real_empty, real_adopt = memory.aligned_empty, memory.MemoryTier.adopt
+
+    def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
+        fresh.append(nbytes)
+        return real_empty(nbytes, device)
+
+    def adopt(self, buffer: torch.Tensor):
+        if self.name == "host":
+            adopted.append(buffer.numel())
+        return real_adopt(self, buffer)
+
+    monkeypatch.setattr(memory, "aligned_empty", aligned_empty)
+    monkeypatch.setattr(memory.MemoryTier, "adopt", adopt)
+    want = reference("adamw")
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
+        stash = _states(rt).gradients.stash
+        got = train(model, optimizer, range(1))
+        fresh.clear(), adopted.clear()
+        before = stash.stagings
+        got += train(model, optimizer, range(1, 3))
+        reads = stash.stagings - before
+        _within_capacities(rt)
+    assert reads > 0
+    assert adopted == []
+    assert len(fresh) < reads / 2, (fresh, reads)
+    assert_bitwise(got, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])

@@ -255,13 +255,12 @@ class Homes:
 
     def _register_slice(self, chunk: Chunk, nbytes: int) -> Handle:
         registry = self.store.registry
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
         try:
-            return registry.register(buffer, "host", dedup=False, kind="chunk")
+            return registry.make("host", nbytes, kind="chunk")  # a kept block (NOTE [ Spare tier blocks ])
         except TierCapacityError:
             self.wait_moves()
             try:
-                return registry.register(buffer, "host", dedup=False, kind="chunk")
+                return registry.make("host", nbytes, kind="chunk")
             except TierCapacityError as exc:
                 what = f"chunk {chunk.index}'s NVMe home, read or written {format_size(nbytes)} at a time"
                 raise StatesMemoryError.tier_full(exc, what) from exc

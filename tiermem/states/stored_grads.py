@@ -334,9 +334,7 @@ class GradientStash:
         if chunk.grad.state is ObjectState.MOVING:
             return  # its write-back from the device has not landed: staged on demand
         try:
-            handle = self.store.registry.register(
-                torch.empty(chunk.nbytes, dtype=torch.uint8), "host", dedup=False, kind="chunk", label="gradient"
-            )
+            handle = self.store.registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
         except TierCapacityError:
             return
         filling = handle.fill_from(chunk.grad, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
@@ -359,17 +357,18 @@ class GradientStash:
         return staged
 
     def _register(self, chunk: Chunk) -> Handle:
-        buffer = torch.empty(chunk.nbytes, dtype=torch.uint8)
+        # made by the tier: a block it kept (NOTE [ Spare tier blocks ]), not fresh pages the
+        # kernel zeroes inside the read that fills them
         registry = self.store.registry
         try:
-            return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
+            return registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
         except TierCapacityError:
             # Staged NVMe homes and stepped shadows of homes free host bytes as their write-backs
             # land; so do our other copies.
             self.release_all()
             self._wait_write_backs()
             try:
-                return registry.register(buffer, "host", dedup=False, kind="chunk", label="gradient")
+                return registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
             except TierCapacityError as exc:
                 why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
                 what = f"reading chunk {chunk.index}'s gradients, which wait on NVMe ({why}), whole"
