@@ -255,42 +255,51 @@ def test_a_repack_and_leaving_the_runtime_keep_stored_gradients(tmp_path):
     assert not any(isinstance(a, StoredGradient) for a, _ in grads)
 
 
-def test_stored_gradients_are_read_into_blocks_the_host_tier_kept(tmp_path, monkeypatch):
-    """NOTE [ Spare tier blocks ]: the host copy a stored gradient is read into is made by the
-    host tier, which hands out a block it kept where it has room, not a fresh buffer it adopts
-    (whose pages the kernel zeroes inside the read; a pinned tier copied such a buffer into its
-    pool first). After the first step no gradient read adopts a buffer, and most reuse a block."""
+def test_gradient_buffers_are_blocks_their_tier_kept(tmp_path, monkeypatch):
+    """NOTE [ Spare tier blocks ]: a chunk's gradient buffer in backward (device) and the host copy
+    a stored gradient is read into are made by their tier, which hands out a block it kept where
+    it has room, not a fresh buffer it adopts: the kernel zeroes a fresh one's pages again as they
+    are first written, and a pinned host copied one into its pool first. After the first step no
+    gradient buffer is adopted, and most of those made reuse a kept block."""
+    from tiermem.registry import Registry
     from tiermem.tiers import memory
 
-    fresh: list[int] = []
-    adopted: list[int] = []
-    real_empty, real_adopt = memory.aligned_empty, memory.MemoryTier.adopt
+    adopted: list[str] = []  # labels of the buffers registered (adopted) in steady steps
+    made: dict[str, int] = {"device": 0, "host": 0}  # gradient buffers made, by tier
+    fresh: dict[str, int] = {"device": 0, "host": 0}  # allocations no kept block served, by tier
+    real_register, real_make, real_take = Registry.register, Registry.make, memory.MemoryTier._take_spare
 
-    def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:
-        fresh.append(nbytes)
-        return real_empty(nbytes, device)
+    def register(self, tensor, tier, **kwargs):
+        adopted.append(kwargs.get("label") or kwargs.get("kind", ""))
+        return real_register(self, tensor, tier, **kwargs)
 
-    def adopt(self, buffer: torch.Tensor):
-        if self.name == "host":
-            adopted.append(buffer.numel())
-        return real_adopt(self, buffer)
+    def make(self, tier, nbytes, **kwargs):
+        if kwargs.get("label") == "gradient":
+            made[tier] += 1
+        return real_make(self, tier, nbytes, **kwargs)
 
-    monkeypatch.setattr(memory, "aligned_empty", aligned_empty)
-    monkeypatch.setattr(memory.MemoryTier, "adopt", adopt)
+    def take_spare(self, reserved):
+        block = real_take(self, reserved)
+        fresh[self.name] += block is None
+        return block
+
+    monkeypatch.setattr(Registry, "register", register)
+    monkeypatch.setattr(Registry, "make", make)
+    monkeypatch.setattr(memory.MemoryTier, "_take_spare", take_spare)
     want = reference("adamw")
     model = make_model()
     capacity = int(state_bytes("adamw", model) * 0.1)
     with tiermem.Runtime(config(tmp_path, capacity)) as rt:
         model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=STORED)
-        stash = _states(rt).gradients.stash
         got = train(model, optimizer, range(1))
-        fresh.clear(), adopted.clear()
-        before = stash.stagings
+        for counts in (made, fresh):
+            counts.update(device=0, host=0)
+        adopted.clear()
         got += train(model, optimizer, range(1, 3))
-        reads = stash.stagings - before
         _within_capacities(rt)
-    assert reads > 0
-    assert adopted == []
-    assert len(fresh) < reads / 2, (fresh, reads)
+    assert made["device"] > 0 and made["host"] > 0, made  # backward's buffers; stored gradients read back
+    assert "gradient" not in adopted
+    for tier in ("device", "host"):
+        assert fresh[tier] < made[tier] / 2, (tier, fresh, made)
     assert_bitwise(got, want[0])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])

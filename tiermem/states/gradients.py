@@ -87,14 +87,15 @@ class Gradients:
             # The earlier chunks' write-backs land first, so the device never holds more gradients
             # than the ones being filled, what the planner's peak counts (rule 6 of the manager).
             self._land_writebacks()
-            buffer = torch.empty(chunk.nbytes, dtype=torch.uint8, device=self.facts.device)
+            # Made by the device tier: on the CPU a block it kept (NOTE [ Spare tier blocks ]), not
+            # a fresh mapping whose pages the kernel zeroes again as backward first writes them.
+            # Only the allocation holds it (TRAPS 14: the write-back must free it).
             chunk.grad = pool.device_room(
-                lambda: self.registry.register(buffer, "device", dedup=False, kind="chunk", label="gradient"),
+                lambda: self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient"),
                 (chunk,),
                 demand=True,
                 what=f"the gradients of chunk {chunk.index}",
             )
-            del buffer  # only the allocation keeps it (TRAPS 14: the write-back must free it)
             return chunk.grad.tensor("device")
         if handle.tier != "device" or handle.state is ObjectState.MOVING:
             # edits (and deferred scalings) of stored gradients land on NVMe before they move
