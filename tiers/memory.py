@@ -29,6 +29,14 @@ Two copy engines sit behind one small interface:
 4. Measured (same bench, single runs): 1,012-1,193 MiB faulted a step, the scheduler thread 0.66-0.71
    CPU s a step against 1.11-1.29, the device copies 0.05 against 0.10; ru_maxrss unchanged
    (1,389-1,422 MiB). CUDA's caching allocator and a pinned host pool keep their own blocks.
+5. So the runtime's own chunk-sized buffers are made by their tier (``Registry.make``), not
+   allocated and adopted: a chunk's gradient buffer in backward, a stored gradient's host copy,
+   a slice of a home. Where the tier has room to keep blocks, that is what backward's first
+   copy into a gradient buffer no longer pays: ``bench/states_headline.py --ratio 0.15``
+   (declared, device 2 GiB) spent 24% of its steady steps' CPU samples zeroing fresh pages
+   before, 9% after (one ``perf`` run each); the step time moved within the VM's noise and
+   ru_maxrss rose 0.23 GiB (the kept blocks, within the device capacity). A tier that is full
+   (the 210M GPT-2 at 10%) drops its kept blocks, and nothing changes there.
 """
 
 from __future__ import annotations
