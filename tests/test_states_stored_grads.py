@@ -6,6 +6,7 @@ tier never holds more than its capacity."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -266,26 +267,33 @@ def test_gradient_buffers_are_blocks_their_tier_kept(tmp_path, monkeypatch):
 
     adopted: list[str] = []  # labels of the buffers registered (adopted) in steady steps
     made: dict[str, int] = {"device": 0, "host": 0}  # gradient buffers made, by tier
-    fresh: dict[str, int] = {"device": 0, "host": 0}  # allocations no kept block served, by tier
-    real_register, real_make, real_take = Registry.register, Registry.make, memory.MemoryTier._take_spare
+    fresh: dict[str, int] = {"device": 0, "host": 0}  # of those, the ones no kept block served
+    making = threading.local()  # a gradient buffer is being made on this thread (allocated on it)
+    real_register, real_make, real_empty = Registry.register, Registry.make, memory.aligned_empty
 
     def register(self, tensor, tier, **kwargs):
         adopted.append(kwargs.get("label") or kwargs.get("kind", ""))
         return real_register(self, tensor, tier, **kwargs)
 
     def make(self, tier, nbytes, **kwargs):
-        if kwargs.get("label") == "gradient":
-            made[tier] += 1
-        return real_make(self, tier, nbytes, **kwargs)
+        if kwargs.get("label") != "gradient":
+            return real_make(self, tier, nbytes, **kwargs)
+        made[tier] += 1
+        making.tier = tier
+        try:
+            return real_make(self, tier, nbytes, **kwargs)
+        finally:
+            making.tier = None
 
-    def take_spare(self, reserved):
-        block = real_take(self, reserved)
-        fresh[self.name] += block is None
-        return block
+    def aligned_empty(nbytes: int, device: torch.device) -> torch.Tensor:  # a tier's only fresh blocks
+        tier = getattr(making, "tier", None)
+        if tier is not None:
+            fresh[tier] += 1
+        return real_empty(nbytes, device)
 
     monkeypatch.setattr(Registry, "register", register)
     monkeypatch.setattr(Registry, "make", make)
-    monkeypatch.setattr(memory.MemoryTier, "_take_spare", take_spare)
+    monkeypatch.setattr(memory, "aligned_empty", aligned_empty)
     want = reference("adamw")
     model = make_model()
     capacity = int(state_bytes("adamw", model) * 0.1)

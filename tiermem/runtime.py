@@ -51,6 +51,7 @@ from tiermem.tiers.device import DeviceTier
 from tiermem.tiers.fsinfo import filesystem_of
 from tiermem.tiers.host import HostTier
 from tiermem.tiers.rundir import RunDirectory
+from tiermem.units import format_size
 
 if TYPE_CHECKING:
     from tiermem.checkpoint.background import PendingSave
@@ -98,7 +99,8 @@ def _configured_size_named(plan: Any, sized: Any, size: int | str) -> Iterator[N
     except (PlanError, StatesMemoryError) as exc:
         if size != AUTO and sized is not plan:
             exc.add_note(
-                f'tiermem manage: that chunk size is [model_states] chunk_size = {size} ("auto": the planner\'s)'
+                f"tiermem manage: the chunk size in force, {format_size(size)}, is [model_states] chunk_size = "
+                f'{size} ("auto": the planner\'s)'
             )
         raise
 
@@ -636,7 +638,9 @@ class Runtime:
                 "tiermem manage: sample= (profiling a step to plan) is not yet for FSDP2-sharded models; leave it "
                 "out: their optimizer states are placed from each rank's free bytes"
             )
-        size = self.resolved.model_states.chunk_size  # every rank's configuration must give the same
+        # Every rank's configuration must give the same size: the packing digests differ otherwise,
+        # and every rank raises; a size one rank refuses alone fails it before the others gather.
+        size = self.resolved.model_states.chunk_size
         sized = _sized(plan, size)
         with _configured_size_named(plan, sized, size):
             sharded = ShardedModelStates(

@@ -29,9 +29,11 @@ Two copy engines sit behind one small interface:
 4. Measured (same bench, single runs): 1,012-1,193 MiB faulted a step, the scheduler thread 0.66-0.71
    CPU s a step against 1.11-1.29, the device copies 0.05 against 0.10; ru_maxrss unchanged
    (1,389-1,422 MiB). CUDA's caching allocator and a pinned host pool keep their own blocks.
-5. So the runtime's own chunk-sized buffers are made by their tier (``Registry.make``), not
-   allocated and adopted: a chunk's gradient buffer in backward, a stored gradient's host copy,
-   a slice of a home. Where the tier has room to keep blocks, that is what backward's first
+5. So the chunk-sized buffers the runtime fills by copying are made by their tier
+   (``Registry.make``), not allocated and adopted: a chunk's gradient buffer in backward, a stored
+   gradient's host copy, a slice of a home, a shadow (zero-filled gradients stay adopted; streamed
+   chunk copies have the pool's NOTE [ Spare chunk storage ]). A CPU gain only: CUDA's caching
+   allocator already reuses blocks. Where the tier has room to keep blocks, that is what backward's first
    copy into a gradient buffer no longer pays: ``bench/states_headline.py --ratio 0.15``
    (declared, device 2 GiB) spent 24% of its steady steps' CPU samples zeroing fresh pages
    before, 9% after (one ``perf`` run each); the step time moved within the VM's noise and

@@ -89,7 +89,8 @@ class Gradients:
             self._land_writebacks()
             # Made by the device tier: on the CPU a block it kept (NOTE [ Spare tier blocks ]), not
             # a fresh mapping whose pages the kernel zeroes again as backward first writes them.
-            # Only the allocation holds it (TRAPS 14: the write-back must free it).
+            # Nothing here keeps a reference, so the write-back frees the block and the tier may
+            # keep it again (rule 3 there; TRAPS 14).
             chunk.grad = pool.device_room(
                 lambda: self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient"),
                 (chunk,),

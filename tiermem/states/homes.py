@@ -243,7 +243,7 @@ class Homes:
         working = chunk.master_scale > 1
         span = hi - lo
         nbytes = sections * span * chunk.master_scale + (span if working else 0) + (span if grad_room else 0)
-        handle = self._register_slice(chunk, nbytes)
+        handle = self._make_slice(chunk, nbytes)
         piece = HomeSlice(lo, hi, chunk.master_scale, sections, working, handle)
         try:
             for source, offset, count in piece.ranges(chunk):
@@ -253,7 +253,7 @@ class Homes:
             raise
         return piece
 
-    def _register_slice(self, chunk: Chunk, nbytes: int) -> Handle:
+    def _make_slice(self, chunk: Chunk, nbytes: int) -> Handle:
         registry = self.store.registry
         try:
             return registry.make("host", nbytes, kind="chunk")  # a kept block (NOTE [ Spare tier blocks ])
@@ -305,7 +305,7 @@ class Homes:
         home.wait()
         self._read_cache = None
         flat = data.reshape(-1).view(torch.uint8)
-        handle = self._register_slice(chunk, min(step, flat.numel()))
+        handle = self._make_slice(chunk, min(step, flat.numel()))
         try:
             buffer = handle.tensor("host")
             for start in range(0, flat.numel(), step):

@@ -346,7 +346,7 @@ class GradientStash:
         chunk.grad.wait()  # the write-back from the device lands first
         while len(self._staged) >= self.store.staged_homes:
             self.release(self.store.chunks[next(iter(self._staged))])
-        handle = self._register(chunk)
+        handle = self._make_copy(chunk)
         try:
             handle.fill_from(chunk.grad, nbytes=chunk.nbytes).wait()
         except BaseException:
@@ -356,7 +356,7 @@ class GradientStash:
         staged = self._staged[chunk.index] = _Staged(handle)
         return staged
 
-    def _register(self, chunk: Chunk) -> Handle:
+    def _make_copy(self, chunk: Chunk) -> Handle:
         # made by the tier: a block it kept (NOTE [ Spare tier blocks ]), not fresh pages the
         # kernel zeroes inside the read that fills them
         registry = self.store.registry

@@ -103,7 +103,7 @@ def agree(digest: str, budgets: Budgets, decide: Callable[[Budgets], Plan]) -> P
                 "error",
                 f"tiermem manage: the optimizer-state packing of rank(s) {differ} differs from "
                 "rank 0's: every rank must manage the same model (same parameters, shapes, dtypes and "
-                "optimizer groups) with the same plan=",
+                "optimizer groups) with the same plan= and the same [model_states] chunk_size",
             )
         else:
             try:
