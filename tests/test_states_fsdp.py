@@ -476,8 +476,12 @@ def _sized_to_capacities(plan: dict[str, Any]) -> Callable[[int, str], dict[str,
 def _configured_size(rank: int, path: str) -> dict[str, Any]:
     """``[model_states] chunk_size`` sizes a sharded model's chunks as it sizes one process's (the
     rule alone packs every state into one chunk here); a size below the largest shard (8 KiB a
-    rank) is refused with a note naming the setting."""
+    rank) is refused with a note naming the setting. Where only rank 1's configuration refuses its
+    size, it still joins the ranks' gather: rank 0 raises too, naming it, instead of waiting."""
     model = _sharded()
+    mixed = {**_config(path), "model_states": {"chunk_size": "16KiB" if rank == 0 else "4KiB"}}
+    with tiermem.Runtime(mixed) as rt, pytest.raises(PlanError) as one_refused:
+        rt.manage(model, torch.optim.AdamW, lr=LR)
     small = {**_config(path), "model_states": {"chunk_size": "4KiB"}}
     with tiermem.Runtime(small) as rt, pytest.raises(PlanError, match="below the largest parameter shard") as info:
         rt.manage(model, torch.optim.AdamW, lr=LR)
@@ -486,7 +490,7 @@ def _configured_size(rank: int, path: str) -> dict[str, Any]:
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=LR)
         plan = rt.plan.as_dict()
         _train(rt, model, optimizer, rank)
-    return {"plan": plan, "params": _gathered(model), "notes": notes}
+    return {"plan": plan, "params": _gathered(model), "notes": notes, "one_refused": str(one_refused.value)}
 
 
 SCENARIOS: dict[str, Callable[[int, str], dict[str, Any]]] = {
@@ -634,9 +638,12 @@ def test_chunks_are_sized_to_per_rank_capacities(ranks, scenario):
 def test_the_configured_chunk_size_sizes_every_ranks_chunks(ranks):
     """``[model_states] chunk_size = "16KiB"``: both ranks pack at 16 KiB (several chunks where the
     rule alone makes one), bitwise the single-process reference; 4 KiB is refused, and the
-    refusal says the size came from the configuration."""
+    refusal says the size came from the configuration. A size only rank 1 refuses makes both ranks
+    raise: rank 1 its own refusal, rank 0 one that names rank 1 and why."""
     for rank in ranks:
         result = rank["configured_size"]
         assert result["plan"]["chunk_size"] == 16 << 10 and len(result["plan"]["state_home"]) > 1
         assert any("[model_states] chunk_size = 4096" in note for note in result["notes"])
+        assert "below the largest parameter shard" in result["one_refused"]
+    assert "rank(s) [1] refused the plan" in ranks[0]["configured_size"]["one_refused"]
     _assert_reference(ranks[0]["configured_size"]["params"])

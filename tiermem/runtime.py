@@ -639,7 +639,7 @@ class Runtime:
                 "out: their optimizer states are placed from each rank's free bytes"
             )
         # Every rank's configuration must give the same size: the packing digests differ otherwise,
-        # and every rank raises; a size one rank refuses alone fails it before the others gather.
+        # and every rank raises (as when one rank refuses its size: NOTE [ Sharded model states ] rule 3).
         size = self.resolved.model_states.chunk_size
         sized = _sized(plan, size)
         with _configured_size_named(plan, sized, size):

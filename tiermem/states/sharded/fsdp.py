@@ -83,8 +83,11 @@ def cpu_offloaded(model: nn.Module) -> set[int]:
     return found
 
 
-def agree(digest: str, budgets: Budgets, decide: Callable[[Budgets], Plan]) -> Plan:
-    """Rules 2 and 3: one all_gather of (digest, free bytes), rank 0 decides, one broadcast."""
+def agree(digest: str | PlanError, budgets: Budgets, decide: Callable[[Budgets], Plan]) -> Plan:
+    """Rules 2 and 3: one all_gather of (digest, free bytes), rank 0 decides, one broadcast.
+    ``digest`` is this rank's refusal where it could not pack at all (its chunk size below its
+    largest shard): it still joins the gather, so the other ranks raise too instead of waiting
+    for it in the collective, and it raises its own error."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -93,11 +96,16 @@ def agree(digest: str, budgets: Budgets, decide: Callable[[Budgets], Plan]) -> P
             "call torch.distributed.init_process_group first (torchrun sets its environment)"
         )
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (digest, budgets))
+    mine = (str(digest), None) if isinstance(digest, PlanError) else (None, digest)  # (why refused, digest)
+    dist.all_gather_object(gathered, (*mine, budgets))
     outcome: list[Any] = [None]
     if dist.get_rank() == 0:
-        digests = [d for d, _ in gathered]
-        if len(set(digests)) > 1:
+        refused = [(r, why) for r, (why, _, _) in enumerate(gathered) if why is not None]
+        digests = [d for _, d, _ in gathered]
+        if refused:
+            ranks = [r for r, _ in refused]
+            outcome[0] = ("error", f"tiermem manage: rank(s) {ranks} refused the plan: {refused[0][1]}")
+        elif len(set(digests)) > 1:
             differ = [r for r, d in enumerate(digests) if d != digests[0]]
             outcome[0] = (
                 "error",
@@ -107,10 +115,12 @@ def agree(digest: str, budgets: Budgets, decide: Callable[[Budgets], Plan]) -> P
             )
         else:
             try:
-                outcome[0] = ("plan", decide(budgets_of_all([b for _, b in gathered])))
+                outcome[0] = ("plan", decide(budgets_of_all([b for _, _, b in gathered])))
             except (PlanError, StatesMemoryError) as exc:  # every rank raises it, none waits forever
                 outcome[0] = ("raise", exc)
     dist.broadcast_object_list(outcome, src=0)
+    if isinstance(digest, PlanError):
+        raise digest  # this rank's own refusal, with its own words
     kind, value = outcome[0]
     if kind == "error":
         raise PlanError(value)

@@ -27,7 +27,10 @@ step are :class:`~tiermem.states.sharded.step.ShardSteps`'s, packing and placeme
    :func:`~tiermem.states.sharded.layout.size_shards` on the smallest free bytes of all ranks,
    since the config's capacities are per rank: the largest chunk size that fits, two homes
    staged for the step where they fit, else one) and broadcasts it, or the error every rank then
-   raises (``broadcast_object_list``): no rank plans alone, none hangs on another's error. So
+   raises (``broadcast_object_list``): no rank plans alone, none hangs on another's error. A
+   rank that cannot pack at its chunk size at all (its ``plan=`` or ``[model_states]
+   chunk_size`` below its largest shard) joins the gather with that refusal and raises it; the
+   others raise an error naming it. So
    ``rt.manage`` is collective: every rank calls it for the same model, in the same order.
 4. tiermem owns each rank's optimizer states: one registry object of kind ``"chunk"`` per chunk,
    ``sections`` sections (``exp_avg``, ``exp_avg_sq``[, ``max_exp_avg_sq``]; SGD's momentum) of
@@ -86,7 +89,7 @@ from torch import nn
 from tiermem.layout.placement import Budgets, Plan, parse_plan
 from tiermem.registry import Handle, Registry
 from tiermem.states.declarations import Declarations
-from tiermem.states.errors import StatesClosedError, StatesUsageError
+from tiermem.states.errors import PlanError, StatesClosedError, StatesUsageError
 from tiermem.states.optimizer import ManagedOptimizer, coerce_optimizer, learn_state, require_element_wise
 from tiermem.states.sharded.fsdp import agree, cpu_offloaded, is_sharded, padded_shape, sharded_params, staging_tier
 from tiermem.states.sharded.layout import ShardSpec, pack_shards, signature, size_shards
@@ -172,7 +175,10 @@ class ShardedModelStates:
             request = parse_plan(plan)
             # the digest of the default packing: every rank that packs alike there packs alike
             # at the size rank 0 then picks from every rank's free bytes (rule 2)
-            digest = signature(*pack_shards(specs, request.chunk_size), len(names))
+            try:
+                digest: str | PlanError = signature(*pack_shards(specs, request.chunk_size), len(names))
+            except PlanError as exc:  # rule 3: the other ranks learn of it in the gather, none waits
+                digest = exc
             staging = self.steps.staging
             self.plan: Plan = agree(
                 digest, self._budgets(), lambda b: size_shards(specs, len(names), b, request, staging)
