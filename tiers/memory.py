@@ -38,9 +38,9 @@ Two copy engines sit behind one small interface:
    2 GiB; one ``perf`` run each): 24% of the steady steps' CPU samples zeroed fresh pages before,
    9% after, mostly backward's first copy into a gradient buffer; the step time moved within the
    VM's noise, and ru_maxrss rose 0.23 GiB (the kept blocks, within the device capacity). On the
-   210M GPT-2 at 10% the host reused 190 of its 224 gradient copies and shadows, yet neither the
-   step nor the pages faulted in a step changed measurably: most of those are the heap's (NOTE
-   [ Returning freed memory ]).
+   210M GPT-2 at 10% the host reused at least 190 of its 224 gradient copies and shadows, yet
+   neither the step nor the pages faulted in a step changed measurably: most of those are the
+   heap's (NOTE [ Returning freed memory ]).
 """
 
 from __future__ import annotations
