@@ -127,7 +127,7 @@ STREAMING = textwrap.dedent(
 
 def test_streaming_chunks_returns_the_heaps_freed_blocks(tmp_path):
     """Rule 5: blocks freed in the middle of the heap (a step's activations) leave the process's
-    RSS once the pool has streamed 64 MiB of chunks (once, not at every chunk), with glibc's
+    RSS at the next forward once the pool has streamed 64 MiB of chunks (once, not at every chunk), with glibc's
     thresholds as the benchmarks set them (the mmap threshold at 4 MiB: 2 MiB blocks come from
     the heap)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TIERMEM_KEEP"))}
@@ -140,3 +140,42 @@ def test_streaming_chunks_returns_the_heaps_freed_blocks(tmp_path):
     assert measured["held_after_free"] > -8 << 20, measured  # freeing alone gave the 64 MiB of holes back
     assert measured["streamed"] < -48 << 20, measured
     assert 1 <= measured["trims"] <= 2, measured
+
+
+def test_streamed_chunks_trim_the_heap_between_phases_not_within_them(tmp_path, monkeypatch):
+    """Rule 5: a step whose chunks stream trims at most at the start of its forward, its backward
+    and its optimizer step, however many chunks each phase fetches (a trim in the middle of a
+    phase hands back pages the same phase then faults in and zeroes again)."""
+    import torch
+    from torch import nn
+
+    import tiermem
+    from tiermem import malloc
+
+    trims: list[str] = []
+    phase = ["none"]
+    monkeypatch.setattr(malloc, "trim", lambda: trims.append(phase[0]) or True)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])  # a 1 MiB chunk each
+    x = torch.randn(4, 512)
+    with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [str(tmp_path)]}}) as rt:
+        plan = {"persistent_chunks": 0, "chunk_size": "1MiB", "state_home": "host"}
+        model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1, plan=plan, activations=None)
+        pool = rt._model_states[0].store.pool
+        pool.trimming.every = 1  # any fetched byte fills the interval
+        fetched = []
+        for _ in range(3):
+            trims.clear()
+            before = rt.stats().as_dict()["links"]
+            phase[0] = "forward"
+            loss = model(x).square().sum()
+            phase[0] = "backward"
+            loss.backward()
+            phase[0] = "step"
+            optimizer.step()
+            optimizer.zero_grad()
+            after = rt.stats().as_dict()["links"]
+            fetched.append(sum(v["bytes"] - before.get(k, {"bytes": 0})["bytes"] for k, v in after.items()))
+            assert 1 <= len(trims) <= 3, trims
+            assert len(set(trims)) == len(trims), trims  # once a phase at most
+    assert min(fetched) >= 8 << 20, fetched  # the chunks did stream: 8 fetches a forward at least

@@ -17,15 +17,16 @@
    are faulted in and zeroed afresh each time it is allocated (TRAPS 22), which is why the
    threshold is not lower: at 4 MiB, each weight's gradient and each MLP activation of a 210M
    Hugging Face GPT-2 (12-16 MiB and 8 MiB, fresh every step) was a new mapping, and a step
-   faulted in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB). ``bench/hf_states.py --size 210M``
-   in fresh processes, 4 MiB then 32 MiB each round (2-vCPU EPYC, quiet): declared loop 7.74,
-   7.98, 8.21 s against 7.71, 7.72, 7.67 s a step, 0.32-0.38 GiB faulted in, ru_maxrss 1,421
-   against 1,433 MiB; plain loop 9.81, 9.05 s against 8.87, 8.18 s (1.25 CPU s a step less),
-   ru_maxrss 1,423 against 1,504-1,545 MiB (0.32-0.33x plain PyTorch's). The code before and
-   after, rule 5's offloader trims included, in fresh processes, three rounds: plain loop 10.17,
-   10.49, 9.56 against 10.29, 9.87, 9.13 s, declared 7.78, 8.06, 7.63 against 8.73, 7.46, 7.58
-   (about 3% off each median; faulted in 1.2-1.6 GiB against 0.37-0.56 GiB a step; ru_maxrss
-   +5-8% in the plain loop). The 4 MiB of rule 1's measurement predates rule 5's trims.
+   faulted in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB; this rule's faults are counted as small
+   pages, TRAPS 22). ``bench/hf_states.py --size 210M`` in fresh processes, 4 MiB then 32 MiB
+   each round (2-vCPU EPYC, quiet): declared loop 7.74, 7.98, 8.21 s against 7.71, 7.72, 7.67 s a
+   step, 0.32-0.38 GiB faulted in, ru_maxrss 1,421 against 1,433 MiB; plain loop 9.81, 9.05 s
+   against 8.87, 8.18 s (1.25 CPU s a step less), ru_maxrss 1,423 against 1,504-1,545 MiB
+   (0.32-0.33x plain PyTorch's). The code before and after, rule 5's offloader trims included, in
+   fresh processes, three rounds: plain loop 10.17, 10.49, 9.56 against 10.29, 9.87, 9.13 s,
+   declared 7.78, 8.06, 7.63 against 8.73, 7.46, 7.58 (about 3% off each median; faulted in
+   1.2-1.6 GiB against 0.37-0.56 GiB a step; ru_maxrss +5-8% in the plain loop). The 4 MiB of
+   rule 1's measurement predates rule 5's trims.
 3. The user decides first: when ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is in
    the environment (glibc read it at start), or ``TIERMEM_KEEP_MALLOC=1``, nothing changes. On
    another C library nothing changes either.
@@ -38,30 +39,30 @@
    steps with the plan made at ``rt.manage``: 492-554 MiB). The profiling step's own peak
    stays. It changes no setting, so it runs whatever the environment says, but
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
-5. The heap is also trimmed while chunks stream (:class:`StreamingTrim`, in the chunk pool: whenever
-   :data:`TRIM_EVERY_STREAMED` bytes of chunks have been fetched since the last trim, about once a
-   transformer block, forward and backward), and while blocks offload their activations (the
-   activation offloader counts, once a forward at its end, the saved bytes its blocks offloaded;
-   ``bench/activations.py --hf`` at ``nvme``, one process each: RSS peak 137-263 MiB over the start
-   against 343-347 at a 4 MiB threshold without these trims and 436-472 at 32 MiB without. Counted
-   at each block's end instead, a 210M GPT-2 whose blocks each save more than the interval trimmed
-   at every block, 15 times a step beside the pool's 11, and faulted in 567-728 MiB a step; once a
-   forward, 1). Blocks below the mmap threshold that a step frees in the middle of the heap (a
-   block's 2 MiB activations once written out or recomputed, its gradients' temporaries) otherwise
-   stay resident until the heap reuses them, so the process holds the heap's high-water mark beside
-   whatever the tiers hold later in the step, and the mark creeps up from step to step. Measured on
-   the 200M LoRA of ``bench/lora.py`` (the mmap threshold at 4 MiB, as the bench sets it; a cached
-   profile; one process each, under load): 146 MiB of the heap free but resident after the first
-   forward; after each forward of the steps that follow 571, 588, 598 MiB resident without it, 521,
-   522, 530 MiB with it; the first step's peaks 729 MiB in backward and 903 MiB in the re-pack
-   without it, 557-561 MiB with it. The bench's whole-process ru_maxrss (``--steps 2 --rounds 1``,
-   uncached: the first step profiles) went from 727 and 802 MiB (two runs) to 588-598 MiB (three),
-   0.41-0.45x plain PyTorch's to 0.33-0.34x; what is left is the first step's profiling pass. A trim
-   walks the heap's free blocks and advises each away (0.15 ms with little to give back on an idle
-   core, 16 ms for 200 MiB of holes, 2.5 ms on average at 200M under a load of 9): once a chunk
-   fetch, 148 trims took 0.35-0.75 s of a 26 s step, hence the byte interval (33 trims, 38-115 ms a
-   step; CPU seconds a step 7.8-8.5 with it, 7.6-8.8 without, within the noise). What is reused
-   afterwards faults in again (about 0.4 ms a MiB, TRAPS 22). The same switches as rule 4 apply.
+5. The heap is also trimmed while chunks stream, between a step's phases: the chunk pool counts
+   the bytes it fetches, and once :data:`TRIM_EVERY_STREAMED` were counted since the last trim
+   made anywhere in the process, the next phase to begin trims first (:class:`StreamingTrim`:
+   the managed model's forward, its backward, its optimizer step). The activation offloader
+   counts the saved bytes its blocks offloaded and trims the same way at each forward's end.
+   Why: blocks below the mmap threshold that a step frees in the middle of the heap (a block's
+   2 MiB activations once written out or recomputed, gradients and their temporaries) otherwise
+   stay resident until the heap reuses them, so the process holds the heap's high-water mark
+   beside whatever the tiers hold later in the step, and the mark creeps up from step to step.
+   Why not within a phase: what a trim hands back, the rest of the phase takes again, and each
+   page taken is faulted in and zeroed (TRAPS 22: with transparent huge pages a 2 MiB page a
+   fault). Trimmed at every 64 MiB fetched (about once a transformer block, forward and
+   backward), a 210M Hugging Face GPT-2 step (``bench/hf_states.py --size 210M``, device and
+   host 10%) faulted in 2.1-2.4 GiB of fresh pages and ``clear_page_erms`` took 17-22% of its
+   CPU samples; trimmed only between phases, 0.5-0.8 GiB (plain PyTorch 0.3). Fresh processes,
+   alternated, 2 rounds (2-vCPU VM): plain loop 7.58 and 6.86 s a step against 9.04 and 9.38
+   (CPU 11.0-11.9 against 13.9-14.3 s), declared 8.52 and 6.60 against 9.40 and 7.57; ru_maxrss
+   1,675-1,686 against 1,536-1,542 MiB (plain loop) and 1,841-1,942 against 1,433-1,442
+   (declared): 0.36x and 0.39-0.41x plain PyTorch's 4,713 MiB, where the goal is 0.45x.
+   Without any streaming trim the plain loop held 2,051 MiB (0.44x) for about the same steps.
+   The same switches as rule 4 apply. Measured before with a trim at each block's end instead
+   of once a forward (offloader), and at each chunk fetched instead of every 64 MiB (pool): both
+   trimmed far more often for no less RSS; a trim itself walks the heap's free blocks (0.15 ms
+   with little to give back, 16 ms for 200 MiB of holes).
 """
 
 from __future__ import annotations
@@ -136,8 +137,9 @@ TRIM_EVERY_STREAMED = 64 << 20
 
 class StreamingTrim:
     """Rule 5: counts the bytes a chunk pool fetches, or an activation offloader sends out, and
-    trims the heap every :data:`TRIM_EVERY_STREAMED` of them, counted from the last trim made
-    anywhere in the process (a trim returns what every user of the heap freed)."""
+    trims the heap at the next boundary between a step's phases once :data:`TRIM_EVERY_STREAMED`
+    of them were counted since the last trim made anywhere in the process (a trim returns what
+    every user of the heap freed)."""
 
     def __init__(self, every: int = TRIM_EVERY_STREAMED) -> None:
         self.every = every
@@ -147,16 +149,23 @@ class StreamingTrim:
         self.trims = 0
 
     def streamed(self, nbytes: int) -> None:
-        """``nbytes`` of a chunk are about to be fetched, or a block's saved activations went out:
-        trim first when the interval is full, so what comes next can take the pages given back."""
-        if self._seen != _trims_done:  # trimmed elsewhere since: count from there
-            self._seen, self._since = _trims_done, 0
+        """``nbytes`` of a chunk were fetched, or a block's saved activations went out."""
+        self._restart_if_trimmed()
         self._since += nbytes
+
+    def boundary(self) -> None:
+        """A phase of the step begins (a forward, a backward, the optimizer step): trim first when
+        the interval is full, so what the phase allocates can take the pages given back."""
+        self._restart_if_trimmed()
         if self._since >= self.every:
             self._since = 0
             self.trims += 1
             trim()
             self._seen = _trims_done
+
+    def _restart_if_trimmed(self) -> None:
+        if self._seen != _trims_done:  # trimmed elsewhere since: count from there
+            self._seen, self._since = _trims_done, 0
 
 
 _trim_function: Any = None  # glibc's malloc_trim once looked up; False where there is none

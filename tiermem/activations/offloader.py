@@ -319,9 +319,10 @@ class ActivationOffloader:
                 self.history.measured(index, group.saved_bytes, group.input_numel)
             if group.policy.offloads:
                 self._offloaded += group.saved_bytes
-            if index == len(self.blocks) - 1:  # once a forward: the pool trims as it goes
+            if index == len(self.blocks) - 1:  # once a forward, at its end
                 offloaded, self._offloaded = self._offloaded, 0
                 self.trimming.streamed(offloaded)
+                self.trimming.boundary()
             if self.adaptive and index == len(self.blocks) - 1:
                 self.adaptive_keep.forward_ended(group.forward_id)
 

@@ -200,6 +200,8 @@ class BackwardTracker:
         self.in_backward = True
         self._traced = tracing.span("backward", "backward")
         torch.autograd.Variable._execution_engine.queue_callback(self._end)
+        # Backward begins: forward's freed heap goes back first (NOTE [ Returning freed memory ] rule 5).
+        self.store.pool.trimming.boundary()
         self.gradients.reconcile()
         self.gradients.send_offloaded_back()
         self.stepper.arm_early_steps()

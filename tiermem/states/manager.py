@@ -375,6 +375,7 @@ class ModelStates:
         self._outside_backward("step")
         if self.activations is not None:
             self.activations.close_step()  # the step's saved activations are all released by now
+        self.store.pool.trimming.boundary()  # the step begins: backward's freed heap goes back (as above)
         traced = tracing.span("optimizer step", "optimizer")
         try:
             self.stepper.step(optimizer)
@@ -495,6 +496,9 @@ class ModelStates:
         self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)
+        # A forward begins: what the last phase freed leaves the heap first (NOTE [ Returning
+        # freed memory ] rule 5), not while the forward streams and takes it again.
+        self.store.pool.trimming.boundary()
         self.backward.new_forward()
         if torch.is_grad_enabled():
             self.stepper.forward_with_grad()

@@ -104,7 +104,8 @@ class ChunkPool:
         self._spares: list[CachedBytes] = []
         #: the chunks a room request of the pool's own is for (never released to make it)
         self._keeping: tuple[Chunk, ...] = ()
-        #: trims the heap as chunks stream (NOTE [ Returning freed memory ] rule 5)
+        #: trims the heap between a step's phases as chunks stream (NOTE [ Returning freed memory ]
+        #: rule 5): the manager and the backward tracker call its ``boundary``
         self.trimming = StreamingTrim()
         if self._keeps_spares:
             registry.add_reclaimer("device", self.drop_spares)  # rule 4: others short of room take it
@@ -148,8 +149,7 @@ class ChunkPool:
         if not self._make_slot(priority, keep, direction):
             return False
         home.wait()  # the master must have landed where it lives
-        # The heap blocks freed as the last chunks were used (a block's activations and
-        # temporaries) go back to the system (NOTE [ Returning freed memory ] rule 5).
+        # Counted for the trim at the next phase of the step (NOTE [ Returning freed memory ] rule 5).
         self.trimming.streamed(chunk.nbytes)
         self._fill_storage(chunk)
         try:
