@@ -564,3 +564,47 @@ def test_a_spilled_re_pack_keeps_old_nvme_homes_in_place_and_stays_bitwise(tmp_p
     for tier in ("device", "host", "nvme"):
         assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_streamed_profiling_pass_trims_the_heap_as_it_streams(tmp_path, monkeypatch):
+    """NOTE [ Streamed first-step profiling ] rule 8: the pass runs once, so the heap is trimmed as
+    its chunks stream (every interval fetched), not only between its phases as a training step
+    trims (NOTE [ Returning freed memory ] rule 5); and the steps after it trim between phases
+    again."""
+    from tiermem import malloc
+
+    inside = [False]
+    trims: list[bool] = []
+    monkeypatch.setattr(malloc, "trim", lambda: trims.append(inside[0]) or True)
+    real_enter, real_exit = streamed_profile.StreamedProfiling.__enter__, streamed_profile.StreamedProfiling.__exit__
+
+    def enter(self):
+        inside[0] = True
+        return real_enter(self)
+
+    def leave(self, *exc):
+        try:
+            return real_exit(self, *exc)
+        finally:
+            inside[0] = False
+
+    monkeypatch.setattr(streamed_profile.StreamedProfiling, "__enter__", enter)
+    monkeypatch.setattr(streamed_profile.StreamedProfiling, "__exit__", leave)
+    model = make_model()
+    state = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, state // 4, state // 4)) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        states = rt._model_states[0]
+        states.store.pool.trimming.every = 1  # any fetched byte fills the interval
+        streamed_chunks = sum(not c.persistent for c in states.store.chunks)
+        train(model, optimizer, range(1))
+        assert rt.plan.predicted.step_s is not None  # planned, from the streamed pass
+        in_pass = sum(trims)
+        rt._model_states[0].store.pool.trimming.every = 1
+        trims.clear()
+        train(model, optimizer, range(1, 2))
+        monkeypatch.undo()
+    assert streamed_chunks >= 2
+    # once a chunk fetched, forward and backward: more than its two phases would trim
+    assert in_pass >= streamed_chunks + 1, (in_pass, streamed_chunks)
+    assert not any(trims) and len(trims) <= 3, trims  # a step after: between its phases only

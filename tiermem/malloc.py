@@ -147,11 +147,16 @@ class StreamingTrim:
         self._seen = _trims_done
         #: trims done (read by tests and traces)
         self.trims = 0
+        #: trim as soon as the interval is full, not at the next phase: while the first step's
+        #: profiling streams the model (paid once a run; its peak is the process's otherwise)
+        self.eager = False
 
     def streamed(self, nbytes: int) -> None:
         """``nbytes`` of a chunk were fetched, or a block's saved activations went out."""
         self._restart_if_trimmed()
         self._since += nbytes
+        if self.eager:
+            self.boundary()
 
     def boundary(self) -> None:
         """A phase of the step begins (a forward, a backward, the optimizer step): trim first when
