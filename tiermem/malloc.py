@@ -53,16 +53,19 @@
    fault). Trimmed at every 64 MiB fetched (about once a transformer block, forward and
    backward), a 210M Hugging Face GPT-2 step (``bench/hf_states.py --size 210M``, device and
    host 10%) faulted in 2.1-2.4 GiB of fresh pages and ``clear_page_erms`` took 17-22% of its
-   CPU samples; trimmed only between phases, 0.5-0.8 GiB (plain PyTorch 0.3). Fresh processes,
+   CPU samples; trimmed only between phases, 0.5-0.8 GiB (plain PyTorch 0.3-0.4). Fresh processes,
    alternated, 2 rounds (2-vCPU VM): plain loop 7.58 and 6.86 s a step against 9.04 and 9.38
    (CPU 11.0-11.9 against 13.9-14.3 s), declared 8.52 and 6.60 against 9.40 and 7.57; ru_maxrss
    1,675-1,686 against 1,536-1,542 MiB (plain loop) and 1,841-1,942 against 1,433-1,442
    (declared): 0.36x and 0.39-0.41x plain PyTorch's 4,713 MiB, where the goal is 0.45x.
    Without any streaming trim the plain loop held 2,051 MiB (0.44x) for about the same steps.
-   The same switches as rule 4 apply. Measured before with a trim at each block's end instead
-   of once a forward (offloader), and at each chunk fetched instead of every 64 MiB (pool): both
-   trimmed far more often for no less RSS; a trim itself walks the heap's free blocks (0.15 ms
-   with little to give back, 16 ms for 200 MiB of holes).
+   Why trims at all: on the 200M LoRA of ``bench/lora.py`` (a 4 MiB mmap threshold, as the bench
+   sets it) the bench's ru_maxrss went from 727 and 802 MiB without them to 588-598 MiB with
+   them (0.41-0.45x plain PyTorch's to 0.33-0.34x). Measured before: trimmed at each block's
+   end, the offloader trimmed 15 times a 210M GPT-2 step and faulted in more; trimmed at each
+   chunk fetched, 148 trims took 0.35-0.75 s of a 26 s step (a trim walks the heap's free
+   blocks: 0.15 ms with little to give back, 16 ms for 200 MiB of holes). The same switches as
+   rule 4 apply.
 """
 
 from __future__ import annotations
