@@ -111,11 +111,11 @@ def _huge_faults() -> int:
 
 
 def _faulted_bytes() -> int:
-    """Bytes of fresh anonymous pages the kernel zeroed and mapped at a fault so far (memory handed
-    back to the system and taken again): the process's minor faults, each huge page's fault counted
-    at its 2 MiB. With transparent huge pages on, one fault of ``ru_minflt`` can be 512 small pages'
-    worth: counted as small pages, a 210M GPT-2 step's faults read 445 MiB where ``clear_page_erms``
-    took 17-22% of the steady steps' CPU samples."""
+    """Bytes of fresh anonymous pages the kernel zeroed and mapped at a fault so far (memory handed back to the system
+    and taken again): the process's minor faults, each huge page's fault counted at its 2 MiB (huge pages are
+    counted machine-wide: read on an otherwise idle machine). With transparent huge pages on, one fault of
+    ``ru_minflt`` can be 512 small pages' worth: counted as small pages, a 210M GPT-2 step's faults read 445 MiB
+    where ``clear_page_erms`` took 17-22% of the steady steps' CPU samples."""
     huge = _huge_faults()
     small = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     return huge * (2 << 20) + max(small - huge, 0) * resource.getpagesize()
