@@ -1,0 +1,131 @@
+"""NOTE [ Profiling step ] rule 15: the streamed profiling pass's backward stops at the cut, before
+the blocks whose twins it measures, and estimates their backward from those twins."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tiermem
+from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_model, param_groups, state_bytes, train
+from tiermem.planner import profiler
+from tiermem.planner.streaming import Streaming, streaming
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
+
+
+def _trainable_model(layers: int = 4) -> nn.Module:
+    """The tests' GPT with every block trainable: its blocks are twins of one another
+    (``make_model`` freezes a norm of block 0, which makes that block a class of its own)."""
+    model = make_model(layers=layers)
+    model.blocks[0].ln1.weight.requires_grad_(True)
+    return model
+
+
+def _reached(model: nn.Module) -> set[int]:
+    """The blocks whose parameters backward reaches, filled in as it does."""
+    reached: set[int] = set()
+    for index, block in enumerate(model.blocks):
+        for p in block.parameters():
+            p.register_hook(lambda grad, i=index: reached.add(i) or grad)
+    return reached
+
+
+def _measure(model: nn.Module, *, streamed: bool) -> tuple[Any, ...]:
+    tokens, _ = batch(0)
+    run = lambda: profiler.measure(  # noqa: E731
+        model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu")
+    )
+    if not streamed:
+        return run()
+    with streaming(Streaming(stalled=lambda: 0.0)):
+        return run()
+
+
+def test_the_cut_measures_the_last_twins_of_each_class():
+    a, b, other = (lambda: nn.Linear(4, 4)), (lambda: nn.Linear(4, 8)), (lambda: nn.Linear(8, 4))
+    blocks = [a() for _ in range(6)]
+    assert profiler.backward_cut(blocks) == (4, {i: [4, 5] for i in range(4)})
+    alternating = [f() for _ in range(3) for f in (a, b)]  # a b a b a b
+    assert profiler.backward_cut(alternating) == (2, {0: [2, 4], 1: [3, 5]})
+    # a class of one block is measured where it is: the cut comes before it at the latest
+    assert profiler.backward_cut([a(), b(), other(), a(), a()]) == (1, {0: [3, 4]})
+    assert profiler.backward_cut([b(), a(), a(), a()]) == (0, {})
+    frozen = a()
+    frozen.bias.requires_grad_(False)  # a block that trains less is not the others' twin
+    assert profiler.backward_cut([frozen, a(), a(), a()])[0] == 0
+    same = a()
+    assert profiler.backward_cut([same, same, same]) == (0, {})  # one module called as three blocks
+
+
+def test_streamed_backward_stops_at_the_cut_and_estimates_the_blocks_before_it():
+    torch.manual_seed(0)
+    model = _trainable_model(layers=4)
+    plain = _measure(model, streamed=False)
+    reached = _reached(model)
+    blocks, outside, *rest = _measure(model, streamed=True)
+    assert reached == {2, 3}  # blocks 0 and 1 neither backward nor recomputed
+    measured = blocks[2:]
+    ratio = sum(b.backward_s for b in measured) / sum(b.forward_s for b in measured)
+    for block in blocks[:2]:
+        assert block.forward_s > 0
+        assert block.backward_s == pytest.approx(block.forward_s * ratio)
+        assert block.transient_bytes >= min(b.transient_bytes for b in measured)
+    # bytes, order and the rest are measured in forward as the plain pass measures them
+    for got, want in zip((*blocks, outside), (*plain[0], plain[1]), strict=True):
+        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
+            want.saved_bytes,
+            want.small_bytes,
+            want.input_bytes,
+            want.saved_count,
+        )
+    assert tuple(rest) == tuple(plain[2:])
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
+def test_blocks_run_out_of_their_order_are_not_cut():
+    """The cut is made only where it splits the blocks in execution order."""
+
+    class Reversed(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.blocks = inner.blocks
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            inner = self.inner
+            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+            for block in reversed(self.blocks):
+                x = block(x)
+            return inner.head(inner.ln(x))
+
+    torch.manual_seed(0)
+    model = Reversed(_trainable_model(layers=4))
+    reached = _reached(model)
+    blocks, *_ = _measure(model, streamed=True)
+    assert reached == {0, 1, 2, 3}
+    assert all(b.backward_s > 0 for b in blocks)
+
+
+def test_a_first_step_planned_through_the_cut_trains_bitwise_within_capacities(tmp_path, monkeypatch):
+    cuts = []
+    real_cut = profiler.backward_cut
+    monkeypatch.setattr(profiler, "backward_cut", lambda blocks: cuts.append(real_cut(blocks)) or cuts[-1])
+    reference = _trainable_model(layers=8)
+    want = train(reference, OPTIMIZERS["adamw"](param_groups(reference)), range(3))
+    model = _trainable_model(layers=8)
+    state = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, state // 4, state // 4)) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        got = train(model, optimizer, range(3))
+        assert rt.plan.predicted.step_s is not None  # planned at the first step, streamed
+        stats = rt.stats().as_dict()["tiers"]
+    assert [cut for cut, _ in cuts] == [6]
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in reference.parameters()])
+    for tier in ("device", "host", "nvme"):
+        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
+    assert list(tmp_path.iterdir()) == []
