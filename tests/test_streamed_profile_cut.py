@@ -3,6 +3,7 @@ the blocks whose twins it measures, and estimates their backward from those twin
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import pytest
@@ -84,6 +85,22 @@ def test_streamed_backward_stops_at_the_cut_and_estimates_the_blocks_before_it()
         )
     assert tuple(rest) == tuple(plain[2:])
     assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
+def test_the_timing_passes_on_plain_parameters_stop_at_the_cut_and_the_bytes_pass_does_not():
+    torch.manual_seed(0)
+    model = _trainable_model(layers=4)
+    backwards: Counter[int] = Counter()  # per block, the passes whose backward reached it
+    for index, block in enumerate(model.blocks):
+        block.qkv.weight.register_hook(lambda grad, i=index: backwards.update([i]) or grad)
+    blocks, *_ = _measure(model, streamed=False)
+    passes = backwards[3]
+    assert passes >= 1 + profiler.MIN_TIMING_PASSES  # the bytes pass and the timing passes
+    assert backwards == {0: 1, 1: 1, 2: passes, 3: passes}  # blocks 0 and 1: the bytes pass only
+    measured = blocks[2:]
+    ratio = sum(b.backward_s for b in measured) / sum(b.forward_s for b in measured)
+    for block in blocks[:2]:
+        assert block.backward_s == pytest.approx(block.forward_s * ratio)
 
 
 def test_blocks_run_out_of_their_order_are_not_cut():

@@ -79,20 +79,22 @@
    blocks' activations as a plain pass does, beyond the capacities, rather than fail: a LoRA
    base of 1 MiB chunks at a device of 1.9 MiB failed its profiling pass there (a chunk needs
    1.01 MiB, 1.01 MiB of 1.91 MiB in use) and kept the default placement.
-15. Streamed, backward stops short of the blocks it can do without. A block is the *twin* of
-   another of the same class with the same parameters (names, shapes, dtypes, which train);
-   of each class the last ``MEASURED_TWINS`` blocks are measured. The pass detaches the output
-   of the block before the first measured one (the *cut*), so its backward runs the head, the
-   measured blocks and what follows them, and none of the blocks before the cut, nor their
-   recomputation. Their forward is measured as before (bytes, time, transient peaks); their
-   backward time is their forward time times their measured twins' backward / forward, and
-   their backward transient peak their twins' largest. Why: of a 210M GPT-2's 35 CPU s first
-   step, 10 were this pass's backward with every block recomputed, for 16 blocks of one class.
-   The cut is made only where it splits the blocks in execution order (every block before it
-   ran, none after it), once a pass; a block before it that backward still reaches (a skip
-   connection around the cut) is measured where it ran. What it leaves out: the backward of
-   whatever runs before the first block (an embedding's, a few milliseconds), which the
-   outside part then lacks.
+15. Backward stops short of the blocks it can do without: in the streamed pass, and in the
+   timing passes on plain parameters (their bytes pass runs backward whole, for every block's
+   backward peak). A block is the *twin* of another of the same class with the same parameters
+   (names, shapes, dtypes, which train); of each class the last ``MEASURED_TWINS`` blocks are
+   measured. The pass detaches the output of the block before the first measured one (the
+   *cut*), so its backward runs the head, the measured blocks and what follows them, and none of
+   the blocks before the cut, nor their recomputation. Their forward is measured as before
+   (bytes, time, transient peaks); their backward time is their forward time times their
+   measured twins' backward / forward, and their backward transient peak (streamed, where no
+   backward ran them) their twins' largest. Why: of a 210M GPT-2's 35 CPU s first step, 10 were
+   the streamed pass's backward with every block recomputed, for 16 blocks of one class. The cut
+   is made only where it splits the blocks in execution order (every block before it ran, none
+   after it), once a pass; a block before it that backward still reaches (a skip connection
+   around the cut) is measured where it ran. What it leaves out: the backward of whatever runs
+   before the first block (an embedding's, a few milliseconds), which the outside part then
+   lacks.
 """
 
 from __future__ import annotations
@@ -544,22 +546,25 @@ def _timing_passes(
     blocks: Sequence[nn.Module],
     protected: set[int],
     min_bytes: int,
-) -> tuple[float, float, _Marks]:
+    cut: int = 0,
+) -> tuple[float, float, _Marks, bool]:
     """Rule 3: at least two timed passes, more while they are short; the median one's
-    (forward seconds, backward seconds, block marks)."""
+    (forward seconds, backward seconds, block marks, whether its backward stopped at ``cut``:
+    rule 15)."""
     timings = []
     spent = 0.0
     while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
         with _BlockHooks(blocks, protected, min_bytes, None) as timer:
+            timer.cut = cut
             forward_s, backward_s = _run(model, sample)
         for p in params:
             p.grad = None
-        timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks))
+        timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks, timer.cut_made))
         spent += forward_s + backward_s
     # The median pass (the lower middle of an even count), not the fastest: the cost model
     # predicts the median step a run measures (rule 3).
-    _, forward_s, backward_s, times = sorted(timings, key=lambda t: t[0])[(len(timings) - 1) // 2]
-    return forward_s, backward_s, times
+    _, forward_s, backward_s, times, cut_made = sorted(timings, key=lambda t: t[0])[(len(timings) - 1) // 2]
+    return forward_s, backward_s, times, cut_made
 
 
 def _block_stats(
@@ -606,7 +611,8 @@ def _block_stats(
         elif estimated_from:  # rule 15
             twin_f = sum(forward[j] for j in estimated_from)
             b = f * sum(backward[j] for j in estimated_from) / twin_f if twin_f > 0 else 2 * f
-            peak = max(backward_peak.get(j, 0) for j in estimated_from)
+            # its own where the bytes pass ran its backward (on plain parameters), else its twins'
+            peak = backward_peak.get(i, max(backward_peak.get(j, 0) for j in estimated_from))
         else:
             b = 2 * f
             block_bwd += b
@@ -662,7 +668,12 @@ def measure(
             order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
             for p in params:
                 p.grad = None
-            forward_s, backward_s, times = _timing_passes(model, sample, params, modules_list, protected, min_bytes)
+            cut, twins = backward_cut(modules_list)
+            forward_s, backward_s, times, cut_made = _timing_passes(
+                model, sample, params, modules_list, protected, min_bytes, cut
+            )
+            if not cut_made:
+                twins = {}
             recompute_s = []
     stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient, recompute_s, twins)
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
