@@ -608,7 +608,7 @@ def _block_stats(
             b = backward[i]
             block_bwd += b  # the part of the pass's backward outside blocks is what is left
             peak = backward_peak.get(i, 0)
-        elif estimated_from:  # rule 15
+        elif estimated_from:  # cut off before backward reached it: its twins' ratio (rule 15)
             twin_f = sum(forward[j] for j in estimated_from)
             b = f * sum(backward[j] for j in estimated_from) / twin_f if twin_f > 0 else 2 * f
             # its own where the bytes pass ran its backward (on plain parameters), else its twins'
