@@ -50,9 +50,8 @@ def _t5() -> torch.nn.Module:
         vocab_size=128,
         dropout_rate=0.0,
         decoder_start_token_id=0,
-        # As for HF's own gradient checkpointing: a decoder cache filled during
-        # forward makes recomputation differ (HF turns it off the same way).
-        use_cache=False,
+        # use_cache stays the config's default (True): a recomputed layer runs without the cache
+        # it would write twice (NOTE [ Recomputed blocks and caches ])
     )
     return transformers.T5ForConditionalGeneration(config)
 

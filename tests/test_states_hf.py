@@ -4,6 +4,8 @@ training is bitwise plain PyTorch, ``generate`` works on a managed model in eval
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -62,12 +64,38 @@ def test_hf_training_and_generate_match_plain(tmp_path, name):
         model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-2)
         got = train(name, model, optimizer)
         assert rt.plan.persistent_chunks < rt.plan.chunks  # chunks streamed through the pool
+        # planned at the first step, its profile streamed (a T5's recomputed layers once failed
+        # there on their decoding cache: NOTE [ Recomputed blocks and caches ])
+        assert rt.plan.predicted.step_s is not None
         if name != "bert":
             assert torch.equal(generate(model), generate(plain))
         stats = rt.stats().as_dict()
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert stats["tiers"]["device"]["peak_bytes"] <= stats["tiers"]["device"]["capacity"]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_t5_first_step_profiled_streamed_plans_and_trains_as_plain(tmp_path, caplog):
+    """NOTE [ Recomputed blocks and caches ]: the streamed first-step profile recomputes every block,
+    and a T5's decoder layers write the decoding cache (``use_cache``, the config's default) as they
+    run; recomputed with it, the profile failed (``CheckpointError``) and the default placement
+    stayed. Now the first step plans, and training is plain PyTorch's."""
+    plain = make("t5")
+    assert plain.config.use_cache
+    want = train("t5", plain, torch.optim.AdamW(plain.parameters(), lr=1e-2))
+    model = make("t5")
+    capacity = state_bytes(model) // 4
+    with (
+        caplog.at_level(logging.INFO, logger="tiermem.states"),
+        tiermem.Runtime(config(tmp_path, capacity, capacity)) as rt,
+    ):
+        model, optimizer = rt.manage(model, torch.optim.AdamW, lr=1e-2)
+        got = train("t5", model, optimizer)
+        assert rt.plan.predicted.step_s is not None
+    assert "profiling the first step with the chunks streamed" in caplog.text
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
 
 

@@ -90,6 +90,7 @@ from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, first
 from tiermem.activations.giveback import DeviceGiveBack
 from tiermem.activations.hooks import SavedTensorHooks
 from tiermem.activations.prefetch import Prefetcher
+from tiermem.activations.recompute import checkpointed
 from tiermem.activations.saved import BlockGroup, Forwards, in_backward, version_error
 from tiermem.layout.activation_policy import BlockPolicy, PolicySpec, flexible_blocks, resolve_policies
 from tiermem.malloc import StreamingTrim
@@ -259,7 +260,7 @@ class ActivationOffloader:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (always or self._recomputing(index)):
-                return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, **kwargs)
+                return checkpointed(block, original, args, kwargs)  # NOTE [ Recomputed blocks and caches ]
             return original(*args, **kwargs)
 
         block.forward = forward  # type: ignore[method-assign]

@@ -113,6 +113,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
 from tiermem.activations.blocks import BlockSpec, find_blocks
+from tiermem.activations.recompute import checkpointed
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
 from tiermem.planner.streaming import compute_clock, streamed
@@ -403,7 +404,8 @@ class _Recomputed:
             # around it, save_on_cpu): as in the plain pass, they are not ours to count or drop.
             return original(*args, **kwargs)
         contexts = functools.partial(self._contexts, index)
-        return torch.utils.checkpoint.checkpoint(original, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+        # without a decoding cache to write twice (NOTE [ Recomputed blocks and caches ])
+        return checkpointed(self.blocks[index], original, args, kwargs, context_fn=contexts)
 
     def _contexts(self, index: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
         return self._counted(), self._timed(index)
