@@ -18,6 +18,11 @@ profiling pass run it (NOTE [ Profiling step ] rule 11 in :mod:`tiermem.planner.
    layer's update replaces the tensors of its own entry (``torch.cat``), it does not write into
    them. A cache that cannot be copied so (a lock, a stream: ``copy.deepcopy`` refuses) is
    dropped for the layer instead (rule 2's inexact way, logged once), which still runs.
+   What it costs: each copy holds the tensors the cache held as the layer ran (the keys and
+   values of the layers before it) until the layer's recomputation. Where the caller drops the
+   model's output at once (``model(...).loss``), up to one set of every recomputed decoder
+   layer's keys and values lives until backward reaches it, which the plan's memory model does
+   not count (a recomputed block holds its inputs there).
 4. A layer that says it only reads the cache (``_can_checkpoint_with_cache``) is given it as is.
    A cache passed positionally is not seen.
 """
