@@ -66,7 +66,6 @@ def test_a_cache_that_cannot_be_copied_is_dropped_for_the_recomputed_layer(caplo
     layer, x = _Layer(), torch.randn(3, 4)
     cache = _Cache()
     cache.lock = threading.Lock()  # type: ignore[attr-defined]
-    recompute._dropped_logged = False
     with caplog.at_level(logging.WARNING, logger="tiermem.activations"):
         loss, grad = _step(layer, x, cache, checkpointed=True)
     want = _step(layer, x, None, checkpointed=False)  # type: ignore[arg-type]

@@ -37,9 +37,10 @@ def _reached(model: nn.Module) -> set[int]:
 
 def _measure(model: nn.Module, *, streamed: bool) -> tuple[Any, ...]:
     tokens, _ = batch(0)
-    run = lambda: profiler.measure(  # noqa: E731
-        model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu")
-    )
+
+    def run() -> tuple[Any, ...]:
+        return profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=torch.device("cpu"))
+
     if not streamed:
         return run()
     with streaming(Streaming(stalled=lambda: 0.0)):

@@ -260,7 +260,8 @@ class ActivationOffloader:
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             if torch.is_grad_enabled() and (always or self._recomputing(index)):
-                return checkpointed(block, original, args, kwargs)  # NOTE [ Recomputed blocks and caches ]
+                # its recomputation finds a decoding cache as its first run did (NOTE [ Recomputed blocks and caches ])
+                return checkpointed(block, original, args, kwargs)
             return original(*args, **kwargs)
 
         block.forward = forward  # type: ignore[method-assign]

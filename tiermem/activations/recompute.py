@@ -30,6 +30,7 @@ profiling pass run it (NOTE [ Profiling step ] rule 11 in :mod:`tiermem.planner.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -43,7 +44,17 @@ log = logging.getLogger("tiermem.activations")
 #: older transformers' name)
 CACHE_ARGUMENTS = ("past_key_values", "past_key_value", "layer_past")
 
-_dropped_logged = False
+
+@functools.cache
+def _warn_dropped(layer: str, error: str) -> None:
+    """Rule 3, once per layer class and refusal: the recomputed layers run without their cache."""
+    log.warning(
+        "tiermem activations: %s's decoding cache cannot be copied for its recomputation (%s); the recomputed "
+        "layers run without it, as Hugging Face's gradient checkpointing does (their results may differ from the "
+        "plain forward's in the last bits)",
+        layer,
+        error,
+    )
 
 
 def _tensors_shared(root: Any) -> dict[int, Any]:
@@ -93,17 +104,7 @@ def checkpointed(
     try:
         before = {name: _structure_copy(cache) for name, cache in caches.items()}
     except Exception as exc:  # noqa: BLE001 - rule 3: any refusal to copy means the cache is dropped
-        global _dropped_logged
-        if not _dropped_logged:
-            _dropped_logged = True
-            log.warning(
-                "tiermem activations: %s's decoding cache cannot be copied for its recomputation (%s: %s); the "
-                "recomputed layers run without it, as Hugging Face's gradient checkpointing does (their results may "
-                "differ from the plain forward's in the last bits)",
-                type(block).__name__,
-                type(exc).__name__,
-                exc,
-            )
+        _warn_dropped(type(block).__name__, f"{type(exc).__name__}: {exc}")
         dropped = {**kwargs, **dict.fromkeys(caches)}
         if dropped.get("use_cache"):
             dropped["use_cache"] = False

@@ -404,7 +404,7 @@ class _Recomputed:
             # around it, save_on_cpu): as in the plain pass, they are not ours to count or drop.
             return original(*args, **kwargs)
         contexts = functools.partial(self._contexts, index)
-        # without a decoding cache to write twice (NOTE [ Recomputed blocks and caches ])
+        # its recomputation finds a decoding cache as its first run did (NOTE [ Recomputed blocks and caches ])
         return checkpointed(self.blocks[index], original, args, kwargs, context_fn=contexts)
 
     def _contexts(self, index: int) -> tuple[contextlib.AbstractContextManager[None], ...]:
@@ -656,27 +656,26 @@ def measure(
     with unchanged_training_state(model, device):
         live = _LiveBytes()
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
-        twins: dict[int, list[int]] = {}
+        # backward stops before the blocks whose twins it measures (rule 15)
+        cut, twins = backward_cut(modules_list)
         if (info := streamed()) is not None:  # rules 9-15: one pass, its blocks recomputed where they fit
             recomputed = _Recomputed(modules_list, hooks) if info.recompute else None
-            hooks.cut, twins = backward_cut(modules_list)
+            hooks.cut = cut
             order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
                 model, sample, params, hooks, live, recomputed
             )
-            if not hooks.cut_made:
-                twins = {}
+            cut_made = hooks.cut_made
             times, recompute_s = hooks.marks, recomputed.recompute_s if recomputed is not None else []
         else:
             order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
             for p in params:
                 p.grad = None
-            cut, twins = backward_cut(modules_list)
             forward_s, backward_s, times, cut_made = _timing_passes(
                 model, sample, params, modules_list, protected, min_bytes, cut
             )
-            if not cut_made:
-                twins = {}
             recompute_s = []
+        if not cut_made:  # nothing was estimated: every block's backward ran
+            twins = {}
     stats, outside = _block_stats(found, times, hooks, forward_s, backward_s, head_transient, recompute_s, twins)
     param_stats = [ParamStats(p.numel() * p.element_size(), p.requires_grad, sections(i)) for i, p in enumerate(params)]
     param_block = [first_block.get(i, -1) for i in range(len(params))]
