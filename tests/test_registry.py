@@ -460,6 +460,23 @@ def test_copy_out_copies_a_stored_object_without_moving_it(make_store):
     handle.free()
 
 
+def test_started_copy_outs_run_together_and_each_gives_its_objects_bytes(make_store):
+    """Rule 9: ``start_copy_out`` returns before its read is waited for; several run at once, and
+    each ``result()`` is its own object's bytes (the objects stay put)."""
+    store = make_store()
+    values = [torch.randn(3000) for _ in range(3)]
+    handles = [store.registry.register(v.clone(), "device", dedup=False) for v in values]
+    for handle in handles:
+        handle.move_to("nvme", Priority.WRITEBACK)
+    started = [handle.start_copy_out() for handle in handles]  # all in flight before any is waited for
+    for value, handle, copy in zip(values[::-1], handles[::-1], started[::-1], strict=True):
+        out = copy.result()
+        assert out.numel() == handle.reserved and torch.equal(out[: value.numel() * 4].view(torch.float32), value)
+        assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
+    for handle in handles:
+        handle.free()
+
+
 def test_known_bytes_of_a_handle_feed_a_move_and_their_copy_can_be_awaited(make_store):
     """Rule 6 through handles: ``known_bytes`` names a memory object's bytes for a move from
     storage; ``wait_known_copy`` returns once the copy out of them ended (at once without one)."""

@@ -566,6 +566,78 @@ def test_a_spilled_re_pack_keeps_old_nvme_homes_in_place_and_stays_bitwise(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
+def _spilled_re_packs(tmp_path):
+    """Plain PyTorch's and a managed run's losses and parameters over 4 steps with two spilled
+    re-packs (the first step's into execution order, then the declaration's)."""
+    torch.manual_seed(0)
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
+        got = train(model, optimizer, range(2))
+        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
+        got += train(model, optimizer, range(2, 4))
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_spilled_re_pack_reads_each_old_chunk_ahead_of_the_build(tmp_path, monkeypatch):
+    """NOTE [ Spilled snapshots ] rule 3: told the order the build takes the parameters in, the
+    snapshot has the next buffer the build needs read before the build asks for it: of the
+    buffers not in memory when asked for, only each re-pack's first is read on demand. Training
+    stays bitwise plain PyTorch's."""
+    from tiermem.states import spilled_snapshot
+
+    asked: list[tuple[int, str]] = []  # per re-pack: buffers read, ahead or on demand
+    real_buffer, real_expect = spilled_snapshot.SpilledSnapshot._buffer, spilled_snapshot.SpilledSnapshot.expect
+
+    def buffer(self, index):
+        if index not in self._cache:
+            asked.append((len(repacks), "ahead" if index in self._ahead else "demand"))
+        return real_buffer(self, index)
+
+    repacks: list[int] = []
+
+    def expect(self, groups):
+        repacks.append(len(self.handles))
+        return real_expect(self, groups)
+
+    monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "_buffer", buffer)
+    monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "expect", expect)
+    _spilled_re_packs(tmp_path)
+    assert len(repacks) == 2, repacks
+    for repack in (1, 2):
+        kinds = [kind for n, kind in asked if n == repack]
+        assert len(kinds) >= repacks[repack - 1] and kinds[0] == "demand", (repack, kinds)
+        assert kinds[1:] == ["ahead"] * (len(kinds) - 1), (repack, kinds)
+
+
+def test_a_spilled_re_pack_off_the_expected_order_reads_on_demand_and_stays_bitwise(tmp_path, monkeypatch):
+    """NOTE [ Spilled snapshots ] rule 3: the expected order is a hint. Told the wrong one (the
+    new chunks reversed), the build still gets exactly the bytes spilled (buffers read on
+    demand, reads started ahead that the build did not take waited for and dropped), training
+    stays bitwise, and no file is left behind."""
+    from tiermem.states import spilled_snapshot
+
+    dropped = []
+    real_expect, real_settle = spilled_snapshot.SpilledSnapshot.expect, spilled_snapshot.CopyOut.settle
+
+    def expect(self, groups):
+        return real_expect(self, list(groups)[::-1])
+
+    def settle(self):
+        dropped.append(self)
+        return real_settle(self)
+
+    monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "expect", expect)
+    monkeypatch.setattr(spilled_snapshot.CopyOut, "settle", settle)
+    _spilled_re_packs(tmp_path)
+    assert dropped  # reads ahead the build did not take
+
+
 def test_the_streamed_profiling_pass_trims_the_heap_as_it_streams(tmp_path, monkeypatch):
     """NOTE [ Streamed first-step profiling ] rule 8: the pass runs once, so the heap is trimmed as
     its chunks stream (every interval fetched), not only between its phases as a training step

@@ -20,7 +20,7 @@ from tiermem.schedulers.base import Priority, Transfer
 from tiermem.tiers.base import Allocation
 
 if TYPE_CHECKING:
-    from tiermem.registry import Registry
+    from tiermem.registry import CopyOut, Registry
 
 
 class ObjectState(enum.Enum):
@@ -227,6 +227,11 @@ class Handle:
         """Rule 9: a fresh CPU copy of the object's bytes read where they live (no move)."""
         self._check()
         return self.obj.registry.copy_out(self.obj)
+
+    def start_copy_out(self) -> CopyOut:
+        """Rule 9: :meth:`copy_out`'s read started, waited for at the result's ``result()``."""
+        self._check()
+        return self.obj.registry.start_copy_out(self.obj)
 
     @property
     def freed(self) -> bool:

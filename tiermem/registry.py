@@ -48,6 +48,10 @@ operations below, never a tier or the scheduler. The objects themselves are in
 9. Reading an object where it lives without moving it (``Handle.copy_out``: exporting a
    chunk's NVMe home) reads its allocation straight from the tier into a fresh CPU tensor of
    its reserved size, outside the scheduler, once its move (if any) ended.
+   ``Handle.start_copy_out`` starts that read and returns at once (a re-pack reads the next
+   old chunk while it builds from the last, NOTE [ Spilled snapshots ] rule 3); its
+   :class:`CopyOut` gives the bytes, or the read's error, when waited for. The caller keeps
+   the object alive until then: its allocation must not be freed under the read.
 10. ``fence(tier)`` orders every copy the tier starts from now on after the device work the
    calling thread has queued (TRAPS 28): for bytes a kernel wrote that a later submit,
    perhaps from another thread, reads.
@@ -59,6 +63,7 @@ import contextlib
 import threading
 import weakref
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 
 import torch
 
@@ -80,6 +85,7 @@ from tiermem.tiers.base import Tier, TierStatistics
 #: never from the scheduler (the registry is the one door through which managed bytes move).
 __all__ = [
     "CachedBytes",
+    "CopyOut",
     "Handle",
     "KnownBytes",
     "ManagedObject",
@@ -90,6 +96,30 @@ __all__ = [
     "Transfer",
     "storage_bytes",
 ]
+
+
+class CopyOut:
+    """Rule 9: a read of an object's bytes into a fresh CPU tensor, started; :meth:`result` waits."""
+
+    def __init__(self, data: torch.Tensor, done: Future[None], what: str) -> None:
+        self._data = data
+        self._done = done
+        self._what = what
+
+    def result(self) -> torch.Tensor:
+        """The bytes once read (the read's error raised here)."""
+        traced = tracing.span(self._what, "wait", None, {"bytes": self._data.numel()})
+        try:
+            self._done.result()
+        finally:
+            if traced is not None:
+                traced.end()
+        return self._data
+
+    def settle(self) -> None:
+        """Wait for the read to end, whatever it did: before the object it reads is freed."""
+        with contextlib.suppress(Exception):
+            self._done.result()
 
 
 class Registry:
@@ -432,19 +462,18 @@ class Registry:
 
     def copy_out(self, obj: ManagedObject) -> torch.Tensor:
         """Rule 9: a fresh CPU tensor of ``obj``'s reserved size holding its bytes where it lives."""
+        return self.start_copy_out(obj).result()
+
+    def start_copy_out(self, obj: ManagedObject) -> CopyOut:
+        """Rule 9: :meth:`copy_out`'s read, started (once ``obj``'s move ended) and not waited for."""
         self.wait(obj)
         with self._lock:
             self._check_live(obj)
             home = obj.home
         data = torch.empty(home.reserved, dtype=torch.uint8)
         home.tier.fence()  # a device-resident object is read after the caller's stream's work (TRAPS 28)
-        traced = tracing.span(f"wait {obj.label} read {home.tier.name}", "wait", None, {"bytes": home.reserved})
-        try:
-            home.tier.read(home, 0, data).result()  # outside the scheduler: a wait the trace names itself
-        finally:
-            if traced is not None:
-                traced.end()
-        return data
+        # outside the scheduler: the wait is traced where it happens, naming itself
+        return CopyOut(data, home.tier.read(home, 0, data), f"wait {obj.label} read {home.tier.name}")
 
     @staticmethod
     def _wait_args(obj: ManagedObject, transfer: Transfer | None) -> dict[str, object]:
