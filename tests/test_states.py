@@ -184,6 +184,40 @@ def test_training_is_bitwise_plain_pytorch(tmp_path, name, fraction, home):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, monkeypatch):
+    """A build makes its NVMe homes one after another in one buffer (``_HomeScratch``: each is
+    written out before the next is made): homes of one size share it, and each home on NVMe
+    holds its own chunk's values and zeros everywhere else (padding, optimizer sections), not
+    bytes an earlier home left in the buffer."""
+    from tiermem.states import store as store_module
+
+    made: list[tuple[int, int]] = []  # (storage address, bytes) of each NVMe home made
+    real_zeros = store_module._HomeScratch.zeros
+
+    def zeros(self, nbytes):
+        home = real_zeros(self, nbytes)
+        made.append((home.untyped_storage().data_ptr(), nbytes))
+        return home
+
+    monkeypatch.setattr(store_module._HomeScratch, "zeros", zeros)
+    model = make_model()
+    values = [p.detach().clone() for p in model.parameters()]
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"})
+        chunks = [c for c in rt._model_states[0].store.chunks if c.home is not None and c.home.tier == "nvme"]
+        homes = [(chunk, chunk.home.copy_out()) for chunk in chunks]
+    assert len(made) == len(chunks) > 2
+    sizes = [n for _, n in made]
+    shared = max(sizes, key=sizes.count)
+    assert sizes.count(shared) > 1 and len({ptr for ptr, n in made if n == shared}) == 1
+    for chunk, home in homes:  # byte for byte: values in their slots, zeros everywhere else
+        want = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
+        for slot in chunk.layout.slots:
+            slot.view(want, chunk.working_base).copy_(values[slot.index])
+        assert torch.equal(home[: chunk.home_bytes], want)
+
+
 @pytest.mark.parametrize(
     "make",
     [
