@@ -280,3 +280,50 @@ def test_a_failing_step_ahead_raises_and_leaves_no_copy(tmp_path, monkeypatch):
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
+
+
+def test_queued_speculative_steps_start_from_every_backward_hook(tmp_path, monkeypatch):
+    """Rule 9 of NOTE [ Declared steps ] with speculative steps: a shadow is read only for the
+    queue's head, so the queue advances wherever backward calls back (each parameter's gradient
+    hook, each module's backward), not only as a chunk's backward begins or its gradients
+    complete: only the last chunks' steps are left for backward's end (advanced only at those two
+    points, 9-10 were). Reads and steps are made to take a few hooks each (a shadow counts as landed
+    at its fourth look, a step finishes at the fourth poll after it started), so the counts do
+    not depend on this machine's speed."""
+    from tiermem.states import speculation, step_thread, stepping
+
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_STEP_THREAD", "on")
+    looks: dict[int, int] = {}
+    polls = [0]
+    real_run, real_poll = step_thread.StepThread.run, step_thread.StepThread.poll
+
+    def landed(self, chunk):
+        looks[chunk.index] = looks.get(chunk.index, 0) + 1
+        return looks[chunk.index] >= 4  # the step waits for the read itself where it has not landed
+
+    def run(self, *args, **kwargs):
+        polls[0] = 0
+        return real_run(self, *args, **kwargs)
+
+    def poll(self):
+        polls[0] += 1
+        if polls[0] >= 4:
+            self.finish_all()  # waits for the compute: the fourth poll always finds it done
+        return real_poll(self)
+
+    left: list[int] = []  # per backward: the steps still queued when it ended
+    real_run_queued = stepping.Stepper._run_queued
+
+    def run_queued(self):
+        left.append(len(self._queued))
+        looks.clear()  # the next backward's shadows are new reads
+        return real_run_queued(self)
+
+    monkeypatch.setattr(speculation.Shadows, "landed", landed)
+    monkeypatch.setattr(step_thread.StepThread, "run", run)
+    monkeypatch.setattr(step_thread.StepThread, "poll", poll)
+    monkeypatch.setattr(stepping.Stepper, "_run_queued", run_queued)
+    stats = run_both(tmp_path, 4, None)
+    assert stats["speculative_steps_kept"] > 0
+    # the last chunks', whose gradients come last (their stored gradients' reads take real time)
+    assert len(left) == 4 and max(left) <= 3, left
