@@ -27,9 +27,9 @@ CHILD = textwrap.dedent(
 
     with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}):
         configured = return_freed_memory()
-    # Measured once the runtime is closed, its settings staying: with its threads running, they
-    # allocate as they go, and one suite run in six saw the 16 MiB block come back as fresh
-    # zeros (reused 0.0) with 836 KiB more resident than before.
+    # Measured once the runtime is closed, its settings staying: one suite run in six saw the
+    # 16 MiB block come back as fresh zeros (reused 0.0) with 836 KiB more resident than before,
+    # the runtime's threads (which allocate as they run) the suspected cause, not reproduced.
     before = rss()
     block = torch.ones(48 << 18)  # 48 MiB of float32: above every threshold, mapped on its own
     holding = rss()

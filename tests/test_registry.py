@@ -461,18 +461,33 @@ def test_copy_out_copies_a_stored_object_without_moving_it(make_store):
 
 
 def test_started_copy_outs_run_together_and_each_gives_its_objects_bytes(make_store):
-    """Rule 9: ``start_copy_out`` returns before its read is waited for; several run at once, and
-    each ``result()`` is its own object's bytes (the objects stay put)."""
-    store = make_store()
+    """Rule 9: ``start_copy_out`` returns with its read still held by the tier; several are in
+    flight at once, and each ``result()`` is its own object's bytes (the objects stay put). A read
+    that fails raises at ``result()``; ``settle()`` waits for it and keeps the error to itself."""
+    store = make_store(gated=True)
     values = [torch.randn(3000) for _ in range(3)]
     handles = [store.registry.register(v.clone(), "device", dedup=False) for v in values]
     for handle in handles:
         handle.move_to("nvme", Priority.WRITEBACK)
-    started = [handle.start_copy_out() for handle in handles]  # all in flight before any is waited for
+    store.nvme.release_all()
+    store.nvme.gated = False
+    for handle in handles:
+        handle.wait()
+    store.nvme.gated = True
+    started = [handle.start_copy_out() for handle in handles]
+    store.nvme.wait_pending(3)  # all three reads held by the tier, none waited for
+    store.nvme.release_all()
     for value, handle, copy in zip(values[::-1], handles[::-1], started[::-1], strict=True):
         out = copy.result()
         assert out.numel() == handle.reserved and torch.equal(out[: value.numel() * 4].view(torch.float32), value)
         assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
+    store.nvme.fail_next = OSError("the disk said no")
+    failed = handles[0].start_copy_out()
+    store.nvme.release_all()
+    failed.settle()
+    with pytest.raises(OSError, match="the disk said no"):
+        failed.result()
+    store.nvme.gated = False
     for handle in handles:
         handle.free()
 

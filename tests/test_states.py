@@ -188,7 +188,7 @@ def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, mon
     """A build makes its NVMe homes one after another in one buffer (``_HomeScratch``: each is
     written out before the next is made): homes of one size share it, and each home on NVMe
     holds its own chunk's values and zeros everywhere else (padding, optimizer sections), not
-    bytes an earlier home left in the buffer."""
+    bytes an earlier home left in the buffer (each home's buffer is overwritten once registered)."""
     from tiermem.states import store as store_module
 
     made: list[tuple[int, int]] = []  # (storage address, bytes) of each NVMe home made
@@ -199,7 +199,16 @@ def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, mon
         made.append((home.untyped_storage().data_ptr(), nbytes))
         return home
 
+    real_register = store_module.ChunkStore.register
+
+    def register(self, tensor, tier, label):
+        handle = real_register(self, tensor, tier, label)
+        if tier == "nvme":
+            tensor.fill_(0xA5)  # written out when register() returned: the next home must not see this
+        return handle
+
     monkeypatch.setattr(store_module._HomeScratch, "zeros", zeros)
+    monkeypatch.setattr(store_module.ChunkStore, "register", register)
     model = make_model()
     values = [p.detach().clone() for p in model.parameters()]
     capacity = int(state_bytes("adamw", model) * 0.1)

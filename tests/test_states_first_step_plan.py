@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import pathlib
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -566,25 +567,29 @@ def test_a_spilled_re_pack_keeps_old_nvme_homes_in_place_and_stays_bitwise(tmp_p
     assert list(tmp_path.iterdir()) == []
 
 
-def _spilled_re_packs(tmp_path):
+def _spilled_re_packs(tmp_path, plan: dict[str, Any] | None = None) -> list[str]:
     """Plain PyTorch's and a managed run's losses and parameters over 4 steps with two spilled
-    re-packs (the first step's into execution order, then the declaration's)."""
+    re-packs (the first step's into execution order, then the declaration's); the homes of the
+    chunks in force at the end."""
     torch.manual_seed(0)
     plain = make_model()
     want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
     model = make_model()
     total = state_bytes("adamw", model)
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
-        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan or {})
         got = train(model, optimizer, range(2))
         rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
         got += train(model, optimizer, range(2, 4))
+        homes = [chunk["home"] for chunk in rt.__dict__["_model_states"][0].describe()["chunks"]]
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
     assert list(tmp_path.iterdir()) == []
+    return homes
 
 
-def test_a_spilled_re_pack_reads_each_old_chunk_ahead_of_the_build(tmp_path, monkeypatch):
+@pytest.mark.parametrize("plan", [None, {"persistent_chunks": 1}], ids=["nvme", "mixed"])
+def test_a_spilled_re_pack_reads_each_old_chunk_ahead_of_the_build(tmp_path, monkeypatch, plan):
     """NOTE [ Spilled snapshots ] rule 3: told the order the build takes the parameters in, the
     snapshot has the next buffer the build needs read before the build asks for it: of the
     buffers not in memory when asked for, only each re-pack's first is read on demand. Training
@@ -607,7 +612,9 @@ def test_a_spilled_re_pack_reads_each_old_chunk_ahead_of_the_build(tmp_path, mon
 
     monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "_buffer", buffer)
     monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "expect", expect)
-    _spilled_re_packs(tmp_path)
+    homes = _spilled_re_packs(tmp_path, plan)
+    if plan:  # chunks whose states the import reads after the build: in the expected order too
+        assert homes[0] == "device" and "host" in homes and "nvme" in homes, homes
     assert len(repacks) == 2, repacks
     for repack in (1, 2):
         kinds = [kind for n, kind in asked if n == repack]
@@ -622,20 +629,36 @@ def test_a_spilled_re_pack_off_the_expected_order_reads_on_demand_and_stays_bitw
     stays bitwise, and no file is left behind."""
     from tiermem.states import spilled_snapshot
 
-    dropped = []
+    dropped, demand, freeing = [], [], [False]
     real_expect, real_settle = spilled_snapshot.SpilledSnapshot.expect, spilled_snapshot.CopyOut.settle
+    real_free, real_buffer = spilled_snapshot.SpilledSnapshot.free, spilled_snapshot.SpilledSnapshot._buffer
 
     def expect(self, groups):
         return real_expect(self, list(groups)[::-1])
 
     def settle(self):
-        dropped.append(self)
+        if not freeing[0]:
+            dropped.append(self)  # a read ahead the build went past, not one freed with the snapshot
         return real_settle(self)
+
+    def free(self):
+        freeing[0] = True
+        try:
+            return real_free(self)
+        finally:
+            freeing[0] = False
+
+    def buffer(self, index):
+        if index not in self._cache and index not in self._ahead:
+            demand.append(index)
+        return real_buffer(self, index)
 
     monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "expect", expect)
     monkeypatch.setattr(spilled_snapshot.CopyOut, "settle", settle)
+    monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "free", free)
+    monkeypatch.setattr(spilled_snapshot.SpilledSnapshot, "_buffer", buffer)
     _spilled_re_packs(tmp_path)
-    assert dropped  # reads ahead the build did not take
+    assert dropped and len(demand) > 2  # reads ahead the build did not take; buffers read on demand
 
 
 def test_the_streamed_profiling_pass_trims_the_heap_as_it_streams(tmp_path, monkeypatch):

@@ -229,7 +229,8 @@ class Handle:
         return self.obj.registry.copy_out(self.obj)
 
     def start_copy_out(self) -> CopyOut:
-        """Rule 9: :meth:`copy_out`'s read started, waited for at the result's ``result()``."""
+        """Rule 9: :meth:`copy_out`'s read started, waited for at the result's ``result()``; the
+        object stays alive and unmoved until then."""
         self._check()
         return self.obj.registry.start_copy_out(self.obj)
 

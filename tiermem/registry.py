@@ -51,7 +51,7 @@ operations below, never a tier or the scheduler. The objects themselves are in
    ``Handle.start_copy_out`` starts that read and returns at once (a re-pack reads the next
    old chunk while it builds from the last, NOTE [ Spilled snapshots ] rule 3); its
    :class:`CopyOut` gives the bytes, or the read's error, when waited for. The caller keeps
-   the object alive until then: its allocation must not be freed under the read.
+   the object alive and unmoved until then: its allocation must not be freed under the read.
 10. ``fence(tier)`` orders every copy the tier starts from now on after the device work the
    calling thread has queued (TRAPS 28): for bytes a kernel wrote that a later submit,
    perhaps from another thread, reads.
@@ -101,14 +101,14 @@ __all__ = [
 class CopyOut:
     """Rule 9: a read of an object's bytes into a fresh CPU tensor, started; :meth:`result` waits."""
 
-    def __init__(self, data: torch.Tensor, done: Future[None], what: str) -> None:
+    def __init__(self, data: torch.Tensor, done: Future[None], label: str) -> None:
         self._data = data
         self._done = done
-        self._what = what
+        self._label = label
 
     def result(self) -> torch.Tensor:
         """The bytes once read (the read's error raised here)."""
-        traced = tracing.span(self._what, "wait", None, {"bytes": self._data.numel()})
+        traced = tracing.span(self._label, "wait", None, {"bytes": self._data.numel()})
         try:
             self._done.result()
         finally:

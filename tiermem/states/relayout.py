@@ -395,7 +395,14 @@ class Relayout:
                 return False
         try:
             if spilled is not None:  # its old chunks read ahead in the order the build takes them
-                spilled.expect([[slot.index for slot in layout.slots] for layout in new[0]])
+                plan = new[1]
+                spilled.expect(
+                    (
+                        [slot.index for slot in layout.slots],
+                        layout.index >= plan.persistent_chunks and plan.state_home[layout.index] == "nvme",
+                    )
+                    for layout in new[0]
+                )
             snapshot = spilled.as_snapshot(self._one_write_in_flight()) if spilled else self.stateio.snapshot()
             self._clear()
             return self._rebuild(new, old, snapshot)

@@ -33,18 +33,21 @@ or given back when the spill fails: rule 5), and the registry (register, read ou
    have been.
    Told the new chunks' parameters in build order (:meth:`SpilledSnapshot.expect`), it reads
    the next buffer the build will need while the build copies from the last one and writes
-   new homes (``Handle.start_copy_out``, ``READ_AHEAD`` buffer in flight): read one at a time
-   on demand, the reads were half of the 210M first-step bench's re-pack (1.95 s of 3.8 s wall,
-   2.5 GiB at 1.3 GiB/s). The expected order is a hint only: a buffer read out of it is read
-   on demand, and a read ahead the build did not take is waited for and dropped.
+   new homes (``Handle.start_copy_out``, one buffer in flight): read one at a time on demand,
+   the reads were half of the 210M first-step bench's re-pack (1.95 s of 3.8 s wall, 2.5 GiB
+   at 1.3 GiB/s). The build reads a new chunk's values, then, where its home goes to NVMe and
+   is streamed, its optimizer states, then its gradients; the other chunks' states are read by
+   the states' import after the build, chunk by chunk. The expected order is a hint only: a
+   buffer read out of it is read on demand, a read ahead the build did not take is waited for
+   and dropped, and a read ahead that cannot start is left to the demand read.
 4. Memory: besides the tiers' capacities, a spilled re-pack holds one old chunk's buffers
    (its values, gradients and states: ``(2 + sections) x`` the chunk's bytes at most, fp32
    masters counted) while spilling and ``CACHED_CHUNKS`` buffers (one of values and
    gradients and one of states, about one old chunk's; or two adopted homes, ``(1 +
    sections) x`` a chunk's bytes each, since a new chunk usually spans two old ones and
    reads each one's values, then its states) while building, one more being read ahead
-   (rule 3), and the build's own
-   transients (a new NVMe home is made in memory, then written): the caller's
+   (rule 3), and the build's own transients (a new NVMe home is made in memory, then written;
+   one buffer serves every NVMe home of one size, ``store._HomeScratch``): the caller's
    ``before_read`` waits until the homes built before the chunk being filled have landed, so
    at most one new home's write is in flight.
 5. In place: an old chunk whose home is on NVMe, landed, its step finished and no device copy
@@ -84,10 +87,6 @@ CACHED_CHUNKS = 2
 """Rule 3: old chunks' buffers kept in memory while the new chunks are built (re-packing in
 execution order reads the old chunks nearly in their order: a miss costs an NVMe read); two,
 because a new chunk's NVMe home reads its values' buffer and its states' buffer in turn."""
-READ_AHEAD = 1
-"""Rule 3: old chunks' buffers read ahead of the build, in flight at once: one keeps the disk
-reading while the build copies and writes (each buffer is about one old chunk's bytes, held in
-memory beside the cached ones until the build takes it)."""
 _ALIGN = 64
 """Every tensor in a flat buffer starts at a multiple of this (any dtype views it in place)."""
 
@@ -155,20 +154,29 @@ class SpilledSnapshot:
         nbytes = _nbytes(piece.shape, piece.dtype)
         return data[piece.offset : piece.offset + nbytes].view(piece.dtype).view(piece.shape)
 
-    def expect(self, groups: Iterable[Sequence[int]]) -> None:
-        """Rule 3: the build reads, new chunk by new chunk (``groups`` of parameter indices),
-        each one's values, then its optimizer states, then its gradients: the buffers read
-        ahead follow that order."""
-        sequence: list[int] = []
-        for group in groups:
-            keys = [(i, "data") for i in group]
-            keys += [(i, key) for i in group for key in self.records.get(i, ((), {}))[0]]
+    def expect(self, groups: Iterable[tuple[Sequence[int], bool]]) -> None:
+        """Rule 3: the order the build reads in, new chunk by new chunk: ``groups`` of parameter
+        indices, each with whether the build writes that chunk's optimizer states (a streamed
+        chunk whose home goes to NVMe); the others' states come last, read by the import."""
+        groups = list(groups)
+        keys: list[Key] = []
+        for group, with_states in groups:
+            keys += [(i, "data") for i in group]
+            if with_states:
+                keys += self._state_keys(group)
             keys += [(i, "grad") for i in group]
-            for key in keys:
-                piece = self.pieces.get(key)
-                if piece is not None and (not sequence or sequence[-1] != piece.buffer):
-                    sequence.append(piece.buffer)
+        for group, with_states in groups:
+            if not with_states:
+                keys += self._state_keys(group)
+        sequence: list[int] = []
+        for key in keys:
+            piece = self.pieces.get(key)
+            if piece is not None and (not sequence or sequence[-1] != piece.buffer):
+                sequence.append(piece.buffer)
         self._sequence, self._position = sequence, 0
+
+    def _state_keys(self, group: Sequence[int]) -> list[Key]:
+        return [(i, key) for i in group for key in self.records.get(i, ((), {}))[0]]
 
     def _buffer(self, index: int) -> torch.Tensor:
         """Rule 3: buffer ``index``'s bytes: cached, read ahead, or read now; the next one started."""
@@ -177,7 +185,7 @@ class SpilledSnapshot:
             self._cache.move_to_end(index)
         else:
             pending = self._ahead.pop(index, None)
-            data = (pending if pending is not None else self.handles[index].start_copy_out()).result()
+            data = pending.result() if pending is not None else self.handles[index].copy_out()
             self._cache[index] = data
             while len(self._cache) > CACHED_CHUNKS:
                 self._cache.popitem(last=False)
@@ -191,12 +199,17 @@ class SpilledSnapshot:
         try:
             self._position = sequence.index(index, self._position)
         except ValueError:
-            return
-        following = next((b for b in sequence[self._position + 1 :] if b not in self._cache), None)
+            following = None
+        else:
+            following = next((b for b in sequence[self._position + 1 :] if b not in self._cache), None)
         for stale in [b for b in self._ahead if b != following]:  # the build went another way
             self._ahead.pop(stale).settle()
-        if following is not None and following not in self._ahead and len(self._ahead) < READ_AHEAD:
+        if following is None or following in self._ahead:
+            return
+        try:
             self._ahead[following] = self.handles[following].start_copy_out()
+        except Exception:  # noqa: BLE001 - a hint only: the demand read meets the error, if any
+            return
 
     def _drop_reads(self) -> None:
         """Reads still in flight end before their buffers' objects are freed or given back."""
@@ -335,8 +348,8 @@ def _adopt(chunk: Chunk, facts: ModelFacts, store: ChunkStore, spilled: SpilledS
 
 
 def _write(registry: Registry, spilled: SpilledSnapshot, sources: list[tuple[Key, torch.Tensor]]) -> Handle:
-    """Rule 2: ``sources`` copied into one flat CPU buffer, registered on the NVMe tier (the
-    write in flight when this returns); their pieces recorded."""
+    """Rule 2: ``sources`` copied into one flat CPU buffer, registered on the NVMe tier (written
+    there when this returns); their pieces recorded."""
     offsets, total = [], 0
     for _, source in sources:
         offsets.append(total)

@@ -195,8 +195,9 @@ class ChunkStore:
             with internal():  # a new view, not a write (NOTE [ Parameter access ] rule 4)
                 p.data = slot.view(chunk.data)
         chunk.data.untyped_storage().resize_(0)
-        # A memory tier adopts the home's bytes in place; an NVMe home is written out before
-        # register() returns (Tier.take waits for the write), so its bytes can serve the next one.
+        # A memory tier adopts the home's bytes in place; an NVMe home is copied into its new
+        # allocation before register() returns (Registry.register waits for the copy), so its
+        # bytes can serve the next one.
         home = (
             scratch.zeros(chunk.home_bytes)
             if chunk.home_tier == "nvme"
