@@ -544,33 +544,17 @@ def test_a_spilled_re_pack_keeps_old_nvme_homes_in_place_and_stays_bitwise(tmp_p
 
     monkeypatch.setattr(tiermem.states.relayout, "spill", spill)
     monkeypatch.setattr(Homes, "readable", readable)
-    torch.manual_seed(0)
-    plain = make_model()
-    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
-    model = make_model()
-    total = state_bytes("adamw", model)
-    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
-        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={})
-        got = train(model, optimizer, range(2))
-        homes = [chunk["home"] for chunk in rt.__dict__["_model_states"][0].describe()["chunks"]]
-        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)  # re-packs (declared steps rule 10)
-        got += train(model, optimizer, range(2, 4))
-        stats = rt.stats().as_dict()["tiers"]
+    homes = _spilled_re_packs(tmp_path)
     # two spilled re-packs: the first step's into execution order, then the declaration's, each
     # taking over every old NVMe home (the second's are the ones listed before it)
     assert len(adopted) == 2 and adopted[1] == homes.count("nvme") > 0, (adopted, homes)
     assert read_back == []
-    assert_bitwise(got, want)
-    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
-    for tier in ("device", "host", "nvme"):
-        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
-    assert list(tmp_path.iterdir()) == []
 
 
 def _spilled_re_packs(tmp_path, plan: dict[str, Any] | None = None) -> list[str]:
-    """Plain PyTorch's and a managed run's losses and parameters over 4 steps with two spilled
-    re-packs (the first step's into execution order, then the declaration's); the homes of the
-    chunks in force at the end."""
+    """A managed run of 4 steps with two spilled re-packs (the first step's into execution order,
+    then the declaration's), checked bitwise against plain PyTorch, within every tier's capacity
+    and leaving no file; the homes of the chunks in force before the declaration."""
     torch.manual_seed(0)
     plain = make_model()
     want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
@@ -579,11 +563,14 @@ def _spilled_re_packs(tmp_path, plan: dict[str, Any] | None = None) -> list[str]
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.1))) as rt:
         model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan or {})
         got = train(model, optimizer, range(2))
-        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)
-        got += train(model, optimizer, range(2, 4))
         homes = [chunk["home"] for chunk in rt.__dict__["_model_states"][0].describe()["chunks"]]
+        rt.declare(model, grad_accumulation_steps=1, keep_gradients=False)  # re-packs (declared steps rule 10)
+        got += train(model, optimizer, range(2, 4))
+        stats = rt.stats().as_dict()["tiers"]
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    for tier in ("device", "host", "nvme"):
+        assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
     assert list(tmp_path.iterdir()) == []
     return homes
 

@@ -74,9 +74,8 @@ copies of homes an undeclared loop's backward steps into are :class:`~tiermem.st
    the chunk joins a queue; later hooks read the first queued home before any other (rule
    3's room) and start queued steps in order (speculative ones from every hook of backward:
    NOTE [ Speculative steps ] reads a shadow only for the head); the end of backward runs the
-   rest. With
-   ``keep_gradients=False`` (two chunks' gradients budgeted on the host) one step waits at
-   most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
+   rest. With ``keep_gradients=False`` (two chunks' gradients budgeted on the host) one step
+   waits at most; under rule 8 steps run at once. Gradients stored on NVMe are staged first (NOTE
    [ Stored gradients ]). An error ending backward unmarks the queued chunks (none steps twice
    in a window, as for any chunk a failed step never reached) and sends their homes back.
 10. Declaring later (``rt.declare``, which trainers' integrations call: ``tiermem.integrations.hf``):
