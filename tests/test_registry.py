@@ -469,8 +469,10 @@ def test_started_copy_outs_run_together_and_each_gives_its_objects_bytes(make_st
     handles = [store.registry.register(v.clone(), "device", dedup=False) for v in values]
     for handle in handles:
         handle.move_to("nvme", Priority.WRITEBACK)
-    store.nvme.release_all()
+    # Ungated first: a write the scheduler submits after release_all() took the queue would be
+    # held for ever otherwise.
     store.nvme.gated = False
+    store.nvme.release_all()
     for handle in handles:
         handle.wait()
     store.nvme.gated = True
@@ -483,6 +485,7 @@ def test_started_copy_outs_run_together_and_each_gives_its_objects_bytes(make_st
         assert handle.tier == "nvme" and handle.state is ObjectState.RESIDENT
     store.nvme.fail_next = OSError("the disk said no")
     failed = handles[0].start_copy_out()
+    store.nvme.wait_pending(1)  # the read reaches the tier on the scheduler's thread
     store.nvme.release_all()
     failed.settle()
     with pytest.raises(OSError, match="the disk said no"):
