@@ -218,13 +218,31 @@ def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, mon
         homes = [(chunk, chunk.home.copy_out()) for chunk in chunks]
     assert len(made) == len(chunks) > 2
     sizes = [n for _, n in made]
-    shared = max(sizes, key=sizes.count)
-    assert sizes.count(shared) > 1 and len({ptr for ptr, n in made if n == shared}) == 1
+    repeated = {n for n in sizes if sizes.count(n) > 1}
+    assert repeated  # every size made again is made in the buffer its last home used
+    assert all(len({ptr for ptr, size in made if size == n}) == 1 for n in repeated)
     for chunk, home in homes:  # byte for byte: values in their slots, zeros everywhere else
         want = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
         for slot in chunk.layout.slots:
             slot.view(want, chunk.working_base).copy_(values[slot.index])
         assert torch.equal(home[: chunk.home_bytes], want)
+
+
+def test_home_scratch_keeps_a_buffer_for_each_of_the_last_two_sizes():
+    """Homes of two sizes in turn (a block spanning a chunk and a half) each reuse their own
+    buffer, zeroed again; a third size drops the least recent one, so at most two are held."""
+    from tiermem.states.store import _HomeScratch
+
+    scratch = _HomeScratch()
+    a, b = scratch.zeros(4096), scratch.zeros(8192)
+    a.fill_(1)
+    b.fill_(2)
+    again_a, again_b = scratch.zeros(4096), scratch.zeros(8192)
+    assert again_a is a and again_b is b  # the same buffers (addresses could be a new block's)
+    assert not a.any() and not b.any()
+    scratch.zeros(12288)  # 4096 is the least recent size now
+    assert scratch.zeros(8192) is b
+    assert scratch.zeros(4096) is not a
 
 
 @pytest.mark.parametrize(

@@ -47,7 +47,7 @@ or given back when the spill fails: rule 5), and the registry (register, read ou
    sections) x`` a chunk's bytes each, since a new chunk usually spans two old ones and
    reads each one's values, then its states) while building, one more being read ahead
    (rule 3), and the build's own transients (a new NVMe home is made in memory, then written;
-   one buffer serves every NVMe home of one size, ``store._HomeScratch``): the caller's
+   one buffer serves every NVMe home of one size, for the last two sizes: ``store._HomeScratch``): the caller's
    ``before_read`` waits until the homes built before the chunk being filled have landed, so
    at most one new home's write is in flight.
 5. In place: an old chunk whose home is on NVMe, landed, its step finished and no device copy
