@@ -17,9 +17,13 @@ C B A, ...):
 The model is built as users build it (whole in RAM, then managed), so ``ru_maxrss`` is the whole
 process's from construction to exit. The tiermem processes share one private profile cache, so
 the first one profiles and the others plan from its profile; ``--warmup`` steps (the first one
-plans) are not timed. The timed steps run inside ``rt.trace``: each step's compute, waits by cause,
-busy links and the share of moves hidden come from ``tiermem trace summary``; the CPU seconds of
-each kind of thread (training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``.
+plans) are not timed. Three by default: plain PyTorch's own steps settle only by its third (glibc
+raises its mmap threshold as large blocks are freed, so its early steps map and zero their
+gradients afresh: 6.4, 4.2 then 3.2 s at 210M on a 2-vCPU Intel VM, and 3.0-3.5 s after), and
+timing its second step made plain's median a second slower than its steady step. The timed
+steps run inside ``rt.trace``: each step's compute, waits by cause, busy links and the share of
+moves hidden come from ``tiermem trace summary``; the CPU seconds of each kind of thread
+(training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``.
 
 The floor is max(plain PyTorch's step in the same run, the disk time of the mode's NVMe bytes per
 step at the read and write bandwidth ``tiermem bench io`` measures on ``--path`` in the same run).
@@ -345,7 +349,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size", choices=sorted(SIZES), default="210M")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per process")
-    parser.add_argument("--warmup", type=int, default=1, help="steps before timing (the first one plans)")
+    parser.add_argument(
+        "--warmup", type=int, default=3, help="untimed steps (the first plans; plain PyTorch settles by its third)"
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument(
         "--fraction", type=float, default=0.0, help="device and host capacity / state bytes (0: 10%% at 210M)"
