@@ -311,3 +311,36 @@ def test_gradient_buffers_are_blocks_their_tier_kept(tmp_path, monkeypatch):
         assert fresh[tier] < made[tier] / 2, (tier, fresh, made)
     assert_bitwise(got, want[0])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
+@pytest.mark.parametrize("predicted", ["room", "none", "short"])
+def test_a_fresh_gradient_buffer_waits_for_write_backs_only_past_the_plans_peak(tmp_path, monkeypatch, predicted):
+    """Rule 6 of the manager: a chunk's fresh gradient buffer is made beside the earlier chunks'
+    write-backs still in flight while the device's bytes stay within the peak the plan predicted
+    (the plain loop of a 210M HF GPT-2 waited 0.5-2.7 s a step for them otherwise); with no peak
+    predicted, or one the buffer would pass, the write-backs land first. Bitwise either way, and
+    the device never goes past the prediction."""
+    from tests.test_states_declared import _slow_nvme_writes
+
+    _slow_nvme_writes(monkeypatch)  # the last chunk's write-back is in flight as the next one fills
+    want = reference("adamw")
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    plan: dict = dict(STORED)
+    if predicted != "none":
+        device = capacity if predicted == "room" else 1 << 16
+        plan["predicted"] = {"step_s": 1.0, "peak_bytes": {"device": device, "host": None, "nvme": None}}
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        got = train(model, optimizer, range(3))
+        gradients = _states(rt).gradients
+        device_peak = rt.stats().as_dict()["tiers"]["device"]["peak_bytes"]
+        _within_capacities(rt)
+    if predicted == "room":
+        assert gradients.buffers_beside_writebacks > 0
+        assert device_peak <= capacity
+    else:
+        assert gradients.buffers_beside_writebacks == 0
+    assert_bitwise(got, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+    assert list(tmp_path.iterdir()) == []

@@ -12,13 +12,14 @@ finishes first (NOTE [ Step threads ] rule 4).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
 from tiermem.errors import TierCapacityError
 from tiermem.layout.chunks import Slot
-from tiermem.registry import ObjectState, Priority, Registry
+from tiermem.registry import Handle, ObjectState, Priority, Registry
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError, StatesUsageError
 from tiermem.states.facts import ModelFacts, same
@@ -54,6 +55,8 @@ class Gradients:
         self.fence: Callable[[Chunk], None] = homes.fence
         #: chunks whose gradients :meth:`flush` sent home since the last fresh gradient buffer
         self._sent: list[Chunk] = []
+        #: fresh gradient buffers made beside write-backs still in flight (rule 6 of the manager)
+        self.buffers_beside_writebacks = 0
         #: NOTE [ Stored gradients ]: host copies of the gradients that wait on NVMe
         #: ``wait_write_backs``: every write-back to NVMe in flight (homes', shadows') lands, freeing
         #: the host bytes the stash reads stored gradients into when it is short of room
@@ -84,19 +87,24 @@ class Gradients:
         handle = chunk.grad
         pool = self.store.pool
         if handle is None:
-            # The earlier chunks' write-backs land first, so the device never holds more gradients
-            # than the ones being filled, what the planner's peak counts (rule 6 of the manager).
-            self._land_writebacks()
             # Made by the device tier: on the CPU a block it kept (NOTE [ Spare tier blocks ]), not
             # a fresh mapping whose pages the kernel zeroes again as backward first writes them.
             # Nothing here keeps a reference, so the write-back frees the block and the tier may
             # keep it again (rule 3 there; TRAPS 14).
-            chunk.grad = pool.device_room(
-                lambda: self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient"),
-                (chunk,),
-                demand=True,
-                what=f"the gradients of chunk {chunk.index}",
-            )
+            def make() -> Handle:
+                return self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient")
+
+            made = None
+            if self._room_beside_writebacks(chunk.nbytes):
+                with contextlib.suppress(TierCapacityError):  # another thread took the room first
+                    made = make()
+                    self.buffers_beside_writebacks += 1
+            if made is None:
+                # The earlier chunks' write-backs land first, so the device holds no gradients
+                # beyond the ones being filled and the plan's peak (rule 6 of the manager).
+                self._land_writebacks()
+                made = pool.device_room(make, (chunk,), demand=True, what=f"the gradients of chunk {chunk.index}")
+            chunk.grad = made
             return chunk.grad.tensor("device")
         if handle.tier != "device" or handle.state is ObjectState.MOVING:
             # edits (and deferred scalings) of stored gradients land on NVMe before they move
@@ -104,6 +112,18 @@ class Gradients:
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
         return handle.tensor("device")
+
+    def _room_beside_writebacks(self, nbytes: int) -> bool:
+        """Rule 6 of the manager: gradient write-backs :meth:`flush` started are still in flight,
+        and a fresh buffer of ``nbytes`` beside them keeps the device's bytes within the peak the
+        plan predicted (none predicted: never)."""
+        self._sent = [c for c in self._sent if c.grad is not None and c.grad.state is ObjectState.MOVING]
+        plan = self.store.plan
+        predicted = None if plan is None else plan.predicted.peak_bytes.get("device")
+        if not self._sent or predicted is None:
+            return False
+        held = self.registry.tier_statistics("device").current_bytes
+        return held + self.registry.reserved_size("device", nbytes) <= predicted
 
     def _land_writebacks(self) -> None:
         """Wait for the gradient write-backs :meth:`flush` started that are still in flight."""

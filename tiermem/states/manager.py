@@ -82,12 +82,16 @@ backend, ``describe``, ``close``) and the wiring:
    allocation that does not fit waits for gradient write-backs, then evicts unpinned
    chunks, then asks the device's other users for room (``Registry.reclaim(needed=...)``:
    kept activations written out, TRAPS 35), then raises :class:`StatesMemoryError`. A
-   chunk's fresh gradient buffer waits for the write-backs in flight before it is allocated,
-   fit or not, so the device holds no gradient beyond the ones being filled, as the cost model
-   counts (NOTE [ Cost model ] rule 1). On a quiet machine they landed long before (a chunk's
-   backward ago); on a loaded one, without the wait, one or two more gradient chunks stayed on
-   the device (a GPT at a tight device, every block recomputed, beside three busy loops: device
-   peaks 8.6% and 17.6% over the prediction).
+   chunk's fresh gradient buffer is made beside the earlier chunks' write-backs still in flight
+   only while the device's bytes stay within the peak the plan predicted (NOTE [ Cost model ]
+   rule 1: backward frees activations, so there is room below the peak); past it, or with no
+   prediction, the write-backs land first, so they never take the device past the prediction:
+   on a loaded machine, waiting for nothing, one or two more gradient chunks stayed on the
+   device (a GPT at a tight device, every block recomputed, beside three busy loops: device
+   peaks 8.6% and 17.6% over the prediction). Waiting fit or not, the plain loop of the 210M HF
+   GPT-2 of ``bench/hf_states.py`` (gradients on NVMe) waited 0.5-2.7 s a step for them; beside
+   them 0-0.17 s, and the step's median went from 8.09 to 7.44 s (5 rounds alternated, lower in
+   4 of them).
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's; on CUDA backward hooks run on autograd's device thread while
    the caller waits in ``backward()``, so they never overlap forward's); the manager is not
