@@ -73,16 +73,18 @@
    next step takes again, and a trimmed page taken again is faulted in and zeroed; on a VM whose
    balloon reports free pages to the hypervisor (virtio ``free page reporting``: free blocks of
    2 MiB and more are handed back to the host about 2 s after they are freed), a huge page
-   faulted in over reported memory costs about 6 ms a MiB against 0.17 hot (TRAPS 22). Measured
-   there (2-vCPU Intel VM), the 210M GPT-2 of rule 5 held 490-880 MiB of freed heap between
-   phases and took all of it again each step: trimmed at every boundary its steps spent 1-6.6 s
-   of system time each, mostly ``clear_page_erms`` (a quarter of the steady steps' CPU samples).
-   ``bench/hf_states.py --worker`` with rule 5 as it was and with no boundary trims, alternated,
-   2 rounds of 5 steps each: plain loop median 9.49 / 8.89 s against 7.62 / 5.98 s (system time
-   3.0-6.6 against 0.9-2.0 s a step), declared 4.78 / 6.96 s against 4.66 / 5.43 s; ru_maxrss
-   1,746-1,803 MiB against 1,790-2,085 MiB. A slack of 512 MiB still trimmed once a step there
-   (7-11 s a step). The slack bounds what is held: over 14 plain-loop steps untrimmed the
-   high-water mark went from 1,900 to 2,099 MiB, and it crept with a trim every step too.
+   faulted in over reported memory costs 2.5-7 ms a MiB against 0.17 hot (TRAPS 22,
+   ``bench/fresh_pages.py``). Measured there (2-vCPU Intel VM), the 210M GPT-2 of rule 5 held
+   490-880 MiB of freed heap between phases and took all of it again each step: trimmed at every
+   boundary, its steps spent 1-6.6 s of system time each, mostly ``clear_page_erms`` (a quarter of
+   the steady steps' CPU samples). ``bench/hf_states.py --worker --warmup 2 --steps 4``, the code
+   before and after alternated in fresh processes, 2 rounds: plain loop median 7.16 / 9.13 s
+   against 6.09 / 8.29 s a step (CPU 9.5-10.7 against 7.5-9.0 s, faulted in 0.8 against 0.3-0.4
+   GiB), declared 7.48 / 4.99 s against 5.77 / 4.80 s; ru_maxrss 1,705-1,764 MiB against
+   1,806-2,099 MiB (0.38-0.45x plain PyTorch's 4,712). A slack of 512 MiB still trimmed once a
+   step there (7-11 s a step). The slack bounds what is held: over 14 plain-loop steps with no
+   boundary trim the high-water mark went from 1,900 to 2,099 MiB, and it crept with a trim
+   every step too.
    The profiling pass's eager trims (``eager``) ignore the slack: they run once, for the first
    step's peak. A counter's ``slack`` of 0 trims at every boundary whose interval is full.
 """
