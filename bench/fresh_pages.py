@@ -1,5 +1,5 @@
 """What a freshly faulted page costs on this machine, and how it depends on how long ago memory was
-freed (TRAPS 22; NOTE [ Returning freed memory ] rule 6 in ``tiermem/malloc.py``).
+freed (TRAPS 22; NOTE [ Returning freed memory ] rule 5 in ``tiermem/malloc.py``).
 
 Each round allocates ``--blocks`` tensors of ``--block-mib`` MiB, fills them (every page faulted in
 and zeroed by the kernel, then written) and frees them; before each round it sleeps ``--gap``

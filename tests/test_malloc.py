@@ -102,8 +102,6 @@ STREAMING = textwrap.dedent(
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB, a 4 MiB chunk each
     x = torch.randn(4, 1024)
-    import tiermem.malloc
-    tiermem.malloc.HEAP_SLACK = int(sys.argv[2])  # rule 6
     with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}) as rt:
         plan = {"persistent_chunks": 0, "chunk_size": "4MiB", "state_home": "host"}
         model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1, plan=plan, activations=None)
@@ -130,38 +128,21 @@ STREAMING = textwrap.dedent(
 )
 
 
-def streaming(tmp_path, slack: int) -> dict:
+def test_streaming_chunks_returns_the_heaps_freed_blocks(tmp_path):
+    """Rule 5: blocks freed in the middle of the heap (a step's activations) leave the process's
+    RSS at the next forward once the pool has streamed 64 MiB of chunks (once, not at every chunk), with glibc's
+    thresholds as the benchmarks set them (the mmap threshold at 4 MiB: 2 MiB blocks come from
+    the heap)."""
     environ = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "TIERMEM_KEEP"))}
     environ |= {"MALLOC_MMAP_THRESHOLD_": str(4 << 20), "MALLOC_TRIM_THRESHOLD_": "0"}
     out = subprocess.run(
-        [sys.executable, "-c", STREAMING, str(tmp_path), str(slack)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=environ,
+        [sys.executable, "-c", STREAMING, str(tmp_path)], capture_output=True, text=True, timeout=120, env=environ
     )
     assert out.returncode == 0, out.stderr
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def test_streaming_chunks_returns_the_heaps_freed_blocks_past_the_slack(tmp_path):
-    """Rules 5 and 6: blocks freed in the middle of the heap (a step's activations) leave the
-    process's RSS at the next forward once the pool has streamed 64 MiB of chunks (once, not at
-    every chunk) and the heap holds more free bytes than the slack, with glibc's thresholds as the
-    benchmarks set them (the mmap threshold at 4 MiB: 2 MiB blocks come from the heap)."""
-    measured = streaming(tmp_path, 32 << 20)  # the 64 MiB of holes are past it
+    measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["held_after_free"] > -8 << 20, measured  # freeing alone gave the 64 MiB of holes back
     assert measured["streamed"] < -48 << 20, measured
     assert 1 <= measured["trims"] <= 2, measured
-
-
-def test_freed_heap_within_the_slack_stays_for_the_next_step(tmp_path):
-    """Rule 6: with the default slack (1 GiB) the same 64 MiB of holes stay resident for what
-    comes next to take again, not trimmed and faulted in afresh."""
-    measured = streaming(tmp_path, 1 << 30)
-    assert measured["held_after_free"] > -8 << 20, measured
-    assert measured["streamed"] > -16 << 20, measured
-    assert measured["trims"] == 0, measured
 
 
 def test_streamed_chunks_trim_the_heap_between_phases_not_within_them(tmp_path, monkeypatch):
@@ -185,7 +166,6 @@ def test_streamed_chunks_trim_the_heap_between_phases_not_within_them(tmp_path, 
         model, optimizer = rt.manage(model, torch.optim.SGD, lr=0.1, plan=plan, activations=None)
         pool = rt._model_states[0].store.pool
         pool.trimming.every = 1  # any fetched byte fills the interval
-        pool.trimming.slack = 0  # and a boundary trims whatever the heap holds (rule 6)
         fetched = []
         for _ in range(3):
             trims.clear()

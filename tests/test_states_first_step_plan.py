@@ -678,7 +678,6 @@ def test_the_streamed_profiling_pass_trims_the_heap_as_it_streams(tmp_path, monk
         _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
         states = rt._model_states[0]
         states.store.pool.trimming.every = 1  # any fetched byte fills the interval
-        states.store.pool.trimming.slack = 0  # whatever the heap holds (NOTE [ Returning freed memory ] rule 6)
         streamed_chunks = sum(not c.persistent for c in states.store.chunks)
         train(model, optimizer, range(1))
         assert rt.plan.predicted.step_s is not None  # planned, from the streamed pass

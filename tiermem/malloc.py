@@ -41,8 +41,8 @@
    ``TIERMEM_KEEP_MALLOC=1`` turns it off.
 5. The heap is also trimmed while chunks stream, between a step's phases: the chunk pool counts
    the bytes it fetches, and once :data:`TRIM_EVERY_STREAMED` were counted since the last trim
-   made anywhere in the process, the next phase to begin trims first once past rule 6's slack
-   (:class:`StreamingTrim`: the managed model's forward, its backward, its optimizer step). The activation offloader
+   made anywhere in the process, the next phase to begin trims first (:class:`StreamingTrim`:
+   the managed model's forward, its backward, its optimizer step). The activation offloader
    counts the saved bytes its blocks offloaded and trims the same way at each forward's end.
    Why: blocks below the mmap threshold that a step frees in the middle of the heap (a block's
    2 MiB activations once written out or recomputed, gradients and their temporaries) otherwise
@@ -66,27 +66,20 @@
    chunk fetched, 148 trims took 0.35-0.75 s of a 26 s step (a trim walks the heap's free
    blocks: 0.15 ms with little to give back, 16 ms for 200 MiB of holes). The same switches as
    rule 4 apply.
-6. A phase boundary trims only once the heap holds more than :data:`HEAP_SLACK` of free
-   resident bytes beyond what it held after the last trim (:func:`heap_held`: the process's
-   anonymous resident bytes less malloc's bytes in use, read from ``/proc/self/statm`` and
-   ``mallinfo2``; where either is missing, rule 5 trims as before). Why: what a step frees, the
-   next step takes again, and a trimmed page taken again is faulted in and zeroed; on a VM whose
-   balloon reports free pages to the hypervisor (virtio ``free page reporting``: free blocks of
-   2 MiB and more are handed back to the host about 2 s after they are freed), a huge page
-   faulted in over reported memory costs 2.5-7 ms a MiB against 0.17 hot (TRAPS 22,
-   ``bench/fresh_pages.py``). Measured there (2-vCPU Intel VM), the 210M GPT-2 of rule 5 held
-   490-880 MiB of freed heap between phases and took all of it again each step: trimmed at every
-   boundary, its steps spent 1-6.6 s of system time each, mostly ``clear_page_erms`` (a quarter of
-   the steady steps' CPU samples). ``bench/hf_states.py --worker --warmup 2 --steps 4``, the code
-   before and after alternated in fresh processes, 2 rounds: plain loop median 7.16 / 9.13 s
-   against 6.09 / 8.29 s a step (CPU 9.5-10.7 against 7.5-9.0 s, faulted in 0.8 against 0.3-0.4
-   GiB), declared 7.48 / 4.99 s against 5.77 / 4.80 s; ru_maxrss 1,705-1,764 MiB against
-   1,806-2,099 MiB (0.38-0.45x plain PyTorch's 4,712). A slack of 512 MiB still trimmed once a
-   step there (7-11 s a step). The slack bounds what is held: over 14 plain-loop steps with no
-   boundary trim the high-water mark went from 1,900 to 2,099 MiB, and it crept with a trim
-   every step too.
-   The profiling pass's eager trims (``eager``) ignore the slack: they run once, for the first
-   step's peak. A counter's ``slack`` of 0 trims at every boundary whose interval is full.
+   What the trims cost where it matters most: on a VM whose balloon reports free pages to the
+   hypervisor (TRAPS 22, ``bench/fresh_pages.py``), a huge page faulted in over memory freed a
+   few seconds before costs 2.5-7 ms a MiB against 0.17. There the 210M GPT-2 above held
+   490-880 MiB of freed heap between phases and took all of it again each step, and its steps
+   spent 1-6.6 s of system time each, mostly ``clear_page_erms``. Tried, not kept: trimming at a
+   boundary only past 1 GiB of freed resident heap beyond the last trim (anonymous RSS less
+   ``mallinfo2``'s bytes in use). Alternated against this rule (``bench/hf_states.py --worker
+   --warmup 2 --steps 4``, 2 rounds, 2-vCPU Intel VM): plain loop 7.16 / 9.13 s against 6.09 /
+   8.29 s, declared 7.48 / 4.99 s against 5.77 / 4.80 s; but ru_maxrss rose from 1,705-1,764 to
+   1,806-2,099 MiB, and the whole bench (``--rounds 3 --steps 3``) held 2,006-2,199 MiB, above its
+   goal of 0.45x plain PyTorch's 4,726 in 3 of 6 processes, with steps no faster than this rule's
+   last run there (declared 4.97-5.69 s, plain loop 7.20-7.64). A 512 MiB slack still trimmed
+   every step. What would cut the faults without the RSS: a step that frees less of what the
+   next one takes again.
 """
 
 from __future__ import annotations
@@ -143,11 +136,6 @@ def _configure() -> bool:
 
 
 _trims_done = 0  # every trim in the process, for rule 5's counters to see each other's
-_held_after_trim: int | None = None  # rule 6: heap_held() after the last trim (or at the first counter)
-
-HEAP_SLACK = 1 << 30
-"""Rule 6: free resident heap bytes a phase boundary leaves in the process, beyond what the last
-trim left, before it trims (above the 490-880 MiB a 210M GPT-2 step takes again)."""
 
 
 def trim() -> bool:
@@ -155,65 +143,9 @@ def trim() -> bool:
     global _trims_done
     if os.environ.get("TIERMEM_KEEP_MALLOC") == "1":
         return False
-    global _held_after_trim
     _trims_done += 1
     malloc_trim = _malloc_trim()
-    released = malloc_trim is not None and bool(malloc_trim(0))
-    _held_after_trim = heap_held()
-    return released
-
-
-class _MallInfo2(ctypes.Structure):
-    """glibc's ``struct mallinfo2`` (glibc 2.33 and later): every field a ``size_t``."""
-
-    _FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks")
-    _FIELDS += ("keepcost",)
-    _fields_ = [(name, ctypes.c_size_t) for name in _FIELDS]
-
-
-_mallinfo_function: Any = None  # glibc's mallinfo2 once looked up; False where there is none
-
-
-def heap_held() -> int | None:
-    """Rule 6: the process's anonymous resident bytes less the bytes malloc has handed out (heap
-    blocks in use and mapped blocks): free heap still resident, plus memory malloc never saw
-    (Python's own arenas, thread stacks), which changes slowly. None where it cannot be read."""
-    global _mallinfo_function
-    if _mallinfo_function is None:
-        _mallinfo_function = False
-        if platform.libc_ver()[0] == "glibc":
-            try:
-                function = ctypes.CDLL(ctypes.util.find_library("c") or None).mallinfo2
-            except (OSError, AttributeError):
-                function = None
-            if function is not None:
-                function.argtypes = ()
-                function.restype = _MallInfo2
-                _mallinfo_function = function
-    if not _mallinfo_function:
-        return None
-    try:
-        with open("/proc/self/statm") as statm:
-            resident, shared = (int(field) for field in statm.read().split()[1:3])
-    except (OSError, ValueError):
-        return None
-    info = _mallinfo_function()
-    return (resident - shared) * os.sysconf("SC_PAGE_SIZE") - info.uordblks - info.hblkhd
-
-
-def _start_counting() -> None:
-    """Rule 6: before any trim, the heap's growth counts from when the first counter was made
-    (a managed model or an activation offloader)."""
-    global _held_after_trim
-    if _held_after_trim is None:
-        _held_after_trim = heap_held()
-
-
-def _past_slack(slack: int) -> bool:
-    """Rule 6: True when the heap holds more than ``slack`` free resident bytes beyond what the
-    last trim left, or when that cannot be read."""
-    held = heap_held()
-    return held is None or _held_after_trim is None or held - _held_after_trim > slack
+    return malloc_trim is not None and bool(malloc_trim(0))
 
 
 TRIM_EVERY_STREAMED = 64 << 20
@@ -226,11 +158,8 @@ class StreamingTrim:
     of them were counted since the last trim made anywhere in the process (a trim returns what
     every user of the heap freed)."""
 
-    def __init__(self, every: int = TRIM_EVERY_STREAMED, slack: int | None = None) -> None:
+    def __init__(self, every: int = TRIM_EVERY_STREAMED) -> None:
         self.every = every
-        #: rule 6: free resident heap bytes a boundary leaves beyond the last trim's (0: trim anyway)
-        self.slack = HEAP_SLACK if slack is None else slack
-        _start_counting()
         self._since = 0
         self._seen = _trims_done
         #: trims done (read by tests and traces)
@@ -250,7 +179,7 @@ class StreamingTrim:
         """A phase of the step begins (a forward, a backward, the optimizer step): trim first when
         the interval is full, so what the phase allocates can take the pages given back."""
         self._restart_if_trimmed()
-        if self._since >= self.every and (self.eager or not self.slack or _past_slack(self.slack)):
+        if self._since >= self.every:
             self._since = 0
             self.trims += 1
             trim()
