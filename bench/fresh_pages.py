@@ -77,7 +77,12 @@ def main() -> None:
     parser.add_argument("--block-mib", type=int, default=32)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.gaps = [float(g) for g in args.gaps.split(",")]
+    try:
+        args.gaps = [float(g) for g in args.gaps.split(",")]
+    except ValueError:
+        parser.error(f"--gaps takes seconds separated by commas (e.g. 0,0.5,3), not {args.gaps!r}")
+    if any(g < 0 for g in args.gaps) or min(args.rounds, args.blocks, args.block_mib) < 1:
+        parser.error("--gaps must be >= 0 and --rounds, --blocks, --block-mib >= 1")
     if args.worker:
         worker(args)
         return

@@ -75,11 +75,10 @@
    ``mallinfo2``'s bytes in use). Alternated against this rule (``bench/hf_states.py --worker
    --warmup 2 --steps 4``, 2 rounds, 2-vCPU Intel VM): plain loop 7.16 / 9.13 s against 6.09 /
    8.29 s, declared 7.48 / 4.99 s against 5.77 / 4.80 s; but ru_maxrss rose from 1,705-1,764 to
-   1,806-2,099 MiB, and the whole bench (``--rounds 3 --steps 3``) held 2,006-2,199 MiB, above its
-   goal of 0.45x plain PyTorch's 4,726 in 3 of 6 processes, with steps no faster than this rule's
-   last run there (declared 4.97-5.69 s, plain loop 7.20-7.64). A 512 MiB slack still trimmed
-   every step. What would cut the faults without the RSS: a step that frees less of what the
-   next one takes again.
+   1,806-2,099 MiB, and the whole bench (``--rounds 3 --steps 3``) held 2,006-2,199 MiB =
+   0.42-0.47x plain PyTorch's 4,726: over its 0.45x goal in 2 of 6 processes and within 3 MiB of
+   it in 2 more, where this rule holds 0.37-0.40x. A 512 MiB slack still trimmed every step. What
+   would cut the faults without the RSS: a step that frees less of what the next one takes again.
 """
 
 from __future__ import annotations
