@@ -269,6 +269,43 @@ def test_made_objects_are_the_tiers_own_blocks_and_move_like_any(make_store):
         store.registry.make("nvme", nbytes)
 
 
+def test_objects_of_several_sizes_with_one_room_take_turns_in_one_block(make_store):
+    """NOTE [ Spare tier blocks ] rule 6: objects on NVMe whose owner gave them a common ``room``
+    (staged homes of several sizes) each take a host block of that room when they move there, so
+    the block one leaves serves the next whatever its size; each still moves, reads and copies out
+    exactly its own bytes. Without the room a smaller object gets a block of its own size."""
+    store = make_store()
+    sizes = (300_000, 200_000)  # neither a multiple of the alignment
+    room = store.host.reserved_size(max(sizes))
+    datas = [torch.arange(n, dtype=torch.int64).remainder(241 - k).to(torch.uint8) for k, n in enumerate(sizes)]
+    handles = []
+    for data in datas:
+        handle = store.registry.register(data.clone(), "nvme", dedup=False)
+        handle.obj.room = room
+        handles.append(handle)
+    blocks = []
+    for _ in range(2):
+        for handle, data in zip(handles, datas, strict=True):
+            handle.move_to("host", Priority.DEMAND)
+            handle.wait()
+            assert handle.obj.home.reserved == room and store.current()["host"] == room
+            blocks.append(handle.obj.home.tensor.data_ptr())
+            assert torch.equal(handle.tensor("host"), data)
+            assert torch.equal(handle.copy_out()[: data.numel()], data)
+            assert handle.copy_out().numel() == store.host.reserved_size(data.numel())  # not the room
+            handle.move_to("nvme", Priority.WRITEBACK)
+            handle.wait()
+            assert torch.equal(handle.tensor("device"), data)  # moved back: its own bytes, intact
+    assert len(set(blocks)) == 1, blocks  # one block served both sizes, every time
+    handles[1].obj.room = 0
+    handles[1].move_to("host", Priority.DEMAND)
+    handles[1].wait()
+    assert handles[1].obj.home.reserved == store.host.reserved_size(sizes[1])
+    for handle in handles:
+        handle.free()
+    assert store.current() == {"device": 0, "host": 0, "nvme": 0}
+
+
 def test_capacity_exhausted_names_the_tier(make_store):
     store = make_store(device_capacity=1 << 20)
     with pytest.raises(TierCapacityError, match="device tier: cannot allocate"):

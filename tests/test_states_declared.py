@@ -431,6 +431,62 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, monkeypatch):
+    """NOTE [ Spare tier blocks ] rule 6: every NVMe home staged whole on the host takes a block of
+    the largest such home's bytes (the room the plan keeps per staged home), so a block one home
+    leaves serves the next whatever its size: after the first step every host block a home is
+    staged into is a kept one. Homes of one size only would keep a block per size, and a host
+    with room for one block beside the homes in flight then made each home's block afresh."""
+    from tiermem.tiers.memory import MemoryTier
+
+    served: list[tuple[int, bool]] = []  # host blocks asked for: (bytes, a kept one served it)
+    take = MemoryTier._take_spare
+
+    def recorded(self, reserved):
+        block = take(self, reserved)
+        if self.name == "host":
+            served.append((reserved, block is not None))
+        return block
+
+    monkeypatch.setattr(MemoryTier, "_take_spare", recorded)
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            if step == 1:
+                served.clear()  # the first step profiles, plans and re-packs
+            tokens, targets = batch(step, 0)
+            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        # blocks split into chunks of 16, 8 and 4 KiB: NVMe homes of three sizes
+        model, optimizer = manage_streaming(rt, model, plan={"chunk_size": 16 << 10, "state_home": "nvme"})
+        got = train(model, optimizer)
+        store = managed(rt).store
+        staged = [c for c in store.chunks if c.home_tier == "nvme" and c.trainable and c.slice_span is None]
+        sizes = {c.home_bytes for c in staged}
+        room = rt.registry.reserved_size("host", max(sizes))
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
+        assert rt.stats().as_dict()["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+    assert len(sizes) > 1, sizes  # homes of several sizes take turns
+    assert store.staging_room == max(sizes)
+    homes = [(n, kept) for n, kept in served if n >= min(sizes)]
+    assert homes, served
+    assert {n for n, _ in homes} == {room}, homes  # one size of block for every home
+    assert all(kept for _, kept in homes), homes
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 def _slow_nvme_writes(monkeypatch: pytest.MonkeyPatch, delay: float = 0.02) -> None:
     """Every NVMe write lands ``delay`` late, so a home's write-back is still in flight when the
     next chunk's backward begins (on a fast disk it may land first: nothing to test)."""

@@ -313,6 +313,48 @@ def test_gradient_buffers_are_blocks_their_tier_kept(tmp_path, monkeypatch):
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
 
 
+def test_streamed_gradient_buffers_of_several_sizes_share_one_kept_block_size(tmp_path, monkeypatch):
+    """NOTE [ Spare tier blocks ] rule 6: a streamed chunk's gradient buffer on the CPU device holds
+    the pool's gradient slot (the largest regular streamed trainable chunk's bytes, what the plan
+    counts for the buffer being filled), so the block one chunk's write-back leaves serves the next
+    chunk whatever its size; a persistent or tied chunk's buffer holds its own bytes."""
+    from tiermem.registry import Registry
+
+    made: list[tuple[int, int, int]] = []  # device gradient buffers: (their bytes, their block's, the room)
+    real_make = Registry.make
+
+    def make(self, tier, nbytes, **kwargs):
+        handle = real_make(self, tier, nbytes, **kwargs)
+        if tier == "device" and kwargs.get("label") == "gradient":
+            made.append((nbytes, handle.obj.home.reserved, kwargs.get("room", 0)))
+        return handle
+
+    monkeypatch.setattr(Registry, "make", make)
+    want = reference("adamw")
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        plan = {**STORED, "chunk_size": 16 << 10}  # blocks split into chunks of 16, 8 and 4 KiB
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
+        got = train(model, optimizer, range(3))
+        states = _states(rt)
+        pool = states.store.pool
+        shared = states.facts.shared
+        streamed = {
+            c.nbytes
+            for c in states.store.chunks
+            if not c.persistent and c.trainable and not any(s.index in shared for s in c.layout.slots)
+        }
+        slot_block = rt.registry.reserved_size("device", pool.gradient_slot)
+        _within_capacities(rt)
+    assert len(streamed) > 1 and pool.gradient_slot == max(n for n in streamed if n <= states.store.plan.chunk_size)
+    smaller = [(n, block) for n, block, _ in made if n in streamed and n < pool.gradient_slot]
+    assert {n for n, _ in smaller} == streamed - {pool.gradient_slot}, made  # each smaller size made some
+    assert all(block == slot_block for _, block in smaller), made
+    assert_bitwise(got, want[0])
+    assert_bitwise([p.detach() for p in model.parameters()], want[1])
+
+
 @pytest.mark.parametrize("predicted", ["room", "none", "short"])
 def test_a_fresh_gradient_buffer_waits_for_write_backs_only_past_the_plans_peak(tmp_path, monkeypatch, predicted):
     """Rule 6 of the manager: a chunk's fresh gradient buffer is made beside the earlier chunks'

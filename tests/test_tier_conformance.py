@@ -292,3 +292,31 @@ def test_a_cpu_memory_tier_hands_a_freed_block_out_again_within_its_capacity(mak
     finally:
         tier.close()
     assert tier._spare_bytes == 0
+
+
+@pytest.mark.parametrize("make", [lambda: HostTier(16 << 20), lambda: DeviceTier(16 << 20, device="cpu")])
+def test_a_block_made_with_room_serves_the_next_request_of_any_size_up_to_it(make):
+    """NOTE [ Spare tier blocks ] rule 6: an allocation asking for ``room`` holds its own bytes but
+    accounts, and is kept at, the room's; the kept block then serves a request of another size
+    with the same room (no fresh pages), where a request of its own size only takes fresh bytes.
+    The room counts against the capacity like any byte."""
+    tier = make()
+    try:
+        room = 6 << 20
+        block = tier.allocate(5 << 20, room=room)
+        assert (block.nbytes, block.reserved, block.view().numel()) == (5 << 20, room, 5 << 20)
+        assert tier.statistics().current_bytes == room
+        address = block.tensor.data_ptr()
+        tier.free(block)
+        other = tier.allocate(3 << 20, room=room)  # another size, the same room: the same bytes
+        assert other.tensor.data_ptr() == address and (other.nbytes, other.reserved) == (3 << 20, room)
+        tier.free(other)
+        plain = tier.allocate(3 << 20)  # without the room: a block of its own size, fresh
+        assert plain.tensor.data_ptr() != address and plain.reserved == 3 << 20
+        with pytest.raises(TierCapacityError, match=f"{tier.name} tier"):
+            tier.allocate(1 << 20, room=tier.capacity)  # its room does not fit beside the 3 MiB
+        tier.free(plain)
+        with pytest.raises(ValueError, match="negative"):
+            tier.allocate(1 << 20, room=-1)
+    finally:
+        tier.close()

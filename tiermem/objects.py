@@ -70,6 +70,10 @@ class ManagedObject:
         #: the kind where the owner says no more.
         self.label = kind if label is None else label
         self.home: Allocation = home
+        #: Bytes a memory tier's block for this object holds at least when it moves there (NOTE
+        #: [ Spare tier blocks ] rule 6 in ``tiers/memory.py``): set by an owner whose objects of
+        #: several sizes take turns in one tier, so a block one leaves serves the next.
+        self.room = 0
         self.target: Allocation | None = None
         self.transfer: Transfer | None = None
         #: The copy of known bytes running beside ``transfer`` (rule 6), if any.

@@ -187,15 +187,16 @@ class Registry:
                 self._dedup[key] = (weakref.ref(storage, self._storage_died(key)), version, obj)
             return Handle(obj, tensor)
 
-    def make(self, tier: str, nbytes: int, *, kind: str = "tensor", label: str | None = None) -> Handle:
+    def make(self, tier: str, nbytes: int, *, kind: str = "tensor", label: str | None = None, room: int = 0) -> Handle:
         """A new object of ``nbytes`` uninitialised bytes allocated by ``tier`` itself (a memory
         tier hands out a block it kept, where :meth:`register` would adopt fresh pages the
-        kernel zeroes first); a ``uint8`` handle. :class:`TierCapacityError` without room."""
+        kernel zeroes first), its block holding ``room`` bytes where that is more (NOTE [ Spare
+        tier blocks ] rule 6); a ``uint8`` handle. :class:`TierCapacityError` without room."""
         target = self._tier(tier)
         if not target.is_memory:
             raise internal_error(f"make() on the {tier} tier: only memory tiers hand out bytes to fill")
         what = kind if label is None else label
-        allocation = target.allocate(nbytes)
+        allocation = target.allocate(nbytes, room=room)
         with self._lock:
             self._registered += 1
             obj = ManagedObject(self, allocation, nbytes, kind, what)
@@ -259,7 +260,7 @@ class Registry:
         if obj.home.tier.is_memory:
             known = None  # nothing to save: the whole object is copied from memory anyway
         offset, nbytes = (0, obj.nbytes) if known is None else known.rest(obj)
-        target = tier.allocate(obj.nbytes)
+        target = tier.allocate(obj.nbytes, room=obj.room if tier.is_memory else 0)
         copy: Transfer | None = None
         try:
             if known is not None:
@@ -461,7 +462,8 @@ class Registry:
                 copy.wait()
 
     def copy_out(self, obj: ManagedObject) -> torch.Tensor:
-        """Rule 9: a fresh CPU tensor of ``obj``'s reserved size holding its bytes where it lives."""
+        """Rule 9: a fresh CPU tensor of ``obj``'s bytes (rounded up to the tier's alignment) as they
+        are where it lives."""
         return self.start_copy_out(obj).result()
 
     def start_copy_out(self, obj: ManagedObject) -> CopyOut:
@@ -470,7 +472,9 @@ class Registry:
         with self._lock:
             self._check_live(obj)
             home = obj.home
-        data = torch.empty(home.reserved, dtype=torch.uint8)
+        # its bytes with their alignment padding, not the room a memory tier's block may hold past
+        # them (NOTE [ Spare tier blocks ] rule 6)
+        data = torch.empty(home.tier.reserved_size(obj.nbytes), dtype=torch.uint8)
         home.tier.fence()  # a device-resident object is read after the caller's stream's work (TRAPS 28)
         # outside the scheduler: the wait is traced where it happens, naming itself
         return CopyOut(data, home.tier.read(home, 0, data), f"wait {obj.label} read {home.tier.name}")

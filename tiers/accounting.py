@@ -127,12 +127,15 @@ class AccountedTier(abc.ABC):
         """Bytes accounted for an allocation of ``nbytes`` (rounded up to ``ALIGNMENT``)."""
         return round_up(max(int(nbytes), 1), ALIGNMENT)
 
-    def allocate(self, nbytes: int) -> Allocation:
-        """Reserve ``nbytes``; raises :class:`TierCapacityError` when they do not fit."""
-        if nbytes < 0:
-            raise ValueError(f"tiermem {self.name} tier: cannot allocate a negative size ({nbytes})")
+    def allocate(self, nbytes: int, *, room: int = 0) -> Allocation:
+        """Reserve ``nbytes``, or ``room`` bytes where that is more (the allocation still holds
+        ``nbytes``: what it moves; the rest is accounted and kept with it, so a memory tier can
+        hand the block out again for any request of up to ``room``, NOTE [ Spare tier blocks ]
+        rule 6); raises :class:`TierCapacityError` when they do not fit."""
+        if nbytes < 0 or room < 0:
+            raise ValueError(f"tiermem {self.name} tier: cannot allocate a negative size ({nbytes} bytes, room {room})")
         self._check_open()
-        reserved = self.reserved_size(nbytes)
+        reserved = self.reserved_size(max(nbytes, room))
         return self._account(nbytes, reserved, lambda: self._allocate(nbytes, reserved))
 
     def _account(self, nbytes: int, reserved: int, make: Callable[[], Allocation]) -> Allocation:

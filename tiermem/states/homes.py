@@ -164,7 +164,9 @@ class Homes:
         handle = chunk.home
         assert handle is not None
         handle.wait()  # read from the home where it rests, never from a move's source
-        copy = self.store.registry.make("host", chunk.home_bytes, kind="chunk", label="chunk home")
+        copy = self.store.registry.make(
+            "host", chunk.home_bytes, kind="chunk", label="chunk home", room=self.store.staging_room
+        )
         fills: list[Transfer] = []
         try:
             if from_device and chunk.dev is not None:

@@ -42,6 +42,9 @@ class ChunkStore:
         self.module_chunks: dict[nn.Module, tuple[Chunk, ...]] = {}
         self.pool = ChunkPool(registry, [], 0)
         self.plan: Plan | None = None
+        #: NOTE [ Spare tier blocks ] rule 6: the bytes of host block each NVMe home staged whole
+        #: takes (the largest such home's)
+        self.staging_room = 0
         #: per parameter index: whether it has a gradient (in its chunk's gradient buffer)
         self.has_grad = [False] * len(facts.params)
         #: per parameter index: its optimizer record, once the optimizer made one
@@ -103,6 +106,14 @@ class ChunkStore:
             for slot in layout.slots:
                 slots[slot.index] = (chunk, slot)
         self.pool = ChunkPool(self.registry, self.chunks, plan.buffers, plan.chunk_size)
+        # NOTE [ Spare tier blocks ] rule 6: each NVMe home staged whole on the host (to step, or
+        # copied as a shadow) takes a block of the largest one's bytes, the room the plan keeps
+        # for every staged home, so that the block one home leaves serves the next of any size.
+        staged = [c for c in self.chunks if c.home_tier == "nvme" and c.trainable and c.slice_span is None]
+        self.staging_room = max((c.home_bytes for c in staged), default=0)
+        for chunk in staged:
+            assert chunk.home is not None
+            chunk.home.obj.room = self.staging_room
         self.slots = [s for s in slots if s is not None]
         if len(self.slots) != len(facts.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
