@@ -317,16 +317,21 @@ def test_streamed_gradient_buffers_of_several_sizes_share_one_kept_block_size(tm
     """NOTE [ Spare tier blocks ] rule 6: a streamed chunk's gradient buffer on the CPU device holds
     the pool's gradient slot (the largest regular streamed trainable chunk's bytes, what the plan
     counts for the buffer being filled), so the block one chunk's write-back leaves serves the next
-    chunk whatever its size; a persistent or tied chunk's buffer holds its own bytes."""
+    chunk whatever its size; a persistent or tied chunk's buffer holds its own bytes. The host
+    copies the step reads stored gradients into share the largest such gradient's size."""
     from tiermem.registry import Registry
 
     made: list[tuple[int, int, int]] = []  # device gradient buffers: (their bytes, their block's, the room)
+    copies: list[tuple[int, int]] = []  # host copies of gradients that wait on NVMe: (their bytes, their block's)
     real_make = Registry.make
 
     def make(self, tier, nbytes, **kwargs):
         handle = real_make(self, tier, nbytes, **kwargs)
-        if tier == "device" and kwargs.get("label") == "gradient":
-            made.append((nbytes, handle.obj.home.reserved, kwargs.get("room", 0)))
+        if kwargs.get("label") == "gradient":
+            if tier == "device":
+                made.append((nbytes, handle.obj.home.reserved, kwargs.get("room", 0)))
+            else:
+                copies.append((nbytes, handle.obj.home.reserved))
         return handle
 
     monkeypatch.setattr(Registry, "make", make)
@@ -346,10 +351,13 @@ def test_streamed_gradient_buffers_of_several_sizes_share_one_kept_block_size(tm
             if not c.persistent and c.trainable and not any(s.index in shared for s in c.layout.slots)
         }
         slot_block = rt.registry.reserved_size("device", pool.gradient_slot)
+        copy_block = rt.registry.reserved_size("host", states.store.stored_grad_room)
         _within_capacities(rt)
     assert len(streamed) > 1 and pool.gradient_slot == max(n for n in streamed if n <= states.store.plan.chunk_size)
     smaller = [(n, block) for n, block, _ in made if n in streamed and n < pool.gradient_slot]
     assert {n for n, _ in smaller} == streamed - {pool.gradient_slot}, made  # each smaller size made some
+    # the optimizer step reads the stored gradients through host copies, which share one size too
+    assert len({n for n, _ in copies}) > 1 and {block for _, block in copies} == {copy_block}, copies
     assert all(block == slot_block for _, block in smaller), made
     assert_bitwise(got, want[0])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])

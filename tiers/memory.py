@@ -44,12 +44,13 @@ Two copy engines sit behind one small interface:
 6. A block serves only requests of its own reserved size, so objects of several sizes that take
    turns in a tier ask for a common *room* (``allocate(nbytes, room=)``; ``ManagedObject.room``
    for a move): the block holds and accounts ``room`` bytes while the object holds and moves its
-   own. Two owners do, each at the size its plan already budgets, so no plan's peak grows:
+   own. Three owners do, each at the size its plan already budgets, so no plan's peak grows:
    every NVMe home staged whole on the host (to step, or copied as a shadow) takes the largest
    such home's bytes (the planner keeps ``staged_homes`` of those, NOTE [ Default placement
-   rule ] rule 3), and a streamed chunk's gradient buffer on the CPU device the largest regular
-   streamed trainable chunk's (the pool's gradient slot; NOTE [ Cost model ] rule 1 counts the
-   largest untied one). Why: the 210M HF GPT-2 (``bench/hf_states.py``, declared, host 320 MiB)
+   rule ] rule 3); so does every host copy of a gradient that waits on NVMe, at the largest such
+   gradient's (``staged_homes`` of those); and a streamed chunk's gradient buffer on the CPU
+   device the largest regular streamed trainable chunk's (the pool's gradient slot; NOTE [ Cost
+   model ] rule 1 counts the largest untied one). Why: the 210M HF GPT-2 (``bench/hf_states.py``, declared, host 320 MiB)
    stages homes of 84, 60 and 48 MiB in turn. While a write-back lagged, three were on the host
    and the room left kept one block, always of the wrong size for the next home, so each home
    took a fresh block: 17-46 of the 96 host blocks of 3 steps, in about 2 of 5 processes on a

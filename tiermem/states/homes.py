@@ -165,7 +165,7 @@ class Homes:
         assert handle is not None
         handle.wait()  # read from the home where it rests, never from a move's source
         copy = self.store.registry.make(
-            "host", chunk.home_bytes, kind="chunk", label="chunk home", room=self.store.staging_room
+            "host", chunk.home_bytes, kind="chunk", label="chunk home", room=self.store.staged_home_room
         )
         fills: list[Transfer] = []
         try:

@@ -43,8 +43,10 @@ class ChunkStore:
         self.pool = ChunkPool(registry, [], 0)
         self.plan: Plan | None = None
         #: NOTE [ Spare tier blocks ] rule 6: the bytes of host block each NVMe home staged whole
-        #: takes (the largest such home's)
-        self.staging_room = 0
+        #: takes (the largest such home's), and each host copy of a gradient waiting on NVMe (the
+        #: largest such gradient's)
+        self.staged_home_room = 0
+        self.stored_grad_room = 0
         #: per parameter index: whether it has a gradient (in its chunk's gradient buffer)
         self.has_grad = [False] * len(facts.params)
         #: per parameter index: its optimizer record, once the optimizer made one
@@ -110,10 +112,14 @@ class ChunkStore:
         # copied as a shadow) takes a block of the largest one's bytes, the room the plan keeps
         # for every staged home, so that the block one home leaves serves the next of any size.
         staged = [c for c in self.chunks if c.home_tier == "nvme" and c.trainable and c.slice_span is None]
-        self.staging_room = max((c.home_bytes for c in staged), default=0)
+        self.staged_home_room = max((c.home_bytes for c in staged), default=0)
         for chunk in staged:
             assert chunk.home is not None
-            chunk.home.obj.room = self.staging_room
+            chunk.home.obj.room = self.staged_home_room
+        # the same for the host copies of gradients that wait on NVMe, read whole (the planner
+        # keeps ``staged_homes`` of the largest: NOTE [ Stored gradients ])
+        waiting = [c.nbytes for c in self.chunks if c.grad_home == "nvme" and c.trainable and c.slice_span is None]
+        self.stored_grad_room = max(waiting, default=0)
         self.slots = [s for s in slots if s is not None]
         if len(self.slots) != len(facts.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")

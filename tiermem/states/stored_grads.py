@@ -334,7 +334,9 @@ class GradientStash:
         if chunk.grad.state is ObjectState.MOVING:
             return  # its write-back from the device has not landed: staged on demand
         try:
-            handle = self.store.registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
+            handle = self.store.registry.make(
+                "host", chunk.nbytes, kind="chunk", label="gradient", room=self._room(chunk)
+            )
         except TierCapacityError:
             return
         filling = handle.fill_from(chunk.grad, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
@@ -356,19 +358,27 @@ class GradientStash:
         staged = self._staged[chunk.index] = _Staged(handle)
         return staged
 
+    def _room(self, chunk: Chunk) -> int:
+        """The block a host copy of ``chunk``'s gradients takes: the store's common room for these
+        copies (NOTE [ Spare tier blocks ] rule 6), so the block one copy leaves serves the next
+        whatever its chunk's size. A sliced chunk's gradients, read whole only for an op on them,
+        take their own bytes."""
+        return self.store.stored_grad_room if chunk.slice_span is None else 0
+
     def _make_copy(self, chunk: Chunk) -> Handle:
         # made by the tier: a block it kept (NOTE [ Spare tier blocks ]), not fresh pages the
         # kernel zeroes inside the read that fills them
         registry = self.store.registry
+        room = self._room(chunk)
         try:
-            return registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
+            return registry.make("host", chunk.nbytes, kind="chunk", label="gradient", room=room)
         except TierCapacityError:
             # Staged NVMe homes and stepped shadows of homes free host bytes as their write-backs
             # land; so do our other copies.
             self.release_all()
             self._wait_write_backs()
             try:
-                return registry.make("host", chunk.nbytes, kind="chunk", label="gradient")
+                return registry.make("host", chunk.nbytes, kind="chunk", label="gradient", room=room)
             except TierCapacityError as exc:
                 why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
                 what = f"reading chunk {chunk.index}'s gradients, which wait on NVMe ({why}), whole"
