@@ -46,22 +46,23 @@ Two copy engines sit behind one small interface:
    for a move): the block holds and accounts ``room`` bytes while the object holds and moves its
    own. Three owners do, each at the size its plan already budgets, so no plan's peak grows:
    every NVMe home staged whole on the host (to step, or copied as a shadow) takes the largest
-   such home's bytes (the planner keeps ``staged_homes`` of those, NOTE [ Default placement
-   rule ] rule 3); so does every host copy of a gradient that waits on NVMe, at the largest such
-   gradient's (``staged_homes`` of those); and a streamed chunk's gradient buffer on the CPU
-   device the largest regular streamed trainable chunk's (the pool's gradient slot; NOTE [ Cost
-   model ] rule 1 counts the largest untied one). Why: the 210M HF GPT-2 (``bench/hf_states.py``, declared, host 320 MiB)
-   stages homes of 84, 60 and 48 MiB in turn. While a write-back lagged, three were on the host
-   and the room left kept one block, always of the wrong size for the next home, so each home
-   took a fresh block: 17-46 of the 96 host blocks of 3 steps, in about 2 of 5 processes on a
-   quiet VM, whose steps then ran 6-9 s instead of 5 (a bimodal bench). Measured (``--worker
-   declared --warmup 2 --steps 3``, fresh processes alternated, 2-vCPU Intel VM, a disk tenant
-   writing and reading 256 MiB with O_DIRECT in a loop): host blocks made afresh 1, 0, 1 against
-   22, 33, 3 before; pages faulted in 439-521 MiB a step against 504-1,198; median steps 5.59,
-   5.42, 5.57 s against 8.06, 7.24, 5.24; ru_maxrss 1,851-1,945 MiB against 1,872-2,039. Without
-   the tenant (3 pairs) 0 against 0-3 fresh blocks, steps alike within the noise. The device's
-   gradient buffers made afresh: 57 of 912 blocks in 3 steps against 66 (the rest are saved
-   activations read back, of two sizes, whose kept blocks the device's pressure drops).
+   such home's bytes (the planner keeps ``staged_homes`` of those: rule 3 of NOTE [ Default
+   placement rule ]); so does every host copy of a gradient that waits on NVMe, at the largest
+   such gradient's (``staged_homes`` of those); and a streamed chunk's gradient buffer on the
+   CPU device the largest regular streamed trainable chunk's (the pool's gradient slot; rule 1
+   of NOTE [ Cost model ] counts the largest untied one). Why: the 210M HF GPT-2
+   (``bench/hf_states.py``, declared, host 320 MiB) stages homes of 84, 60 and 48 MiB in turn.
+   While a write-back lagged, three were on the host and the room left kept one block, always of
+   the wrong size for the next home, so each home took a fresh block: 17-46 of the 96 host
+   blocks of 3 steps, in about 2 of 5 processes on a quiet VM, whose steps then ran 6-9 s
+   instead of 5 (a bimodal bench). Measured (``--worker declared --warmup 2 --steps 3``, fresh
+   processes alternated, 2-vCPU Intel VM, a disk tenant writing and reading 256 MiB with
+   O_DIRECT in a loop): host blocks made afresh 1, 0, 1 against 22, 33, 3 before; pages faulted
+   in 439-521 MiB a step against 504-1,198; median steps 5.59, 5.42, 5.57 s against 8.06, 7.24,
+   5.24; ru_maxrss 1,851-1,945 MiB against 1,872-2,039. Without the tenant (3 pairs) 0 against
+   0-3 fresh blocks, steps alike within the noise. The device made 9 gradient buffers afresh in
+   3 steps against 18 (57 fresh blocks in all against 66: the rest are saved activations read
+   back, of two sizes, whose kept blocks the device's pressure drops).
 """
 
 from __future__ import annotations
