@@ -8,6 +8,7 @@ import concurrent.futures
 import math
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -57,6 +58,22 @@ def plain_loop(
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
+    return out
+
+
+def step_loop(
+    model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, before: Callable[[int], object]
+) -> list[torch.Tensor]:
+    """A step a batch, no scheduler; ``before(step)`` runs before each step's forward."""
+    out = []
+    for step in range(steps):
+        before(step)
+        tokens, targets = batch(step, 0)
+        loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        out.append(loss.detach())
     return out
 
 
@@ -183,17 +200,7 @@ def test_a_state_load_between_steps_is_what_the_next_step_starts_from(tmp_path, 
     other = make_model(seed=7).state_dict()
 
     def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        out = []
-        for step in range(5):
-            if step == 2:
-                model.load_state_dict(other)
-            tokens, targets = batch(step, 0)
-            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.detach())
-        return out
+        return step_loop(model, optimizer, 5, lambda step: model.load_state_dict(other) if step == 2 else None)
 
     plain = make_model()
     want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
@@ -451,17 +458,8 @@ def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, 
     monkeypatch.setattr(MemoryTier, "_take_spare", recorded)
 
     def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            if step == 1:
-                served.clear()  # the first step profiles, plans and re-packs
-            tokens, targets = batch(step, 0)
-            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        return losses
+        # counted from the second step: the first profiles, plans and re-packs
+        return step_loop(model, optimizer, 3, lambda step: served.clear() if step == 1 else None)
 
     plain = make_model()
     want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)))
