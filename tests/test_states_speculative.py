@@ -15,6 +15,7 @@ from torch import nn
 
 import tiermem
 from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_model, param_groups, state_bytes
+from tests.test_states_declared import step_loop
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -199,17 +200,7 @@ def test_a_state_load_before_forward_is_what_the_next_step_starts_from(tmp_path)
     other = make_model(seed=7).state_dict()
 
     def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        out = []
-        for step in range(5):
-            if step == 2:
-                model.load_state_dict(other)
-            tokens, targets = batch(step, 0)
-            loss = nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            out.append(loss.detach())
-        return out
+        return step_loop(model, optimizer, 5, lambda step: model.load_state_dict(other) if step == 2 else None)
 
     plain = make_model()
     want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))

@@ -315,23 +315,20 @@ def test_gradient_buffers_are_blocks_their_tier_kept(tmp_path, monkeypatch):
 
 def test_streamed_gradient_buffers_of_several_sizes_share_one_kept_block_size(tmp_path, monkeypatch):
     """NOTE [ Spare tier blocks ] rule 6: a streamed chunk's gradient buffer on the CPU device holds
-    the pool's gradient slot (the largest regular streamed trainable chunk's bytes, what the plan
-    counts for the buffer being filled), so the block one chunk's write-back leaves serves the next
-    chunk whatever its size; a persistent or tied chunk's buffer holds its own bytes. The host
-    copies the step reads stored gradients into share the largest such gradient's size."""
+    the largest regular streamed untied trainable chunk's bytes (what the plan counts for the
+    buffer being filled), so the block one chunk's write-back leaves serves the next chunk whatever
+    its size; a tied chunk's buffer holds its own bytes. The host copies the step reads stored
+    gradients into share the largest such gradient's size."""
     from tiermem.registry import Registry
 
-    made: list[tuple[int, int, int]] = []  # device gradient buffers: (their bytes, their block's, the room)
+    made: list[tuple[int, int]] = []  # device gradient buffers: (their bytes, their block's)
     copies: list[tuple[int, int]] = []  # host copies of gradients that wait on NVMe: (their bytes, their block's)
     real_make = Registry.make
 
     def make(self, tier, nbytes, **kwargs):
         handle = real_make(self, tier, nbytes, **kwargs)
         if kwargs.get("label") == "gradient":
-            if tier == "device":
-                made.append((nbytes, handle.obj.home.reserved, kwargs.get("room", 0)))
-            else:
-                copies.append((nbytes, handle.obj.home.reserved))
+            (made if tier == "device" else copies).append((nbytes, handle.obj.home.reserved))
         return handle
 
     monkeypatch.setattr(Registry, "make", make)
@@ -343,22 +340,19 @@ def test_streamed_gradient_buffers_of_several_sizes_share_one_kept_block_size(tm
         model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
         got = train(model, optimizer, range(3))
         states = _states(rt)
-        pool = states.store.pool
-        shared = states.facts.shared
-        streamed = {
-            c.nbytes
-            for c in states.store.chunks
-            if not c.persistent and c.trainable and not any(s.index in shared for s in c.layout.slots)
-        }
-        slot_block = rt.registry.reserved_size("device", pool.gradient_slot)
+        streamed = [c for c in states.store.chunks if not c.persistent and c.trainable]
+        untied = {c.nbytes for c in streamed if not states.facts.tied(c.layout)}
+        tied = {c.nbytes for c in streamed if states.facts.tied(c.layout)}
+        slot_block = rt.registry.reserved_size("device", max(untied))
+        tied_blocks = {rt.registry.reserved_size("device", n) for n in tied}
         copy_block = rt.registry.reserved_size("host", states.store.stored_grad_room)
         _within_capacities(rt)
-    assert len(streamed) > 1 and pool.gradient_slot == max(n for n in streamed if n <= states.store.plan.chunk_size)
-    smaller = [(n, block) for n, block, _ in made if n in streamed and n < pool.gradient_slot]
-    assert {n for n, _ in smaller} == streamed - {pool.gradient_slot}, made  # each smaller size made some
+    assert len(untied) > 1 and tied and not tied & untied, (untied, tied)  # several sizes, and a tied chunk
+    assert {n for n, _ in made} >= untied | tied, made  # every size made buffers
+    assert all(block == slot_block for n, block in made if n in untied), made
+    assert {block for n, block in made if n in tied} == tied_blocks, made  # its own bytes
     # the optimizer step reads the stored gradients through host copies, which share one size too
     assert len({n for n, _ in copies}) > 1 and {block for _, block in copies} == {copy_block}, copies
-    assert all(block == slot_block for _, block in smaller), made
     assert_bitwise(got, want[0])
     assert_bitwise([p.detach() for p in model.parameters()], want[1])
 

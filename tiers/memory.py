@@ -49,8 +49,8 @@ Two copy engines sit behind one small interface:
    such home's bytes (the planner keeps ``staged_homes`` of those: rule 3 of NOTE [ Default
    placement rule ]); so does every host copy of a gradient that waits on NVMe, at the largest
    such gradient's (``staged_homes`` of those); and a streamed chunk's gradient buffer on the
-   CPU device the largest regular streamed trainable chunk's (the pool's gradient slot; rule 1
-   of NOTE [ Cost model ] counts the largest untied one). Why: the 210M HF GPT-2
+   CPU device the largest regular streamed untied trainable chunk's (``Chunk.grad_room``; the
+   plan counts the largest untied one, rule 1 of NOTE [ Cost model ]). Why: the 210M HF GPT-2
    (``bench/hf_states.py``, declared, host 320 MiB) stages homes of 84, 60 and 48 MiB in turn.
    While a write-back lagged, three were on the host and the room left kept one block, always of
    the wrong size for the next home, so each home took a fresh block: 17-46 of the 96 host

@@ -56,6 +56,9 @@ class Chunk:
         #: the bytes of the slices its step runs over (NOTE [ Sliced steps ] in ``chunk_step.py``),
         #: or None: it steps whole (the store sets it from the plan)
         self.slice_span: int | None = None
+        #: the bytes its gradient buffer's block holds on the device, where that is more than its
+        #: own (NOTE [ Spare tier blocks ] rule 6 in ``tiers/memory.py``; the store sets it)
+        self.grad_room = 0
         #: modules running forward with it, plus uses pinned through backward (``pins``)
         self._pins = 0
         #: its parameters while guarded (NOTE [ Parameter access ] rule 2 in ``access.py``)

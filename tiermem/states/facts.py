@@ -187,6 +187,10 @@ class ModelFacts:
             for layout in layouts
         ]
 
+    def tied(self, layout: ChunkLayout) -> bool:
+        """Whether the chunk of ``layout`` holds a parameter several modules own (a tied weight)."""
+        return any(slot.index in self.shared for slot in layout.slots)
+
     def min_buffers(self, layouts: Sequence[ChunkLayout]) -> int:
         """Rule 4 of NOTE [ Default placement rule ]: chunks one module spans + shared chunks."""
         where = {slot.index: layout.index for layout in layouts for slot in layout.slots}

@@ -91,15 +91,13 @@ class Gradients:
             # a fresh mapping whose pages the kernel zeroes again as backward first writes them.
             # Nothing here keeps a reference, so the write-back frees the block and the tier may
             # keep it again (rule 3 there; TRAPS 14).
-            # Its block holds the pool's gradient slot (rule 6 there), so that the block kept
-            # after one chunk's write-back serves the next chunk's gradients whatever its size.
-            room = pool.gradient_room(chunk, tied=self._tied(chunk))
-
+            # Its block holds the room the store gave every streamed untied chunk (rule 6 there),
+            # so the block kept after one chunk's write-back serves the next whatever its size.
             def make() -> Handle:
-                return self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient", room=room)
+                return self.registry.make("device", chunk.nbytes, kind="chunk", label="gradient", room=chunk.grad_room)
 
             made = None
-            if self._room_beside_writebacks(room):
+            if self._room_beside_writebacks(max(chunk.nbytes, chunk.grad_room)):
                 with contextlib.suppress(TierCapacityError):  # another thread took the room first
                     made = make()
                     self.buffers_beside_writebacks += 1
@@ -116,11 +114,6 @@ class Gradients:
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
         return handle.tensor("device")
-
-    def _tied(self, chunk: Chunk) -> bool:
-        """Whether ``chunk`` holds a parameter several modules own (a tied weight)."""
-        shared = self.facts.shared
-        return bool(shared) and any(slot.index in shared for slot in chunk.layout.slots)
 
     def _room_beside_writebacks(self, nbytes: int) -> bool:
         """Rule 6 of the manager: gradient write-backs :meth:`flush` started are still in flight,

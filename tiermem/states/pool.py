@@ -99,10 +99,6 @@ class ChunkPool:
         self.slot_bytes = max(largest.values()) if keeps_spares else 0
         apart = keeps_spares and 0 < 2 * largest[True] <= largest[False]
         self._kind_slot = dict(largest) if apart else {True: self.slot_bytes, False: self.slot_bytes}
-        #: NOTE [ Spare tier blocks ] rule 6: the bytes a streamed chunk's gradient buffer holds on
-        #: the CPU device (the largest regular streamed trainable chunk's; 0 on CUDA, whose caching
-        #: allocator reuses blocks of every size)
-        self.gradient_slot = largest[True] if registry.has_tier("device") and registry.device.type == "cpu" else 0
         self._keeps_spares = keeps_spares and bool(streamed)
         #: released chunks' storage, accounted on the device tier
         self._spares: list[CachedBytes] = []
@@ -303,15 +299,6 @@ class ChunkPool:
         if not self._keeps_spares or chunk.nbytes > slot:
             return chunk.nbytes
         return slot
-
-    def gradient_room(self, chunk: Chunk, *, tied: bool) -> int:
-        """The bytes ``chunk``'s gradient buffer on the device holds (NOTE [ Spare tier blocks ]
-        rule 6): the gradient slot for a streamed chunk of untied parameters up to its size, so
-        one kept block serves every such chunk; its own bytes otherwise (a persistent or tied
-        chunk's gradient stays through backward and is budgeted at its own bytes)."""
-        if chunk.persistent or tied or chunk.nbytes > self.gradient_slot:
-            return chunk.nbytes
-        return self.gradient_slot
 
     def _fill_storage(self, chunk: Chunk) -> None:
         """Give ``chunk``'s empty storage its bytes: a spare of its size (rule 1), else new ones,

@@ -369,7 +369,7 @@ class Stepper:
             return True  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         if chunk.dirty:
             return True  # its home is older than its device copy: it steps at optimizer.step()
-        if any(slot.index in self.facts.shared for slot in chunk.layout.slots):
+        if self.facts.tied(chunk.layout):
             return True  # tied weights step after the whole backward
         if chunk.index in self.shadows or (self._speculative and not self._speculates(chunk)):
             return True  # copied already, or it steps at optimizer.step()

@@ -120,6 +120,23 @@ class ChunkStore:
         # keeps ``staged_homes`` of the largest: NOTE [ Stored gradients ])
         waiting = [c.nbytes for c in self.chunks if c.grad_home == "nvme" and c.trainable and c.slice_span is None]
         self.stored_grad_room = max(waiting, default=0)
+        # and for the gradient buffers of streamed chunks of untied parameters on the CPU device,
+        # filled and written back one after another (the plan counts the largest untied one,
+        # NOTE [ Cost model ] rule 1). Not a chunk above the chunk size (an embedding's own would
+        # make every buffer its size), nor a persistent or tied chunk, whose gradients stay
+        # through backward; not on CUDA, whose caching allocator reuses blocks of every size.
+        if self.registry.has_tier("device") and self.registry.device.type == "cpu":
+            passing = [
+                c
+                for c in self.chunks
+                if not c.persistent
+                and c.trainable
+                and not facts.tied(c.layout)
+                and (plan.chunk_size is None or c.nbytes <= plan.chunk_size)
+            ]
+            grad_room = max((c.nbytes for c in passing), default=0)
+            for chunk in passing:
+                chunk.grad_room = grad_room
         self.slots = [s for s in slots if s is not None]
         if len(self.slots) != len(facts.params):
             raise AssertionError("tiermem internal error (please report): a parameter was left out of every chunk")
