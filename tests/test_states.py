@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import tiermem
+from tiermem.objects import ObjectState
 from tiermem.states import (
     ManagedOptimizer,
     PlanError,
@@ -184,11 +185,58 @@ def test_training_is_bitwise_plain_pytorch(tmp_path, name, fraction, home):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, monkeypatch):
-    """A build makes its NVMe homes one after another in one buffer (``_HomeScratch``: each is
-    written out before the next is made): homes of one size share it, and each home on NVMe
-    holds its own chunk's values and zeros everywhere else (padding, optimizer sections), not
-    bytes an earlier home left in the buffer (each home's buffer is overwritten once registered)."""
+def _nvme_homes_hold_their_own_values(homes, values) -> None:
+    """Byte for byte: each home's values in their slots, zeros everywhere else (padding,
+    optimizer sections), not bytes an earlier home left in the memory it was made in."""
+    for chunk, home in homes:
+        want = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
+        for slot in chunk.layout.slots:
+            slot.view(want, chunk.working_base).copy_(values[slot.index])
+        assert torch.equal(home[: chunk.home_bytes], want)
+
+
+def test_nvme_homes_are_written_while_the_next_is_filled_in_kept_host_blocks(tmp_path, monkeypatch):
+    """A build makes each NVMe home in a block of the host tier and moves it to NVMe while it
+    fills the next (``_HomeWriter``): never more than one write in flight while a home is
+    filled, the blocks the writes leave serve the next homes (of any size: they take the
+    largest home's room), the host stays within its capacity, and every home holds its own
+    chunk's values once built."""
+    from tiermem.states import store as store_module
+
+    in_flight: list[int] = []  # writes in flight as each home's block is handed out
+    blocks: set[int] = set()  # addresses of the host blocks homes were made in
+    real_zeros = store_module._HomeWriter.zeros
+
+    def zeros(self, nbytes):
+        home = real_zeros(self, nbytes)
+        assert self._made is not None  # a host block, not the scratch buffer
+        in_flight.append(sum(h.state is ObjectState.MOVING for h in self._writing))
+        blocks.add(home.data_ptr())  # a block an earlier home was made in holds its bytes still
+        return home
+
+    monkeypatch.setattr(store_module._HomeWriter, "zeros", zeros)
+    model = make_model()
+    values = [p.detach().clone() for p in model.parameters()]
+    capacity = int(state_bytes("adamw", model) * 0.1)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"})
+        store = rt._model_states[0].store
+        chunks = [c for c in store.chunks if c.home is not None and c.home.tier == "nvme"]
+        assert all(c.home.state is ObjectState.RESIDENT for c in chunks)  # landed when the build ended
+        homes = [(chunk, chunk.home.copy_out()) for chunk in chunks]
+    assert len(in_flight) == len(chunks) > 2
+    assert max(in_flight) <= 1
+    assert len({c.home_bytes for c in chunks}) > 1  # homes of several sizes ...
+    assert len(blocks) <= 2  # ... take turns in two blocks of the largest one's room
+    _nvme_homes_hold_their_own_values(homes, values)
+
+
+def test_nvme_homes_without_host_room_are_built_in_one_buffer_each_hold_their_own_values(tmp_path, monkeypatch):
+    """Where the host has no room for a home's block, a build makes its NVMe homes one after
+    another in one buffer (``_HomeScratch``: each is written out before the next is made): homes
+    of one size share it, and each home on NVMe holds its own chunk's values and zeros
+    everywhere else, not bytes an earlier home left in the buffer (each home's buffer is
+    overwritten once registered)."""
     from tiermem.states import store as store_module
 
     made: list[tuple[int, int]] = []  # (storage address, bytes) of each NVMe home made
@@ -209,6 +257,7 @@ def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, mon
 
     monkeypatch.setattr(store_module._HomeScratch, "zeros", zeros)
     monkeypatch.setattr(store_module.ChunkStore, "register", register)
+    monkeypatch.setattr(store_module._HomeWriter, "_make", lambda self, nbytes: None)  # no host room
     model = make_model()
     values = [p.detach().clone() for p in model.parameters()]
     capacity = int(state_bytes("adamw", model) * 0.1)
@@ -221,11 +270,7 @@ def test_nvme_homes_built_in_one_buffer_each_hold_their_own_values(tmp_path, mon
     repeated = {n for n in sizes if sizes.count(n) > 1}
     assert repeated  # every size made again is made in the buffer its last home used
     assert all(len({ptr for ptr, size in made if size == n}) == 1 for n in repeated)
-    for chunk, home in homes:  # byte for byte: values in their slots, zeros everywhere else
-        want = torch.zeros(chunk.home_bytes, dtype=torch.uint8)
-        for slot in chunk.layout.slots:
-            slot.view(want, chunk.working_base).copy_(values[slot.index])
-        assert torch.equal(home[: chunk.home_bytes], want)
+    _nvme_homes_hold_their_own_values(homes, values)
 
 
 def test_home_scratch_keeps_a_buffer_for_each_of_the_last_two_sizes():

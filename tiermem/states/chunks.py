@@ -153,9 +153,15 @@ class Chunk:
 
     @property
     def home_bytes(self) -> int:
-        sections = self.sections + (1 if self.has_master else 0)
-        working = self.nbytes if self.offloaded and self.master_scale > 1 else 0
-        return self.nbytes * self.master_scale * sections + working
+        return Chunk.home_size(self.nbytes, self.sections, self.master_scale, self.offloaded)
+
+    @staticmethod
+    def home_size(nbytes: int, sections: int, master_scale: int, offloaded: bool) -> int:
+        """The bytes of the home of a chunk of ``nbytes`` with ``sections`` optimizer-state
+        sections (:attr:`home_bytes`, known before the chunk is made)."""
+        has_master = offloaded or master_scale > 1
+        working = nbytes if offloaded and master_scale > 1 else 0
+        return nbytes * master_scale * (sections + (1 if has_master else 0)) + working
 
     def __repr__(self) -> str:
         kind = "trainable" if self.trainable else "frozen"

@@ -403,27 +403,12 @@ class Relayout:
                     )
                     for layout in new[0]
                 )
-            snapshot = spilled.as_snapshot(self._one_write_in_flight()) if spilled else self.stateio.snapshot()
+            snapshot = spilled.as_snapshot() if spilled else self.stateio.snapshot()
             self._clear()
             return self._rebuild(new, old, snapshot)
         finally:
             if spilled is not None:
                 spilled.free()
-
-    def _one_write_in_flight(self) -> Callable[[], None]:
-        """NOTE [ Spilled snapshots ] rule 4: before the build reads the next value, the homes of
-        the chunks it built before the one it is filling have landed in their tier."""
-        landed = 0
-
-        def wait() -> None:
-            nonlocal landed
-            chunks = self.store.chunks
-            for chunk in chunks[landed : len(chunks) - 1]:
-                if chunk.home is not None:
-                    chunk.home.wait()
-            landed = max(landed, len(chunks) - 1)
-
-        return wait
 
     def _plan_on_plain(
         self,

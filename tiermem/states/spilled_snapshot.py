@@ -46,10 +46,10 @@ or given back when the spill fails: rule 5), and the registry (register, read ou
    gradients and one of states, about one old chunk's; or two adopted homes, ``(1 +
    sections) x`` a chunk's bytes each, since a new chunk usually spans two old ones and
    reads each one's values, then its states) while building, one more being read ahead
-   (rule 3), and the build's own transients (a new NVMe home is made in memory, then written;
-   one buffer serves every NVMe home of one size, for the last two sizes: ``store._HomeScratch``): the caller's
-   ``before_read`` waits until the homes built before the chunk being filled have landed, so
-   at most one new home's write is in flight.
+   (rule 3), and the build's own transients: a new NVMe home is made in a block of the host
+   tier (within its capacity) and written while the next is filled, at most one home's write
+   in flight (``store._HomeWriter``); without host room, in one buffer per size for the last two
+   sizes, written before the next is made (``store._HomeScratch``).
 5. In place: an old chunk whose home is on NVMe, landed, its step finished and no device copy
    resident (the re-pack empties the pool first) already holds its values and optimizer
    states on NVMe, laid out as the chunk layout says (master at 0, each state section at
@@ -67,7 +67,7 @@ or given back when the spill fails: rule 5), and the registry (register, read ou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -118,7 +118,6 @@ class SpilledSnapshot:
     #: rule 5: the old chunks whose NVMe homes are among ``handles``, given back on failure
     adopted: list[tuple[Chunk, Handle]] = field(default_factory=list)
     _cache: OrderedDict[int, torch.Tensor] = field(default_factory=OrderedDict)
-    _before_read: Callable[[], None] = lambda: None
     #: rule 3: reads started ahead of the build, by buffer; the buffers in the order the build
     #: is expected to read them, and where in that order it last read
     _ahead: dict[int, CopyOut] = field(default_factory=dict)
@@ -149,7 +148,6 @@ class SpilledSnapshot:
         piece = self.pieces.get(key)
         if piece is None:
             return None
-        self._before_read()
         data = self._buffer(piece.buffer)
         nbytes = _nbytes(piece.shape, piece.dtype)
         return data[piece.offset : piece.offset + nbytes].view(piece.dtype).view(piece.shape)
@@ -217,9 +215,8 @@ class SpilledSnapshot:
             pending.settle()
         self._ahead.clear()
 
-    def as_snapshot(self, before_read: Callable[[], None] = lambda: None) -> Snapshot:
-        """Rule 3; ``before_read`` runs before each value is handed out (rule 4)."""
-        self._before_read = before_read
+    def as_snapshot(self) -> Snapshot:
+        """Rule 3."""
         return Snapshot(_Column(self, "data"), _Column(self, "grad"), _States(self))  # type: ignore[arg-type]
 
 
