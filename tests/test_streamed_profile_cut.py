@@ -88,6 +88,37 @@ def test_streamed_backward_stops_at_the_cut_and_estimates_the_blocks_before_it()
     assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
 
 
+def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran():
+    """Rule 16: of six twin blocks (cut at 4), the streamed pass runs block 0 (the first of its
+    class) and the measured blocks 4 and 5; blocks 1-3 pass their input through without
+    computing or reading a parameter. Their bytes, the execution order and the blocks each
+    parameter is first used in are the plain pass's; their forward times are the measured
+    twins' mean."""
+    torch.manual_seed(0)
+    model = _trainable_model(layers=6)
+    plain = _measure(model, streamed=False)
+    ran: set[int] = set()  # blocks any of whose layers computed
+    for index, block in enumerate(model.blocks):
+        for module in block.children():
+            module.register_forward_pre_hook(lambda *_, i=index: ran.add(i))
+    blocks, outside, *rest = _measure(model, streamed=True)
+    assert ran == {0, 4, 5}  # blocks 1-3 computed nothing and read no parameter
+    twin_forward = (blocks[4].forward_s + blocks[5].forward_s) / 2
+    for block in blocks[1:4]:
+        assert block.forward_s == pytest.approx(twin_forward)
+        assert block.transient_bytes >= min(b.transient_bytes for b in blocks[4:])
+    assert outside.forward_s > 0  # the pass's forward counts the skipped blocks' stand-in seconds
+    for got, want in zip((*blocks, outside), (*plain[0], plain[1]), strict=True):
+        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
+            want.saved_bytes,
+            want.small_bytes,
+            want.input_bytes,
+            want.saved_count,
+        )
+    assert tuple(rest) == tuple(plain[2:])  # parameters, order, modules, shared, first blocks
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
 def test_the_timing_passes_on_plain_parameters_stop_at_the_cut_and_the_bytes_pass_does_not():
     torch.manual_seed(0)
     model = _trainable_model(layers=4)

@@ -86,15 +86,32 @@
    measured. The pass detaches the output of the block before the first measured one (the
    *cut*), so its backward runs the head, the measured blocks and what follows them, and none of
    the blocks before the cut, nor their recomputation. Their forward is measured as before
-   (bytes, time, transient peaks); their backward time is their forward time times their
-   measured twins' backward / forward, and their backward transient peak (streamed, where no
-   backward ran them) their twins' largest. Why: of a 210M GPT-2's 35 CPU s first step, 10 were
-   the streamed pass's backward with every block recomputed, for 16 blocks of one class. The cut
-   is made only where it splits the blocks in execution order (every block before it ran, none
-   after it), once a pass; a block before it that backward still reaches (a skip connection
-   around the cut) is measured where it ran. What it leaves out: the backward of whatever runs
-   before the first block (an embedding's, a few milliseconds), which the outside part then
-   lacks.
+   (bytes, time, transient peaks; streamed, the first of each class's only: rule 16); their
+   backward time is their forward time times their measured twins' backward / forward, and
+   their backward transient peak (streamed, where no backward ran them) their twins' largest.
+   Why: of a 210M GPT-2's 35 CPU s first step, 10 were the streamed pass's backward with every
+   block recomputed, for 16 blocks of one class. The cut is made only where it splits the
+   blocks in execution order (every block before it ran, none after it), once a pass; a block
+   before it that backward still reaches (a skip connection around the cut) is measured where
+   it ran. What it leaves out: the backward of whatever runs before the first block (an
+   embedding's, a few milliseconds), which the outside part then lacks.
+16. The streamed pass also skips the forward of the blocks before the cut but the first of
+   each class (:class:`_Skipped`): such a block returns what the first block of its class
+   returned, its first output tensor replaced by the block's own first input, so the hidden
+   state passes through and none of its parameters is read or fetched (where the twin returned
+   no tensor of the input's shape, dtype and device, the block runs). Its forward time is its
+   measured twins' mean, its saved bytes and forward transient peak the first measured twin's,
+   its input bytes its own; its parameters enter the execution order where its forward would
+   have put them, in the order its twin used theirs, as first used in it; the pass's forward
+   counts the stand-in seconds. Why: the pass ran the forward of all 16 blocks of a 210M GPT-2,
+   each block's chunks read from NVMe, for numbers 13 of them share with their twins. Uncached
+   first step of ``bench/first_step.py --size 210M`` (instrumented worker, 3 pairs alternated in
+   fresh processes, 2-vCPU EPYC): the pass 3.7-4.2 s -> 1.6-1.7 s, the first step 2.40-2.71x ->
+   1.89-2.08x a steady step in wall time (1.61-1.85x in CPU seconds), the same plan and losses.
+   What it assumes: twins compute alike whatever the values they are given (a router that
+   picks experts by value would not), and what a model hands every block to keep across calls
+   takes no harm from a block that did not run (Hugging Face's ``DynamicCache`` keeps each
+   layer's entries apart). The plain pass runs every block (rule 3).
 """
 
 from __future__ import annotations
@@ -432,6 +449,108 @@ class _Recomputed:
             self.recompute_s[index] += self.hooks.clock() - start
 
 
+class _Skipped:
+    """Rule 16: while entered, the forward of each block in ``skip`` (block -> the twin it stands
+    for) returns what its twin returned with the twin's first output tensor replaced by the
+    block's own first input: the hidden state passes through unchanged, nothing is computed, no
+    parameter of it is read (streamed, none fetched). Where the twin has not run or returned no
+    tensor of the input's shape and dtype, the block runs."""
+
+    def __init__(self, blocks: Sequence[nn.Module], skip: Mapping[int, int]) -> None:
+        self.blocks = blocks
+        self.skip = skip
+        #: the blocks that were skipped in this pass
+        self.done: list[int] = []
+        self._outputs: dict[int, Any] = {}
+        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _Skipped:
+        for twin in sorted(set(self.skip.values())):
+            self._handles.append(self.blocks[twin].register_forward_hook(functools.partial(self._ran, twin)))
+        for index in sorted(self.skip):
+            block = self.blocks[index]
+            self._wrapped.append((block, vars(block).get("forward")))
+            block.forward = functools.partial(self._forward, index, block.forward)  # type: ignore[method-assign]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for block, previous in reversed(self._wrapped):
+            if previous is not None:
+                block.forward = previous  # type: ignore[method-assign]
+            else:
+                del block.forward
+        self._wrapped.clear()
+        self._outputs.clear()
+
+    def _ran(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
+        self._outputs[index] = output
+
+    def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        template = self._outputs.get(self.skip[index])
+        first = next((t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)), None)
+        out = next((t for t in tree_leaves(template) if isinstance(t, torch.Tensor)), None)
+        if first is None or out is None or _kind(out) != _kind(first):
+            return original(*args, **kwargs)
+        self.done.append(index)
+        replaced = False
+
+        def passed(t: torch.Tensor) -> torch.Tensor:
+            nonlocal replaced
+            if replaced:
+                return t
+            replaced = True
+            return first
+
+        return tree_map_only(torch.Tensor, passed, template)
+
+
+def _kind(t: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(t.shape), t.dtype, t.device
+
+
+def skipped_forwards(blocks: Sequence[nn.Module], cut: int, twins: Mapping[int, Sequence[int]]) -> dict[int, int]:
+    """Rule 16: the blocks before the cut whose forward the streamed pass skips, each with the
+    twin that stands for it: the first block of its class, which runs."""
+    first: dict[tuple[Any, ...], int] = {}
+    skip: dict[int, int] = {}
+    for index in range(cut):
+        cls = _twin_class(blocks[index])
+        if cls not in first:
+            first[cls] = index
+        elif twins.get(index):
+            skip[index] = first[cls]
+    return skip
+
+
+def _with_skipped(
+    order: list[int],
+    first_block: dict[int, int],
+    params: Sequence[nn.Parameter],
+    blocks: Sequence[nn.Module],
+    skipped: Sequence[int],
+    skip: Mapping[int, int],
+) -> None:
+    """Rule 16: the parameters of the skipped blocks into ``order`` and ``first_block``, as their
+    forward would have put them there: each block's in the order its twin's ran, after
+    everything used before it and before anything used after it."""
+    index = {id(p): i for i, p in enumerate(params)}
+    seen = set(order)
+    for block in sorted(skipped):
+        names = {index[id(p)]: name for name, p in blocks[skip[block]].named_parameters()}
+        own = {name: index[id(p)] for name, p in blocks[block].named_parameters()}
+        ran = [own[names[i]] for i in order if i in names and names[i] in own]
+        new = [i for i in ran if i not in seen]
+        at = next((k for k, i in enumerate(order) if first_block.get(i, -1) > block), len(order))
+        order[at:at] = new
+        for i in new:
+            first_block[i] = block
+            seen.add(i)
+
+
 def _twin_class(block: nn.Module) -> tuple[Any, ...]:
     """Rule 15: what makes two blocks twins."""
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in block.named_parameters())
@@ -505,6 +624,7 @@ def _bytes_pass(
     hooks: _BlockHooks,
     live: _LiveBytes,
     recomputed: _Recomputed | None = None,
+    skipped: _Skipped | None = None,
 ) -> tuple[list[int], dict[int, int], int, float, float]:
     """Pass 1 (rule 3): bytes, the execution order, warm-up; its times, which rule 9 keeps.
     (order, first block each parameter was used in, the head's transient peak, forward seconds,
@@ -521,6 +641,7 @@ def _bytes_pass(
         with (
             hooks,
             recomputed or contextlib.nullcontext(),
+            skipped or contextlib.nullcontext(),
             live,
             torch.autograd.graph.saved_tensors_hooks(hooks.pack, lambda t: t),
         ):
@@ -536,6 +657,9 @@ def _bytes_pass(
     finally:
         for handle in handles:
             handle.remove()
+    if skipped is not None:
+        _with_skipped(order, first_block, params, hooks.blocks, skipped.done, skipped.skip)
+        seen.update(order)
     order += [i for i in range(len(params)) if i not in seen]
     recompute_s = sum(recomputed.recompute_s) if recomputed is not None else 0.0
     return order, first_block, head_transient, middle - start, max(end - middle - recompute_s, 0.0)
@@ -639,6 +763,28 @@ def _block_stats(
     return stats, outside
 
 
+def _stand_in(hooks: _BlockHooks, skipped: Sequence[int], twins: Mapping[int, Sequence[int]]) -> float:
+    """Rule 16: each skipped block's forward marks as its measured twins': the mean of their
+    forward times, the first one's saved bytes and forward transient peak (its input bytes are
+    its own, seen as it was called). The seconds this adds to the pass's forward."""
+    marks, added = hooks.marks, 0.0
+    for block in skipped:
+        measured = [j for j in twins[block] if marks.forward[j][1] > 0]
+        if not measured:
+            continue
+        seconds = sum(marks.forward[j][1] - marks.forward[j][0] for j in measured) / len(measured)
+        start, end = marks.forward[block]
+        added += max(seconds - (end - start), 0.0)
+        marks.forward[block] = (start, start + seconds)
+        twin = measured[0]
+        marks.saved[block] = marks.saved[twin]
+        marks.saved_count[block] = marks.saved_count[twin]
+        marks.small[block] = marks.small[twin]
+        if ("forward", twin) in hooks.peaks:
+            hooks.peaks[("forward", block)] = hooks.peaks[("forward", twin)]
+    return added
+
+
 def measure(
     model: nn.Module,
     sample: Sample,
@@ -660,12 +806,14 @@ def measure(
         cut, twins = backward_cut(modules_list)
         if (info := streamed()) is not None:  # rules 9-15: one pass, its blocks recomputed where they fit
             recomputed = _Recomputed(modules_list, hooks) if info.recompute else None
+            skipped = _Skipped(modules_list, skipped_forwards(modules_list, cut, twins))
             hooks.cut = cut
             order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
-                model, sample, params, hooks, live, recomputed
+                model, sample, params, hooks, live, recomputed, skipped
             )
             cut_made = hooks.cut_made
             times, recompute_s = hooks.marks, recomputed.recompute_s if recomputed is not None else []
+            forward_s += _stand_in(hooks, skipped.done, twins)
         else:
             order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
             for p in params:
