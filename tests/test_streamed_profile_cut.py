@@ -125,14 +125,51 @@ def test_the_timing_passes_on_plain_parameters_stop_at_the_cut_and_the_bytes_pas
     backwards: Counter[int] = Counter()  # per block, the passes whose backward reached it
     for index, block in enumerate(model.blocks):
         block.qkv.weight.register_hook(lambda grad, i=index: backwards.update([i]) or grad)
+    forwards: Counter[int] = Counter()  # per block, the passes that computed its forward
+    for index, block in enumerate(model.blocks):
+        block.qkv.register_forward_pre_hook(lambda *_, i=index: forwards.update([i]))
     blocks, *_ = _measure(model, streamed=False)
     passes = backwards[3]
     assert passes >= 1 + profiler.MIN_TIMING_PASSES  # the bytes pass and the timing passes
     assert backwards == {0: 1, 1: 1, 2: passes, 3: passes}  # blocks 0 and 1: the bytes pass only
+    # rule 16: block 1, a twin of block 0 before the cut, computes its forward in the bytes pass only
+    assert forwards == {0: passes, 1: 1, 2: passes, 3: passes}
     measured = blocks[2:]
     ratio = sum(b.backward_s for b in measured) / sum(b.forward_s for b in measured)
+    assert blocks[1].forward_s == pytest.approx(sum(b.forward_s for b in measured) / 2)
     for block in blocks[:2]:
         assert block.backward_s == pytest.approx(block.forward_s * ratio)
+
+
+@pytest.mark.parametrize("streamed", [True, False])
+def test_without_the_cut_no_forward_is_skipped(streamed):
+    """Rule 16 stands in only for blocks the cut leaves out: where a block before the cut is not
+    called (here block 2 of six twins), no cut is made, and the pass is measured again with
+    every called block run, forward and backward."""
+
+    class Skipping(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.blocks = inner.blocks
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            inner = self.inner
+            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+            for index, block in enumerate(self.blocks):
+                if index != 2:
+                    x = block(x)
+            return inner.head(inner.ln(x))
+
+    torch.manual_seed(0)
+    model = Skipping(_trainable_model(layers=6))
+    reached = _reached(model)
+    computed: set[int] = set()
+    for index, block in enumerate(model.blocks):
+        block.qkv.register_forward_pre_hook(lambda *_, i=index: computed.add(i))
+    blocks, *_ = _measure(model, streamed=streamed)
+    assert reached == computed == {0, 1, 3, 4, 5}
+    assert all(b.forward_s > 0 and b.backward_s > 0 for i, b in enumerate(blocks) if i != 2)
 
 
 def test_blocks_run_out_of_their_order_are_not_cut():

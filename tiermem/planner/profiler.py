@@ -95,23 +95,25 @@
    before it that backward still reaches (a skip connection around the cut) is measured where
    it ran. What it leaves out: the backward of whatever runs before the first block (an
    embedding's, a few milliseconds), which the outside part then lacks.
-16. The streamed pass also skips the forward of the blocks before the cut but the first of
-   each class (:class:`_Skipped`): such a block returns what the first block of its class
-   returned, its first output tensor replaced by the block's own first input, so the hidden
-   state passes through and none of its parameters is read or fetched (where the twin returned
-   no tensor of the input's shape, dtype and device, the block runs). Its forward time is its
-   measured twins' mean, its saved bytes and forward transient peak the first measured twin's,
-   its input bytes its own; its parameters enter the execution order where its forward would
-   have put them, in the order its twin used theirs, as first used in it; the pass's forward
-   counts the stand-in seconds. Why: the pass ran the forward of all 16 blocks of a 210M GPT-2,
-   each block's chunks read from NVMe, for numbers 13 of them share with their twins. Uncached
-   first step of ``bench/first_step.py --size 210M`` (instrumented worker, 3 pairs alternated in
-   fresh processes, 2-vCPU EPYC): the pass 3.7-4.2 s -> 1.6-1.7 s, the first step 2.40-2.71x ->
+16. The streamed pass and the timing passes (not the plain bytes pass, which measures every block's
+   bytes) also skip the forward of the blocks before the cut but the first of each class
+   (:class:`_Skipped`): such a block returns what the first block of its class returned, its first
+   output tensor replaced by the block's own first input, so the hidden state passes through and
+   none of its parameters is read or fetched (where the twin returned no tensor of the input's
+   shape, dtype and device, the block runs). Its forward time is its measured twins' mean in the
+   same pass; streamed, its saved bytes and forward transient peak are the first measured twin's
+   and its input bytes its own; its parameters enter the execution order where its forward would
+   have put them, in the order its twin used theirs, as first used in it; the pass's forward counts
+   the stand-in seconds. Why: the pass ran the forward of all 16 blocks of a 210M GPT-2, each
+   block's chunks read from NVMe, for numbers 13 of them share with their twins. Uncached first
+   step of ``bench/first_step.py --size 210M`` (instrumented worker, 3 pairs alternated in fresh
+   processes, 2-vCPU EPYC): the pass 3.7-4.2 s -> 1.6-1.7 s, the first step 2.40-2.71x ->
    1.89-2.08x a steady step in wall time (1.61-1.85x in CPU seconds), the same plan and losses.
-   What it assumes: twins compute alike whatever the values they are given (a router that
-   picks experts by value would not), and what a model hands every block to keep across calls
-   takes no harm from a block that did not run (Hugging Face's ``DynamicCache`` keeps each
-   layer's entries apart). The plain pass runs every block (rule 3).
+   What it assumes: twins compute alike whatever the values they are given (a router that picks
+   experts by value would not), and what a model hands every block to keep across calls takes no
+   harm from a block that did not run (Hugging Face's ``DynamicCache`` keeps each layer's entries
+   apart). The stand-ins hold only where the cut is made: a pass that skipped a block and made no
+   cut (a block before it was not called) is run again with every block.
 """
 
 from __future__ import annotations
@@ -673,18 +675,25 @@ def _timing_passes(
     protected: set[int],
     min_bytes: int,
     cut: int = 0,
+    twins: Mapping[int, Sequence[int]] | None = None,
 ) -> tuple[float, float, _Marks, bool]:
     """Rule 3: at least two timed passes, more while they are short; the median one's
     (forward seconds, backward seconds, block marks, whether its backward stopped at ``cut``:
-    rule 15)."""
+    rule 15). Rule 16: each skips the forward of the blocks before the cut that ``twins`` stand
+    for, but the first of each class."""
     timings = []
     spent = 0.0
+    skip = skipped_forwards(blocks, cut, twins or {})
     while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
-        with _BlockHooks(blocks, protected, min_bytes, None) as timer:
+        with _BlockHooks(blocks, protected, min_bytes, None) as timer, _Skipped(blocks, skip) as skipped:
             timer.cut = cut
             forward_s, backward_s = _run(model, sample)
         for p in params:
             p.grad = None
+        if skipped.done and not timer.cut_made:  # rule 16 stands in for blocks the cut leaves out
+            skip = {}
+            continue  # this pass again, every block run
+        forward_s += _stand_in(timer.marks, skipped.done, twins or {})
         timings.append((forward_s + backward_s, forward_s, backward_s, timer.marks, timer.cut_made))
         spent += forward_s + backward_s
     # The median pass (the lower middle of an even count), not the fastest: the cost model
@@ -763,11 +772,10 @@ def _block_stats(
     return stats, outside
 
 
-def _stand_in(hooks: _BlockHooks, skipped: Sequence[int], twins: Mapping[int, Sequence[int]]) -> float:
-    """Rule 16: each skipped block's forward marks as its measured twins': the mean of their
-    forward times, the first one's saved bytes and forward transient peak (its input bytes are
-    its own, seen as it was called). The seconds this adds to the pass's forward."""
-    marks, added = hooks.marks, 0.0
+def _stand_in(marks: _Marks, skipped: Sequence[int], twins: Mapping[int, Sequence[int]]) -> float:
+    """Rule 16: each skipped block's forward time as the mean of its measured twins' in the same
+    pass; the seconds this adds to the pass's forward."""
+    added = 0.0
     for block in skipped:
         measured = [j for j in twins[block] if marks.forward[j][1] > 0]
         if not measured:
@@ -776,13 +784,20 @@ def _stand_in(hooks: _BlockHooks, skipped: Sequence[int], twins: Mapping[int, Se
         start, end = marks.forward[block]
         added += max(seconds - (end - start), 0.0)
         marks.forward[block] = (start, start + seconds)
-        twin = measured[0]
+    return added
+
+
+def _stand_in_bytes(hooks: _BlockHooks, skipped: Sequence[int], twins: Mapping[int, Sequence[int]]) -> None:
+    """Rule 16: each skipped block's saved bytes and forward transient peak as its first measured
+    twin's (its input bytes are its own, seen as it was called)."""
+    marks = hooks.marks
+    for block in skipped:
+        twin = twins[block][0]
         marks.saved[block] = marks.saved[twin]
         marks.saved_count[block] = marks.saved_count[twin]
         marks.small[block] = marks.small[twin]
         if ("forward", twin) in hooks.peaks:
             hooks.peaks[("forward", block)] = hooks.peaks[("forward", twin)]
-    return added
 
 
 def measure(
@@ -804,22 +819,31 @@ def measure(
         hooks = _BlockHooks(modules_list, protected, min_bytes, live)
         # backward stops before the blocks whose twins it measures (rule 15)
         cut, twins = backward_cut(modules_list)
-        if (info := streamed()) is not None:  # rules 9-15: one pass, its blocks recomputed where they fit
-            recomputed = _Recomputed(modules_list, hooks) if info.recompute else None
-            skipped = _Skipped(modules_list, skipped_forwards(modules_list, cut, twins))
-            hooks.cut = cut
-            order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
-                model, sample, params, hooks, live, recomputed, skipped
-            )
+        if (info := streamed()) is not None:  # rules 9-16: one pass, its blocks recomputed where they fit
+            skip = skipped_forwards(modules_list, cut, twins)
+            while True:
+                recomputed = _Recomputed(modules_list, hooks) if info.recompute else None
+                skipped = _Skipped(modules_list, skip)
+                hooks.cut = cut
+                order, first_block, head_transient, forward_s, backward_s = _bytes_pass(
+                    model, sample, params, hooks, live, recomputed, skipped
+                )
+                if hooks.cut_made or not skipped.done:
+                    break
+                # rule 16 stands in for blocks the cut leaves out: without the cut, measured again whole
+                live = _LiveBytes()
+                hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+                skip = {}
             cut_made = hooks.cut_made
             times, recompute_s = hooks.marks, recomputed.recompute_s if recomputed is not None else []
-            forward_s += _stand_in(hooks, skipped.done, twins)
+            forward_s += _stand_in(hooks.marks, skipped.done, twins)
+            _stand_in_bytes(hooks, skipped.done, twins)
         else:
             order, first_block, head_transient, _, _ = _bytes_pass(model, sample, params, hooks, live)
             for p in params:
                 p.grad = None
             forward_s, backward_s, times, cut_made = _timing_passes(
-                model, sample, params, modules_list, protected, min_bytes, cut
+                model, sample, params, modules_list, protected, min_bytes, cut, twins
             )
             recompute_s = []
         if not cut_made:  # nothing was estimated: every block's backward ran
