@@ -119,6 +119,35 @@ def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran()
     assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
 
 
+@pytest.mark.parametrize("streamed", [True, False])
+def test_a_model_writing_block_outputs_in_place_profiles_through_the_cut(streamed):
+    """Rule 15: the output backward stops at is a copy of the detached output, as a block's
+    output is no leaf, so a model that scales each block's output in place profiles as it
+    trains (autograd refuses an in-place write into a leaf that needs grad)."""
+
+    class InPlace(nn.Module):
+        def __init__(self, inner: nn.Module) -> None:
+            super().__init__()
+            self.inner = inner
+            self.blocks = inner.blocks
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            inner = self.inner
+            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+            for block in self.blocks:
+                x = block(x)
+                x.mul_(0.5)
+            return inner.head(inner.ln(x))
+
+    torch.manual_seed(0)
+    model = InPlace(_trainable_model(layers=6))
+    reached = _reached(model)
+    blocks, *_ = _measure(model, streamed=streamed)
+    # streamed, backward stopped at the cut; on plain parameters the bytes pass runs it whole
+    assert reached == ({4, 5} if streamed else set(range(6)))
+    assert all(b.forward_s > 0 and b.backward_s > 0 for b in blocks)
+
+
 def test_the_timing_passes_on_plain_parameters_stop_at_the_cut_and_the_bytes_pass_does_not():
     torch.manual_seed(0)
     model = _trainable_model(layers=4)

@@ -79,22 +79,23 @@
    blocks' activations as a plain pass does, beyond the capacities, rather than fail: a LoRA
    base of 1 MiB chunks at a device of 1.9 MiB failed its profiling pass there (a chunk needs
    1.01 MiB, 1.01 MiB of 1.91 MiB in use) and kept the default placement.
-15. Backward stops short of the blocks it can do without: in the streamed pass, and in the
-   timing passes on plain parameters (their bytes pass runs backward whole, for every block's
-   backward peak). A block is the *twin* of another of the same class with the same parameters
-   (names, shapes, dtypes, which train); of each class the last ``MEASURED_TWINS`` blocks are
-   measured. The pass detaches the output of the block before the first measured one (the
-   *cut*), so its backward runs the head, the measured blocks and what follows them, and none of
-   the blocks before the cut, nor their recomputation. Their forward is measured as before
-   (bytes, time, transient peaks; streamed, the first of each class's only: rule 16); their
-   backward time is their forward time times their measured twins' backward / forward, and
-   their backward transient peak (streamed, where no backward ran them) their twins' largest.
-   Why: of a 210M GPT-2's 35 CPU s first step, 10 were the streamed pass's backward with every
-   block recomputed, for 16 blocks of one class. The cut is made only where it splits the
-   blocks in execution order (every block before it ran, none after it), once a pass; a block
-   before it that backward still reaches (a skip connection around the cut) is measured where
-   it ran. What it leaves out: the backward of whatever runs before the first block (an
-   embedding's, a few milliseconds), which the outside part then lacks.
+15. Backward stops short of the blocks it can do without: in the streamed pass, and in the timing
+   passes on plain parameters (their bytes pass runs backward whole, for every block's backward
+   peak). A block is the *twin* of another of the same class with the same parameters (names,
+   shapes, dtypes, which train); of each class the last ``MEASURED_TWINS`` blocks are measured. The
+   pass detaches the output of the block before the first measured one (the *cut*), so its backward
+   runs the head, the measured blocks and what follows them, and none of the blocks before the cut,
+   nor their recomputation. Their forward is measured as before (bytes, time, transient peaks;
+   streamed, the first of each class's only: rule 16); their backward time is their forward time
+   times their measured twins' backward / forward, and their backward transient peak (streamed,
+   where no backward ran them) their twins' largest. Why: of a 210M GPT-2's 35 CPU s first step, 10
+   were the streamed pass's backward with every block recomputed, for 16 blocks of one class. The
+   cut is made only where it splits the blocks in execution order (every block before it ran, none
+   after it), once a pass; a block before it that backward still reaches (a skip connection around
+   the cut) is measured where it ran. What it leaves out: the backward of whatever runs before the
+   first block (an embedding's, a few milliseconds), which the outside part then lacks. The output
+   at the cut is a copy of the detached one: a model may write into a block's output in place,
+   which autograd refuses on a leaf that needs grad.
 16. The streamed pass and the timing passes (not the plain bytes pass, which measures every block's
    bytes) also skip the forward of the blocks before the cut but the first of each class
    (:class:`_Skipped`): such a block returns what the first block of its class returned, its first
@@ -336,7 +337,9 @@ class _BlockHooks:
                 break
         if index == self.cut - 1 and self._splits_here():
             self.cut_made = True
-            return tree_map_only(torch.Tensor, lambda t: t.detach().requires_grad_() if t.requires_grad else t, output)
+            # a copy of the detached leaf, as a block's output is no leaf: a model may write into it
+            # in place (``x = block(x); x.mul_(s)``), which autograd refuses on a leaf that needs grad
+            return tree_map_only(torch.Tensor, _cut, output)
         return None
 
     def _splits_here(self) -> bool:
@@ -553,6 +556,11 @@ def _with_skipped(
         for i in new:
             first_block[i] = block
             seen.add(i)
+
+
+def _cut(t: torch.Tensor) -> torch.Tensor:
+    """Rule 15: a block output backward stops at."""
+    return t.detach().requires_grad_().clone() if t.requires_grad else t
 
 
 def _twin_class(block: nn.Module) -> tuple[Any, ...]:
