@@ -4,6 +4,7 @@ the blocks whose twins it measures, and estimates their backward from those twin
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -24,6 +25,41 @@ def _trainable_model(layers: int = 4) -> nn.Module:
     model = make_model(layers=layers)
     model.blocks[0].ln1.weight.requires_grad_(True)
     return model
+
+
+class _Around(nn.Module):
+    """The tests' GPT with its blocks run by ``run(blocks, x)`` rather than one after another."""
+
+    def __init__(self, inner: nn.Module, run: Callable[[nn.ModuleList, torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.inner = inner
+        self.blocks = inner.blocks
+        self.run = run
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        inner = self.inner
+        x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
+        return inner.head(inner.ln(self.run(self.blocks, x)))
+
+
+def _in_place(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in blocks:
+        x = block(x)
+        x.mul_(0.5)  # a block's output scaled in place
+    return x
+
+
+def _reversed(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for block in reversed(blocks):
+        x = block(x)
+    return x
+
+
+def _leaving_out_block_2(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    for index, block in enumerate(blocks):
+        if index != 2:
+            x = block(x)
+    return x
 
 
 def _reached(model: nn.Module) -> set[int]:
@@ -124,23 +160,8 @@ def test_a_model_writing_block_outputs_in_place_profiles_through_the_cut(streame
     """Rule 15: the output backward stops at is a copy of the detached output, as a block's
     output is no leaf, so a model that scales each block's output in place profiles as it
     trains (autograd refuses an in-place write into a leaf that needs grad)."""
-
-    class InPlace(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-            self.blocks = inner.blocks
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            inner = self.inner
-            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
-            for block in self.blocks:
-                x = block(x)
-                x.mul_(0.5)
-            return inner.head(inner.ln(x))
-
     torch.manual_seed(0)
-    model = InPlace(_trainable_model(layers=6))
+    model = _Around(_trainable_model(layers=6), _in_place)
     reached = _reached(model)
     blocks, *_ = _measure(model, streamed=streamed)
     # streamed, backward stopped at the cut; on plain parameters the bytes pass runs it whole
@@ -152,10 +173,9 @@ def test_the_timing_passes_on_plain_parameters_stop_at_the_cut_and_the_bytes_pas
     torch.manual_seed(0)
     model = _trainable_model(layers=4)
     backwards: Counter[int] = Counter()  # per block, the passes whose backward reached it
-    for index, block in enumerate(model.blocks):
-        block.qkv.weight.register_hook(lambda grad, i=index: backwards.update([i]) or grad)
     forwards: Counter[int] = Counter()  # per block, the passes that computed its forward
     for index, block in enumerate(model.blocks):
+        block.qkv.weight.register_hook(lambda grad, i=index: backwards.update([i]) or grad)
         block.qkv.register_forward_pre_hook(lambda *_, i=index: forwards.update([i]))
     blocks, *_ = _measure(model, streamed=False)
     passes = backwards[3]
@@ -175,23 +195,8 @@ def test_without_the_cut_no_forward_is_skipped(streamed):
     """Rule 16 stands in only for blocks the cut leaves out: where a block before the cut is not
     called (here block 2 of six twins), no cut is made, and the pass is measured again with
     every called block run, forward and backward."""
-
-    class Skipping(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-            self.blocks = inner.blocks
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            inner = self.inner
-            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
-            for index, block in enumerate(self.blocks):
-                if index != 2:
-                    x = block(x)
-            return inner.head(inner.ln(x))
-
     torch.manual_seed(0)
-    model = Skipping(_trainable_model(layers=6))
+    model = _Around(_trainable_model(layers=6), _leaving_out_block_2)
     reached = _reached(model)
     computed: set[int] = set()
     for index, block in enumerate(model.blocks):
@@ -203,22 +208,8 @@ def test_without_the_cut_no_forward_is_skipped(streamed):
 
 def test_blocks_run_out_of_their_order_are_not_cut():
     """The cut is made only where it splits the blocks in execution order."""
-
-    class Reversed(nn.Module):
-        def __init__(self, inner: nn.Module) -> None:
-            super().__init__()
-            self.inner = inner
-            self.blocks = inner.blocks
-
-        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-            inner = self.inner
-            x = inner.wte(tokens) + inner.wpe(torch.arange(tokens.shape[1]))
-            for block in reversed(self.blocks):
-                x = block(x)
-            return inner.head(inner.ln(x))
-
     torch.manual_seed(0)
-    model = Reversed(_trainable_model(layers=4))
+    model = _Around(_trainable_model(layers=4), _reversed)
     reached = _reached(model)
     blocks, *_ = _measure(model, streamed=True)
     assert reached == {0, 1, 2, 3}

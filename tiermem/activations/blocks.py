@@ -8,7 +8,8 @@ An encoder-decoder has two such lists; both are used, in forward order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from torch import nn
 
@@ -75,3 +76,24 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
         for name, stack in stacks
         for index, child in enumerate(stack)
     ]
+
+
+class ForwardPatches:
+    """Blocks whose ``forward`` was replaced on the instance (a recompute wrapper, a profiling
+    stand-in), each put back as it was by :meth:`restore`: the instance's own forward where
+    something (accelerate, peft, a user) had set one, else the class's showing through again."""
+
+    def __init__(self) -> None:
+        self._patched: list[tuple[nn.Module, Any]] = []
+
+    def patch(self, block: nn.Module, forward: Callable[..., Any]) -> None:
+        self._patched.append((block, vars(block).get("forward")))
+        block.forward = forward  # type: ignore[method-assign]
+
+    def restore(self) -> None:
+        for block, previous in reversed(self._patched):
+            if previous is not None:
+                block.forward = previous  # type: ignore[method-assign]
+            elif "forward" in vars(block):
+                del block.forward
+        self._patched.clear()

@@ -84,7 +84,7 @@ import torch
 from torch import nn
 
 from tiermem.activations.adaptive import AdaptiveKeep
-from tiermem.activations.blocks import BlockSpec, find_blocks
+from tiermem.activations.blocks import BlockSpec, ForwardPatches, find_blocks
 from tiermem.activations.counters import ActivationCounters
 from tiermem.activations.fallback import ActivationMemoryError, Fallbacks, first_tensor_numel
 from tiermem.activations.giveback import DeviceGiveBack
@@ -159,7 +159,7 @@ class ActivationOffloader:
         #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
         self.give_back = DeviceGiveBack(registry, self.history, self.forwards, self.fallbacks, self.prefetcher)
         self._module_hooks: list[Any] = []
-        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._patches = ForwardPatches()  # the blocks' recompute wrappers
         self._saved_hooks: Any = None
         self._lock = threading.Lock()
         #: trims the heap as blocks offload (NOTE [ Returning freed memory ] rule 5)
@@ -196,7 +196,6 @@ class ActivationOffloader:
                 self._module_hooks.append(block.register_forward_hook(self._block_ended(index), always_call=True))
                 always = self.policies[index] is BlockPolicy.RECOMPUTE and not self.flexible[index]
                 if always or self.flexible[index]:
-                    self._wrapped.append((block, block.__dict__.get("forward")))
                     self._wrap_recompute(block, index, always)
         except BaseException:
             self._undo_module_changes()
@@ -245,12 +244,7 @@ class ActivationOffloader:
         for hook in self._module_hooks:
             hook.remove()
         self._module_hooks.clear()
-        for block, previous in reversed(self._wrapped):
-            if previous is not None:
-                block.forward = previous  # type: ignore[method-assign]
-            elif "forward" in vars(block):  # ours: the class's forward shows through again
-                del block.forward
-        self._wrapped.clear()
+        self._patches.restore()
 
     def _wrap_recompute(self, block: nn.Module, index: int, always: bool) -> None:
         """Checkpoint the block's forward: always (a user's ``recompute``), or when the
@@ -264,7 +258,7 @@ class ActivationOffloader:
                 return checkpointed(block, original, args, kwargs)
             return original(*args, **kwargs)
 
-        block.forward = forward  # type: ignore[method-assign]
+        self._patches.patch(block, forward)
 
     def _recomputing(self, index: int) -> bool:
         group = self.forwards.current

@@ -134,7 +134,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-from tiermem.activations.blocks import BlockSpec, find_blocks
+from tiermem.activations.blocks import BlockSpec, ForwardPatches, find_blocks
 from tiermem.activations.recompute import checkpointed
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
@@ -401,25 +401,17 @@ class _Recomputed:
         self.blocks = blocks
         self.hooks = hooks
         self.recompute_s = [0.0] * len(blocks)
-        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._patches = ForwardPatches()
 
     def __enter__(self) -> _Recomputed:
         self.hooks.inner_only = True
         for index, block in enumerate(self.blocks):
-            # the instance's own forward where something (accelerate, peft, a user) set one; put
-            # back as it was on exit, as the activation offloader's recompute wrapper does
-            self._wrapped.append((block, vars(block).get("forward")))
-            block.forward = functools.partial(self._forward, index, block.forward)  # type: ignore[method-assign]
+            self._patches.patch(block, functools.partial(self._forward, index, block.forward))
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.hooks.inner_only = False
-        for block, previous in reversed(self._wrapped):
-            if previous is not None:
-                block.forward = previous  # type: ignore[method-assign]
-            else:
-                del block.forward
-        self._wrapped.clear()
+        self._patches.restore()
 
     def _forward(self, index: int, original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         top = torch._C._autograd._top_saved_tensors_default_hooks(False)
@@ -469,7 +461,7 @@ class _Skipped:
         #: the blocks that were skipped in this pass
         self.done: list[int] = []
         self._outputs: dict[int, Any] = {}
-        self._wrapped: list[tuple[nn.Module, Any]] = []
+        self._patches = ForwardPatches()
         self._handles: list[Any] = []
 
     def __enter__(self) -> _Skipped:
@@ -477,20 +469,14 @@ class _Skipped:
             self._handles.append(self.blocks[twin].register_forward_hook(functools.partial(self._ran, twin)))
         for index in sorted(self.skip):
             block = self.blocks[index]
-            self._wrapped.append((block, vars(block).get("forward")))
-            block.forward = functools.partial(self._forward, index, block.forward)  # type: ignore[method-assign]
+            self._patches.patch(block, functools.partial(self._forward, index, block.forward))
         return self
 
     def __exit__(self, *exc: object) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-        for block, previous in reversed(self._wrapped):
-            if previous is not None:
-                block.forward = previous  # type: ignore[method-assign]
-            else:
-                del block.forward
-        self._wrapped.clear()
+        self._patches.restore()
         self._outputs.clear()
 
     def _ran(self, index: int, _module: nn.Module, _args: Any, output: Any) -> None:
