@@ -5,6 +5,8 @@ Skipped (not faked) where CUDA is absent; run them on a machine with a GPU.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -159,6 +161,24 @@ def cuda_loop(model: torch.nn.Module, optimizer: torch.optim.Optimizer, steps: i
     return out
 
 
+def assert_trained_alike(model: torch.nn.Module, plain: torch.nn.Module, rtol: float, atol: float) -> None:
+    """Every parameter of ``model`` within tolerance of ``plain``'s, on the GPU, but the key bias.
+
+    Softmax does not change when every key moves by the same vector, so the loss's gradient with
+    respect to the key part of ``qkv.bias`` is zero in exact arithmetic; backward returns rounding
+    residue there. Adam divides by that residue's own size and so turns it into steps of order the
+    learning rate, and a CPU Adam and a GPU Adam round one ulp apart, which changes the next step's
+    residue entirely. Those 32 elements follow unrelated paths under any two optimizers (seen on an
+    H200: every mismatch of these tests lay in them), so they are left out, and only they are."""
+    for (name, p), q in zip(model.named_parameters(), plain.parameters(), strict=True):
+        assert p.device == q.device and p.device.type == "cuda", name
+        got, want = p.detach(), q.detach()
+        if name.endswith("qkv.bias"):
+            d = got.numel() // 3
+            got, want = torch.cat([got[:d], got[2 * d :]]), torch.cat([want[:d], want[2 * d :]])
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m, name=name: f"{name}: {m}")
+
+
 @pytest.mark.parametrize("home", ["host", "nvme"])
 def test_offloaded_states_on_cuda_train_like_plain_pytorch(tmp_path, home):
     """Streamed chunks, CPU steps of offloaded chunks, HostGradients for clipping by hand. The
@@ -185,15 +205,16 @@ def test_offloaded_states_on_cuda_train_like_plain_pytorch(tmp_path, home):
     assert stats["tiers"]["device"]["peak_bytes"] <= capacity
     assert stats["links"][f"{'host' if home == 'host' else 'nvme'}->device"]["bytes"] > 0
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        assert p.device.type == "cuda"
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert_trained_alike(model, plain, rtol=1e-4, atol=1e-5)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_offloaded_states_on_cuda_with_fp16_grad_scaler_and_declared_clipping(tmp_path):
     """GradScaler unscales HostGradients one at a time; declared clipping reads host gradients
-    in place. Compared with plain PyTorch within float tolerance."""
+    in place. Compared with plain PyTorch within float tolerance: the parameters within 1e-3, twice
+    fp16's resolution near 1, since one ulp of difference between the CPU's Adam and the GPU's can
+    move an fp16 activation across a rounding boundary (seen on an H200: one element of 4,096 off by
+    1.8e-4 after four steps); a missed or doubled step would be off by the learning rate, 1e-2."""
 
     def run(model: torch.nn.Module, optimizer: torch.optim.Optimizer, clip_by_hand: bool) -> list:
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0**18)
@@ -223,8 +244,7 @@ def test_offloaded_states_on_cuda_with_fp16_grad_scaler_and_declared_clipping(tm
         got = run(model, optimizer, False)
         assert rt.plan.persistent_chunks < rt.plan.chunks
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-3, atol=1e-4)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-3, atol=1e-4)
+    assert_trained_alike(model, plain, rtol=1e-3, atol=1e-3)
 
 
 # -- issue 21: fences on every CUDA move, pinned bounces, device memory to kvikio, CPU steps ------
@@ -391,10 +411,10 @@ def test_cpu_step_settings_move_cuda_values_to_the_cpu():
     assert torch.equal(got, want) and step.device.type == "cpu" and float(step) == 5.0
 
 
-def test_offloaded_states_with_capturable_adam_train_on_cuda(tmp_path):
+def test_offloaded_states_with_capturable_adam_train_on_cuda(tmp_path, caplog):
     """An optimizer made for CUDA graphs (capturable=True) trains with offloaded chunks, their CPU
-    steps cleaned (NOTE [ CPU steps of offloaded chunks ]), close to plain PyTorch. Needs
-    tiermem/states/stepping.py to call for_cpu_step before run_step."""
+    steps cleaned (NOTE [ CPU steps of offloaded chunks ]), close to plain PyTorch. The plan made
+    from the first step times the same cleaned CPU step: no fallback to the default placement."""
 
     def adamw(model):
         return torch.optim.AdamW(test_states.param_groups(model), lr=1e-3, capturable=True)
@@ -404,10 +424,11 @@ def test_offloaded_states_with_capturable_adam_train_on_cuda(tmp_path):
     model = cuda_model()
     with tiermem.Runtime(cuda_config(tmp_path, int(test_states.state_bytes("adamw", model) * 0.1))) as rt:
         model, optimizer = rt.manage(model, adamw(model))
-        got = cuda_loop(model, optimizer, 2)
+        with caplog.at_level(logging.WARNING, logger="tiermem"):
+            got = cuda_loop(model, optimizer, 2)
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert_trained_alike(model, plain, rtol=1e-4, atol=1e-5)
 
 
 def test_a_long_lived_device_buffer_registered_with_kvikio_round_trips_and_is_deregistered(tmp_path):
@@ -479,8 +500,7 @@ def test_backward_hooks_on_autograds_device_thread_never_wait_for_an_early_step(
     assert max(queued) >= 1
     assert max(hook_seconds) < 0.1
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert_trained_alike(model, plain, rtol=1e-4, atol=1e-5)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -538,8 +558,7 @@ def test_training_with_kvikio_registers_the_chunk_pool_once_and_deregisters_it_a
     assert sorted(address for what, address in calls if what == "deregister") == sorted(segments)
     assert backend.registrations.registered_segments == {}
     torch.testing.assert_close(torch.stack(got).cpu(), torch.stack(want).cpu(), rtol=1e-4, atol=1e-5)
-    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
-        torch.testing.assert_close(p.detach(), q.detach(), rtol=1e-4, atol=1e-5)
+    assert_trained_alike(model, plain, rtol=1e-4, atol=1e-5)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -573,4 +592,112 @@ def test_queued_early_steps_keep_streamed_gradients_within_the_host_budget(tmp_p
         stats = rt.stats().as_dict()
     assert queued and max(queued) <= 1
     assert stats["tiers"]["host"]["peak_bytes"] <= stats["tiers"]["host"]["capacity"]
+    assert list(tmp_path.iterdir()) == []
+
+
+class CudaBlock(torch.nn.Module):
+    """A pre-LN decoder block whose causal mask lives on the input's device."""
+
+    def __init__(self, d: int = 64) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(d), torch.nn.LayerNorm(d)
+        self.qkv, self.proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(d, 4 * d), torch.nn.GELU(), torch.nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        scores = (q @ k.transpose(-2, -1)) / q.shape[-1] ** 0.5
+        mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).triu(1)
+        x = x + self.proj(scores.masked_fill(mask, float("-inf")).softmax(-1) @ v)
+        return x + self.mlp(self.ln2(x))
+
+
+class CudaDecoder(torch.nn.Module):
+    def __init__(self, layers: int = 4, d: int = 64) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, d)
+        self.blocks = torch.nn.ModuleList(CudaBlock(d) for _ in range(layers))
+        self.head = torch.nn.Linear(d, 50)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+
+def activation_step(model: torch.nn.Module, context, seed: int) -> list[torch.Tensor]:
+    """The loss and every gradient of one step on a fixed batch, all on the GPU."""
+    model.zero_grad(set_to_none=True)
+    generator = torch.Generator().manual_seed(seed)
+    tokens, targets = (torch.randint(0, 50, (4, 96), generator=generator).cuda() for _ in range(2))
+    with context:
+        loss = torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), targets.flatten())
+        loss.backward()
+    return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+
+
+@pytest.mark.parametrize("policy", ["keep", "recompute", "host", "nvme", "auto"])
+def test_activation_offload_on_cuda_is_bitwise_plain_cuda(tmp_path, policy):
+    """Saved activations leave the GPU through the copy stream to pinned host blocks or NVMe and
+    come back for backward: the same kernels run on the same inputs, so loss and gradients are
+    bitwise those of plain PyTorch on the GPU (NOTE [ Activation offload rules ])."""
+    import contextlib
+
+    torch.manual_seed(0)
+    model = CudaDecoder().cuda()
+    want = [activation_step(model, contextlib.nullcontext(), seed) for seed in range(2)]
+    config = {
+        "device": {"capacity": "512MiB", "device": "cuda"},
+        "host": {"capacity": "256MiB", "pinned": True},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "1GiB", "block_size": "256KiB"},
+        "activations": {"min_bytes": "4KiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+    with tiermem.Runtime(config) as rt:
+        for _ in range(2):  # the second round runs auto's adapted policy
+            for seed in range(2):
+                got = activation_step(model, rt.offload_activations(model, policy=policy), seed)
+                for a, b in zip(got, want[seed], strict=True):
+                    assert torch.equal(a, b)
+        torch.cuda.synchronize()
+        stats = rt.stats().as_dict()
+    if policy in ("host", "nvme"):
+        assert stats["activations"]["bytes_written"][policy] > 0 or stats["activations"]["cancelled"] > 0
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_hf_gpt2_activation_offload_to_nvme_on_cuda_is_bitwise_plain_cuda(tmp_path):
+    """A Hugging Face GPT-2 built from a config, its saved activations on NVMe, on the GPU."""
+    transformers = pytest.importorskip("transformers")
+    import contextlib
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        n_layer=4, n_embd=128, n_head=4, vocab_size=512, n_positions=256,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    model = transformers.GPT2LMHeadModel(config).cuda()
+    model.config.use_cache = False
+
+    def step(context) -> list[torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        tokens = torch.randint(0, 512, (2, 256), generator=torch.Generator().manual_seed(1)).cuda()
+        with context:
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+        return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
+
+    want = step(contextlib.nullcontext())
+    runtime_config = {
+        "device": {"capacity": "1GiB", "device": "cuda"},
+        "host": {"capacity": "256MiB", "pinned": True},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "2GiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+    with tiermem.Runtime(runtime_config) as rt:
+        for _ in range(2):
+            got = step(rt.offload_activations(model, policy="nvme"))
+            for a, b in zip(got, want, strict=True):
+                assert torch.equal(a, b)
     assert list(tmp_path.iterdir()) == []

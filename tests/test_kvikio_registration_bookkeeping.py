@@ -183,3 +183,17 @@ def test_backends_without_registration_ignore_the_helpers() -> None:
 )
 def test_gds_active_reads_each_kvikio_generation(defaults: dict[str, Any], active: bool) -> None:
     assert gds_active(types.SimpleNamespace(defaults=types.SimpleNamespace(**defaults))) is active
+
+
+def test_kvikio_26_settings_are_found_though_the_package_does_not_import_them(monkeypatch) -> None:
+    """From kvikio 26, ``import kvikio`` leaves ``kvikio.defaults`` unimported, and reading the
+    attribute raised AttributeError at the first device registration (seen on an H200 with kvikio
+    26.10): the settings module is imported by name."""
+    for compat in (False, True):
+        package = types.ModuleType("fake_kvikio26")
+        settings = types.ModuleType("fake_kvikio26.defaults")
+        settings.is_compat_mode_preferred = lambda compat=compat: compat
+        monkeypatch.setitem(sys.modules, "fake_kvikio26", package)
+        monkeypatch.setitem(sys.modules, "fake_kvikio26.defaults", settings)
+        assert not hasattr(package, "defaults")
+        assert gds_active(package) is not compat

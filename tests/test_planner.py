@@ -604,6 +604,18 @@ def test_optimizer_timing_takes_a_constructed_optimizers_defaults():
     assert optimizer_seconds_per_byte(torch.optim.AdamW, defaults, params) > 0
 
 
+def test_optimizer_timing_beside_a_gpu_takes_the_settings_of_the_cpu_step():
+    """A CUDA model's ``capturable=True`` Adam: offloaded chunks step on the CPU with ``capturable=False``
+    (NOTE [ CPU steps of offloaded chunks ] rule 2), and the timing does the same. Before, it passed
+    ``capturable=True`` to CPU copies, torch refused, and the plan fell back to the default placement
+    (seen on an H200). On the CPU device nothing is cleaned, as in plain PyTorch."""
+    params = list(gpt().parameters())
+    defaults = torch.optim.Adam(params, lr=1e-3, capturable=True).defaults
+    assert optimizer_seconds_per_byte(torch.optim.Adam, defaults, params, device=torch.device("cuda", 0)) > 0
+    with pytest.raises(AssertionError, match="capturable"):
+        optimizer_seconds_per_byte(torch.optim.Adam, defaults, params, device=torch.device("cpu"))
+
+
 def test_no_plan_fits_names_each_tiers_shortfall():
     with pytest.raises(NoPlanFitsError) as info:
         search(synthetic(4), {"device": 4 * MiB, "host": 1 << 30, "nvme": 1 << 30})

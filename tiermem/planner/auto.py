@@ -132,7 +132,9 @@ def profile_model(
     size = probe_size(registry)
     # each link at the room of the tiers it passes through (NOTE [ Profiling step ] rule 5)
     links = probe_links(registry, PROBE_BYTES)
-    per_byte = optimizer_seconds_per_byte(cls, defaults, params, _optimizer_sample_bytes(registry, device, len(names)))
+    per_byte = optimizer_seconds_per_byte(
+        cls, defaults, params, _optimizer_sample_bytes(registry, device, len(names)), device=device
+    )
     copy_bw = min((links[k] for k in ("device->host", "host->device") if links.get(k)), default=0.0)
     overheads = recent_calibration(registry, cls, defaults, copy_bw)
     profile = Profile(

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from tiermem.planner.streaming import STREAMED_OPTIMIZER_SAMPLE_BYTES, streamed
+from tiermem.states.cpu_step import for_cpu_step
 
 __all__ = [
     "OPTIMIZER_SAMPLE_BYTES",
@@ -33,12 +34,16 @@ def optimizer_seconds_per_byte(
     defaults: Mapping[str, Any],
     params: Sequence[nn.Parameter],
     sample_bytes: int | None = None,
+    device: torch.device | None = None,
 ) -> float:
     """Rule 5: the fastest warm step of ``optimizer_class`` over CPU copies of (a sample of) the
     trainable parameters, per byte: offloaded chunks step on the CPU, also beside a GPU.
     Copies: the model's own parameters and states stay untouched. Streamed (rule 8): synthetic
     tensors of the parameters' shapes and dtypes. ``sample_bytes``: the parameter bytes to time
-    (default ``OPTIMIZER_SAMPLE_BYTES``; ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` streamed)."""
+    (default ``OPTIMIZER_SAMPLE_BYTES``; ``STREAMED_OPTIMIZER_SAMPLE_BYTES`` streamed). ``device``: the
+    model's device (default the CPU); beside a GPU the settings are cleaned as an offloaded chunk's CPU
+    step cleans them (NOTE [ CPU steps of offloaded chunks ]), so ``capturable=True`` is timed as the
+    ``capturable=False`` step the chunks will take."""
     synthetic = streamed() is not None
     limit = sample_bytes or (STREAMED_OPTIMIZER_SAMPLE_BYTES if synthetic else OPTIMIZER_SAMPLE_BYTES)
     sample: list[torch.Tensor] = []
@@ -72,7 +77,11 @@ def optimizer_seconds_per_byte(
     accepted = inspect.signature(optimizer_class.__init__).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values())
     kwargs = {k: v for k, v in defaults.items() if takes_any or k in accepted}
-    optimizer = optimizer_class(sample, **kwargs)
+    groups, _, _ = for_cpu_step(
+        device or torch.device("cpu"), [(kwargs, sample)], {}, {}, optimizer_class=optimizer_class
+    )
+    settings = groups[0][0]
+    optimizer = optimizer_class(sample, **settings)
     optimizer.step()  # creates the states
     # Rule 5 (TRAPS 38): the fastest of warm steps within a budget. The first steps of a process over
     # fresh memory run up to 5x slower than the steady state (torch's large temporaries are

@@ -36,6 +36,7 @@ for host buffers and in compatibility mode (TRAPS 13). So whether it can run is 
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import logging
 import os
@@ -81,7 +82,10 @@ try:
         sys.exit(f"probe I/O returned wrong bytes (wrote {n}, read {m})")
     mode = "unknown"
     try:
-        mode = str(kvikio.defaults.compat_mode())
+        import kvikio.defaults  # a submodule that `import kvikio` does not load from kvikio 26
+
+        settings = kvikio.defaults
+        mode = str(settings.get("compat_mode") if hasattr(settings, "get") else settings.compat_mode())
     except Exception:
         pass
     print(f"kvikio {getattr(kvikio, '__version__', '?')}, compat_mode={mode}")
@@ -153,11 +157,21 @@ def cuda_segment_of(address: int) -> Segment | None:
     return None
 
 
+def kvikio_defaults(kvikio: Any) -> Any:
+    """kvikio's settings module. Up to kvikio 25 ``import kvikio`` loads it as ``kvikio.defaults``; from
+    kvikio 26 it is a submodule the package no longer imports, so the attribute is missing until it is
+    imported by name."""
+    defaults = getattr(kvikio, "defaults", None)
+    if defaults is None:
+        defaults = importlib.import_module(f"{kvikio.__name__}.defaults")
+    return defaults
+
+
 def gds_active(kvikio: Any) -> bool:
     """Whether kvikio does cuFile (GDS) I/O rather than its POSIX compatibility mode. Older kvikio
     has only ``compat_mode()`` (a bool, or a CompatMode where AUTO is decided at first use: taken as
     active, since kvikio's own registration skips itself when compatibility mode wins)."""
-    defaults = kvikio.defaults
+    defaults = kvikio_defaults(kvikio)
     preferred = getattr(defaults, "is_compat_mode_preferred", None)
     if preferred is not None:
         return not bool(preferred())
