@@ -6,20 +6,26 @@
 #   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--python PY]
 #
 # Steps and their budgets (seconds; a step past its budget is killed and recorded as timed out):
-#   install_gds             45  the gds extra (kvikio); skipped when kvikio imports already; without
-#                               network it fails fast (no retries) and the kvikio steps say so
-#   cuda_tests             150  tests/test_cuda.py
+#   install_gds             45  the kvikio extra for this torch's CUDA (gds-cu13 on CUDA 13, else gds);
+#                               skipped when kvikio imports already; without network it fails fast
+#                               (no retries) and the kvikio steps say so
+#   cuda_tests             120  tests/test_cuda.py (about 45 s on an H200)
 #   bench_io_posix_host     25  tiermem bench io, posix, host buffers (256MiB, verified)
 #   bench_io_kvikio_host    25  the same through kvikio (skipped where kvikio's probe fails)
 #   bench_io_posix_device   25  --buffer device: device memory staged through page-locked bounces
 #   bench_io_kvikio_device  25  --buffer device through kvikio: device memory handed to cuFile
-#   activations             75  activation offload keep vs nvme on a GPU GPT (bench/activations.py)
-#   states                  90  model states at 10% device vs plain (bench/states.py)
+#   train_keep              45  tiermem train on the GPU, a 152M-parameter GPT, plain states, every
+#                               activation kept: the step the others are compared with
+#   train_auto              60  the same model planned by tiermem (the default configuration's budget)
+#   train_nvme              90  the same with every chunk's states and every activation on NVMe
 # They sum to 460 s; the CUDA probe before them is held to 10 s, and every step is also cut at the
 # script's deadline (470 s after start), so the whole run ends before 8 minutes whatever hangs.
 # A step that cannot run here is recorded as skipped, with why; one that fails is recorded with its
 # exit status and log tail, and the others still run.
 # --dry-run checks the plumbing without a GPU: every step is listed as skipped, the JSON is written.
+# tiermem need not be installed: a GPU machine without network cannot `pip install -e .`, so where
+# `tiermem.tiers` does not import, the script links tiers/ and schedulers/ into tiermem/ as the
+# install maps them, for its own run, and removes the links when it ends.
 set -u
 cd "$(dirname "$0")/.."
 
@@ -31,7 +37,7 @@ while [ $# -gt 0 ]; do
     --dry-run) DRY_RUN=1 ;;
     --out) OUT_DIR="$2"; shift ;;
     --python) PY="$2"; shift ;;
-    -h|--help) sed -n 2,24p "$0"; exit 0 ;;
+    -h|--help) sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 0 ;;
     *) echo "gpu_check: unknown argument $1 (use --dry-run, --out DIR, --python PY)" >&2; exit 2 ;;
   esac
   shift
@@ -40,6 +46,14 @@ if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 mkdir -p "$OUT_DIR"
+if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import tiermem.tiers, tiermem.schedulers" 2>/dev/null; then
+  LINKS=()
+  for part in tiers schedulers; do
+    if [ ! -e "tiermem/$part" ]; then ln -s "../$part" "tiermem/$part" && LINKS+=("tiermem/$part"); fi
+  done
+  trap 'rm -f "${LINKS[@]}"' EXIT
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+fi
 STEPS="$OUT_DIR/steps.tsv"
 : > "$STEPS"
 START=$(date +%s)
@@ -84,15 +98,19 @@ KVIKIO_OR_SKIP="from tiermem.tiers.backends import kvikio_backend as k; import s
 ok, why = k.probe(tempfile.gettempdir()); ok or print('SKIP-STEP: kvikio unusable: ' + why); sys.exit(0 if ok else 3)"
 BENCH="'$PY' -m tiermem bench io --size 256MiB --repeats 2 --verify --json"
 
+# kvikio's wheels are built per CUDA major version: the extra that matches this torch's.
+GDS_EXTRA=$("$PY" -c "import torch; print('gds-cu13' if (torch.version.cuda or '').startswith('13') else 'gds')" 2>/dev/null || echo gds)
 step install_gds 45 any bash -c "'$PY' -c 'import kvikio' 2>/dev/null && { echo 'SKIP-STEP: kvikio imports already'; exit 0; }; \
-  PIP_DISABLE_PIP_VERSION_CHECK=1 '$PY' -m pip install --quiet --retries 0 --timeout 10 -e '.[gds]'"
-step cuda_tests 150 cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  PIP_DISABLE_PIP_VERSION_CHECK=1 '$PY' -m pip install --quiet --retries 0 --timeout 10 -e '.[$GDS_EXTRA]'"
+step cuda_tests 120 cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step bench_io_posix_host 25 cuda bash -c "$BENCH --backend posix"
 step bench_io_kvikio_host 25 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio"
 step bench_io_posix_device 25 cuda bash -c "$BENCH --backend posix --buffer device"
 step bench_io_kvikio_device 25 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio --buffer device"
-step activations 75 cuda "$PY" bench/activations.py --layers 8 --d-model 1024 --seq 1024 --batch 8 --steps 3 --rounds 1 --policies keep,nvme --json
-step states 90 cuda "$PY" bench/states.py --size 200M --steps 3 --rounds 1 --device-fraction 0.10 --json
+TRAIN="'$PY' -m tiermem train --json --layers 12 --d-model 1024 --heads 16 --seq-len 512 --batch-size 8 --steps 12"
+step train_keep 45 cuda bash -c "$TRAIN --no-states --policy keep"
+step train_auto 60 cuda bash -c "$TRAIN"
+step train_nvme 90 cuda bash -c "$TRAIN --state-home nvme --policy nvme"
 
 "$PY" - "$OUT_DIR" "$STEPS" "$DRY_RUN" "$CUDA" "$(( $(date +%s) - START ))" "$DEADLINE_S" <<'EOF'
 import json, os, sys

@@ -15,8 +15,9 @@ STEPS = [
     "bench_io_kvikio_host",
     "bench_io_posix_device",
     "bench_io_kvikio_device",
-    "activations",
-    "states",
+    "train_keep",
+    "train_auto",
+    "train_nvme",
 ]
 #: Issue 21 item 3: the whole check in under 8 minutes on one GPU.
 EIGHT_MINUTES_S = 480
@@ -34,7 +35,7 @@ def test_a_dry_run_lists_every_step_and_writes_the_report(tmp_path: Path) -> Non
     for step in report["steps"]:
         assert step["status"] == "skipped" and step["note"].startswith("dry run: would run: "), step
     assert "tests/test_cuda.py" in report["steps"][1]["note"]
-    assert "8 skipped" in done.stdout
+    assert "9 skipped" in done.stdout
     notes = {s["step"]: s["note"] for s in report["steps"]}
     for backend in ("posix", "kvikio"):
         assert f"--backend {backend} --buffer device" in notes[f"bench_io_{backend}_device"]
