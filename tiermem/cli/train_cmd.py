@@ -337,8 +337,10 @@ def _print_intro(model_config: Any, args: argparse.Namespace, device: str, budge
         if states:
             text += (
                 f" For model states {format_size(states)} ({STATES_BUDGET_FRACTION:.0%} of the "
-                f"{format_size(budget['model_state_bytes'])} of fp32 parameters, gradients and AdamW states): their "
-                "chunks stream through the device from their homes."
+                f"{format_size(budget['model_state_bytes'])} of fp32 parameters, gradients and AdamW states), room "
+                "for their chunks to stream through the device from their homes. The planner shares the whole "
+                "budget as the step runs fastest: the plan line below says how (on a GPU it may keep every chunk "
+                "and recompute activations instead)."
             )
         else:
             text += " Parameters, gradients and AdamW states stay outside the tiers (--no-states)."
