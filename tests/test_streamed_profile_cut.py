@@ -235,3 +235,49 @@ def test_a_first_step_planned_through_the_cut_trains_bitwise_within_capacities(t
     for tier in ("device", "host", "nvme"):
         assert stats[tier]["peak_bytes"] <= stats[tier]["capacity"]
     assert list(tmp_path.iterdir()) == []
+
+
+class _ScratchBlock(nn.Module):
+    """A block whose forward peak is a large scratch tensor it frees before returning: no
+    gradient flows through it, so its backward peaks far lower than its forward."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            scratch = x.detach().repeat(1, 1, 256)  # 256x the block's input, gone when forward returns
+            zero = scratch.amax() * 0
+        return self.lin(x) + zero
+
+
+class _ScratchStack(nn.Module):
+    def __init__(self, layers: int = 6, width: int = 32) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(64, width)
+        self.blocks = nn.ModuleList(_ScratchBlock(width) for _ in range(layers))
+        self.head = nn.Linear(width, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.wte(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_a_skipped_twin_takes_its_measured_twins_forward_peak():
+    """Rule 16: a skipped block's transient bytes are its first measured twin's, its forward peak
+    included. Here the forward peak (a scratch tensor) is the block's largest; the streamed pass's
+    backward peak of a measured block comes within its saved bytes of it, so a skipped block that
+    kept only that backward peak would differ from its twin by exactly those bytes."""
+    torch.manual_seed(0)
+    model = _ScratchStack()
+    plain_blocks = _measure(model, streamed=False)[0]
+    blocks = _measure(model, streamed=True)[0]
+    scratch = 256 * blocks[0].input_bytes
+    for i in (1, 2, 3):  # skipped: blocks 0, 4 and 5 ran (cut at 4)
+        assert blocks[i].transient_bytes == blocks[4].transient_bytes, i
+    for i, block in enumerate(blocks):
+        assert block.transient_bytes >= scratch, (i, block.transient_bytes, scratch)
+        assert block.transient_bytes == pytest.approx(plain_blocks[i].transient_bytes, rel=0.25), i
