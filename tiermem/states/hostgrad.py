@@ -142,7 +142,7 @@ class HostGradient(torch.Tensor):
         device = torch.device(device)
         if device.index is None and device.type != "cpu":
             # Every real CUDA tensor's device names its index, and assigning p.grad compares the two:
-            # a wrapper on an index-less "cuda" failed there, so it takes the index a tensor would.
+            # a wrapper on an index-less "cuda" failed there, so it takes the index a tensor would (TRAPS 40).
             device = torch.empty(0, device=device).device
         out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
             cls, host.shape, strides=host.stride(), dtype=host.dtype, device=device, requires_grad=False

@@ -160,7 +160,7 @@ def cuda_segment_of(address: int) -> Segment | None:
 def kvikio_defaults(kvikio: Any) -> Any:
     """kvikio's settings module. Up to kvikio 25 ``import kvikio`` loads it as ``kvikio.defaults``; from
     kvikio 26 it is a submodule the package no longer imports, so the attribute is missing until it is
-    imported by name."""
+    imported by name (TRAPS 39)."""
     defaults = getattr(kvikio, "defaults", None)
     if defaults is None:
         defaults = importlib.import_module(f"{kvikio.__name__}.defaults")
