@@ -701,3 +701,47 @@ def test_hf_gpt2_activation_offload_to_nvme_on_cuda_is_bitwise_plain_cuda(tmp_pa
             for a, b in zip(got, want, strict=True):
                 assert torch.equal(a, b)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_profile_times_a_blocks_kernels_not_their_queueing():
+    """NOTE [ Profiling step ] rule 17: kernels run after the host queues them, so a block's forward
+    is timed once the current stream ran it. Each block here queues about 30 ms of GPU work that
+    returns to the host at once; read on the host's clock alone it would take microseconds."""
+    from tiermem.planner import profiler
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(10_000_000 * 30 / start.elapsed_time(end))  # about 30 ms of the GPU's clock
+
+    class Sleeper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.cuda._sleep(cycles)
+            return self.lin(x)
+
+    class Stack(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = torch.nn.Embedding(32, 16)
+            self.blocks = torch.nn.ModuleList(Sleeper() for _ in range(3))
+            self.head = torch.nn.Linear(16, 32)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            x = self.embed(tokens)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(x)
+
+    model = Stack().cuda()
+    tokens = torch.randint(0, 32, (2, 8), device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    blocks, *_ = profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=device)
+    assert len(blocks) == 3
+    for block in blocks:
+        assert block.forward_s >= 0.02, block

@@ -17,7 +17,9 @@
    managed with the whole model in one streamed chunk (host home, one buffer); and one
    streamed chunk a layer (two buffers); an eighth runs the plain model's forward alone.
    They alternate step by step (A B C ... A B C ...), so a change of load hits each alike;
-   each takes the median of its steps after one warm-up round.
+   each takes the median of its steps after one warm-up round. On a CUDA device each step is
+   timed from and to an idle current stream (NOTE [ Profiling step ] rule 17), so it counts
+   its own kernels, not those the step before it queued.
 3. What: differences of those medians, each per unit of the work it adds (never below 0):
    ``param_s`` (persistent minus plain, per parameter), ``saved_s`` (keep minus persistent,
    per saved tensor), ``offload_s`` (host minus keep, per saved tensor, less the bytes'
@@ -68,6 +70,7 @@ from torch import nn
 from tiermem.activations.offloader import ActivationCounters, ActivationOffloader
 from tiermem.errors import PlanError
 from tiermem.planner.profile import Overheads
+from tiermem.planner.streaming import finish_queued_compute
 from tiermem.registry import Registry
 from tiermem.states.manager import ModelStates
 from tiermem.states.optimizer import SUPPORTED
@@ -225,8 +228,10 @@ def _measure(
         times: dict[str, list[float]] = {name: [] for name in steps}
         for round_ in range(STEPS + 1):
             for name, step in steps.items():
+                finish_queued_compute()  # CUDA: each step's own kernels, not the last one's
                 start = time.perf_counter()
                 step()
+                finish_queued_compute()
                 if round_:
                     times[name].append(time.perf_counter() - start)
             if MIN_STEPS <= round_ < STEPS and round_ % 2 and all(_settled(values) for values in times.values()):

@@ -117,6 +117,12 @@
    that did not run (Hugging Face's ``DynamicCache`` keeps each layer's entries apart). The
    stand-ins hold only where the cut is made: a pass that skipped a block and made no cut (a block
    before it was not called) is run again with every block.
+17. On a CUDA device every time the passes read (:func:`~tiermem.planner.streaming.compute_clock`)
+   first waits for the kernels queued on the current stream: they run after the host queued them,
+   so the host's clock alone reads when a block's work was queued, not how long it ran. An H200's
+   plan read 21 ms of compute in a step that ran 93 ms with every activation kept, and put the
+   other 98 ms under overhead. The calibration's steps are timed the same way (NOTE [ Overhead
+   calibration ]). Other streams are not waited for: a copy in flight beside compute is I/O.
 """
 
 from __future__ import annotations

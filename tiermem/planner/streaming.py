@@ -2,7 +2,8 @@
 (NOTE [ Profiling step ] rule 8, in :mod:`tiermem.planner.profiler`; the mechanism is NOTE
 [ Streamed first-step profiling ] in :mod:`tiermem.states.streamed_profile`).
 
-Pure: a context variable and the clock the profiler reads through it. The model-state manager
+Pure: a context variable and the clock the profiler reads through it (on CUDA, after the current
+stream's queued kernels ran). The model-state manager
 sets it around the planner call; the profiler, the optimizer timing and the search's capacities
 read it. Nothing here imports the registry, a tier or the manager.
 """
@@ -14,6 +15,8 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+
+import torch
 
 STREAMED_OPTIMIZER_SAMPLE_BYTES = 4 << 20
 """The fewest parameter bytes the optimizer timing steps over when the states are streamed
@@ -56,9 +59,19 @@ def streamed() -> Streaming | None:
     return _STREAMING.get()
 
 
+def finish_queued_compute() -> None:
+    """Wait for the kernels queued on the current CUDA stream, where CUDA is in use (NOTE
+    [ Profiling step ] rule 17): a time read after this covers the work, not its queueing. Nothing
+    on the CPU, where an op has run when it returns."""
+    if torch.cuda.is_initialized():
+        torch.cuda.current_stream().synchronize()
+
+
 def compute_clock() -> float:
     """``time.perf_counter()`` less the fetch waits so far: differences of it are compute time,
-    the I/O waits of streamed chunks left out (rule 8); plain profiling has none."""
+    the I/O waits of streamed chunks left out (rule 8); plain profiling has none. On CUDA, read
+    once the current stream's queued kernels ran (rule 17)."""
+    finish_queued_compute()
     info = _STREAMING.get()
     now = time.perf_counter()
     return now - info.stalled() if info is not None else now
