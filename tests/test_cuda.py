@@ -745,3 +745,41 @@ def test_the_profile_times_a_blocks_kernels_not_their_queueing():
     assert len(blocks) == 3
     for block in blocks:
         assert block.forward_s >= 0.02, block
+
+
+def test_adaptive_keep_on_cuda_reads_the_blocks_gpu_time(tmp_path):
+    """NOTE [ Adaptive keep ] rule 4: each block queues about 30 ms of GPU work and saves 4 MiB, whose
+    write and read take a few milliseconds: every offload hides behind the compute after it, so
+    adaptive keep keeps only the last block. Timed on the host's clock the blocks would take
+    microseconds, no offload would look hidden, and every block would be kept."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    cycles = int(10_000_000 * 30 / start.elapsed_time(end))
+
+    class Sleeper(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(256, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.cuda._sleep(cycles)
+            return torch.nn.functional.gelu(self.lin(x))
+
+    model = torch.nn.Sequential(*(Sleeper() for _ in range(4))).cuda()
+    x = torch.randn(16, 256, 256, device="cuda", requires_grad=True)  # 4 MiB a saved tensor
+    config = {
+        "device": {"capacity": "1GiB", "device": "cuda"},
+        "host": {"capacity": "256MiB", "pinned": True},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "1GiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+    with tiermem.Runtime(config) as rt:
+        for _ in range(2):  # the first forward measures the links; the second adapts from them
+            with rt.offload_activations(model, policy="auto", blocks=[Sleeper]) as offloader:
+                model(x).sum().backward()
+        assert offloader.history.adapted is not None
+        assert [p.value for p in offloader.history.adapted] == ["nvme", "nvme", "nvme", "keep"]
+    assert list(tmp_path.iterdir()) == []

@@ -38,7 +38,7 @@ class AdaptiveKeep:
         blocks = len(self.policies)
         profile = [
             # A block recomputed by a fallback saved nothing this time: use its last size.
-            BlockProfile(g.forward_s, self.history.estimate(i, g.input_numel) or g.saved_bytes)
+            BlockProfile(g.compute_seconds(), self.history.estimate(i, g.input_numel) or g.saved_bytes)
             for i in range(blocks)
             if (g := self.forwards.group(forward_id, i)) is not None
         ]

@@ -156,6 +156,8 @@ class ActivationOffloader:
             min_bytes=min_bytes,
         )
         self.adaptive_keep = AdaptiveKeep(registry, self.history, self.forwards, self.policies)
+        #: NOTE [ Adaptive keep ] rule 4: on CUDA the blocks' forward times come from events
+        self._gpu_timed = self.adaptive and registry.device.type == "cuda"
         #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
         self.give_back = DeviceGiveBack(registry, self.history, self.forwards, self.fallbacks, self.prefetcher)
         self._module_hooks: list[Any] = []
@@ -287,6 +289,8 @@ class ActivationOffloader:
                 if group.flexible:
                     group.policy = self.fallbacks.decide(group)
                 group.started = time.perf_counter()
+                if self._gpu_timed:
+                    group.events.append(_recorded_event())
                 forwards.current = group
 
         return hook
@@ -306,6 +310,8 @@ class ActivationOffloader:
             if group is None or group.index != index:
                 return
             group.forward_s = time.perf_counter() - group.started
+            if group.events:
+                group.events.append(_recorded_event())
             self.forwards.current = None
             for saved, tensor in group.pending:  # rule 5: in-place changes made inside the block
                 if tensor._version != saved.version:
@@ -323,3 +329,10 @@ class ActivationOffloader:
                 self.adaptive_keep.forward_ended(group.forward_id)
 
         return hook
+
+
+def _recorded_event() -> torch.cuda.Event:
+    """A timing event recorded on the current CUDA stream (NOTE [ Adaptive keep ] rule 4)."""
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event

@@ -63,6 +63,18 @@ class BlockGroup:
     flexible: bool = False
     #: The block's estimated saved bytes when it started (None: nothing measured yet).
     expected: int | None = None
+    #: On CUDA, under adaptive keep: events recorded on the current stream as the block started
+    #: and ended (NOTE [ Adaptive keep ] rule 4)
+    events: list[torch.cuda.Event] = field(default_factory=list)
+
+    def compute_seconds(self) -> float:
+        """The block's forward time: on CUDA the GPU's, from its events once the end one ran (NOTE
+        [ Adaptive keep ] rule 4); elsewhere the host's, which is the compute's."""
+        if len(self.events) == 2:
+            start, end = self.events
+            end.synchronize()
+            return float(start.elapsed_time(end)) / 1000
+        return self.forward_s
 
 
 class Forwards:
