@@ -18,6 +18,10 @@ Usage::
     .venv/bin/python bench/activations.py                      # the issue's model (8x512, seq 512, batch 4)
     .venv/bin/python bench/activations.py --layers 2 --seq 128 --rounds 1 --steps 2   # a quick look
     .venv/bin/python bench/activations.py --hf --policies keep,nvme   # issue 33: HF GPT-2, same sizes
+    python3 bench/activations.py --device cuda --policies keep,nvme,auto   # on a GPU (bench/gpu_check.sh)
+
+On ``--device cuda`` the device's own peak (``torch.cuda.max_memory_allocated`` over the measured
+steps) is printed per policy beside the host RSS, which offloading to NVMe does not change much.
 
 Besides step time and peaks it prints CPU seconds per step by thread (the training thread,
 tiermem's own threads with their kernel share, torch's workers) and, for each offloading
@@ -52,8 +56,9 @@ def _worker(args: argparse.Namespace) -> dict:
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator)
+    tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(args.device)
     x, y = tokens[:, :-1], tokens[:, 1:]
+    cuda = args.device == "cuda"
     model: torch.nn.Module
     if args.hf:
         # Issue 33's case: Hugging Face GPT-2 built from a config (no download), its loss
@@ -70,11 +75,12 @@ def _worker(args: argparse.Namespace) -> dict:
                 n_layer=args.layers, d_model=args.d_model, n_head=args.heads, vocab_size=args.vocab, seq_len=args.seq
             )
         )
+    model.to(args.device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     process = psutil.Process()
     main_tid = threading.get_native_id()
     tier_config = {
-        "device": {"device": "cpu", "capacity": "8GiB"},
+        "device": {"device": args.device, "capacity": "8GiB"},
         "host": {"capacity": "4GiB"},
         "nvme": {"paths": [args.path], "capacity": "32GiB"},
         "activations": {"min_bytes": "1MiB"},
@@ -92,7 +98,7 @@ def _worker(args: argparse.Namespace) -> dict:
                 loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            loss.item()
+            loss.item()  # also waits for the device, so the time covers the whole step
             return time.perf_counter() - start
 
         step()  # warm-up: allocator, thread pools, and auto's first measurement
@@ -105,6 +111,8 @@ def _worker(args: argparse.Namespace) -> dict:
                 peak[0] = max(peak[0], process.memory_info().rss)
                 time.sleep(0.001)
 
+        if cuda:  # the device's own peak over the measured steps: what activation offload saves there
+            torch.cuda.reset_peak_memory_stats()
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
         before = rt.stats().as_dict()["activations"]
@@ -133,6 +141,8 @@ def _worker(args: argparse.Namespace) -> dict:
         "sys_s_per_step": (cpu_after.system - cpu_before.system) / args.steps,
         "minor_faults_per_step": (faults_after.ru_minflt - faults_before.ru_minflt) // args.steps,
         "rss_peak_delta": peak[0] - base_rss,
+        # on CUDA: the caching allocator's peak over the measured steps (model, optimizer and activations)
+        "device_peak": torch.cuda.max_memory_allocated() if cuda else None,
         "tiermem_peak_resident": activations["peak_resident_bytes"],
         "captured_per_step": (activations["captured_bytes"] - before["captured_bytes"]) // args.steps,
         "nvme_written_per_step": (activations["bytes_written"]["nvme"] - before["bytes_written"]["nvme"]) // args.steps,
@@ -218,6 +228,12 @@ def main() -> int:
     parser.add_argument(
         "--hf", action="store_true", help="Hugging Face GPT-2 from a config (issue 33's case) instead of tiermem's GPT"
     )
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="where the model trains (default cpu: the device tier is the CPU under a byte budget); cuda on a GPU",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--policy", help=argparse.SUPPRESS)
@@ -237,6 +253,7 @@ def main() -> int:
         f"--steps={args.steps}",
         f"--path={path}",
         *(["--hf"] if args.hf else []),
+        f"--device={args.device}",
         *([f"--block-size={args.block_size}"] if args.block_size else []),
     ]
     policies = args.policies.split(",")
@@ -273,6 +290,11 @@ def main() -> int:
             "sys_s_per_step": statistics.median(r["sys_s_per_step"] for r in results),
             "minor_faults_per_step": int(statistics.median(r["minor_faults_per_step"] for r in results)),
             "rss_peak_delta_bytes": int(statistics.median(r["rss_peak_delta"] for r in results)),
+            **(
+                {"device_peak_bytes": int(statistics.median(r["device_peak"] for r in results))}
+                if args.device == "cuda"
+                else {}
+            ),
             "tiermem_peak_resident_bytes": int(statistics.median(r["tiermem_peak_resident"] for r in results)),
             "captured_bytes_per_step": results[-1]["captured_per_step"],
             "nvme_written_per_step": results[-1]["nvme_written_per_step"],
@@ -310,6 +332,11 @@ def main() -> int:
             f"{s['tiermem_peak_resident_bytes'] / 2**20:>11.0f}Mi {ratio('tiermem_peak_resident_bytes'):>7} "
             f"{s['nvme_written_per_step'] / 2**20:>8.0f}Mi {s['backward_wait_s']:>9.3f} {s['fallbacks']:>9}"
         )
+    if args.device == "cuda":
+        for policy, s in summary.items():
+            share = f" = {s['device_peak_bytes'] / keep['device_peak_bytes']:.2f}x keep" if keep else ""
+            peak = s["device_peak_bytes"] / 2**20
+            print(f"{policy:<10} GPU memory peak (torch.cuda.max_memory_allocated) {peak:.0f}Mi{share}")
     _print_cpu_cost(summary)
     return 0
 

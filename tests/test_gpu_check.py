@@ -18,6 +18,7 @@ STEPS = [
     "train_keep",
     "train_auto",
     "train_nvme",
+    "activations",
 ]
 #: Issue 21 item 3: the whole check in under 8 minutes on one GPU.
 EIGHT_MINUTES_S = 480
@@ -35,7 +36,7 @@ def test_a_dry_run_lists_every_step_and_writes_the_report(tmp_path: Path) -> Non
     for step in report["steps"]:
         assert step["status"] == "skipped" and step["note"].startswith("dry run: would run: "), step
     assert "tests/test_cuda.py" in report["steps"][1]["note"]
-    assert "9 skipped" in done.stdout
+    assert "10 skipped" in done.stdout
     notes = {s["step"]: s["note"] for s in report["steps"]}
     for backend in ("posix", "kvikio"):
         assert f"--backend {backend} --buffer device" in notes[f"bench_io_{backend}_device"]
