@@ -10,16 +10,17 @@
 #                               skipped when kvikio imports already; without network it fails fast
 #                               (no retries) and the kvikio steps say so
 #   cuda_tests              90  tests/test_cuda.py (about 45 s on an H200)
-#   bench_io_posix_host     25  tiermem bench io, posix, host buffers (256MiB, verified)
-#   bench_io_kvikio_host    25  the same through kvikio (skipped where kvikio's probe fails)
-#   bench_io_posix_device   25  --buffer device: device memory staged through page-locked bounces
-#   bench_io_kvikio_device  25  --buffer device through kvikio: device memory handed to cuFile
+#   bench_io_posix_host     20  tiermem bench io, posix, host buffers (256MiB, verified)
+#   bench_io_kvikio_host    20  the same through kvikio (skipped where kvikio's probe fails)
+#   bench_io_posix_device   20  --buffer device: device memory staged through page-locked bounces
+#   bench_io_kvikio_device  20  --buffer device through kvikio: device memory handed to cuFile
 #   train_keep              40  tiermem train on the GPU, a 152M-parameter GPT, plain states, every
 #                               activation kept: the step the others are compared with (27 s on an H200)
 #   train_auto              45  the same model planned by tiermem (the default configuration's budget)
-#   train_nvme              90  the same with every chunk's states and every activation on NVMe
-#   activations             50  bench/activations.py --device cuda: keep, nvme and auto, one process
-#                               each, their GPU memory peaks and steps side by side
+#   train_nvme             100  the same, 8 steps, every chunk's states and every activation on NVMe
+#                               (79 s for 12 steps on an H200: 4.3 s a step)
+#   activations             60  bench/activations.py --device cuda (8 x 1024, seq 512, batch 4): keep,
+#                               nvme and auto, one process each, GPU memory peaks and steps side by side
 # They sum to 460 s; the CUDA probe before them is held to 10 s, and every step is also cut at the
 # script's deadline (470 s after start), so the whole run ends before 8 minutes whatever hangs.
 # A step that cannot run here is recorded as skipped, with why; one that fails is recorded with its
@@ -105,15 +106,15 @@ GDS_EXTRA=$("$PY" -c "import torch; print('gds-cu13' if (torch.version.cuda or '
 step install_gds 45 any bash -c "'$PY' -c 'import kvikio' 2>/dev/null && { echo 'SKIP-STEP: kvikio imports already'; exit 0; }; \
   PIP_DISABLE_PIP_VERSION_CHECK=1 '$PY' -m pip install --quiet --retries 0 --timeout 10 -e '.[$GDS_EXTRA]'"
 step cuda_tests 90 cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
-step bench_io_posix_host 25 cuda bash -c "$BENCH --backend posix"
-step bench_io_kvikio_host 25 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio"
-step bench_io_posix_device 25 cuda bash -c "$BENCH --backend posix --buffer device"
-step bench_io_kvikio_device 25 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio --buffer device"
+step bench_io_posix_host 20 cuda bash -c "$BENCH --backend posix"
+step bench_io_kvikio_host 20 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio"
+step bench_io_posix_device 20 cuda bash -c "$BENCH --backend posix --buffer device"
+step bench_io_kvikio_device 20 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio --buffer device"
 TRAIN="'$PY' -m tiermem train --json --layers 12 --d-model 1024 --heads 16 --seq-len 512 --batch-size 8 --steps 12"
 step train_keep 40 cuda bash -c "$TRAIN --no-states --policy keep"
 step train_auto 45 cuda bash -c "$TRAIN"
-step train_nvme 90 cuda bash -c "$TRAIN --state-home nvme --policy nvme"
-step activations 50 cuda "$PY" bench/activations.py --device cuda --layers 8 --d-model 1024 --seq 1024 --batch 8 \
+step train_nvme 100 cuda bash -c "$TRAIN --steps 8 --state-home nvme --policy nvme"
+step activations 60 cuda "$PY" bench/activations.py --device cuda --layers 8 --d-model 1024 --seq 512 --batch 4 \
   --steps 3 --rounds 1 --policies keep,nvme,auto --json
 
 "$PY" - "$OUT_DIR" "$STEPS" "$DRY_RUN" "$CUDA" "$(( $(date +%s) - START ))" "$DEADLINE_S" <<'EOF'

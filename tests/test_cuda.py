@@ -703,18 +703,25 @@ def test_hf_gpt2_activation_offload_to_nvme_on_cuda_is_bitwise_plain_cuda(tmp_pa
     assert list(tmp_path.iterdir()) == []
 
 
+def gpu_sleep_cycles(milliseconds: float) -> int:
+    """Cycles of ``torch.cuda._sleep`` that keep this GPU busy about ``milliseconds``, timed over
+    about 50 ms after a first sleep has loaded the kernel and woken the clocks."""
+    torch.cuda._sleep(1_000_000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(100_000_000)
+    end.record()
+    end.synchronize()
+    return int(100_000_000 * milliseconds / start.elapsed_time(end))
+
+
 def test_the_profile_times_a_blocks_kernels_not_their_queueing():
     """NOTE [ Profiling step ] rule 17: kernels run after the host queues them, so a block's forward
     is timed once the current stream ran it. Each block here queues about 30 ms of GPU work that
     returns to the host at once; read on the host's clock alone it would take microseconds."""
     from tiermem.planner import profiler
 
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    cycles = int(10_000_000 * 30 / start.elapsed_time(end))  # about 30 ms of the GPU's clock
+    cycles = gpu_sleep_cycles(30)
 
     class Sleeper(torch.nn.Module):
         def __init__(self) -> None:
@@ -744,7 +751,7 @@ def test_the_profile_times_a_blocks_kernels_not_their_queueing():
     blocks, *_ = profiler.measure(model, (tokens,), sections=lambda _i: 2, min_bytes=1024, device=device)
     assert len(blocks) == 3
     for block in blocks:
-        assert block.forward_s >= 0.02, block
+        assert block.forward_s >= 0.01, block  # about 0.03; its queueing alone takes microseconds
 
 
 def test_adaptive_keep_on_cuda_reads_the_blocks_gpu_time(tmp_path):
@@ -752,12 +759,7 @@ def test_adaptive_keep_on_cuda_reads_the_blocks_gpu_time(tmp_path):
     write and read take a few milliseconds: every offload hides behind the compute after it, so
     adaptive keep keeps only the last block. Timed on the host's clock the blocks would take
     microseconds, no offload would look hidden, and every block would be kept."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    cycles = int(10_000_000 * 30 / start.elapsed_time(end))
+    cycles = gpu_sleep_cycles(30)
 
     class Sleeper(torch.nn.Module):
         def __init__(self) -> None:

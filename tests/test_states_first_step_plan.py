@@ -391,8 +391,8 @@ def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkey
     counters: list[profiler._LiveBytes] = []
 
     class Counter(profiler._LiveBytes):
-        def __init__(self) -> None:
-            super().__init__()
+        def __init__(self, device: torch.device) -> None:
+            super().__init__(device)
             counters.append(self)
 
     monkeypatch.setattr(profiler, "_LiveBytes", Counter)

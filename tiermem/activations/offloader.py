@@ -290,7 +290,7 @@ class ActivationOffloader:
                     group.policy = self.fallbacks.decide(group)
                 group.started = time.perf_counter()
                 if self._gpu_timed:
-                    group.events.append(_recorded_event())
+                    group.events.append(_recorded_event(self.registry.device))
                 forwards.current = group
 
         return hook
@@ -311,7 +311,7 @@ class ActivationOffloader:
                 return
             group.forward_s = time.perf_counter() - group.started
             if group.events:
-                group.events.append(_recorded_event())
+                group.events.append(_recorded_event(self.registry.device))
             self.forwards.current = None
             for saved, tensor in group.pending:  # rule 5: in-place changes made inside the block
                 if tensor._version != saved.version:
@@ -331,8 +331,9 @@ class ActivationOffloader:
         return hook
 
 
-def _recorded_event() -> torch.cuda.Event:
-    """A timing event recorded on the current CUDA stream (NOTE [ Adaptive keep ] rule 4)."""
+def _recorded_event(device: torch.device) -> torch.cuda.Event:
+    """A timing event recorded on ``device``'s current stream (NOTE [ Adaptive keep ] rule 4): the
+    device named, since a rank's device need not be the current one."""
     event = torch.cuda.Event(enable_timing=True)
-    event.record()
+    event.record(torch.cuda.current_stream(device))
     return event

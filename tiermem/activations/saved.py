@@ -72,8 +72,12 @@ class BlockGroup:
         [ Adaptive keep ] rule 4); elsewhere the host's, which is the compute's."""
         if len(self.events) == 2:
             start, end = self.events
-            end.synchronize()
-            return float(start.elapsed_time(end)) / 1000
+            try:
+                start.synchronize()  # recorded on another stream where the block changed the current one
+                end.synchronize()
+                return float(start.elapsed_time(end)) / 1000
+            except RuntimeError:  # an event CUDA cannot time: the host's reading, as before rule 4
+                return self.forward_s
         return self.forward_s
 
 

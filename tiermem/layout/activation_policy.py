@@ -15,8 +15,10 @@ write and read bandwidths, and backward taken as twice forward:
 4. The forward times are the compute's. On CUDA kernels run after the host queues them, so the
    host's clock reads a block's queueing, which made every offload look unhidden (the planner's
    profile read 21 ms of compute in a 93 ms step on an H200, NOTE [ Profiling step ] rule 17):
-   each block's time comes from CUDA events recorded on the current stream as it starts and
-   ends, read once the forward ended (one wait for the GPU a forward, under ``auto`` only).
+   each block's time comes from CUDA events recorded on the device's current stream as it starts
+   and ends, read once the forward ended (one wait for the GPU a forward, under ``auto`` only).
+   The link bandwidths it weighs them against are the scheduler's busy time, which on CUDA starts
+   before a write's wait for the kernel that makes its bytes: they err slow there.
 
 # NOTE [ Prefetch window ]
 Backward brings offloaded tensors back ahead of need, but every byte fetched early is

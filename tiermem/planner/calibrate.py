@@ -228,10 +228,10 @@ def _measure(
         times: dict[str, list[float]] = {name: [] for name in steps}
         for round_ in range(STEPS + 1):
             for name, step in steps.items():
-                finish_queued_compute()  # CUDA: each step's own kernels, not the last one's
+                finish_queued_compute(device)  # CUDA: each step's own kernels, not the last one's
                 start = time.perf_counter()
                 step()
-                finish_queued_compute()
+                finish_queued_compute(device)
                 if round_:
                     times[name].append(time.perf_counter() - start)
             if MIN_STEPS <= round_ < STEPS and round_ % 2 and all(_settled(values) for values in times.values()):

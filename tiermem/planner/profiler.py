@@ -118,11 +118,14 @@
    stand-ins hold only where the cut is made: a pass that skipped a block and made no cut (a block
    before it was not called) is run again with every block.
 17. On a CUDA device every time the passes read (:func:`~tiermem.planner.streaming.compute_clock`)
-   first waits for the kernels queued on the current stream: they run after the host queued them,
-   so the host's clock alone reads when a block's work was queued, not how long it ran. An H200's
-   plan read 21 ms of compute in a step that ran 93 ms with every activation kept, and put the
-   other 98 ms under overhead. The calibration's steps are timed the same way (NOTE [ Overhead
-   calibration ]). Other streams are not waited for: a copy in flight beside compute is I/O.
+   first waits for the kernels queued on the profiled device's current stream: they run after the
+   host queued them, so the host's clock alone reads when a block's work was queued, not how long
+   it ran. An H200's plan read 21 ms of compute in a step that ran 93 ms with every activation
+   kept, and put the other 98 ms under overhead. The calibration's steps are timed the same way
+   (NOTE [ Overhead calibration ]). Other streams are not waited for: a copy in flight beside
+   compute is I/O. Rule 10's bookkeeping is not taken out there: it ran on the host while the
+   kernels ran on the device. The device is the one profiled, named, not the current one (a
+   rank's device need not be current).
 """
 
 from __future__ import annotations
@@ -189,8 +192,9 @@ class _LiveBytes(TorchDispatchMode):
     the seconds its own bookkeeping took, which :meth:`clock` leaves out (rule 10: the pass it
     counts in is also the one timed)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
         super().__init__()
+        self.device = device
         self.live = 0
         self.peak = 0
         self.spent = 0.0
@@ -201,8 +205,10 @@ class _LiveBytes(TorchDispatchMode):
         return self.live
 
     def clock(self) -> float:
-        """:func:`compute_clock` less this mode's bookkeeping so far."""
-        return compute_clock() - self.spent
+        """:func:`compute_clock` less this mode's bookkeeping so far. On CUDA the bookkeeping ran on
+        the host while queued kernels ran on the device, so none of it is taken out (rule 17)."""
+        now = compute_clock(self.device)
+        return now if self.device.type == "cuda" else now - self.spent
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
@@ -263,19 +269,26 @@ def _loss(model: nn.Module, sample: Sample) -> list[torch.Tensor]:
     return chosen
 
 
-def _run(model: nn.Module, sample: Sample) -> tuple[float, float]:
+def _run(model: nn.Module, sample: Sample, device: torch.device) -> tuple[float, float]:
     """One forward and backward: (forward seconds, backward seconds)."""
-    start = compute_clock()
+    start = compute_clock(device)
     outputs = _loss(model, sample)
-    middle = compute_clock()
+    middle = compute_clock(device)
     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    return middle - start, compute_clock() - middle
+    return middle - start, compute_clock(device) - middle
 
 
 class _BlockHooks:
     """Per-block forward and backward timestamps (rules 3 and 4), and saved bytes when asked."""
 
-    def __init__(self, blocks: Sequence[nn.Module], protected: set[int], min_bytes: int, live: _LiveBytes | None):
+    def __init__(
+        self,
+        blocks: Sequence[nn.Module],
+        protected: set[int],
+        min_bytes: int,
+        live: _LiveBytes | None,
+        device: torch.device,
+    ):
         self.blocks = blocks
         self.protected = protected
         self.min_bytes = min_bytes
@@ -298,7 +311,7 @@ class _BlockHooks:
         self._handles: list[Any] = []
         self._started = 0.0
         #: the pass's clock: without the dispatch mode's bookkeeping where one counts bytes
-        self.clock: Callable[[], float] = live.clock if live is not None else compute_clock
+        self.clock: Callable[[], float] = live.clock if live is not None else functools.partial(compute_clock, device)
 
     def __enter__(self) -> _BlockHooks:
         count = len(self.blocks)
@@ -678,6 +691,8 @@ def _timing_passes(
     min_bytes: int,
     cut: int = 0,
     twins: Mapping[int, Sequence[int]] | None = None,
+    *,
+    device: torch.device,
 ) -> tuple[float, float, _Marks, bool]:
     """Rule 3: at least two timed passes, more while they are short; the median one's
     (forward seconds, backward seconds, block marks, whether its backward stopped at ``cut``:
@@ -687,9 +702,9 @@ def _timing_passes(
     spent = 0.0
     skip = skipped_forwards(blocks, cut, twins or {})
     while len(timings) < MIN_TIMING_PASSES or (spent < TIMING_BUDGET_S and len(timings) < MAX_TIMING_PASSES):
-        with _BlockHooks(blocks, protected, min_bytes, None) as timer, _Skipped(blocks, skip) as skipped:
+        with _BlockHooks(blocks, protected, min_bytes, None, device) as timer, _Skipped(blocks, skip) as skipped:
             timer.cut = cut
-            forward_s, backward_s = _run(model, sample)
+            forward_s, backward_s = _run(model, sample, device)
         for p in params:
             p.grad = None
         if skipped.done and not timer.cut_made:  # rule 16 stands in for blocks the cut leaves out
@@ -817,8 +832,8 @@ def measure(
     protected = {id(t.untyped_storage()) for t in (*model.parameters(), *model.buffers())}
     modules, shared = _param_modules(model, params)
     with unchanged_training_state(model, device):
-        live = _LiveBytes()
-        hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+        live = _LiveBytes(device)
+        hooks = _BlockHooks(modules_list, protected, min_bytes, live, device)
         # backward stops before the blocks whose twins it measures (rule 15)
         cut, twins = backward_cut(modules_list)
         if (info := streamed()) is not None:  # rules 9-16: one pass, its blocks recomputed where they fit
@@ -833,8 +848,8 @@ def measure(
                 if hooks.cut_made or not skipped.done:
                     break
                 # rule 16 stands in for blocks the cut leaves out: without the cut, measured again whole
-                live = _LiveBytes()
-                hooks = _BlockHooks(modules_list, protected, min_bytes, live)
+                live = _LiveBytes(device)
+                hooks = _BlockHooks(modules_list, protected, min_bytes, live, device)
                 skip = {}
             cut_made = hooks.cut_made
             times, recompute_s = hooks.marks, recomputed.recompute_s if recomputed is not None else []
@@ -845,7 +860,7 @@ def measure(
             for p in params:
                 p.grad = None
             forward_s, backward_s, times, cut_made = _timing_passes(
-                model, sample, params, modules_list, protected, min_bytes, cut, twins
+                model, sample, params, modules_list, protected, min_bytes, cut, twins, device=device
             )
             recompute_s = []
         if not cut_made:  # nothing was estimated: every block's backward ran

@@ -59,19 +59,20 @@ def streamed() -> Streaming | None:
     return _STREAMING.get()
 
 
-def finish_queued_compute() -> None:
-    """Wait for the kernels queued on the current CUDA stream, where CUDA is in use (NOTE
+def finish_queued_compute(device: torch.device | None) -> None:
+    """Wait for the kernels queued on ``device``'s current stream where it is a CUDA device (NOTE
     [ Profiling step ] rule 17): a time read after this covers the work, not its queueing. Nothing
-    on the CPU, where an op has run when it returns."""
-    if torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()
+    on the CPU, where an op has run when it returns. The device is named, not taken as the current
+    one: a rank's device need not be current where it was never set."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
 
 
-def compute_clock() -> float:
+def compute_clock(device: torch.device | None = None) -> float:
     """``time.perf_counter()`` less the fetch waits so far: differences of it are compute time,
-    the I/O waits of streamed chunks left out (rule 8); plain profiling has none. On CUDA, read
-    once the current stream's queued kernels ran (rule 17)."""
-    finish_queued_compute()
+    the I/O waits of streamed chunks left out (rule 8); plain profiling has none. On a CUDA
+    ``device``, read once its current stream's queued kernels ran (rule 17)."""
+    finish_queued_compute(device)
     info = _STREAMING.get()
     now = time.perf_counter()
     return now - info.stalled() if info is not None else now

@@ -82,7 +82,7 @@ try:
         sys.exit(f"probe I/O returned wrong bytes (wrote {n}, read {m})")
     mode = "unknown"
     try:
-        import kvikio.defaults  # a submodule that `import kvikio` does not load from kvikio 26
+        import kvikio.defaults  # a submodule that `import kvikio` does not load (TRAPS 39)
 
         settings = kvikio.defaults
         mode = str(settings.get("compat_mode") if hasattr(settings, "get") else settings.compat_mode())
@@ -158,9 +158,8 @@ def cuda_segment_of(address: int) -> Segment | None:
 
 
 def kvikio_defaults(kvikio: Any) -> Any:
-    """kvikio's settings module. Up to kvikio 25 ``import kvikio`` loads it as ``kvikio.defaults``; from
-    kvikio 26 it is a submodule the package no longer imports, so the attribute is missing until it is
-    imported by name (TRAPS 39)."""
+    """kvikio's settings module: a submodule the package's ``__init__`` does not import, so the
+    attribute is missing until something imports it by name (TRAPS 39)."""
     defaults = getattr(kvikio, "defaults", None)
     if defaults is None:
         defaults = importlib.import_module(f"{kvikio.__name__}.defaults")
