@@ -3,7 +3,7 @@
 # 8 minutes on one GPU. Writes gpu_check.json (every step: status, seconds, budget, exit status, its
 # JSON output, the tail of its log) and a short summary under OUT (default $OUT, else ./gpu_check_out).
 #
-#   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--python PY]
+#   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--python PY] [--wheels DIR]
 #
 # Steps and their budgets (seconds; a step past its budget is killed and recorded as timed out):
 #   install_gds             45  the kvikio extra for this torch's CUDA (gds-cu13 on CUDA 13, else gds);
@@ -29,32 +29,56 @@
 # tiermem need not be installed: a GPU machine without network cannot `pip install -e .`, so where
 # `tiermem.tiers` does not import, the script links tiers/ and schedulers/ into tiermem/ as the
 # install maps them, for its own run, and removes the links when it ends.
+# --wheels DIR: wheels to install for this run only (into a temporary directory on PYTHONPATH, removed at
+# the end), for a GPU machine that reaches no package index. For kvikio on CUDA 13 with Python 3.12, fetched
+# where pip reaches PyPI:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d DIR \
+#     kvikio-cu13 libkvikio-cu13 'rapids-logger==0.3.*' tomli-w
+# (tomli-w is tiermem's own dependency that such an image may lack; kvikio's other needs, cupy and the
+# CUDA toolkit's cufile, come with the usual CUDA images.)
 set -u
 cd "$(dirname "$0")/.."
 
 DRY_RUN=0
 OUT_DIR="${OUT:-./gpu_check_out}"
 PY="${PYTHON:-}"
+WHEELS=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dry-run) DRY_RUN=1 ;;
     --out) OUT_DIR="$2"; shift ;;
     --python) PY="$2"; shift ;;
+    --wheels) WHEELS="$2"; shift ;;
     -h|--help) sed -n '2,/^set -u$/{/^set -u$/!p}' "$0"; exit 0 ;;
-    *) echo "gpu_check: unknown argument $1 (use --dry-run, --out DIR, --python PY)" >&2; exit 2 ;;
+    *) echo "gpu_check: unknown argument $1 (use --dry-run, --out DIR, --python PY, --wheels DIR)" >&2; exit 2 ;;
   esac
   shift
 done
+if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" > /dev/null; then
+  echo "gpu_check: --wheels $WHEELS holds no .whl file; give the folder pip download wrote (see --help)" >&2
+  exit 2
+fi
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 mkdir -p "$OUT_DIR"
+# What this run adds for itself, removed when it ends: links into tiermem/, a folder of installed wheels.
+LINKS=()
+SITE=""
+trap 'rm -f "${LINKS[@]}"; [ -z "$SITE" ] || rm -rf "$SITE"' EXIT
+if [ "$DRY_RUN" = 0 ] && [ -n "$WHEELS" ]; then
+  SITE=$(mktemp -d)
+  if "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl; then
+    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  else
+    echo "gpu_check: installing the wheels in $WHEELS failed (above); going on without them" >&2
+  fi
+fi
 if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import tiermem.tiers, tiermem.schedulers" 2>/dev/null; then
-  LINKS=()
   for part in tiers schedulers; do
     if [ ! -e "tiermem/$part" ]; then ln -s "../$part" "tiermem/$part" && LINKS+=("tiermem/$part"); fi
   done
-  trap 'rm -f "${LINKS[@]}"' EXIT
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 STEPS="$OUT_DIR/steps.tsv"

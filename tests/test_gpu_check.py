@@ -68,3 +68,11 @@ def test_unknown_arguments_are_refused(tmp_path: Path) -> None:
         check=False,
     )
     assert done.returncode == 2 and "unknown argument --fast" in done.stderr
+
+
+def test_a_wheels_folder_without_wheels_is_refused(tmp_path: Path) -> None:
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path), "--wheels", str(tmp_path)],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "holds no .whl file" in done.stderr
