@@ -130,6 +130,16 @@ class GradientWrites:
         cls.count += 1
 
 
+def indexed(device: torch.device | str) -> torch.device:
+    """``device`` with the index a tensor made there would name (``cuda`` -> ``cuda:0`` where 0 is
+    current). Every real CUDA tensor's device names its index, and assigning ``p.grad`` compares the
+    two: a wrapper on an index-less ``cuda`` failed there (TRAPS 40)."""
+    device = torch.device(device)
+    if device.index is None and device.type != "cpu":
+        device = torch.empty(0, device=device).device
+    return device
+
+
 class HostGradient(torch.Tensor):
     """A device tensor whose bytes are ``host``, a view of a gradient on the host (NOTE [ Host gradients ])."""
 
@@ -139,13 +149,8 @@ class HostGradient(torch.Tensor):
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, device: torch.device | str, lease: list[bool] | None = None) -> HostGradient:
-        device = torch.device(device)
-        if device.index is None and device.type != "cpu":
-            # Every real CUDA tensor's device names its index, and assigning p.grad compares the two:
-            # a wrapper on an index-less "cuda" failed there, so it takes the index a tensor would (TRAPS 40).
-            device = torch.empty(0, device=device).device
         out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, host.shape, strides=host.stride(), dtype=host.dtype, device=device, requires_grad=False
+            cls, host.shape, strides=host.stride(), dtype=host.dtype, device=indexed(device), requires_grad=False
         )
         out.host = host
         out.lease = lease if lease is not None else [True]

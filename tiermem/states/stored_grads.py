@@ -72,7 +72,7 @@ from tiermem.layout.chunks import Slot
 from tiermem.registry import Handle, ObjectState, Priority, Transfer
 from tiermem.states.chunks import Chunk
 from tiermem.states.errors import StatesMemoryError
-from tiermem.states.hostgrad import GradientWrites, HostGradient
+from tiermem.states.hostgrad import GradientWrites, HostGradient, indexed
 from tiermem.states.store import ChunkStore
 
 
@@ -449,7 +449,12 @@ class StoredGradient(HostGradient):
         lease: list[bool],
     ) -> StoredGradient:
         out = torch.Tensor._make_wrapper_subclass(  # type: ignore[attr-defined]
-            cls, geometry.shape, strides=geometry.stride, dtype=geometry.dtype, device=device, requires_grad=False
+            cls,
+            geometry.shape,
+            strides=geometry.stride,
+            dtype=geometry.dtype,
+            device=indexed(device),
+            requires_grad=False,
         )
         out.stash = stash
         out.chunk = chunk
