@@ -667,6 +667,16 @@ def test_activation_offload_on_cuda_is_bitwise_plain_cuda(tmp_path, policy):
     assert list(tmp_path.iterdir()) == []
 
 
+def offload_config(tmp_path) -> dict:
+    """A GPU with room for a small model's activations, pinned host blocks and 2 GiB of NVMe."""
+    return {
+        "device": {"capacity": "1GiB", "device": "cuda"},
+        "host": {"capacity": "256MiB", "pinned": True},
+        "nvme": {"paths": [str(tmp_path)], "capacity": "2GiB"},
+        "scheduler": {"loop": "asyncio"},
+    }
+
+
 def test_hf_gpt2_activation_offload_to_nvme_on_cuda_is_bitwise_plain_cuda(tmp_path):
     """A Hugging Face GPT-2 built from a config, its saved activations on NVMe, on the GPU."""
     transformers = pytest.importorskip("transformers")
@@ -689,13 +699,7 @@ def test_hf_gpt2_activation_offload_to_nvme_on_cuda_is_bitwise_plain_cuda(tmp_pa
         return [loss.detach(), *(p.grad.clone() for p in model.parameters())]
 
     want = step(contextlib.nullcontext())
-    runtime_config = {
-        "device": {"capacity": "1GiB", "device": "cuda"},
-        "host": {"capacity": "256MiB", "pinned": True},
-        "nvme": {"paths": [str(tmp_path)], "capacity": "2GiB"},
-        "scheduler": {"loop": "asyncio"},
-    }
-    with tiermem.Runtime(runtime_config) as rt:
+    with tiermem.Runtime(offload_config(tmp_path)) as rt:
         for _ in range(2):
             got = step(rt.offload_activations(model, policy="nvme"))
             for a, b in zip(got, want, strict=True):
@@ -715,6 +719,19 @@ def gpu_sleep_cycles(milliseconds: float) -> int:
     return int(100_000_000 * milliseconds / start.elapsed_time(end))
 
 
+class GpuSleeper(torch.nn.Module):
+    """A block that queues ``cycles`` of GPU sleep before its layer: GPU time the host does not wait for."""
+
+    def __init__(self, width: int, cycles: int) -> None:
+        super().__init__()
+        self.cycles = cycles
+        self.lin = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch.cuda._sleep(self.cycles)
+        return torch.nn.functional.gelu(self.lin(x))
+
+
 def test_the_profile_times_a_blocks_kernels_not_their_queueing():
     """NOTE [ Profiling step ] rule 17: kernels run after the host queues them, so a block's forward
     is timed once the current stream ran it. Each block here queues about 30 ms of GPU work that
@@ -723,20 +740,11 @@ def test_the_profile_times_a_blocks_kernels_not_their_queueing():
 
     cycles = gpu_sleep_cycles(30)
 
-    class Sleeper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(16, 16)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(cycles)
-            return self.lin(x)
-
     class Stack(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.embed = torch.nn.Embedding(32, 16)
-            self.blocks = torch.nn.ModuleList(Sleeper() for _ in range(3))
+            self.blocks = torch.nn.ModuleList(GpuSleeper(16, cycles) for _ in range(3))
             self.head = torch.nn.Linear(16, 32)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -760,27 +768,11 @@ def test_adaptive_keep_on_cuda_reads_the_blocks_gpu_time(tmp_path):
     adaptive keep keeps only the last block. Timed on the host's clock the blocks would take
     microseconds, no offload would look hidden, and every block would be kept."""
     cycles = gpu_sleep_cycles(30)
-
-    class Sleeper(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.lin = torch.nn.Linear(256, 256)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            torch.cuda._sleep(cycles)
-            return torch.nn.functional.gelu(self.lin(x))
-
-    model = torch.nn.Sequential(*(Sleeper() for _ in range(4))).cuda()
+    model = torch.nn.Sequential(*(GpuSleeper(256, cycles) for _ in range(4))).cuda()
     x = torch.randn(16, 256, 256, device="cuda", requires_grad=True)  # 4 MiB a saved tensor
-    config = {
-        "device": {"capacity": "1GiB", "device": "cuda"},
-        "host": {"capacity": "256MiB", "pinned": True},
-        "nvme": {"paths": [str(tmp_path)], "capacity": "1GiB"},
-        "scheduler": {"loop": "asyncio"},
-    }
-    with tiermem.Runtime(config) as rt:
+    with tiermem.Runtime(offload_config(tmp_path)) as rt:
         for _ in range(2):  # the first forward measures the links; the second adapts from them
-            with rt.offload_activations(model, policy="auto", blocks=[Sleeper]) as offloader:
+            with rt.offload_activations(model, policy="auto", blocks=[GpuSleeper]) as offloader:
                 model(x).sum().backward()
         assert offloader.history.adapted is not None
         assert [p.value for p in offloader.history.adapted] == ["nvme", "nvme", "nvme", "keep"]
