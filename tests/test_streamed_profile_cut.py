@@ -281,3 +281,27 @@ def test_a_skipped_twin_takes_its_measured_twins_forward_peak():
     for i, block in enumerate(blocks):
         assert block.transient_bytes >= scratch, (i, block.transient_bytes, scratch)
         assert block.transient_bytes == pytest.approx(plain_blocks[i].transient_bytes, rel=0.25), i
+
+
+def test_a_profiling_clock_read_on_another_thread_leaves_out_the_fetch_waits():
+    """The clock takes the streamed profiling in force where it is made: on CUDA backward's marks
+    are read on autograd's device threads, which do not see the context variable, and their
+    fetch waits would count as compute."""
+    import threading
+
+    from tiermem.planner.streaming import profiling_clock
+
+    stalled = [0.0]
+    with streaming(Streaming(stalled=lambda: stalled[0])):
+        clock = profiling_clock()
+    readings: list[float] = []
+
+    def read() -> None:
+        readings.append(clock())
+        stalled[0] = 100.0  # a fetch wait of 100 s between the two readings
+        readings.append(clock())
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join()
+    assert readings[1] - readings[0] < -99  # the wait taken out, though read outside the context

@@ -42,7 +42,7 @@
 8. Streamed (the first-step plan of a model whose plain copy would not fit the capacities:
    NOTE [ Streamed first-step profiling ] in ``tiermem.states.streamed_profile``): the
    parameters stay views into their chunks, streamed through the device budget while the
-   passes run. Times are read on :func:`~tiermem.planner.streaming.compute_clock`, which
+   passes run. Times are read on :func:`~tiermem.planner.streaming.profiling_clock`, which
    leaves out the training thread's fetch waits: compute without the I/O waits (compute that
    ran beside a prefetch's copy counts as compute, so they err slow). Bytes, order, modules
    and first blocks are measured as on plain parameters. The optimizer is timed on synthetic
@@ -117,7 +117,7 @@
    that did not run (Hugging Face's ``DynamicCache`` keeps each layer's entries apart). The
    stand-ins hold only where the cut is made: a pass that skipped a block and made no cut (a block
    before it was not called) is run again with every block.
-17. On a CUDA device every time the passes read (:func:`~tiermem.planner.streaming.compute_clock`)
+17. On a CUDA device every time the passes read (:func:`~tiermem.planner.streaming.profiling_clock`)
    first waits for the kernels queued on the profiled device's current stream: they run after the
    host queued them, so the host's clock alone reads when a block's work was queued, not how long
    it ran. An H200's plan read 21 ms of compute in a step that ran 93 ms with every activation
@@ -147,7 +147,7 @@ from tiermem.activations.blocks import BlockSpec, ForwardPatches, find_blocks
 from tiermem.activations.recompute import checkpointed
 from tiermem.planner.errors import ProfileError
 from tiermem.planner.profile import BlockStats, ParamStats
-from tiermem.planner.streaming import compute_clock, streamed
+from tiermem.planner.streaming import profiling_clock, streamed
 
 
 @dataclass(frozen=True)
@@ -195,6 +195,7 @@ class _LiveBytes(TorchDispatchMode):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
+        self._clock = profiling_clock(device)
         self.live = 0
         self.peak = 0
         self.spent = 0.0
@@ -205,9 +206,10 @@ class _LiveBytes(TorchDispatchMode):
         return self.live
 
     def clock(self) -> float:
-        """:func:`compute_clock` less this mode's bookkeeping so far. On CUDA the bookkeeping ran on
-        the host while queued kernels ran on the device, so none of it is taken out (rule 17)."""
-        now = compute_clock(self.device)
+        """:func:`~tiermem.planner.streaming.profiling_clock` less this mode's bookkeeping so far. On
+        CUDA the bookkeeping ran on the host while queued kernels ran on the device, so none of it is
+        taken out (rule 17)."""
+        now = self._clock()
         return now if self.device.type == "cuda" else now - self.spent
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -271,11 +273,12 @@ def _loss(model: nn.Module, sample: Sample) -> list[torch.Tensor]:
 
 def _run(model: nn.Module, sample: Sample, device: torch.device) -> tuple[float, float]:
     """One forward and backward: (forward seconds, backward seconds)."""
-    start = compute_clock(device)
+    clock = profiling_clock(device)
+    start = clock()
     outputs = _loss(model, sample)
-    middle = compute_clock(device)
+    middle = clock()
     torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
-    return middle - start, compute_clock(device) - middle
+    return middle - start, clock() - middle
 
 
 class _BlockHooks:
@@ -311,7 +314,7 @@ class _BlockHooks:
         self._handles: list[Any] = []
         self._started = 0.0
         #: the pass's clock: without the dispatch mode's bookkeeping where one counts bytes
-        self.clock: Callable[[], float] = live.clock if live is not None else functools.partial(compute_clock, device)
+        self.clock: Callable[[], float] = live.clock if live is not None else profiling_clock(device)
 
     def __enter__(self) -> _BlockHooks:
         count = len(self.blocks)

@@ -68,11 +68,18 @@ def finish_queued_compute(device: torch.device | None) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def compute_clock(device: torch.device | None = None) -> float:
-    """``time.perf_counter()`` less the fetch waits so far: differences of it are compute time,
-    the I/O waits of streamed chunks left out (rule 8); plain profiling has none. On a CUDA
-    ``device``, read once its current stream's queued kernels ran (rule 17)."""
-    finish_queued_compute(device)
+def profiling_clock(device: torch.device | None = None) -> Callable[[], float]:
+    """A clock for one profiling pass: ``time.perf_counter()`` less the fetch waits so far, so its
+    differences are compute time, the I/O waits of streamed chunks left out (rule 8; plain
+    profiling has none). On a CUDA ``device`` each reading first waits for its current stream's
+    queued kernels (rule 17). The streamed profiling in force is taken where the clock is made, not
+    at each reading: on CUDA backward's marks are read on autograd's device threads, which do not
+    see the context variable."""
     info = _STREAMING.get()
-    now = time.perf_counter()
-    return now - info.stalled() if info is not None else now
+
+    def clock() -> float:
+        finish_queued_compute(device)
+        now = time.perf_counter()
+        return now - info.stalled() if info is not None else now
+
+    return clock
