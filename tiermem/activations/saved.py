@@ -63,8 +63,8 @@ class BlockGroup:
     flexible: bool = False
     #: The block's estimated saved bytes when it started (None: nothing measured yet).
     expected: int | None = None
-    #: On CUDA, under adaptive keep: events recorded on the current stream as the block started
-    #: and ended (NOTE [ Adaptive keep ] rule 4)
+    #: On CUDA, under adaptive keep: events recorded on the device's current stream as the block
+    #: started and ended (NOTE [ Adaptive keep ] rule 4)
     events: list[torch.cuda.Event] = field(default_factory=list)
 
     def compute_seconds(self) -> float:

@@ -2,10 +2,10 @@
 (NOTE [ Profiling step ] rule 8, in :mod:`tiermem.planner.profiler`; the mechanism is NOTE
 [ Streamed first-step profiling ] in :mod:`tiermem.states.streamed_profile`).
 
-Pure: a context variable and the clock the profiler reads through it (on CUDA, after the current
-stream's queued kernels ran). The model-state manager
-sets it around the planner call; the profiler, the optimizer timing and the search's capacities
-read it. Nothing here imports the registry, a tier or the manager.
+Pure: a context variable and the clock the profiler reads through it (on CUDA, after the device's
+current stream ran its queued kernels). The model-state manager sets it around the planner call;
+the profiler, the optimizer timing and the search's capacities read it. Nothing here imports the
+registry, a tier or the manager.
 """
 
 from __future__ import annotations
