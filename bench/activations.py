@@ -22,6 +22,9 @@ Usage::
 
 On ``--device cuda`` the device's own peak (``torch.cuda.max_memory_allocated`` over the measured
 steps) is printed per policy beside the host RSS, which offloading to NVMe does not change much.
+That peak holds the model, its gradients and AdamW's states besides the activations, so its ratio
+to ``keep`` is above the activations' own; tiermem's peak of resident activations is the column
+beside it.
 
 Besides step time and peaks it prints CPU seconds per step by thread (the training thread,
 tiermem's own threads with their kernel share, torch's workers) and, for each offloading
@@ -267,8 +270,11 @@ def main() -> int:
                 env=env,
                 capture_output=True,
                 text=True,
-                check=True,
+                check=False,
             )
+            if out.returncode != 0:  # the worker's own error, not only its exit status
+                print(out.stderr, file=sys.stderr)
+                raise SystemExit(f"bench/activations.py: the {policy} worker failed (exit {out.returncode}), above")
             result = json.loads(out.stdout.strip().splitlines()[-1])
             runs[policy].append(result)
             print(

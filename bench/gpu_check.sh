@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # One GPU check for tiermem (issue 21 item 3): everything CUDA-only, in one command, bounded under
-# 8 minutes on one GPU. Writes gpu_check.json (every step: status, seconds, budget, exit status, its
-# JSON output, the tail of its log) and a short summary under OUT (default $OUT, else ./gpu_check_out).
+# 8 minutes on one GPU. Writes under OUT (default $OUT, else ./gpu_check_out) gpu_check.json (the
+# machine: GPU, torch, CUDA, Python; every step: status, seconds, budget, exit status, its JSON output,
+# the tail of its log), steps.tsv and one NAME.log per step, and prints a short summary.
 #
 #   bash bench/gpu_check.sh [--dry-run] [--out DIR] [--python PY] [--wheels DIR]
 #
+# Paths are taken from where it is started. PY defaults to the repository's .venv/bin/python where
+# there is one, else python3: copy the repository without .venv to a GPU machine, or pass --python
+# with the Python whose torch has CUDA (a CPU build reports every step as 'no CUDA device').
+#
 # Steps and their budgets (seconds; a step past its budget is killed and recorded as timed out):
-#   install_gds             45  the kvikio extra for this torch's CUDA (gds-cu13 on CUDA 13, else gds);
-#                               skipped when kvikio imports already; without network it fails fast
-#                               (no retries) and the kvikio steps say so
-#   cuda_tests              90  tests/test_cuda.py (about 45 s on an H200)
+#   install_gds             45  kvikio for this torch's CUDA major (kvikio-cu13 on CUDA 13, else -cu12),
+#                               with libkvikio and rapids-logger, into this run's temporary folder (no
+#                               other dependency: the CUDA image's own cuda libraries serve it); skipped
+#                               when kvikio imports already; without network it fails fast (no
+#                               retries) and the kvikio steps say so
+#   cuda_tests              80  tests/test_cuda.py (28 of its tests took 43 s on an H200)
 #   bench_io_posix_host     20  tiermem bench io, posix, host buffers (256MiB, verified)
 #   bench_io_kvikio_host    20  the same through kvikio (skipped where kvikio's probe fails)
 #   bench_io_posix_device   20  --buffer device: device memory staged through page-locked bounces
-#   bench_io_kvikio_device  20  --buffer device through kvikio: device memory handed to cuFile
+#   bench_io_kvikio_device  20  --buffer device through kvikio: device memory handed to kvikio (cuFile
+#                               with GDS, else its compatibility mode)
 #   train_keep              40  tiermem train on the GPU, a 152M-parameter GPT, plain states, every
 #                               activation kept: the step the others are compared with (27 s on an H200)
 #   train_auto              45  the same model planned by tiermem (the default configuration's budget)
@@ -21,8 +29,9 @@
 #                               (79 s for 12 steps on an H200: 4.3 s a step)
 #   activations             60  bench/activations.py --device cuda (8 x 1024, seq 512, batch 4): keep,
 #                               nvme and auto, one process each, GPU memory peaks and steps side by side
-# They sum to 460 s; the CUDA probe before them is held to 10 s, and every step is also cut at the
-# script's deadline (470 s after start), so the whole run ends before 8 minutes whatever hangs.
+# They sum to 450 s; the probe of the machine before them is held to 20 s, and every step is also cut
+# at the script's deadline (470 s after start, the clock started before the wheels are installed), so
+# the whole run ends before 8 minutes whatever hangs (a step's kill takes up to 5 s more).
 # A step that cannot run here is recorded as skipped, with why; one that fails is recorded with its
 # exit status and log tail, and the others still run.
 # --dry-run checks the plumbing without a GPU: every step is listed as skipped, the JSON is written.
@@ -35,10 +44,14 @@
 #   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 -d DIR \
 #     kvikio-cu13 libkvikio-cu13 'rapids-logger==0.3.*' tomli-w
-# (tomli-w is tiermem's own dependency that such an image may lack; kvikio's other needs, cupy and the
-# CUDA toolkit's cufile, come with the usual CUDA images.)
+# tomli-w is tiermem's own dependency that such an image may lack; add any other the image lacks (the
+# tests need pytest and pytest-timeout; tiermem numpy, psutil, uvloop, xxhash, tensorstore, rich,
+# matplotlib). kvikio's own needs, cuda-pathfinder and cufile, come with torch's CUDA wheels.
+# Nothing is installed into the Python itself: wheels and kvikio go to a temporary folder.
 set -u
-cd "$(dirname "$0")/.."
+START=$(date +%s)
+DEADLINE_S=470
+DEADLINE=$(( START + DEADLINE_S ))
 
 DRY_RUN=0
 OUT_DIR="${OUT:-./gpu_check_out}"
@@ -59,21 +72,27 @@ if [ -n "$WHEELS" ] && ! compgen -G "$WHEELS/*.whl" > /dev/null; then
   echo "gpu_check: --wheels $WHEELS holds no .whl file; give the folder pip download wrote (see --help)" >&2
   exit 2
 fi
+# paths given relative to where the script was started, before it moves to the repository
+OUT_DIR=$(realpath -m "$OUT_DIR")
+[ -z "$WHEELS" ] || WHEELS=$(realpath -m "$WHEELS")
+case "$PY" in */*) PY=$(realpath -m "$PY") ;; esac
+cd "$(dirname "$0")/.."
 if [ -z "$PY" ]; then
-  if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
+  if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=python3; fi
 fi
 mkdir -p "$OUT_DIR"
-# What this run adds for itself, removed when it ends: links into tiermem/, a folder of installed wheels.
+# What this run adds for itself, removed when it ends: links into tiermem/, a folder of installed
+# wheels (and kvikio, where install_gds installs it).
 LINKS=()
 SITE=""
 trap 'rm -f "${LINKS[@]}"; [ -z "$SITE" ] || rm -rf "$SITE"' EXIT
-if [ "$DRY_RUN" = 0 ] && [ -n "$WHEELS" ]; then
+if [ "$DRY_RUN" = 0 ]; then
   SITE=$(mktemp -d)
-  if "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl; then
-    export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  else
-    echo "gpu_check: installing the wheels in $WHEELS failed (above); going on without them" >&2
-  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+fi
+if [ "$DRY_RUN" = 0 ] && [ -n "$WHEELS" ] &&
+  ! "$PY" -m pip install --quiet --no-index --no-deps --no-compile --target "$SITE" "$WHEELS"/*.whl; then
+  echo "gpu_check: installing the wheels in $WHEELS failed (above); going on without them" >&2
 fi
 if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import tiermem.tiers, tiermem.schedulers" 2>/dev/null; then
   for part in tiers schedulers; do
@@ -83,13 +102,25 @@ if [ "$DRY_RUN" = 0 ] && ! "$PY" -c "import tiermem.tiers, tiermem.schedulers" 2
 fi
 STEPS="$OUT_DIR/steps.tsv"
 : > "$STEPS"
-START=$(date +%s)
-DEADLINE_S=470
-DEADLINE=$(( START + DEADLINE_S ))
 
+# The machine, and whether CUDA is there: one Python start (a cold torch import takes seconds).
 CUDA=0
-if [ "$DRY_RUN" = 0 ] && timeout -k 2 10 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  CUDA=1
+MACHINE='{}'
+if [ "$DRY_RUN" = 0 ]; then
+  MACHINE=$(timeout -k 2 20 "$PY" -c "
+import json, platform, torch
+facts = {'python': platform.python_version(), 'torch': torch.__version__, 'cuda': torch.version.cuda,
+         'cuda_available': torch.cuda.is_available()}
+if facts['cuda_available']:
+    facts['gpu'] = torch.cuda.get_device_name()
+try:
+    import kvikio
+    facts['kvikio'] = kvikio.__version__
+except Exception as exc:
+    facts['kvikio'] = 'not importable: ' + str(exc)
+print(json.dumps(facts))" 2>/dev/null | tail -1)
+  [ -n "$MACHINE" ] || MACHINE='{"probe": "failed or took over 20 s"}'
+  case "$MACHINE" in *'"cuda_available": true'*) CUDA=1 ;; esac
 fi
 
 # step NAME BUDGET_S NEEDS(cuda|any) CMD...: run CMD for at most its budget (and never past the
@@ -125,24 +156,26 @@ KVIKIO_OR_SKIP="from tiermem.tiers.backends import kvikio_backend as k; import s
 ok, why = k.probe(tempfile.gettempdir()); ok or print('SKIP-STEP: kvikio unusable: ' + why); sys.exit(0 if ok else 3)"
 BENCH="'$PY' -m tiermem bench io --size 256MiB --repeats 2 --verify --json"
 
-# kvikio's wheels are built per CUDA major version: the extra that matches this torch's.
-GDS_EXTRA=$("$PY" -c "import torch; print('gds-cu13' if (torch.version.cuda or '').startswith('13') else 'gds')" 2>/dev/null || echo gds)
+# kvikio's wheels are built per CUDA major version: the ones that match this torch's.
+CU=cu12
+case "$MACHINE" in *'"cuda": "13'*) CU=cu13 ;; esac
 step install_gds 45 any bash -c "'$PY' -c 'import kvikio' 2>/dev/null && { echo 'SKIP-STEP: kvikio imports already'; exit 0; }; \
-  PIP_DISABLE_PIP_VERSION_CHECK=1 '$PY' -m pip install --quiet --retries 0 --timeout 10 -e '.[$GDS_EXTRA]'"
-step cuda_tests 90 cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
+  PIP_DISABLE_PIP_VERSION_CHECK=1 '$PY' -m pip install --quiet --retries 0 --timeout 10 --no-deps --target '${SITE:-SITE}' \
+  kvikio-$CU libkvikio-$CU 'rapids-logger==0.3.*'"
+step cuda_tests 80 cuda "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py
 step bench_io_posix_host 20 cuda bash -c "$BENCH --backend posix"
 step bench_io_kvikio_host 20 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio"
 step bench_io_posix_device 20 cuda bash -c "$BENCH --backend posix --buffer device"
 step bench_io_kvikio_device 20 cuda bash -c "'$PY' -c \"$KVIKIO_OR_SKIP\" && $BENCH --backend kvikio --buffer device"
-TRAIN="'$PY' -m tiermem train --json --layers 12 --d-model 1024 --heads 16 --seq-len 512 --batch-size 8 --steps 12"
-step train_keep 40 cuda bash -c "$TRAIN --no-states --policy keep"
-step train_auto 45 cuda bash -c "$TRAIN"
+TRAIN="'$PY' -m tiermem train --json --layers 12 --d-model 1024 --heads 16 --seq-len 512 --batch-size 8"
+step train_keep 40 cuda bash -c "$TRAIN --steps 12 --no-states --policy keep"
+step train_auto 45 cuda bash -c "$TRAIN --steps 12"
 step train_nvme 100 cuda bash -c "$TRAIN --steps 8 --state-home nvme --policy nvme"
 step activations 60 cuda "$PY" bench/activations.py --device cuda --layers 8 --d-model 1024 --seq 512 --batch 4 \
   --steps 3 --rounds 1 --policies keep,nvme,auto --json
 
-"$PY" - "$OUT_DIR" "$STEPS" "$DRY_RUN" "$CUDA" "$(( $(date +%s) - START ))" "$DEADLINE_S" <<'EOF'
-import json, os, sys
+"$PY" - "$OUT_DIR" "$STEPS" "$DRY_RUN" "$CUDA" "$(( $(date +%s) - START ))" "$DEADLINE_S" "$MACHINE" <<'EOF'
+import json, os, re, sys
 
 out_dir, steps_file, dry_run, cuda, seconds = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4] == "1", int(sys.argv[5])
 steps = []
@@ -158,12 +191,14 @@ for line in open(steps_file):
     if os.path.exists(log):
         text = open(log, errors="replace").read()
         entry["log_tail"] = text[-2000:]
-        start = text.find("{")
-        if start >= 0:  # the step's --json output, when it printed one
+        # the step's --json output, when it printed one: the first JSON object that opens a line
+        # (a log line such as "machine: {...}" is not it)
+        for match in re.finditer(r"(?m)^\{", text):
             try:
-                entry["result"] = json.loads(text[start:])
+                entry["result"] = json.JSONDecoder().raw_decode(text[match.start():])[0]
+                break
             except ValueError:
-                pass
+                continue
     steps.append(entry)
 counts = {s: sum(e["status"] == s for e in steps) for s in ("passed", "failed", "skipped")}
 summary = (
@@ -173,7 +208,8 @@ summary = (
 )
 report = {
     "summary": summary, "dry_run": dry_run, "cuda": cuda, "seconds": seconds,
-    "budget_s": sum(e["budget_s"] for e in steps), "deadline_s": int(sys.argv[6]), "steps": steps,
+    "budget_s": sum(e["budget_s"] for e in steps), "deadline_s": int(sys.argv[6]),
+    "machine": json.loads(sys.argv[7]), "steps": steps,
 }
 with open(os.path.join(out_dir, "gpu_check.json"), "w") as fh:
     json.dump(report, fh, indent=2)

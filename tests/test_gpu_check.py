@@ -47,8 +47,8 @@ def test_a_dry_run_lists_every_step_and_writes_the_report(tmp_path: Path) -> Non
 
 
 def test_the_step_budgets_and_the_deadline_bound_the_run_under_eight_minutes(tmp_path: Path) -> None:
-    """Every step has a budget (it is killed past it); the budgets, plus the 10 s CUDA probe, fit
-    in the deadline, and the deadline (which cuts any step still running) is under 8 minutes."""
+    """Every step has a budget (it is killed past it); the budgets, plus the 20 s probe of the machine,
+    fit in the deadline, and the deadline (which cuts any step still running) is under 8 minutes."""
     subprocess.run(
         ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(tmp_path)],
         capture_output=True, text=True, timeout=60, check=True,
@@ -56,7 +56,7 @@ def test_the_step_budgets_and_the_deadline_bound_the_run_under_eight_minutes(tmp
     report = json.loads((tmp_path / "gpu_check.json").read_text())
     budgets = [s["budget_s"] for s in report["steps"]]
     assert all(b > 0 for b in budgets) and report["budget_s"] == sum(budgets)
-    assert report["budget_s"] + 10 <= report["deadline_s"] < EIGHT_MINUTES_S
+    assert report["budget_s"] + 20 <= report["deadline_s"] < EIGHT_MINUTES_S
 
 
 def test_unknown_arguments_are_refused(tmp_path: Path) -> None:
