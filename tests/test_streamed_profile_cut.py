@@ -83,6 +83,20 @@ def _measure(model: nn.Module, *, streamed: bool) -> tuple[Any, ...]:
         return run()
 
 
+def _assert_measured_as_plain(model: nn.Module, got: tuple[Any, ...], plain: tuple[Any, ...]) -> None:
+    """A streamed pass's bytes per block and outside them, its parameters, order, modules, shared
+    parameters and first blocks are the plain pass's; it leaves no gradient behind."""
+    for mine, want in zip((*got[0], got[1]), (*plain[0], plain[1]), strict=True):
+        assert (mine.saved_bytes, mine.small_bytes, mine.input_bytes, mine.saved_count) == (
+            want.saved_bytes,
+            want.small_bytes,
+            want.input_bytes,
+            want.saved_count,
+        )
+    assert tuple(got[2:]) == tuple(plain[2:])
+    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+
+
 def test_the_cut_measures_the_last_twins_of_each_class():
     a, b, other = (lambda: nn.Linear(4, 4)), (lambda: nn.Linear(4, 8)), (lambda: nn.Linear(8, 4))
     blocks = [a() for _ in range(6)]
@@ -112,16 +126,7 @@ def test_streamed_backward_stops_at_the_cut_and_estimates_the_blocks_before_it()
         assert block.forward_s > 0
         assert block.backward_s == pytest.approx(block.forward_s * ratio)
         assert block.transient_bytes >= min(b.transient_bytes for b in measured)
-    # bytes, order and the rest are measured in forward as the plain pass measures them
-    for got, want in zip((*blocks, outside), (*plain[0], plain[1]), strict=True):
-        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
-            want.saved_bytes,
-            want.small_bytes,
-            want.input_bytes,
-            want.saved_count,
-        )
-    assert tuple(rest) == tuple(plain[2:])
-    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+    _assert_measured_as_plain(model, (blocks, outside, *rest), plain)
 
 
 def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran():
@@ -144,15 +149,7 @@ def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran()
         assert block.forward_s == pytest.approx(twin_forward)
         assert block.transient_bytes >= min(b.transient_bytes for b in blocks[4:])
     assert outside.forward_s > 0  # the pass's forward counts the skipped blocks' stand-in seconds
-    for got, want in zip((*blocks, outside), (*plain[0], plain[1]), strict=True):
-        assert (got.saved_bytes, got.small_bytes, got.input_bytes, got.saved_count) == (
-            want.saved_bytes,
-            want.small_bytes,
-            want.input_bytes,
-            want.saved_count,
-        )
-    assert tuple(rest) == tuple(plain[2:])  # parameters, order, modules, shared, first blocks
-    assert [p.grad for p in model.parameters()] == [None] * len(list(model.parameters()))
+    _assert_measured_as_plain(model, (blocks, outside, *rest), plain)
 
 
 @pytest.mark.parametrize("streamed", [True, False])
