@@ -80,6 +80,10 @@ cd "$(dirname "$0")/.."
 if [ -z "$PY" ]; then
   if [ -x .venv/bin/python ]; then PY=$PWD/.venv/bin/python; else PY=python3; fi
 fi
+if ! command -v "$PY" > /dev/null; then
+  echo "gpu_check: --python $PY is not a program here; give the Python whose torch has CUDA" >&2
+  exit 2
+fi
 mkdir -p "$OUT_DIR"
 # What this run adds for itself, removed when it ends: links into tiermem/, a folder of installed
 # wheels (and kvikio, where install_gds installs it).
@@ -106,6 +110,7 @@ STEPS="$OUT_DIR/steps.tsv"
 # The machine, and whether CUDA is there: one Python start (a cold torch import takes seconds).
 CUDA=0
 MACHINE='{}'
+NO_CUDA="no CUDA device: torch.cuda.is_available() is false"
 if [ "$DRY_RUN" = 0 ]; then
   MACHINE=$(timeout -k 2 20 "$PY" -c "
 import json, platform, torch
@@ -119,7 +124,10 @@ try:
 except Exception as exc:
     facts['kvikio'] = 'not importable: ' + str(exc)
 print(json.dumps(facts))" 2>/dev/null | tail -1)
-  [ -n "$MACHINE" ] || MACHINE='{"probe": "failed or took over 20 s"}'
+  if [ -z "$MACHINE" ]; then
+    MACHINE='{"probe": "failed or took over 20 s"}'
+    NO_CUDA="$PY could not import torch within 20 s (give --python the Python whose torch has CUDA)"
+  fi
   case "$MACHINE" in *'"cuda_available": true'*) CUDA=1 ;; esac
 fi
 
@@ -133,7 +141,7 @@ step() {
     printf '%s\tskipped\t0\t%s\t-\tdry run: would run: %s\n' "$name" "$budget" "$command" >> "$STEPS"; return
   fi
   if [ "$needs" = cuda ] && [ "$CUDA" = 0 ]; then
-    printf '%s\tskipped\t0\t%s\t-\tno CUDA device: torch.cuda.is_available() is false\n' "$name" "$budget" >> "$STEPS"; return
+    printf '%s\tskipped\t0\t%s\t-\t%s\n' "$name" "$budget" "$NO_CUDA" >> "$STEPS"; return
   fi
   local t0 rc status limit
   t0=$(date +%s)

@@ -76,3 +76,13 @@ def test_a_wheels_folder_without_wheels_is_refused(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60, check=False,
     )  # fmt: skip
     assert done.returncode == 2 and "holds no .whl file" in done.stderr
+
+
+def test_a_python_that_is_not_there_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    done = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh"), "--dry-run", "--out", str(out), "--python", "/no/such/python"],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
+    assert done.returncode == 2 and "is not a program here" in done.stderr
+    assert not out.exists()

@@ -156,7 +156,8 @@ class ActivationOffloader:
             min_bytes=min_bytes,
         )
         self.adaptive_keep = AdaptiveKeep(registry, self.history, self.forwards, self.policies)
-        #: NOTE [ Adaptive keep ] rule 4: on CUDA the blocks' forward times come from events
+        #: on CUDA the blocks' forward times come from events: the host's clock reads only the
+        #: kernels' queueing (NOTE [ Adaptive keep ] rule 4)
         self._gpu_timed = self.adaptive and registry.device.type == "cuda"
         #: NOTE [ Activation fallbacks ] rule 8: room for the model states, through the registry
         self.give_back = DeviceGiveBack(registry, self.history, self.forwards, self.fallbacks, self.prefetcher)
