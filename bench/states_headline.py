@@ -12,8 +12,9 @@ rt.init() ]), every chunk's home (fp32 master + AdamW states) on NVMe:
 
 - ``--loop declared``: ``grad_accumulation_steps=1, keep_gradients=False``: each chunk steps as
   its backward ends, gradients only pass through the host (NOTE [ Declared steps ]);
-- ``--loop plain``: a plain loop; ``.grad`` is readable, the gradients wait on NVMe
-  (``grad_home = "nvme"``, NOTE [ Stored gradients ]).
+- ``--loop plain``: a plain loop; ``.grad`` is readable, the gradients wait on the host or on
+  NVMe (``grad_home``, the default rule's choice: NOTE [ Stored gradients ]), and from the second
+  step the backward steps chunks ahead (NOTE [ Speculative steps ]).
 
 Where the time goes is ``tiermem trace summary``'s: the steps run inside ``rt.trace`` (``--trace
 FILE`` keeps the file; by default it is written beside the NVMe files and removed with them), each
@@ -22,7 +23,11 @@ phases, compute, waits by cause, link busy fractions and overlap come from the s
 
 What is needed, printed before anything is built: NVMe space for the homes (12 bytes a
 parameter) plus the file-backed build while it is managed or the plain loop's gradients
-(4 bytes a parameter); the host capacity given (default 1.5 GiB) and a 2 GiB device.
+(4 bytes a parameter); the host capacity given (default 1.5 GiB) and a 2 GiB device. The NVMe
+tier is given up to 12 bytes a parameter more where the disk has them (all but 1 GiB of its free
+space): the plain loop's backward steps chunks ahead into copies of their homes, written beside
+the homes until ``optimizer.step()`` keeps them (NOTE [ Speculative steps ] rule 2 runs ahead
+only with room for every copy).
 
 Usage::
 
@@ -190,6 +195,8 @@ def main() -> int:
     path = args.path or tempfile.mkdtemp(prefix="tiermem-headline-")
     free = shutil.disk_usage(path).free
     nvme_need = n * 16 + (256 << 20)  # homes 12 B + (the build while managed, or stored gradients) 4 B
+    # the plain loop steps ahead into a copy of each home, freed at optimizer.step(): 12 B more
+    nvme_room = n * 28 + (256 << 20)
     host_capacity = parse_size(args.host)
     fused = not args.no_fused
     facts = {
@@ -205,6 +212,7 @@ def main() -> int:
         "nvme_path": path,
         "nvme_free_bytes": free,
         "nvme_needed_bytes": nvme_need,
+        "nvme_capacity": min(nvme_room, max(nvme_need, free - (1 << 30))),
         "host_capacity": host_capacity,
         "loop": args.loop,
         "adamw_fused": fused,
@@ -217,7 +225,9 @@ def main() -> int:
     )
     say(
         f"needs: NVMe {format_size(nvme_need)} at {path} (homes 12 B/param + the file-backed build or the stored "
-        f"gradients 4 B/param; {format_size(free)} free); host {format_size(host_capacity)}, device 2GiB"
+        f"gradients 4 B/param; {format_size(free)} free); host {format_size(host_capacity)}, device 2GiB; the NVMe "
+        f"tier gets {format_size(facts['nvme_capacity'])} (up to 28 B/param: the plain loop's steps ahead write a "
+        "copy of each home, NOTE [ Speculative steps ])"
     )
     if free < nvme_need:
         print(f"not enough disk: need {format_size(nvme_need)} at {path}, {format_size(free)} free", file=sys.stderr)
@@ -230,7 +240,7 @@ def main() -> int:
             f"floor inputs: tiermem bench io read {format_size(disk['read'])}/s, write {format_size(disk['write'])}/s; "
             f"plain step {compute['s_per_param'] * 1e9:.2f} ns/param ({compute['parameters'] / 1e6:.0f}M-param model)"
         )
-        result.update(train(args, config, path, host_capacity, nvme_need, fused, say))
+        result.update(train(args, config, path, host_capacity, facts["nvme_capacity"], fused, say))
     finally:
         if own_dir:
             shutil.rmtree(path, ignore_errors=True)

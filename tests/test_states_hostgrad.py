@@ -26,6 +26,14 @@ from tiermem.states.manager import ModelStates
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
+@pytest.fixture(autouse=True, params=["copies", "over host bytes"])
+def op_path(request, monkeypatch):
+    """Every test twice: ops over transient copies (rule 2, as on CUDA) and over the host bytes
+    themselves (rule 10, the CPU device's path)."""
+    monkeypatch.setattr(HostGradient, "ops_over_host_bytes", request.param == "over host bytes")
+    return request.param
+
+
 def pair(seed: int, *shape: int) -> tuple[torch.nn.Parameter, torch.Tensor, torch.nn.Parameter]:
     """A parameter whose .grad is a HostGradient over ``host``, and a plain twin."""
     generator = torch.Generator().manual_seed(seed)
@@ -283,3 +291,35 @@ def test_clip_grad_norm_by_hand_takes_the_path_plain_gradients_take(monkeypatch)
     assert torch.equal(got, want)
     for _, host, q in pairs:
         assert torch.equal(host, q.grad)
+
+
+def test_on_the_cpu_ops_run_over_the_host_bytes_and_each_write_is_counted(op_path, monkeypatch):
+    """Rule 10: with the host bytes on the op's device, reads and in-place writes run over them
+    with no transient copy (rule 2's write-back never runs), each write still counted; an op with
+    ``out=`` takes rule 2's copy, so a shape it would change is refused before anything is written."""
+    from tiermem.states.hostgrad import GradientWrites
+
+    if op_path == "copies":
+        pytest.skip("rule 10 is the CPU path; 'copies' runs rule 2 (the other tests)")
+    p, host, q = pair(2, 4, 6)
+    copied: list[int] = []
+    write_host = HostGradient.write_host
+    monkeypatch.setattr(HostGradient, "write_host", lambda self, value: (copied.append(1), write_host(self, value)))
+    writes = GradientWrites.count
+    assert torch.equal(torch.linalg.vector_norm(p.grad), torch.linalg.vector_norm(q.grad))
+    assert GradientWrites.count == writes  # a read writes nothing
+    returned = p.grad.mul_(0.5)
+    q.grad.mul_(0.5)
+    assert returned is p.grad  # the gradient itself, not its host bytes
+    assert torch.equal(host, q.grad) and not copied
+    assert GradientWrites.count == writes + 1
+    p.grad.data.add_(1)  # through a view (rule 4): written where the bytes are, counted too
+    q.grad.data.add_(1)
+    assert torch.equal(host, q.grad) and not copied and GradientWrites.count == writes + 2
+    torch.mul(p.grad, 2, out=p.grad)  # out=: rule 2's copy and write-back
+    torch.mul(q.grad, 2, out=q.grad)
+    assert torch.equal(host, q.grad) and copied == [1]
+    before = host.clone()
+    with pytest.raises(StatesUsageError, match="shape"):
+        torch.mul(torch.ones(2, 2), 2, out=p.grad)
+    assert torch.equal(host, before)

@@ -16,6 +16,7 @@ from torch import nn
 import tiermem
 from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_model, param_groups, state_bytes
 from tests.test_states_declared import step_loop
+from tiermem.states.hostgrad import HostGradient
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -46,6 +47,9 @@ def loop(model: nn.Module, optimizer: torch.optim.Optimizer, steps: int, between
 
 #: NVMe homes whose gradients wait on NVMe too: every write to them reaches the runtime
 STORED = {"state_home": "nvme", "grad_home": "nvme"}
+#: NVMe homes whose gradients wait on the host, as HostGradients on the CPU device too
+#: (NOTE [ Host gradients ] rule 1): every write to them reaches the runtime as well
+ON_HOST = {"state_home": "nvme", "grad_home": "host"}
 
 
 def run_both(tmp_path, steps: int, between: Between | None, plan: dict[str, str] = STORED) -> dict[str, Any]:
@@ -73,9 +77,11 @@ def optimizer_values(state: dict[str, Any]) -> list[torch.Tensor]:
     return [torch.as_tensor(per_param[i][name]) for i in sorted(per_param) for name in sorted(per_param[i])]
 
 
-def test_a_plain_loop_steps_nvme_chunks_in_backward_bitwise(tmp_path):
-    """From the second window on, NVMe chunks step during backward and every one is kept."""
-    stats = run_both(tmp_path, 4, None)
+@pytest.mark.parametrize("plan", [STORED, ON_HOST], ids=["stored gradients", "host gradients"])
+def test_a_plain_loop_steps_nvme_chunks_in_backward_bitwise(tmp_path, plan):
+    """From the second window on, NVMe chunks step during backward and every one is kept, their
+    gradients waiting on NVMe or on the host."""
+    stats = run_both(tmp_path, 4, None, plan)
     assert stats["speculative_steps_kept"] > 0
     assert stats["speculative_steps_discarded"] == 0
     assert stats["early_chunk_steps"] == 0  # nothing stepped in place
@@ -94,12 +100,43 @@ def test_the_next_copy_of_a_home_is_read_while_a_step_ahead_computes(tmp_path, m
     assert ahead > 1.5 * on_demand
 
 
-@pytest.mark.parametrize("plan", [{"state_home": "host"}, {"state_home": "nvme", "grad_home": "host"}])
-def test_only_nvme_homes_with_stored_gradients_run_ahead(tmp_path, plan):
-    """Host homes step at memory speed at optimizer.step(); on the CPU, gradients waiting on the
-    host are plain tensors, which ``p.grad.data`` could write unseen, so they never run ahead."""
-    stats = run_both(tmp_path, 3, None, plan)
+def test_host_homes_never_run_ahead_and_their_gradients_are_plain_tensors(tmp_path):
+    """Host homes step at memory speed at optimizer.step(): nothing runs ahead, and their
+    gradients on the host are plain tensors (NOTE [ Host gradients ] rule 1)."""
+    kinds: set[type] = set()
+
+    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
+
+    stats = run_both(tmp_path, 3, grad_types, {"state_home": "host"})
     assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
+    assert kinds == {torch.Tensor}
+
+
+def test_with_speculative_steps_off_host_gradients_are_plain_tensors(tmp_path, monkeypatch):
+    """``speculative_steps = "off"``: nothing runs ahead, so NVMe chunks' gradients on the host
+    need not be watched, and are plain tensors as every other CPU gradient."""
+    monkeypatch.setenv("TIERMEM_MODEL_STATES_SPECULATIVE_STEPS", "off")
+    kinds: set[type] = set()
+
+    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
+
+    stats = run_both(tmp_path, 3, grad_types, ON_HOST)
+    assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
+    assert kinds == {torch.Tensor}
+
+
+def test_nvme_homes_expose_their_host_gradients_as_host_gradients(tmp_path):
+    """NOTE [ Host gradients ] rule 1: on the CPU device, an NVMe-homed chunk's gradient waiting on
+    the host is a HostGradient, whose every write (``.data`` included) the runtime sees."""
+    kinds: set[type] = set()
+
+    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
+
+    run_both(tmp_path, 2, grad_types, ON_HOST)
+    assert HostGradient in kinds
 
 
 def clip(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
@@ -164,12 +201,13 @@ def test_a_loop_that_clips_never_runs_ahead(tmp_path, caplog):
         (weights_from_third, "written between backward"),
     ],
 )
-def test_a_change_after_backward_discards_what_ran_ahead(tmp_path, caplog, between, reason):
+@pytest.mark.parametrize("plan", [STORED, ON_HOST], ids=["stored gradients", "host gradients"])
+def test_a_change_after_backward_discards_what_ran_ahead(tmp_path, caplog, between, reason, plan):
     """A loop that starts clipping, changes the learning rate or writes weights between backward
     and the step after it ran ahead: the steps are discarded, the chunks step from their untouched
     homes, bitwise, and the model runs ahead no more (logged with the reason)."""
     with caplog.at_level(logging.INFO, logger="tiermem.states"):
-        stats = run_both(tmp_path, 5, between)
+        stats = run_both(tmp_path, 5, between, plan)
     assert stats["speculative_steps_discarded"] > 0
     kept = stats["speculative_steps_kept"]
     assert kept > 0  # the second window ran ahead and was kept

@@ -41,14 +41,17 @@ class Gradients:
         homes: Homes,
         *,
         proxy_host_gradients: bool,
+        observe_nvme_homes: bool = False,
         wait_write_backs: Callable[[], None],
     ) -> None:
         self.registry = registry
         self.facts = facts
         self.store = store
         self.homes = homes
-        #: NOTE [ Host gradients ] rule 7: HostGradients on the CPU device too (tests)
+        #: NOTE [ Host gradients ] rule 9: HostGradients for every chunk on the CPU device too (tests)
         self.proxy_host_gradients = proxy_host_gradients
+        #: NOTE [ Host gradients ] rule 1: on the CPU device, HostGradients for chunks with NVMe homes
+        self.observe_nvme_homes = observe_nvme_homes
         #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
         self._leases: dict[int, list[bool]] = {}
         #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight
@@ -280,11 +283,18 @@ class Gradients:
         """What ``p.grad`` is for ``view``, a gradient in ``chunk``'s buffer: the view itself, or a
         :class:`HostGradient` standing for it on the device (NOTE [ Host gradients ] rule 1)."""
         assert chunk.grad is not None
-        on_host = chunk.grad.tier == "host" and (self.facts.device.type != "cpu" or self.proxy_host_gradients)
+        on_host = chunk.grad.tier == "host" and self.observed_on_host(chunk)
         if not on_host:
             return view
         lease = self._leases.setdefault(chunk.index, [True])
         return HostGradient(view, self.facts.device, lease)
+
+    def observed_on_host(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s gradients, while they wait on the host, are exposed through
+        HostGradients, whose every write the runtime sees (NOTE [ Host gradients ] rule 1)."""
+        if self.facts.device.type != "cpu" or self.proxy_host_gradients:
+            return True
+        return self.observe_nvme_homes and chunk.home_tier == "nvme"
 
     def retire(self, chunk: Chunk | None = None) -> None:
         """NOTE [ Host gradients ] rule 5: ``chunk``'s (every chunk's) host gradient bytes move or

@@ -3,11 +3,15 @@
 # NOTE [ Host gradients ]
 1. Between backward and the optimizer step an offloaded chunk's gradients wait on the host
    (rule 4 of NOTE [ Model-state rules ] in ``manager.py``), and user code must see the
-   real gradients there (TRAPS 4). On the CPU device ``p.grad`` simply views them. A CUDA
-   parameter's ``.grad`` must be on the parameter's device (autograd refuses anything
-   else), so there ``p.grad`` is a :class:`HostGradient`: a tensor of the parameter's
-   shape, dtype and device that owns no device memory and stands for a view of the host
-   gradient (``.host``).
+   real gradients there (TRAPS 4). A CUDA parameter's ``.grad`` must be on the parameter's
+   device (autograd refuses anything else), so there ``p.grad`` is a :class:`HostGradient`:
+   a tensor of the parameter's shape, dtype and device that owns no device memory and stands
+   for a view of the host gradient (``.host``). On the CPU device ``p.grad`` could simply
+   view them, and does for a chunk whose home is in memory; for a chunk whose home is on
+   NVMe it is a HostGradient too (unless ``[model_states] speculative_steps = "off"``), so
+   the runtime sees every write to it, ``.data`` included, and the plain loop's backward may
+   step that chunk ahead (NOTE [ Speculative steps ] rule 3): a plain tensor's ``.data`` can
+   be written with no version counter moving.
 2. Every op on it runs where the user expects, on the device: over a transient device copy
    of the host bytes, and an op that writes it (``mul_``, ``zero_``, ``copy_``, ``add_``,
    GradScaler's unscale, ``out=``) writes the result back to the host. So
@@ -43,9 +47,16 @@
 8. Cost: an op moves the gradient's bytes to the device, and back when it writes them.
    Declared clipping (``rt.manage(clip_grad_norm=)``) therefore reads the host gradients in
    place instead, with torch's own norm functions (``stepping.py``).
-9. The class works on any device: on the CPU device the tests run the manager with host
-   gradients behind HostGradients (``ModelStates.proxy_host_gradients``) to check rules
+9. The class works on any device: on the CPU device the tests run the manager with every
+   host gradient behind a HostGradient (``ModelStates.proxy_host_gradients``) to check rules
    2-7 bitwise against plain PyTorch.
+10. On the CPU device the host bytes are where the op runs anyway, so an op that writes no
+   gradient, or only its own ``self`` in place (``mul_``, ``zero_``, ``copy_``: an in-place op
+   keeps its operand's shape, so rule 6's check cannot fail after the fact), runs over them
+   directly, with no transient copy: ``clip_grad_norm_`` by hand reads and scales each gradient
+   once, as over plain tensors. Each write is still counted (rule 4). Ops with ``out=`` and
+   writes to a stored gradient (whose staged bytes are read-only: NOTE [ Stored gradients ])
+   take rule 2's copy.
 """
 
 from __future__ import annotations
@@ -146,6 +157,9 @@ class HostGradient(torch.Tensor):
     host: torch.Tensor
     #: rule 5: shared by every HostGradient of the same bytes; ``[False]`` once they moved
     lease: list[bool]
+    #: rule 10: on the CPU device, ops run over the host bytes where they can (tests turn it off
+    #: to run rule 2's transient copies on the CPU, as every op runs on CUDA)
+    ops_over_host_bytes: bool = True
 
     @staticmethod
     def __new__(cls, host: torch.Tensor, device: torch.device | str, lease: list[bool] | None = None) -> HostGradient:
@@ -218,6 +232,9 @@ class HostGradient(torch.Tensor):
             unwrapped = tree_map_only(HostGradient, lambda t: t.host, (args, kwargs))
             views = func(*unwrapped[0], **unwrapped[1])
             return tree_map_only(torch.Tensor, source.like, views)
+        written = _written(func, args, kwargs)
+        if device.type == "cpu" and HostGradient.ops_over_host_bytes and _in_place_where_they_are(func, args, written):
+            return _run_on_host(func, args, kwargs, written)
         copies: dict[int, torch.Tensor] = {}
 
         def to_device(t: HostGradient) -> torch.Tensor:
@@ -227,7 +244,6 @@ class HostGradient(torch.Tensor):
 
         on_device = tree_map_only(HostGradient, to_device, (args, kwargs))
         out = func(*on_device[0], **on_device[1])
-        written = _written(func, args, kwargs)
         for t in written:  # rule 6: never a shape mismatch at write-back
             if copies[id(t)].shape != t.host.shape:
                 raise StatesUsageError(
@@ -241,6 +257,45 @@ class HostGradient(torch.Tensor):
         back: dict[int, HostGradient] = {id(copies[id(t)]): t for t in written}
         swap: Callable[[Any], Any] = lambda r: back.get(id(r), r) if isinstance(r, torch.Tensor) else r  # noqa: E731
         return tree_map(swap, out)
+
+
+def _in_place_where_they_are(func: torch._ops.OpOverload, args: tuple[Any, ...], written: list[HostGradient]) -> bool:
+    """Rule 10: on the CPU device ``func`` may run over the host bytes themselves: it writes no
+    gradient, or only its own ``self`` in place (an in-place op keeps its operand's shape) and that
+    is a gradient whose host bytes are its own (a stored gradient's staged bytes are read-only)."""
+    if not written:
+        return True
+    return (
+        len(written) == 1
+        and type(written[0]) is HostGradient
+        and bool(args)
+        and args[0] is written[0]
+        and func._schema.name.endswith("_")
+        and not func._schema.arguments[0].kwarg_only
+    )
+
+
+def _run_on_host(
+    func: torch._ops.OpOverload,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    written: list[HostGradient],
+) -> Any:
+    """Rule 10: ``func`` over the host bytes of every HostGradient in its arguments; what it returns
+    of those bytes comes back as the HostGradient that stands for them."""
+    hosts: dict[int, HostGradient] = {}
+
+    def unwrap(t: HostGradient) -> torch.Tensor:
+        host = t.host  # a stored gradient's staged bytes, read afresh each time
+        hosts[id(host)] = t
+        return host
+
+    unwrapped = tree_map_only(HostGradient, unwrap, (args, kwargs))
+    out = func(*unwrapped[0], **unwrapped[1])
+    for _ in written:
+        GradientWrites.note()
+    swap: Callable[[Any], Any] = lambda r: hosts.get(id(r), r) if isinstance(r, torch.Tensor) else r  # noqa: E731
+    return tree_map(swap, out)
 
 
 #: Ops that would make a HostGradient stand for other bytes (rule 6).

@@ -67,7 +67,9 @@ backend, ``describe``, ``close``) and the wiring:
    after backward ``p.grad`` views it there, so ``clip_grad_norm_`` and user code read and
    write the real gradients (TRAPS 4); on CUDA, where ``.grad`` must be on the parameter's
    device, it is a :class:`HostGradient` standing for that view (NOTE [ Host gradients ],
-   TRAPS 29). The next backward brings them back to accumulate.
+   TRAPS 29), and so it is on the CPU device for a chunk whose home is on NVMe (rule 1 there:
+   its writes are seen, so a plain loop may step it ahead). The next backward brings them back
+   to accumulate.
    Before each backward and step, ``p.grad`` is reconciled: ``None`` (``model.zero_grad()``)
    drops a gradient, another tensor is copied in.
 5. Step (``stepping.py``; a declared loop steps offloaded chunks earlier, during the last
@@ -190,8 +192,8 @@ _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDic
 class ModelStates:
     """Carries out a :class:`Plan` for one model and its optimizer (NOTE [ Model-state rules ])."""
 
-    #: NOTE [ Host gradients ] rule 7: expose host gradients through HostGradients on the CPU
-    #: device too (tests); on CUDA they always are. Read when a model is managed.
+    #: NOTE [ Host gradients ] rule 9: expose every host gradient through a HostGradient on the
+    #: CPU device too (tests); on CUDA they always are. Read when a model is managed.
     proxy_host_gradients: bool = False
 
     def __init__(
@@ -242,6 +244,7 @@ class ModelStates:
             self.store,
             self.homes,
             proxy_host_gradients=self.proxy_host_gradients,
+            observe_nvme_homes=speculative_steps != "off",
             wait_write_backs=shadows.wait_host_room,
         )
         self.stateio = StateIO(facts, self.store, self.homes, self.gradients, self.lifecycle)

@@ -421,8 +421,8 @@ class Stepper:
     # -- NOTE [ Speculative steps ] -------------------------------------------------------------
     def _speculates(self, chunk: Chunk) -> bool:
         """Rule 3: an NVMe home, and gradients whose every write the runtime sees (stored on NVMe,
-        or a CUDA device's on the host), never plain tensors a ``.data`` could write unseen."""
-        observed = chunk.grad_home == "nvme" or self.facts.device.type == "cuda"
+        or HostGradients on the host), never plain tensors a ``.data`` could write unseen."""
+        observed = chunk.grad_home == "nvme" or self.gradients.observed_on_host(chunk)
         return chunk.home_tier == "nvme" and observed
 
     def _run_speculative_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
