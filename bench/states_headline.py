@@ -172,6 +172,11 @@ def main() -> int:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--host", default="1536MiB", help="host tier capacity (default 1.5 GiB)")
+    parser.add_argument(
+        "--nvme-capacity",
+        default=None,
+        help="NVMe tier capacity (default: room for a copy of every home too, up to 28 B/param, where the disk has it)",
+    )
     parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
     parser.add_argument("--chunk-size", type=int, default=64 << 20, help="bytes (default 64 MiB)")
     parser.add_argument("--no-fused", action="store_true", help="AdamW's CPU default instead of fused=True")
@@ -212,7 +217,9 @@ def main() -> int:
         "nvme_path": path,
         "nvme_free_bytes": free,
         "nvme_needed_bytes": nvme_need,
-        "nvme_capacity": min(nvme_room, max(nvme_need, free - (1 << 30))),
+        "nvme_capacity": (
+            parse_size(args.nvme_capacity) if args.nvme_capacity else min(nvme_room, max(nvme_need, free - (1 << 30)))
+        ),
         "host_capacity": host_capacity,
         "loop": args.loop,
         "adamw_fused": fused,

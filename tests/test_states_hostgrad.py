@@ -323,3 +323,19 @@ def test_on_the_cpu_ops_run_over_the_host_bytes_and_each_write_is_counted(op_pat
     with pytest.raises(StatesUsageError, match="shape"):
         torch.mul(torch.ones(2, 2), 2, out=p.grad)
     assert torch.equal(host, before)
+
+
+def test_numpy_and_tolist_give_the_values_as_a_plain_gradient_does():
+    """Rule 11: logging habits (``p.grad.cpu().numpy()``, ``tolist()``, ``np.asarray``) give the
+    gradient's values; the array is the caller's own and read-only, so a write raises."""
+    import numpy as np
+
+    p, _, q = pair(3, 2, 5)
+    for got in (p.grad.numpy(), p.grad.cpu().numpy(), p.grad.detach().cpu().numpy(), np.asarray(p.grad)):
+        assert np.array_equal(got, q.grad.numpy())
+        with pytest.raises(ValueError, match="read-only"):
+            got[0, 0] = 1.0
+    assert p.grad.tolist() == q.grad.tolist()
+    p.grad.lease[0] = False  # its bytes moved (rule 5)
+    with pytest.raises(StatesUsageError, match="numpy"):
+        p.grad.numpy()

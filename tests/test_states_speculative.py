@@ -52,14 +52,19 @@ STORED = {"state_home": "nvme", "grad_home": "nvme"}
 ON_HOST = {"state_home": "nvme", "grad_home": "host"}
 
 
-def run_both(tmp_path, steps: int, between: Between | None, plan: dict[str, str] = STORED) -> dict[str, Any]:
-    """The loop under plain PyTorch and under tiermem (``plan``), compared bitwise; tiermem's
-    model-state statistics."""
+def run_both(
+    tmp_path, steps: int, between: Between | None, plan: dict[str, str] = STORED, nvme: int | None = None
+) -> dict[str, Any]:
+    """The loop under plain PyTorch and under tiermem (``plan``; an NVMe capacity of ``nvme``
+    bytes where given), compared bitwise; tiermem's model-state statistics."""
     plain = make_model()
     plain_optimizer = OPTIMIZERS["adamw"](param_groups(plain))
     want = loop(plain, plain_optimizer, steps, between)
     model = make_model()
-    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+    settings = config(tmp_path, int(state_bytes("adamw", model) * 0.1))
+    if nvme is not None:
+        settings["nvme"]["capacity"] = nvme
+    with tiermem.Runtime(settings) as rt:
         model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), plan=plan)
         got = loop(model, optimizer, steps, between)
         stats = rt.stats().as_dict()["model_states"]
@@ -85,6 +90,17 @@ def test_a_plain_loop_steps_nvme_chunks_in_backward_bitwise(tmp_path, plan):
     assert stats["speculative_steps_kept"] > 0
     assert stats["speculative_steps_discarded"] == 0
     assert stats["early_chunk_steps"] == 0  # nothing stepped in place
+
+
+def test_an_nvme_tier_short_of_room_for_every_copy_runs_the_last_chunks_ahead(tmp_path):
+    """Rule 2: with room on NVMe for copies of about half the homes (beside the homes and the
+    stored gradients), the chunks backward reaches first run ahead and the rest step at
+    ``optimizer.step()``: fewer kept than with room for all, but some, and bitwise."""
+    roomy = run_both(tmp_path, 4, None)
+    # homes (12 of the 16 state bytes a parameter) and stored gradients (4), and copies of about half the homes
+    short = run_both(tmp_path, 4, None, nvme=int(state_bytes("adamw", make_model()) * 1.4))
+    assert 0 < short["speculative_steps_kept"] < roomy["speculative_steps_kept"]
+    assert short["speculative_steps_discarded"] == 0
 
 
 def test_the_next_copy_of_a_home_is_read_while_a_step_ahead_computes(tmp_path, monkeypatch):

@@ -270,6 +270,9 @@ class SlicedStep:
         # staged gradient copies (an op on .grad made them) go first: written ones land on NVMe, and
         # the host room is the slices' (NOTE [ Stored gradients ] rule 2)
         self.gradients.stash.release_all()
+        # and homes still on their way back to NVMe hold the staged homes' room the slices take:
+        # early steps', or steps run ahead whose copies became homes (NOTE [ Speculative steps ] 4)
+        self.homes.wait_moves(skip=chunk)
         try:
             for lo in range(0, chunk.nbytes, span):
                 hi = min(lo + span, chunk.nbytes)

@@ -57,6 +57,10 @@
    once, as over plain tensors. Each write is still counted (rule 4). Ops with ``out=`` and
    writes to a stored gradient (whose staged bytes are read-only: NOTE [ Stored gradients ])
    take rule 2's copy.
+11. ``numpy()`` and ``tolist()``, which torch refuses on every tensor subclass, give the
+   gradient's values: ``numpy()`` a read-only array of its own (``p.grad.cpu().numpy()`` is a
+   logging habit, and on the CPU ``cpu()`` returns the gradient itself), so a write into it
+   raises rather than being lost, and no array pins the host bytes (TRAPS 32).
 """
 
 from __future__ import annotations
@@ -170,6 +174,27 @@ class HostGradient(torch.Tensor):
         out.lease = lease if lease is not None else [True]
         return out
 
+    def numpy(self, *, force: bool = False) -> Any:
+        """Rule 11: the gradient's values as a read-only NumPy array of their own (torch refuses
+        ``numpy()`` on tensor subclasses, and an array over the host bytes would pin them)."""
+        self._check_lease("numpy()")
+        array = self.host.detach().clone().numpy()
+        array.flags.writeable = False
+        return array
+
+    def tolist(self) -> Any:
+        """Rule 11: the gradient's values as nested lists (torch refuses it on tensor subclasses)."""
+        self._check_lease("tolist()")
+        return self.host.tolist()
+
+    def _check_lease(self, what: str) -> None:
+        if not self.lease[0]:
+            raise StatesUsageError(
+                f"tiermem: {what} on a .grad kept from before its gradient moved (a backward, zero_grad() or a "
+                "re-pack since): its host bytes may hold other data now. Read p.grad again "
+                "(NOTE [ Host gradients ] rule 5)."
+            )
+
     def __deepcopy__(self, memo: dict[int, Any]) -> HostGradient:
         """Rule 6: a HostGradient over a copy of the host bytes, with a lease of its own."""
         if not self.lease[0]:
@@ -215,12 +240,8 @@ class HostGradient(torch.Tensor):
         if split:
             return result
         mine = [t for t in tree_leaves((args, kwargs)) if isinstance(t, HostGradient)]
-        if not all(t.lease[0] for t in mine):
-            raise StatesUsageError(
-                f"tiermem: {func} on a .grad kept from before its gradient moved (a backward, zero_grad() or a "
-                "re-pack since): its host bytes may hold other data now. Read p.grad again "
-                "(NOTE [ Host gradients ] rule 5)."
-            )
+        for t in mine:
+            t._check_lease(str(func))
         device = mine[0].device
         if func in _REFUSED:  # rule 6 (resize_ is tagged inplace_view too)
             _refuse_rebinding(func, args, kwargs)

@@ -14,11 +14,15 @@ chunks until the step shows they are the step it would have run.
 2. When: a backward of an undeclared loop without clipping arms them when it is the first
    backward since ``optimizer.step()`` after one forward with grad, no re-pack is due, no
    asynchronous checkpoint is pending, no device copy is newer than its home (a state load
-   writes it home later), the NVMe tier has room for a copy of every such home beside every
-   gradient the backward may store there (so a copy never takes room the plan counted on), and
-   the last window was *clean*: one counted backward, its gradients untouched until
-   ``optimizer.step()``, no optimizer attributes (``grad_scale``, ``found_inf``). So the first
-   window never speculates, and neither does a loop that accumulates or edits by hand.
+   writes it home later), and the last window was *clean*: one counted backward, its gradients
+   untouched until ``optimizer.step()``, no optimizer attributes (``grad_scale``, ``found_inf``).
+   So the first window never speculates, and neither does a loop that accumulates or edits by
+   hand. Which chunks (of rule 3's): as many as the NVMe tier holds copies of beside every
+   gradient of theirs the backward may store there (so a copy never takes room the plan counted
+   on), the last in layout order first, since backward reaches them first; the others step at
+   ``optimizer.step()``. An NVMe tier sized to the homes alone (a user's capacity set to what
+   the plan needs, or the 2.5x-RAM headline GPT on a disk with room for less than twice its
+   homes) thus still runs its first chunks ahead, where room for every copy was asked before.
 3. What: chunks with NVMe homes whose gradients the runtime sees every write to: stored on NVMe
    (a :class:`~tiermem.states.stored_grads.StoredGradient`) or waiting on the host (a
    :class:`~tiermem.states.hostgrad.HostGradient`, on the CPU device too for a chunk whose home
@@ -140,14 +144,20 @@ class Shadows:
         shadow = self._by_index.get(chunk.index)
         return shadow is not None and shadow.landed()
 
-    def room_on_nvme(self, chunks: list[Chunk]) -> bool:
-        """Rule 2: the NVMe tier holds a shadow of each of ``chunks`` beside every gradient of
-        theirs a backward may store there, so a shadow never takes room the plan counted on."""
+    def fitting_on_nvme(self, chunks: list[Chunk]) -> list[Chunk]:
+        """Rule 2: of ``chunks`` (in layout order), those whose shadows the NVMe tier holds beside
+        every gradient of all of them a backward may store there, so a shadow never takes room the
+        plan counted on: the last ones first, which backward reaches first."""
         registry = self.store.registry
-        needed = sum(
-            registry.reserved_size("nvme", c.home_bytes) + registry.reserved_size("nvme", c.nbytes) for c in chunks
-        )
-        return bool(chunks) and registry.free_bytes("nvme") >= needed
+        room = registry.free_bytes("nvme") - sum(registry.reserved_size("nvme", c.nbytes) for c in chunks)
+        fitting: list[Chunk] = []
+        for chunk in reversed(chunks):
+            shadow = registry.reserved_size("nvme", chunk.home_bytes)
+            if shadow > room:
+                break
+            room -= shadow
+            fitting.append(chunk)
+        return fitting[::-1]
 
     def off_nvme(self) -> tuple[int, int]:
         """Shadows holding host bytes (filled, stepping, or on their way to NVMe): those waiting

@@ -214,6 +214,8 @@ class Stepper:
         self._speculation_allowed = speculate and declared.accumulation is None and declared.max_norm is None
         self._clean_window = False
         self._speculative = False
+        #: NOTE [ Speculative steps ] rule 2: the chunks this backward steps into shadows
+        self._runs_ahead: frozenset[int] = frozenset()
         self.shadows = shadows
         self._shadow_hyperparameters: list[dict[str, Any]] = []
         self._shadow_version: tuple[int, int] | None = None
@@ -247,6 +249,7 @@ class Stepper:
         declared = self.declared
         if self.shadows:  # NOTE [ Speculative steps ] rule 5: their gradients are about to change
             self._stepped -= self._discard_shadows("a backward began before optimizer.step() after steps ran ahead")
+        self._runs_ahead = frozenset()
         self._speculative = (
             self._speculation_allowed
             and self._clean_window
@@ -259,8 +262,11 @@ class Stepper:
             and not self._partial_end
             and self.save_guard is None
             and not any(c.dirty for c in self.store.chunks)  # a dirty device copy is newer than its home
-            and self.shadows.room_on_nvme([c for c in self.store.chunks if c.trainable and self._speculates(c)])
         )
+        if self._speculative:
+            candidates = [c for c in self.store.chunks if c.trainable and self._observed(c)]
+            self._runs_ahead = frozenset(c.index for c in self.shadows.fitting_on_nvme(candidates))
+            self._speculative = bool(self._runs_ahead)
         if self._speculative:
             self._shadow_hyperparameters = hyperparameters(self.optimizer.param_groups)
             self._shadow_version = self.store.version()
@@ -419,11 +425,16 @@ class Stepper:
         return waiting + shadows_waiting, off_nvme + shadows_off_nvme
 
     # -- NOTE [ Speculative steps ] -------------------------------------------------------------
-    def _speculates(self, chunk: Chunk) -> bool:
-        """Rule 3: an NVMe home, and gradients whose every write the runtime sees (stored on NVMe,
-        or HostGradients on the host), never plain tensors a ``.data`` could write unseen."""
+    def _observed(self, chunk: Chunk) -> bool:
+        """NOTE [ Speculative steps ] rule 3: an NVMe home, and gradients whose every write the
+        runtime sees (stored on NVMe, or HostGradients on the host), never plain tensors a
+        ``.data`` could write unseen."""
         observed = chunk.grad_home == "nvme" or self.gradients.observed_on_host(chunk)
         return chunk.home_tier == "nvme" and observed
+
+    def _speculates(self, chunk: Chunk) -> bool:
+        """NOTE [ Speculative steps ] rules 2-3: this backward steps ``chunk`` into a shadow."""
+        return chunk.index in self._runs_ahead
 
     def _run_speculative_step(self, chunk: Chunk, slots: list[Slot], group_of: Mapping[int, int]) -> None:
         """Rule 3: ``chunk``'s step over its shadow, on the step thread; its records are kept aside.
