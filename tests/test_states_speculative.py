@@ -143,6 +143,23 @@ def test_with_speculative_steps_off_host_gradients_are_plain_tensors(tmp_path, m
     assert kinds == {torch.Tensor}
 
 
+def test_once_a_loop_edits_between_backward_and_step_its_host_gradients_are_plain_tensors(tmp_path):
+    """NOTE [ Host gradients ] rule 1: once rule 5 turned running ahead off (an edit through
+    ``.data`` at the third step), nothing needs watching: from the next backward on, the NVMe
+    chunks' host gradients are plain tensors again; bitwise throughout."""
+    kinds: list[set[type]] = []
+
+    def edit_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        kinds.append({type(p.grad) for p in model.parameters() if p.grad is not None})
+        grad_data_from_third(model, optimizer, step)
+
+    stats = run_both(tmp_path, 5, edit_from_third, ON_HOST)
+    assert stats["speculative_steps_discarded"] > 0
+    under_tiermem = kinds[5:]  # plain PyTorch's run came first
+    assert all(HostGradient in seen for seen in under_tiermem[:3])  # up to the step that edited
+    assert under_tiermem[3:] == [{torch.Tensor}, {torch.Tensor}]
+
+
 def test_nvme_homes_expose_their_host_gradients_as_host_gradients(tmp_path):
     """NOTE [ Host gradients ] rule 1: on the CPU device, an NVMe-homed chunk's gradient waiting on
     the host is a HostGradient, whose every write (``.data`` included) the runtime sees."""

@@ -41,7 +41,6 @@ class Gradients:
         homes: Homes,
         *,
         proxy_host_gradients: bool,
-        observe_nvme_homes: bool = False,
         wait_write_backs: Callable[[], None],
     ) -> None:
         self.registry = registry
@@ -51,7 +50,8 @@ class Gradients:
         #: NOTE [ Host gradients ] rule 9: HostGradients for every chunk on the CPU device too (tests)
         self.proxy_host_gradients = proxy_host_gradients
         #: NOTE [ Host gradients ] rule 1: on the CPU device, HostGradients for chunks with NVMe homes
-        self.observe_nvme_homes = observe_nvme_homes
+        #: while the loop may run ahead (the stepper keeps it so)
+        self.observe_nvme_homes = False
         #: NOTE [ Host gradients ] rule 5: per chunk, the lease of the HostGradients exposed now
         self._leases: dict[int, list[bool]] = {}
         #: NOTE [ Step threads ] rule 4: finishes a chunk's step in flight

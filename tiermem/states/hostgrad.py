@@ -8,10 +8,12 @@
    a tensor of the parameter's shape, dtype and device that owns no device memory and stands
    for a view of the host gradient (``.host``). On the CPU device ``p.grad`` could simply
    view them, and does for a chunk whose home is in memory; for a chunk whose home is on
-   NVMe it is a HostGradient too (unless ``[model_states] speculative_steps = "off"``), so
-   the runtime sees every write to it, ``.data`` included, and the plain loop's backward may
-   step that chunk ahead (NOTE [ Speculative steps ] rule 3): a plain tensor's ``.data`` can
-   be written with no version counter moving.
+   NVMe it is a HostGradient too while the loop may run ahead, so the runtime sees every
+   write to it, ``.data`` included, and the plain loop's backward may step that chunk ahead
+   (NOTE [ Speculative steps ] rule 3): a plain tensor's ``.data`` can be written with no
+   version counter moving. Not with ``[model_states] speculative_steps = "off"``, in a
+   declared loop, nor once the loop showed it changes things between backward and the step
+   (rule 5 there): nothing runs ahead then, and ``p.grad`` views the host bytes.
 2. Every op on it runs where the user expects, on the device: over a transient device copy
    of the host bytes, and an op that writes it (``mul_``, ``zero_``, ``copy_``, ``add_``,
    GradScaler's unscale, ``out=``) writes the result back to the host. So

@@ -244,7 +244,6 @@ class ModelStates:
             self.store,
             self.homes,
             proxy_host_gradients=self.proxy_host_gradients,
-            observe_nvme_homes=speculative_steps != "off",
             wait_write_backs=shadows.wait_host_room,
         )
         self.stateio = StateIO(facts, self.store, self.homes, self.gradients, self.lifecycle)

@@ -229,6 +229,18 @@ class Stepper:
         #: steps of chunks too large to stage whole (NOTE [ Sliced steps ] in ``chunk_step.py``)
         self.sliced = SlicedStep(facts, store, gradients, homes, steps)
 
+    @property
+    def _speculation_allowed(self) -> bool:
+        """NOTE [ Speculative steps ]: this model's loop may run ahead (the setting, no declaration
+        against it, and rule 5 has not turned it off)."""
+        return self._may_speculate
+
+    @_speculation_allowed.setter
+    def _speculation_allowed(self, allowed: bool) -> None:
+        # NOTE [ Host gradients ] rule 1: host gradients are watched only while it can matter
+        self._may_speculate = allowed
+        self.gradients.observe_nvme_homes = allowed
+
     def close(self) -> None:
         """Finish the step in flight and stop the step thread."""
         self.abandon_queued()
