@@ -62,7 +62,7 @@
 11. ``numpy()`` and ``tolist()``, which torch refuses on every tensor subclass, give the
    gradient's values: ``numpy()`` a read-only array of its own (``p.grad.cpu().numpy()`` is a
    logging habit, and on the CPU ``cpu()`` returns the gradient itself), so a write into it
-   raises rather than being lost, and no array pins the host bytes (TRAPS 32).
+   raises rather than being lost, and no array pins the host bytes (TRAPS 32, 42).
 """
 
 from __future__ import annotations
