@@ -26,8 +26,8 @@ parameter) plus the file-backed build while it is managed or the plain loop's gr
 (4 bytes a parameter); the host capacity given (default 1.5 GiB) and a 2 GiB device. The NVMe
 tier is given up to 12 bytes a parameter more where the disk has them (all but 1 GiB of its free
 space): the plain loop's backward steps chunks ahead into copies of their homes, written beside
-the homes until ``optimizer.step()`` keeps them (NOTE [ Speculative steps ] rule 2 runs ahead
-only with room for every copy).
+the homes until ``optimizer.step()`` keeps them (NOTE [ Speculative steps ] rule 2: as many
+chunks run ahead as the tier holds copies of; ``--nvme-capacity`` sets the tier's size).
 
 Usage::
 

@@ -339,3 +339,41 @@ def test_numpy_and_tolist_give_the_values_as_a_plain_gradient_does():
     p.grad.lease[0] = False  # its bytes moved (rule 5)
     with pytest.raises(StatesUsageError, match="numpy"):
         p.grad.numpy()
+
+
+def test_assigning_data_writes_the_values_where_the_gradient_is(op_path):
+    """Rule 12: ``p.grad.data = t`` (torch would rebind the wrapper alone) writes ``t`` into the
+    host bytes, counted as a write; another shape raises before anything is written."""
+    from tiermem.states.hostgrad import GradientWrites
+
+    p, host, q = pair(4, 3, 5)
+    writes = GradientWrites.count
+    p.grad.data = p.grad.data.clamp(-0.5, 0.5)
+    q.grad.data = q.grad.data.clamp(-0.5, 0.5)
+    assert torch.equal(host, q.grad) and torch.equal(p.grad * 1, q.grad)
+    assert GradientWrites.count > writes
+    before = host.clone()
+    with pytest.raises(StatesUsageError, match="shape"):
+        p.grad.data = torch.zeros(5, 3)
+    assert torch.equal(host, before)
+
+
+def test_ops_that_alias_without_saying_so_and_writes_that_fail_part_way_reach_the_gradient(op_path):
+    """Rule 4: ``unsafe_split``'s pieces are HostGradient views, so a write through one lands in
+    the gradient and is counted; rule 10: a write that fails part way is counted all the same."""
+    from tiermem.states.hostgrad import GradientWrites
+
+    p, host, q = pair(5, 4, 3)
+    pieces, plain_pieces = torch.unsafe_split(p.grad, 2), torch.unsafe_split(q.grad, 2)
+    assert all(isinstance(piece, HostGradient) for piece in pieces)
+    writes = GradientWrites.count
+    pieces[1].fill_(7.0)
+    plain_pieces[1].fill_(7.0)
+    assert torch.equal(host, q.grad) and GradientWrites.count > writes
+    writes, before = GradientWrites.count, host.clone()
+    with pytest.raises(RuntimeError):
+        p.grad.view(-1).scatter_(0, torch.tensor([0, 1, 99]), torch.ones(3))
+    if op_path == "copies":
+        assert torch.equal(host, before)  # what it wrote went to the transient copy (rule 2)
+    else:
+        assert GradientWrites.count > writes  # some elements may be written: no step ahead is kept

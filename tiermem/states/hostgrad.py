@@ -22,8 +22,9 @@
 3. One gradient at a time: a foreach op over many tensors (``clip_grad_norm_``'s norms and
    scaling, ``GradScaler.unscale_``) is split into one call per tensor, so the device never
    holds more than one parameter's gradient copy, however many live on the host.
-4. Views (``detach``, ``.data``, ``view``, ``t``, ``flatten``...) are HostGradients over the
-   matching view of the host bytes, so a write through a view lands in the gradient. They
+4. Views (``detach``, ``.data``, ``view``, ``t``, ``flatten``, and ``unsafe_split`` and its kin,
+   whose schemas do not say they alias) are HostGradients over the matching view of the host
+   bytes, so a write through a view lands in the gradient. They
    do not share the version counter of the tensor they view (autograd's views do): a write
    through a view moves no version NOTE [ Declared steps ] rule 4's guard reads, so every
    write is counted in ``GradientWrites`` too, which that guard and NOTE [ Speculative steps ]
@@ -56,13 +57,19 @@
    gradient, or only its own ``self`` in place (``mul_``, ``zero_``, ``copy_``: an in-place op
    keeps its operand's shape, so rule 6's check cannot fail after the fact), runs over them
    directly, with no transient copy: ``clip_grad_norm_`` by hand reads and scales each gradient
-   once, as over plain tensors. Each write is still counted (rule 4). Ops with ``out=`` and
-   writes to a stored gradient (whose staged bytes are read-only: NOTE [ Stored gradients ])
-   take rule 2's copy.
+   once, as over plain tensors. Each write is counted (rule 4) before the op runs, since one
+   that fails part way (``scatter_`` with an index out of range) may have written some. Any
+   other tensor it returns over the host bytes comes back as a HostGradient view. Ops with
+   ``out=``, ops that resize, and writes to a stored gradient (whose staged bytes are read-only:
+   NOTE [ Stored gradients ]) take rule 2's copy.
 11. ``numpy()`` and ``tolist()``, which torch refuses on every tensor subclass, give the
    gradient's values: ``numpy()`` a read-only array of its own (``p.grad.cpu().numpy()`` is a
    logging habit, and on the CPU ``cpu()`` returns the gradient itself), so a write into it
    raises rather than being lost, and no array pins the host bytes (TRAPS 32, 42).
+12. ``p.grad.data = t`` (a habit of older code: ``p.grad.data = p.grad.data.clamp(-1, 1)``)
+   writes ``t``'s values into the host bytes, counted as a write (rule 4); torch's own
+   ``set_data`` would rebind the wrapper and leave ``.host`` as it was, so the step would use
+   the old gradient. Another shape or dtype raises, as rule 6's ops do.
 """
 
 from __future__ import annotations
@@ -91,9 +98,17 @@ def _written(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[st
     return out
 
 
+#: Ops that return views of their input without saying so in their schema (rule 4).
+_UNMARKED_VIEWS = frozenset(
+    ("aten::unsafe_split", "aten::unsafe_split_with_sizes", "aten::unsafe_chunk", "aten::_unsafe_view")
+)
+
+
 def _is_view(func: torch._ops.OpOverload) -> bool:
     """``func`` returns views of its input (schema ``Tensor(a) self -> Tensor(a)``; rule 4)."""
     schema = func._schema
+    if schema.name in _UNMARKED_VIEWS:
+        return True
     if not schema.returns or not schema.arguments:
         return False
     first = schema.arguments[0].alias_info
@@ -175,6 +190,26 @@ class HostGradient(torch.Tensor):
         out.host = host
         out.lease = lease if lease is not None else [True]
         return out
+
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        """Rule 4: a HostGradient over the same host bytes (torch's own ``.data``, a view)."""
+        return torch._C.TensorBase.data.__get__(self, type(self))  # type: ignore[attr-defined]
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """Rule 12: ``p.grad.data = t`` writes ``t``'s values into the gradient's host bytes, which
+        keep their shape and dtype; torch would rebind the wrapper alone, and the write would be lost."""
+        self._check_lease(".data =")
+        if not isinstance(value, torch.Tensor) or value.shape != self.shape or value.dtype != self.dtype:
+            got = (tuple(value.shape), value.dtype) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise StatesUsageError(
+                f"tiermem: .data = {got} on a HostGradient of shape {tuple(self.shape)} and {self.dtype}: its bytes "
+                "are a parameter's gradient on the host and keep their shape and dtype; assign a new tensor to "
+                "p.grad instead (NOTE [ Host gradients ] rule 12)"
+            )
+        source = host_bytes(value) if isinstance(value, HostGradient) else value
+        self.write_host(source.to(self.host.device))
 
     def numpy(self, *, force: bool = False) -> Any:
         """Rule 11: the gradient's values as a read-only NumPy array of their own (torch refuses
@@ -284,18 +319,20 @@ class HostGradient(torch.Tensor):
 
 def _in_place_where_they_are(func: torch._ops.OpOverload, args: tuple[Any, ...], written: list[HostGradient]) -> bool:
     """Rule 10: on the CPU device ``func`` may run over the host bytes themselves: it writes no
-    gradient, or only its own ``self`` in place (an in-place op keeps its operand's shape) and that
-    is a gradient whose host bytes are its own (a stored gradient's staged bytes are read-only)."""
+    gradient, or only its own ``self`` in place (an in-place op keeps its operand's shape; a
+    foreach op split to one tensor, rule 3, takes it as a list of one) and that is a gradient
+    whose host bytes are its own (a stored gradient's staged bytes are read-only). Never an op
+    that resizes (``_resize_output_``, ``resize_as_``): rule 6's check runs before any write-back."""
+    name = func._schema.name
+    if "resize" in name:
+        return False
     if not written:
         return True
-    return (
-        len(written) == 1
-        and type(written[0]) is HostGradient
-        and bool(args)
-        and args[0] is written[0]
-        and func._schema.name.endswith("_")
-        and not func._schema.arguments[0].kwarg_only
-    )
+    if len(written) != 1 or type(written[0]) is not HostGradient or not args or not name.endswith("_"):
+        return False
+    first = args[0]
+    alone = first[0] if isinstance(first, list) and len(first) == 1 else first
+    return alone is written[0] and not func._schema.arguments[0].kwarg_only
 
 
 def _run_on_host(
@@ -305,19 +342,30 @@ def _run_on_host(
     written: list[HostGradient],
 ) -> Any:
     """Rule 10: ``func`` over the host bytes of every HostGradient in its arguments; what it returns
-    of those bytes comes back as the HostGradient that stands for them."""
+    of those bytes comes back as the HostGradient that stands for them, or as a HostGradient view
+    (rule 4) where it is another tensor over them (``unsafe_split`` is not marked a view)."""
     hosts: dict[int, HostGradient] = {}
+    storages: dict[int, HostGradient] = {}
 
     def unwrap(t: HostGradient) -> torch.Tensor:
         host = t.host  # a stored gradient's staged bytes, read afresh each time
         hosts[id(host)] = t
+        storages[host.untyped_storage().data_ptr()] = t
         return host
 
     unwrapped = tree_map_only(HostGradient, unwrap, (args, kwargs))
-    out = func(*unwrapped[0], **unwrapped[1])
-    for _ in written:
+    for _ in written:  # before the op: one that fails part way may have written some already
         GradientWrites.note()
-    swap: Callable[[Any], Any] = lambda r: hosts.get(id(r), r) if isinstance(r, torch.Tensor) else r  # noqa: E731
+    out = func(*unwrapped[0], **unwrapped[1])
+
+    def swap(result: Any) -> Any:
+        if not isinstance(result, torch.Tensor):
+            return result
+        if id(result) in hosts:
+            return hosts[id(result)]
+        over = storages.get(result.untyped_storage().data_ptr())
+        return result if over is None else over.like(result)
+
     return tree_map(swap, out)
 
 

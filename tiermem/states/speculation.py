@@ -146,10 +146,12 @@ class Shadows:
 
     def fitting_on_nvme(self, chunks: list[Chunk]) -> list[Chunk]:
         """Rule 2: of ``chunks`` (in layout order), those whose shadows the NVMe tier holds beside
-        every gradient of all of them a backward may store there, so a shadow never takes room the
-        plan counted on: the last ones first, which backward reaches first."""
+        every gradient the backward may store there (any trainable chunk's with ``grad_home``
+        "nvme", sliced ones included; gradients on the host never go there), so a shadow never
+        takes room the plan counted on: the last ones first, which backward reaches first."""
         registry = self.store.registry
-        room = registry.free_bytes("nvme") - sum(registry.reserved_size("nvme", c.nbytes) for c in chunks)
+        stored = [c for c in self.store.chunks if c.trainable and c.grad_home == "nvme"]
+        room = registry.free_bytes("nvme") - sum(registry.reserved_size("nvme", c.nbytes) for c in stored)
         fitting: list[Chunk] = []
         for chunk in reversed(chunks):
             shadow = registry.reserved_size("nvme", chunk.home_bytes)

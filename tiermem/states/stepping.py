@@ -442,7 +442,9 @@ class Stepper:
         runtime sees (stored on NVMe, or HostGradients on the host), never plain tensors a
         ``.data`` could write unseen."""
         observed = chunk.grad_home == "nvme" or self.gradients.observed_on_host(chunk)
-        return chunk.home_tier == "nvme" and observed
+        # a sliced chunk steps at optimizer.step() (NOTE [ Sliced steps ] rule 4), never into a
+        # copy, so it takes no room for one
+        return chunk.home_tier == "nvme" and observed and chunk.slice_span is None
 
     def _speculates(self, chunk: Chunk) -> bool:
         """NOTE [ Speculative steps ] rules 2-3: this backward steps ``chunk`` into a shadow."""
