@@ -323,6 +323,12 @@ def test_on_the_cpu_ops_run_over_the_host_bytes_and_each_write_is_counted(op_pat
     with pytest.raises(StatesUsageError, match="shape"):
         torch.mul(torch.ones(2, 2), 2, out=p.grad)
     assert torch.equal(host, before)
+    copied.clear()
+    other, other_host, other_plain = pair(3, 4, 6)
+    got = torch.nn.utils.clip_grad_norm_([p, other], 1e-3)  # foreach norm and scaling, split per tensor (rule 3)
+    want = torch.nn.utils.clip_grad_norm_([q, other_plain], 1e-3)
+    assert torch.equal(got, want) and torch.equal(host, q.grad) and torch.equal(other_host, other_plain.grad)
+    assert not copied  # read and scaled where they are
 
 
 def test_numpy_and_tolist_give_the_values_as_a_plain_gradient_does():

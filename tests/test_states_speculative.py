@@ -116,46 +116,49 @@ def test_the_next_copy_of_a_home_is_read_while_a_step_ahead_computes(tmp_path, m
     assert ahead > 1.5 * on_demand
 
 
+def grad_types() -> tuple[list[set[type]], Between]:
+    """What ``p.grad`` is after each backward (plain PyTorch's run first, then tiermem's), and the
+    ``between`` that records it."""
+    seen: list[set[type]] = []
+
+    def record(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
+        seen.append({type(p.grad) for p in model.parameters() if p.grad is not None})
+
+    return seen, record
+
+
 def test_host_homes_never_run_ahead_and_their_gradients_are_plain_tensors(tmp_path):
     """Host homes step at memory speed at optimizer.step(): nothing runs ahead, and their
     gradients on the host are plain tensors (NOTE [ Host gradients ] rule 1)."""
-    kinds: set[type] = set()
-
-    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
-
-    stats = run_both(tmp_path, 3, grad_types, {"state_home": "host"})
+    seen, record = grad_types()
+    stats = run_both(tmp_path, 3, record, {"state_home": "host"})
     assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
-    assert kinds == {torch.Tensor}
+    assert set().union(*seen) == {torch.Tensor}
 
 
 def test_with_speculative_steps_off_host_gradients_are_plain_tensors(tmp_path, monkeypatch):
     """``speculative_steps = "off"``: nothing runs ahead, so NVMe chunks' gradients on the host
     need not be watched, and are plain tensors as every other CPU gradient."""
     monkeypatch.setenv("TIERMEM_MODEL_STATES_SPECULATIVE_STEPS", "off")
-    kinds: set[type] = set()
-
-    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
-
-    stats = run_both(tmp_path, 3, grad_types, ON_HOST)
+    seen, record = grad_types()
+    stats = run_both(tmp_path, 3, record, ON_HOST)
     assert stats["speculative_steps_kept"] == 0 and stats["speculative_steps_discarded"] == 0
-    assert kinds == {torch.Tensor}
+    assert set().union(*seen) == {torch.Tensor}
 
 
 def test_once_a_loop_edits_between_backward_and_step_its_host_gradients_are_plain_tensors(tmp_path):
     """NOTE [ Host gradients ] rule 1: once rule 5 turned running ahead off (an edit through
     ``.data`` at the third step), nothing needs watching: from the next backward on, the NVMe
     chunks' host gradients are plain tensors again; bitwise throughout."""
-    kinds: list[set[type]] = []
+    seen, record = grad_types()
 
     def edit_from_third(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        kinds.append({type(p.grad) for p in model.parameters() if p.grad is not None})
+        record(model, optimizer, step)
         grad_data_from_third(model, optimizer, step)
 
     stats = run_both(tmp_path, 5, edit_from_third, ON_HOST)
     assert stats["speculative_steps_discarded"] > 0
-    under_tiermem = kinds[5:]  # plain PyTorch's run came first
+    under_tiermem = seen[5:]  # plain PyTorch's run came first
     assert all(HostGradient in seen for seen in under_tiermem[:3])  # up to the step that edited
     assert under_tiermem[3:] == [{torch.Tensor}, {torch.Tensor}]
 
@@ -163,13 +166,9 @@ def test_once_a_loop_edits_between_backward_and_step_its_host_gradients_are_plai
 def test_nvme_homes_expose_their_host_gradients_as_host_gradients(tmp_path):
     """NOTE [ Host gradients ] rule 1: on the CPU device, an NVMe-homed chunk's gradient waiting on
     the host is a HostGradient, whose every write (``.data`` included) the runtime sees."""
-    kinds: set[type] = set()
-
-    def grad_types(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> None:
-        kinds.update(type(p.grad) for p in model.parameters() if p.grad is not None)
-
-    run_both(tmp_path, 2, grad_types, ON_HOST)
-    assert HostGradient in kinds
+    seen, record = grad_types()
+    run_both(tmp_path, 2, record, ON_HOST)
+    assert HostGradient in set().union(*seen[2:])  # tiermem's run
 
 
 def clip(model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Any:
