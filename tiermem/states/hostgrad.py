@@ -359,8 +359,8 @@ def _run_on_host(
     out = func(*unwrapped[0], **unwrapped[1])
 
     def swap(result: Any) -> Any:
-        if not isinstance(result, torch.Tensor):
-            return result
+        if not isinstance(result, torch.Tensor) or result.layout is not torch.strided:
+            return result  # not a tensor over bytes (a sparse result has no storage to ask)
         if id(result) in hosts:
             return hosts[id(result)]
         over = storages.get(result.untyped_storage().data_ptr())
