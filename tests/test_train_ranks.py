@@ -39,7 +39,8 @@ def _environment(tmp_path: Path) -> dict[str, str]:
 
 def _torchrun(tmp_path: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    command += ["-m", "tiermem", "train", *args]
+    # its log folder in the test's own, where torchrun would leave a /tmp/torchelastic_* behind
+    command += ["--log-dir", str(tmp_path / "torchrun-logs"), "-m", "tiermem", "train", *args]
     return subprocess.run(
         command, capture_output=True, text=True, timeout=timeout, env=_environment(tmp_path), cwd=tmp_path
     )
