@@ -83,7 +83,7 @@ def _measure(model: nn.Module, *, streamed: bool) -> tuple[Any, ...]:
         return run()
 
 
-def _assert_measured_as_plain(model: nn.Module, got: tuple[Any, ...], plain: tuple[Any, ...]) -> None:
+def assert_measured_as_plain(model: nn.Module, got: tuple[Any, ...], plain: tuple[Any, ...]) -> None:
     """A streamed pass's bytes per block and outside them, its parameters, order, modules, shared
     parameters and first blocks are the plain pass's; it leaves no gradient behind."""
     for mine, want in zip((*got[0], got[1]), (*plain[0], plain[1]), strict=True):
@@ -126,7 +126,7 @@ def test_streamed_backward_stops_at_the_cut_and_estimates_the_blocks_before_it()
         assert block.forward_s > 0
         assert block.backward_s == pytest.approx(block.forward_s * ratio)
         assert block.transient_bytes >= min(b.transient_bytes for b in measured)
-    _assert_measured_as_plain(model, (blocks, outside, *rest), plain)
+    assert_measured_as_plain(model, (blocks, outside, *rest), plain)
 
 
 def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran():
@@ -149,7 +149,7 @@ def test_streamed_forward_skips_the_blocks_before_the_cut_whose_first_twin_ran()
         assert block.forward_s == pytest.approx(twin_forward)
         assert block.transient_bytes >= min(b.transient_bytes for b in blocks[4:])
     assert outside.forward_s > 0  # the pass's forward counts the skipped blocks' stand-in seconds
-    _assert_measured_as_plain(model, (blocks, outside, *rest), plain)
+    assert_measured_as_plain(model, (blocks, outside, *rest), plain)
 
 
 @pytest.mark.parametrize("streamed", [True, False])
