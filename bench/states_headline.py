@@ -3,9 +3,10 @@
 Issue 20 item 4: a GPT whose fp32 AdamW training state is >= 2.5x this machine's RAM (check
 free disk first and say what is needed), once with the loop declared and once plain. Targets:
 peak RSS <= 0.25x RAM for the whole process (``ru_maxrss``, build included), and median step
-time <= 1.25x the step's floor, the floor being max(disk time = the NVMe bytes moved per step /
-``tiermem bench io``'s bandwidth on the same path in the same run, compute time = plain PyTorch's
-forward+backward+step time per parameter on a model that fits x the parameters).
+time <= 1.25x the step's floor declared, 1.35x plain (issue 33), the floor being max(disk time =
+the NVMe bytes moved per step / ``tiermem bench io``'s bandwidth on the same path in the same
+run, compute time = plain PyTorch's forward+backward+step time per parameter on a model that
+fits x the parameters).
 
 The model is built inside ``rt.init()`` (file-backed pages, NOTE [ Materialising under
 rt.init() ]), every chunk's home (fp32 master + AdamW states) on NVMe:
@@ -53,6 +54,8 @@ import time
 from typing import Any
 
 STATE_BYTES = 16  # fp32 parameter, gradient, AdamW exp_avg and exp_avg_sq
+STEP_GOALS = {"declared": 1.25, "plain": 1.35}
+"""Median step over the floor, per loop (issue 20 item 4; the plain loop's from issue 33)."""
 
 
 def _status_kib(field: str) -> int:
@@ -196,13 +199,18 @@ def main() -> int:
     with torch.device("meta"):  # counted without memory
         n = GPT(config).num_parameters()
     state = n * STATE_BYTES
+    try:  # before the folder is made: a bad size leaves nothing behind
+        host_capacity = parse_size(args.host)
+        nvme_given = parse_size(args.nvme_capacity) if args.nvme_capacity else None
+    except ValueError as exc:
+        print(f"states_headline: {exc}", file=sys.stderr)
+        return 2
     own_dir = args.path is None
     path = args.path or tempfile.mkdtemp(prefix="tiermem-headline-")
     free = shutil.disk_usage(path).free
     nvme_need = n * 16 + (256 << 20)  # homes 12 B + (the build while managed, or stored gradients) 4 B
     # the plain loop steps ahead into a copy of each home, freed at optimizer.step(): 12 B more
     nvme_room = n * 28 + (256 << 20)
-    host_capacity = parse_size(args.host)
     fused = not args.no_fused
     facts = {
         "cpu": platform.processor() or platform.machine(),
@@ -217,9 +225,7 @@ def main() -> int:
         "nvme_path": path,
         "nvme_free_bytes": free,
         "nvme_needed_bytes": nvme_need,
-        "nvme_capacity": (
-            parse_size(args.nvme_capacity) if args.nvme_capacity else min(nvme_room, max(nvme_need, free - (1 << 30)))
-        ),
+        "nvme_capacity": nvme_given if nvme_given is not None else min(nvme_room, max(nvme_need, free - (1 << 30))),
         "host_capacity": host_capacity,
         "loop": args.loop,
         "adamw_fused": fused,
@@ -236,8 +242,18 @@ def main() -> int:
         f"tier gets {format_size(facts['nvme_capacity'])} (up to 28 B/param: the plain loop's steps ahead write a "
         "copy of each home, NOTE [ Speculative steps ])"
     )
+    refused = None
     if free < nvme_need:
-        print(f"not enough disk: need {format_size(nvme_need)} at {path}, {format_size(free)} free", file=sys.stderr)
+        refused = f"not enough disk: need {format_size(nvme_need)} at {path}, {format_size(free)} free"
+    elif not nvme_need <= facts["nvme_capacity"] <= free:
+        refused = (
+            f"--nvme-capacity {args.nvme_capacity}: the NVMe tier needs at least {format_size(nvme_need)} (the homes "
+            f"and the build or the stored gradients) and at most the {format_size(free)} free at {path}"
+        )
+    if refused is not None:
+        if own_dir:
+            shutil.rmtree(path, ignore_errors=True)
+        print(refused, file=sys.stderr)
         return 1
     result: dict[str, Any] = {"machine": facts}
     try:
@@ -388,7 +404,7 @@ def report(result: dict[str, Any], ram: int, state: int, n: int, say: Any) -> No
     say(
         f"median step {result['median_step_s']:.1f}s; floor {floor:.1f}s (disk {disk_s:.1f}s for "
         f"{format_size(read)} read + {format_size(written)} written; compute {compute_s:.1f}s): "
-        f"{result['median_step_s'] / floor:.2f}x the floor (target <= 1.25x)"
+        f"{result['median_step_s'] / floor:.2f}x the floor (target <= {STEP_GOALS[result['machine']['loop']]}x)"
     )
     say(
         f"NVMe per step: read {format_size(read)} ({read / minimum_read:.2f}x the plan's minimum), written "
