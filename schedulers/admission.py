@@ -2,7 +2,7 @@
 record, which tier executes it, and the per-tier bounds that admit its blocks.
 
 NOTE [ Scheduling rules ] (in :mod:`tiermem.schedulers.asyncio_scheduler`) rules 3-5 and 7
-are decided here, by :class:`TierLimits`; the loop, the queues and rules 1, 2 and 6 stay with
+are decided here, by :class:`TierLimits`; the loop, the queues and rules 1, 2, 6 and 8 stay with
 the scheduler. Everything here is touched only on the scheduler's loop thread.
 """
 

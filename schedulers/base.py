@@ -221,10 +221,15 @@ class Scheduler(Protocol):
         dst_offset: int = 0,
         priority: Priority = Priority.PREFETCH,
         label: str = "",
+        after: Future[None] | None = None,
     ) -> Transfer:
         """Queue a move of ``nbytes`` (default: ``src.nbytes - src_offset``) from ``src`` at
         ``src_offset`` to ``dst`` at ``dst_offset`` and return its handle without blocking.
         ``label`` says what the bytes are, for the timeline trace only (``Transfer.label``).
+        ``after``: the move waits, unissued, until this future is done (its outcome aside):
+        the work that writes the source runs on another thread (a chunk step), and the move
+        starts as it ends rather than when the submitting thread next looks (NOTE [ Scheduling
+        rules ] rule 8). It can be cancelled and promoted while it waits.
 
         Promises: out-of-bounds ranges and a move between two storage tiers raise at once
         (internal errors); a closed scheduler raises :class:`~tiermem.errors.RuntimeClosedError`.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -301,3 +302,64 @@ def test_asyncio_scheduler_implements_the_scheduler_protocol(make_scheduler):
     assert not scheduler.closed
     scheduler.close()
     assert scheduler.closed
+
+
+def test_a_move_after_a_future_waits_unissued_until_it_is_done(device, make_scheduler, gated):
+    """Rule 8: held while the future is pending (counted, issued nothing), queued once it is done
+    (an error of the work counts as done), and its bytes arrive intact."""
+    storage = gated(queue_depth=4, gated=False)
+    scheduler = make_scheduler()
+    for outcome in ("result", "error"):
+        work: Future[None] = Future()
+        src = filled(device, 3 * BLOCK + 7, seed=5)
+        dst = storage.allocate(src.nbytes)
+        transfer = scheduler.submit(src, dst, priority=Priority.WRITEBACK, after=work)
+        time.sleep(0.1)  # time enough for the loop to issue it, were it queued
+        assert not transfer.done() and storage.log == []
+        assert scheduler.statistics().submitted >= 1
+        threading.Thread(
+            target=work.set_result if outcome == "result" else work.set_exception,
+            args=(None,) if outcome == "result" else (ValueError("the step failed"),),
+        ).start()
+        transfer.wait(timeout=10)
+        assert [op for op, *_ in storage.log] == ["write"] * 4
+        back = device.allocate(src.nbytes)
+        scheduler.submit(dst, back, priority=Priority.DEMAND).wait(timeout=10)
+        assert torch.equal(src.view(), back.view())
+        storage.log.clear()
+    done: Future[None] = Future()
+    done.set_result(None)  # already done: queued at once
+    src = filled(device, BLOCK)
+    scheduler.submit(src, storage.allocate(BLOCK), after=done).wait(timeout=10)
+
+
+def test_a_held_move_can_be_promoted_cancelled_and_closed(device, gated):
+    """Rule 8: a held move keeps a promotion for when it queues; cancelled while held it ends
+    cancelled and never issues, even once the future is done; close() cancels held moves."""
+    storage = gated(queue_depth=1, gated=False)
+    scheduler = AsyncioScheduler(loop="asyncio", block_size=BLOCK)
+    try:
+        work: Future[None] = Future()
+        held = scheduler.submit(filled(device, BLOCK), storage.allocate(BLOCK), priority=Priority.WRITEBACK, after=work)
+        held.promote(Priority.DEMAND)
+        time.sleep(0.05)
+        assert held.priority == Priority.DEMAND and not held.done()
+        work.set_result(None)
+        held.wait(timeout=10)
+        cancelled_work: Future[None] = Future()
+        cancelled = scheduler.submit(filled(device, BLOCK), storage.allocate(BLOCK), after=cancelled_work)
+        cancelled.cancel()
+        with pytest.raises(TransferCancelledError):
+            cancelled.wait(timeout=10)
+        cancelled_work.set_result(None)
+        time.sleep(0.05)
+        assert len(storage.log) == 1  # only the promoted move's block
+        pending: Future[None] = Future()
+        at_close = scheduler.submit(filled(device, BLOCK), storage.allocate(BLOCK), after=pending)
+    finally:
+        scheduler.close()
+    assert at_close.done()
+    with pytest.raises(TransferCancelledError):
+        at_close.wait()
+    pending.set_result(None)  # the loop is gone: releasing the held move changes nothing
+    assert len(storage.log) == 1

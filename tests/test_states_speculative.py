@@ -17,6 +17,7 @@ import tiermem
 from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_model, param_groups, state_bytes
 from tests.test_states_declared import step_loop
 from tiermem.states.hostgrad import HostGradient
+from tiermem.states.speculation import Shadows
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -101,6 +102,18 @@ def test_an_nvme_tier_short_of_room_for_every_copy_runs_the_last_chunks_ahead(tm
     short = run_both(tmp_path, 4, None, nvme=int(state_bytes("adamw", make_model()) * 1.4))
     assert 0 < short["speculative_steps_kept"] < roomy["speculative_steps_kept"]
     assert short["speculative_steps_discarded"] == 0
+
+
+def test_a_stored_gradient_short_of_nvme_room_takes_the_copies_room_back(tmp_path, monkeypatch, caplog):
+    """Rule 2: copies counted by free bytes can still leave no extent for a gradient (the tier's
+    free bytes in pieces); copies made beyond the room here stand in for that. The gradient's
+    write-back takes their room back (they are discarded, their chunks step at
+    ``optimizer.step()``), where it raised StatesMemoryError, and the loop stays bitwise."""
+    monkeypatch.setattr(Shadows, "fitting_on_nvme", lambda self, chunks: list(chunks))
+    with caplog.at_level(logging.INFO, logger="tiermem.states"):
+        stats = run_both(tmp_path, 4, None, nvme=int(state_bytes("adamw", make_model()) * 1.4))
+    assert stats["speculative_steps_discarded"] > 0
+    assert "no room for a stored gradient beside the steps run ahead" in caplog.text
 
 
 def test_the_next_copy_of_a_home_is_read_while_a_step_ahead_computes(tmp_path, monkeypatch):

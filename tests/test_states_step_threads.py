@@ -6,6 +6,7 @@ checked."""
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -200,3 +201,89 @@ def test_auto_steps_fused_host_homes_inline(tmp_path, step_thread, monkeypatch, 
     threads = {s["thread"].startswith("tiermem-step") for s in seen}
     assert threads == {on_step_thread}
     assert_bitwise(got, want)
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward runs ``during(...)`` first: a long module backward with no hook in it."""
+
+    during: Any = None
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _SlowBackward.during is not None:
+            _SlowBackward.during()
+        return grad
+
+
+class TwoStages(nn.Module):
+    """``head`` steps first in backward; ``body``'s backward is one long call (``_SlowBackward``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(_SlowBackward.apply(self.body(x)))
+
+
+def test_a_stepped_home_is_written_back_as_its_compute_ends(tmp_path, monkeypatch):
+    """Rule 7: the write-back of a home stepped on the step thread starts when the compute ends,
+    not at the next hook. The head's step computes for 0.3 s; the body's backward (one call, no
+    hook inside, entered while that step still computes) waits up to 5 s for the head's home to
+    land on NVMe. Submitted at the finish (the next hook: after the body), it never would."""
+    monkeypatch.setenv(ENV_VAR, "on")
+    compute = ChunkStep.compute
+
+    def slow(self: ChunkStep) -> None:
+        time.sleep(0.3)
+        compute(self)
+
+    monkeypatch.setattr(ChunkStep, "compute", slow)
+    torch.manual_seed(0)
+    plain = TwoStages()
+    model = TwoStages()
+    model.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    plain_optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    with tiermem.Runtime(config(tmp_path, 256 << 10)) as rt:
+        model, optimizer = rt.manage(
+            model,
+            torch.optim.AdamW(model.parameters(), lr=1e-2),
+            plan={"state_home": "nvme", "persistent_chunks": 0, "chunk_size": 17 << 10},
+            grad_accumulation_steps=1,
+            keep_gradients=False,
+        )
+        states = managed(rt)
+        chunks = states.store.chunks
+        names = states.facts.param_names
+        head = next(c for c in chunks if any(n.startswith("head.") for n in names([s.index for s in c.layout.slots])))
+        assert not any(n.startswith("body.") for n in names([s.index for s in head.layout.slots]))
+        landed: list[bool] = []
+
+        def watch() -> None:
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if head.index in states.stepper._stepped and head.home.tier == "nvme":
+                    landed.append(head.home.state is ObjectState.RESIDENT)
+                    return
+                time.sleep(0.01)
+            landed.append(False)
+
+        try:
+            for step in range(3):
+                for m, opt in ((plain, plain_optimizer), (model, optimizer)):
+                    _SlowBackward.during = watch if m is model and step == 2 else None
+                    loss = m(x).pow(2).mean()
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+        finally:
+            _SlowBackward.during = None
+        assert states.early_chunk_steps > 0
+    assert landed == [True]
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+    assert list(tmp_path.iterdir()) == []

@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 import itertools
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -180,12 +181,16 @@ class Handle:
         return self.obj.home.reserved
 
     def move_to(
-        self, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
+        self,
+        tier: str,
+        priority: Priority = Priority.PREFETCH,
+        known: KnownBytes | None = None,
+        after: Future[None] | None = None,
     ) -> Transfer | None:
         """Start moving the object to ``tier``; None when it is already there. ``known``:
-        rule 6 of NOTE [ Managed object rules ]."""
+        rule 6 of NOTE [ Managed object rules ]; ``after``: its rule 11."""
         self._check()
-        return self.obj.registry.move(self.obj, tier, priority, known)
+        return self.obj.registry.move(self.obj, tier, priority, known, after)
 
     def wait(self) -> None:
         """Wait for the object's move to end; raise its error if it failed."""

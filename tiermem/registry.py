@@ -55,6 +55,12 @@ operations below, never a tier or the scheduler. The objects themselves are in
 10. ``fence(tier)`` orders every copy the tier starts from now on after the device work the
    calling thread has queued (TRAPS 28): for bytes a kernel wrote that a later submit,
    perhaps from another thread, reads.
+11. A move may wait for a future (``Handle.move_to(..., after=)``: a chunk step computing on
+   the step thread into the staged home it writes back). The object is MOVING from the call,
+   as for any move (its source readable, a read of it served from memory, asking it back
+   cancels the write: rules 1 and 3), and its bytes go once the future is done, whatever its
+   outcome (NOTE [ Scheduling rules ] rule 8): the caller vouches that nothing but that work
+   writes the source meanwhile, and that the future ends.
 """
 
 from __future__ import annotations
@@ -222,7 +228,12 @@ class Registry:
 
     # -- moves -------------------------------------------------------------------------------
     def move(
-        self, obj: ManagedObject, tier: str, priority: Priority = Priority.PREFETCH, known: KnownBytes | None = None
+        self,
+        obj: ManagedObject,
+        tier: str,
+        priority: Priority = Priority.PREFETCH,
+        known: KnownBytes | None = None,
+        after: Future[None] | None = None,
     ) -> Transfer | None:
         target_tier = self._tier(tier)
         with self._lock:
@@ -247,14 +258,17 @@ class Registry:
             elif obj.home.tier is target_tier:
                 return None
             else:
-                return self._start_move(obj, target_tier, priority, known)
+                return self._start_move(obj, target_tier, priority, known, after)
         # Otherwise let the current move land first, then move again.
         self.wait(obj)
-        return self.move(obj, tier, priority, known)
+        return self.move(obj, tier, priority, known, after)
 
-    def _start_move(self, obj: ManagedObject, tier: Tier, priority: Priority, known: KnownBytes | None) -> Transfer:
+    def _start_move(
+        self, obj: ManagedObject, tier: Tier, priority: Priority, known: KnownBytes | None, after: Future[None] | None
+    ) -> Transfer:
         """Under the lock. With ``known`` bytes (rule 6) two transfers run at once, the copy from
-        memory and the read of the rest; the move ends when both have."""
+        memory and the read of the rest; the move ends when both have. With ``after``, the move
+        is MOVING now and its bytes go once that future is done (rule 11)."""
         if not obj.home.tier.is_memory and not tier.is_memory:
             raise internal_error(f"{obj!r}: storage-to-storage moves go through a memory tier")
         if obj.home.tier.is_memory:
@@ -280,6 +294,7 @@ class Registry:
                 dst_offset=offset,
                 priority=priority,
                 label=obj.label,
+                after=after,
             )
         except BaseException:
             if copy is not None:  # rule 4: the target is freed only once nothing writes into it

@@ -193,13 +193,17 @@ class Gradients:
             # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)
             self.stash.land(chunk, handle.tensor("device"), slots)
             self.registry.fence("device")  # the write-back starts after the norms read the buffer
-            try:
-                handle.move_to("nvme", Priority.WRITEBACK)
-            except TierCapacityError as exc:
-                why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
-                what = f"chunk {chunk.index}'s gradients, waiting on NVMe until the step ({why}),"
-                raise StatesMemoryError.tier_full(exc, what) from exc
-            return
+            while True:
+                try:
+                    handle.move_to("nvme", Priority.WRITEBACK)
+                    return
+                except TierCapacityError as exc:
+                    # copies run ahead give their room back first (NOTE [ Speculative steps ] rule 2)
+                    if self.registry.reclaim("nvme", exc.requested):
+                        continue
+                    why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
+                    what = f"chunk {chunk.index}'s gradients, waiting on NVMe until the step ({why}),"
+                    raise StatesMemoryError.tier_full(exc, what) from exc
         try:
             handle.move_to("host", Priority.WRITEBACK)
         except TierCapacityError:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Iterator
+from concurrent.futures import Future
 
 import torch
 
@@ -188,10 +189,11 @@ class Homes:
             raise
         return copy, fills
 
-    def send_back(self, chunk: Chunk) -> None:
-        """Write a staged NVMe home back (WRITEBACK)."""
+    def send_back(self, chunk: Chunk, after: Future[None] | None = None) -> None:
+        """Write a staged NVMe home back (WRITEBACK); ``after``: once the step computing in it
+        ended (NOTE [ Step threads ] rule 7)."""
         assert chunk.home is not None
-        chunk.home.move_to("nvme", Priority.WRITEBACK)
+        chunk.home.move_to("nvme", Priority.WRITEBACK, after=after)
         self._read_cache = None
 
     @contextlib.contextmanager

@@ -23,6 +23,13 @@ chunks until the step shows they are the step it would have run.
    ``optimizer.step()``. An NVMe tier sized to the homes alone (a user's capacity set to what
    the plan needs, or the 2.5x-RAM headline GPT on a disk with room for less than twice its
    homes) thus still runs its first chunks ahead, where room for every copy was asked before.
+   That count is of free bytes, and the tier places each object in one extent: shadows written
+   among the gradients may leave the free bytes in pieces none of which holds the next gradient
+   (the 2.5x-RAM headline GPT, plain loop, NVMe tier 66 GiB: 377 MB free, no extent of 139 MB
+   for chunk 1's gradients, and the step failed). Shadows are copies, so they give their room
+   back: the Stepper registers a reclaimer on the NVMe tier (NOTE [ Managed object rules ] rule
+   7) that a stored gradient's write-back short of room calls; it discards every shadow of the
+   backward (rule 5, speculation itself staying on) and the gradient is placed again.
 3. What: chunks with NVMe homes whose gradients the runtime sees every write to: stored on NVMe
    (a :class:`~tiermem.states.stored_grads.StoredGradient`) or waiting on the host (a
    :class:`~tiermem.states.hostgrad.HostGradient`, on the CPU device too for a chunk whose home
@@ -226,6 +233,14 @@ class Shadows:
             return False
         shadow.records = records
         return True
+
+    def settle(self) -> None:
+        """Every shadow's move in flight ended (its errors aside): freed then, a shadow's NVMe
+        extent is free at once rather than once its cancelled write-back ends (rule 2)."""
+        for shadow in list(self._by_index.values()):
+            with contextlib.suppress(Exception):
+                shadow.wait_filled()
+                shadow.handle.wait()
 
     def drop(self, chunk: Chunk) -> bool:
         """Free ``chunk``'s shadow once no copy writes it; False when it had none."""

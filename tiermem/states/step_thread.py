@@ -38,6 +38,13 @@ backward and the state I/O.
    ``bench/optimizer_step.py`` (declared loop, 8.4M parameters, 2 cores, 3 rounds, median step
    off -> on): single-tensor 0.208 -> 0.171 s (host homes), 0.277 -> 0.243 s (NVMe); foreach
    0.179 -> 0.181 s, 0.278 -> 0.236 s; fused 0.161 -> 0.179 s (host: slower), 0.249 -> 0.245 s.
+7. A staged NVMe home's write-back is submitted as its step is handed over, to start when the
+   compute ends (``Handle.move_to(..., after=)``: NOTE [ Managed object rules ] rule 11 in
+   ``registry.py``), not when rule 3's finish runs: hooks poll only between modules, and where
+   one module's backward takes longer than a step (the 2.5x-RAM headline GPT: a 133 MiB chunk
+   a module, 200-300 ms of backward each, a 25-35 ms step) the home held the host room the
+   next home's read needed for the rest of that backward. The call is still the training
+   thread's (rule 1); finishing finds the write on its way.
 """
 
 from __future__ import annotations
@@ -116,9 +123,11 @@ class StepThread:
 
     def run(
         self, chunk: int, compute: Callable[[], None], finish: Callable[[bool], None], *, inline: bool = False
-    ) -> None:
+    ) -> concurrent.futures.Future[None] | None:
         """Step ``chunk``: ``compute`` (rule 1), then ``finish(ok)`` on the training thread (rule 3),
-        now when inline (or told so: rule 2), else when the step is waited for or polled."""
+        now when inline (or told so: rule 2), else when the step is waited for or polled. The
+        compute's future when it runs on the step thread (done when the compute ends, before
+        ``finish``: rule 7); None when it ran inline."""
         self.finish_all()
         if inline or not self.threaded:
             ok = False
@@ -127,11 +136,12 @@ class StepThread:
                 ok = True
             finally:
                 finish(ok)
-            return
+            return None
         if self._executor is None:
             self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tiermem-step")
         future = self._executor.submit(_compute_with, compute, torch.get_num_threads())
         self._in_flight = (chunk, future, finish)
+        return future
 
     def wait_for(self, chunk: int) -> None:
         """Rule 4: ``chunk``'s step, if in flight, is finished when this returns."""

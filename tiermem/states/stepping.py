@@ -228,6 +228,10 @@ class Stepper:
         self.steps = steps
         #: steps of chunks too large to stage whole (NOTE [ Sliced steps ] in ``chunk_step.py``)
         self.sliced = SlicedStep(facts, store, gradients, homes, steps)
+        #: NOTE [ Speculative steps ] rule 2: shadows gave their NVMe room back to stored gradients (cumulative)
+        self.nvme_room_reclaimed = 0
+        if store.registry.has_tier("nvme"):
+            store.registry.add_reclaimer("nvme", self._reclaim_nvme)
 
     @property
     def _speculation_allowed(self) -> bool:
@@ -512,6 +516,22 @@ class Stepper:
         self._speculative = self._early = False
         self._home_wanted = None
 
+    def _reclaim_nvme(self) -> bool:
+        """NOTE [ Speculative steps ] rule 2: the NVMe tier is short for something the plan counts
+        on (a stored gradient): this backward's shadows go and their chunks step at
+        ``optimizer.step()``; speculation stays on for the next window. True when one went."""
+        if not self.shadows:
+            return False
+        self._finish_steps()  # a step computing in a shadow ends before the shadow goes
+        self.shadows.settle()
+        self._abandon_speculation()
+        self.nvme_room_reclaimed += 1
+        log.info(
+            "tiermem model states: the NVMe tier had no room for a stored gradient beside the steps run ahead; "
+            "they step at optimizer.step() in this window (NOTE [ Speculative steps ] rule 2)"
+        )
+        return True
+
     def _drop_shadow(self, chunk: Chunk) -> None:
         """``chunk``'s shadow freed; the chunk steps at ``optimizer.step()``."""
         if self.shadows.drop(chunk) and chunk.index in self._stepped:
@@ -574,6 +594,8 @@ class Stepper:
             self._run_head()  # rule 9: streamed gradients wait on the host for two chunks at most
         if went_home:
             self.gradients.flush(chunk)
+            if slots and not self._early:  # its flush took the shadows' room back (_reclaim_nvme)
+                slots = []
         if not slots:
             self._start_queued()
             if not self._early:
@@ -971,7 +993,9 @@ class Stepper:
         finish = functools.partial(self._finish_chunk_step, chunk, job, staged)
         compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
         fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
-        self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # one thread's compute at a time
+        computing = self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # one at a time
+        if staged and computing is not None:  # NOTE [ Step threads ] rule 7: written back as the compute ends
+            self.homes.send_back(chunk, after=computing)
         if traced is not None:
             traced.end()
 
