@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import shutil
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -324,6 +325,18 @@ class StateIO:
         ours = sum(store.held_bytes().get(t, 0) for t in ("device", "host")) if facts.device.type == "cpu" else 0
         capacities = sum(store.registry.tier_statistics(t).capacity for t in ("device", "host"))
         if facts.device.type == "cpu" and spill_to is not None and needed > capacities:
+            free = shutil.disk_usage(spill_to).free
+            if needed > free:  # checked before a byte is written (NOTE [ Materialising under rt.init() ] rule 7)
+                log.warning(
+                    "tiermem model states: %s of parameters exceed the memory tiers' capacities (%s) and the %s free "
+                    "under %s; the model is unusable after the Runtime closed (rt.save a checkpoint before leaving "
+                    "it, or free disk space there)",
+                    format_size(needed),
+                    format_size(capacities),
+                    format_size(free),
+                    spill_to,
+                )
+                return False
             log.info(
                 "tiermem model states: %s of parameters exceed the memory tiers' capacities (%s); they come back on "
                 "file-backed pages under %s",
