@@ -181,7 +181,7 @@ class _FileBacked(TorchFunctionMode):
         path = os.path.join(self.directory, f"init-{next(self._names)}.bin")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            _reserve(fd, path, nbytes, "init")  # rule 7
+            _reserve(fd, path, nbytes, "init")  # a full disk is an error here, not a SIGBUS later (rule 7)
             tensor = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
         finally:
             os.unlink(path)
