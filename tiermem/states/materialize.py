@@ -35,7 +35,7 @@
    to a shared mapping of a sparse file that finds the disk full kills the process with SIGBUS,
    with nothing to catch. Measured: the 2.5x-RAM headline GPT's plain loop, its NVMe tier grown
    to 66 GiB of the disk's 76, died with SIGBUS handing 14.8 GiB of parameters back at close.
-   Now a full disk is an error that names the bytes and the free space (:class:`StorageError`;
+   Now a full disk is an error that names the bytes and the free space (:class:`StorageError`, TRAPS 43;
    ``Runtime.close`` then leaves the model unusable and says why, and the restore checks the free
    space before it writes a byte).
 
