@@ -72,6 +72,8 @@ class ModelStateStatistics:
     #: copy made counts, also one later discarded
     speculative_homes_read_ahead: int = 0
     speculative_homes_read_on_demand: int = 0
+    #: backwards whose copies gave their NVMe room back to a stored gradient (rule 2 there)
+    speculative_nvme_reclaims: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -86,6 +88,7 @@ class ModelStateStatistics:
             "speculative_steps_discarded": self.speculative_steps_discarded,
             "speculative_homes_read_ahead": self.speculative_homes_read_ahead,
             "speculative_homes_read_on_demand": self.speculative_homes_read_on_demand,
+            "speculative_nvme_reclaims": self.speculative_nvme_reclaims,
         }
 
 

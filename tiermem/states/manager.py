@@ -603,6 +603,7 @@ class ModelStates:
             "speculative_steps_discarded": self.stepper.shadows.discarded,
             "speculative_homes_read_ahead": self.stepper.shadows.read_ahead,
             "speculative_homes_read_on_demand": self.stepper.shadows.read_on_demand,
+            "speculative_nvme_reclaims": self.stepper.nvme_room_reclaimed,
             "chunks": [
                 {
                     "index": c.index,

@@ -28,8 +28,11 @@ chunks until the step shows they are the step it would have run.
    (the 2.5x-RAM headline GPT, plain loop, NVMe tier 66 GiB: 377 MB free, no extent of 139 MB
    for chunk 1's gradients, and the step failed). Shadows are copies, so they give their room
    back: the Stepper registers a reclaimer on the NVMe tier (NOTE [ Managed object rules ] rule
-   7) that a stored gradient's write-back short of room calls; it discards every shadow of the
-   backward (rule 5, speculation itself staying on) and the gradient is placed again.
+   7) that a stored gradient's write-back short of room calls, on the training thread; it
+   discards every shadow of the backward (rule 5; a step in flight drops its shadow unwritten)
+   and the gradient is placed again. Later backwards run ahead one chunk fewer than had shadows
+   then (again at each reclaim, down to none), so the room is not given and taken back every
+   window; speculation itself stays on.
 3. What: chunks with NVMe homes whose gradients the runtime sees every write to: stored on NVMe
    (a :class:`~tiermem.states.stored_grads.StoredGradient`) or waiting on the host (a
    :class:`~tiermem.states.hostgrad.HostGradient`, on the CPU device too for a chunk whose home

@@ -228,8 +228,12 @@ class Stepper:
         self.steps = steps
         #: steps of chunks too large to stage whole (NOTE [ Sliced steps ] in ``chunk_step.py``)
         self.sliced = SlicedStep(facts, store, gradients, homes, steps)
-        #: NOTE [ Speculative steps ] rule 2: shadows gave their NVMe room back to stored gradients (cumulative)
+        #: NOTE [ Speculative steps ] rule 2: shadows gave their NVMe room back to stored gradients (cumulative);
+        #: while they do, a step in flight drops its shadow rather than write it; and the most chunks a
+        #: backward runs ahead from then on (None: as many as the free bytes hold copies of)
         self.nvme_room_reclaimed = 0
+        self._reclaiming = False
+        self._runs_ahead_cap: int | None = None
         if store.registry.has_tier("nvme"):
             store.registry.add_reclaimer("nvme", self._reclaim_nvme)
 
@@ -281,7 +285,10 @@ class Stepper:
         )
         if self._speculative:
             candidates = [c for c in self.store.chunks if c.trainable and self._observed(c)]
-            self._runs_ahead = frozenset(c.index for c in self.shadows.fitting_on_nvme(candidates))
+            fitting = self.shadows.fitting_on_nvme(candidates)
+            if self._runs_ahead_cap is not None:  # rule 2: fewer than took a gradient's room last time
+                fitting = fitting[len(fitting) - self._runs_ahead_cap :] if self._runs_ahead_cap else []
+            self._runs_ahead = frozenset(c.index for c in fitting)
             self._speculative = bool(self._runs_ahead)
         if self._speculative:
             self._shadow_hyperparameters = hyperparameters(self.optimizer.param_groups)
@@ -501,7 +508,7 @@ class Stepper:
         if not ok:  # its error follows
             self._abandon_speculation()
             return
-        if not self.shadows.send(shadow, job.records):
+        if self._reclaiming or not self.shadows.send(shadow, job.records):
             self._drop_shadow(chunk)
 
     def _abandon_speculation(self) -> None:
@@ -517,14 +524,21 @@ class Stepper:
         self._home_wanted = None
 
     def _reclaim_nvme(self) -> bool:
-        """NOTE [ Speculative steps ] rule 2: the NVMe tier is short for something the plan counts
-        on (a stored gradient): this backward's shadows go and their chunks step at
-        ``optimizer.step()``; speculation stays on for the next window. True when one went."""
+        """NOTE [ Speculative steps ] rule 2, on the training thread (``Gradients.flush``): the NVMe
+        tier is short for something the plan counts on (a stored gradient): this backward's shadows
+        go and their chunks step at ``optimizer.step()``; later backwards run fewer chunks ahead
+        than had shadows now. True when one went."""
         if not self.shadows:
             return False
-        self._finish_steps()  # a step computing in a shadow ends before the shadow goes
+        shadows = len(self.shadows.chunks())
+        self._reclaiming = True  # a step in flight drops its shadow rather than write it
+        try:
+            self._finish_steps()  # a step computing in a shadow ends before the shadow goes
+        finally:
+            self._reclaiming = False
         self.shadows.settle()
         self._abandon_speculation()
+        self._runs_ahead_cap = max(0, min(shadows, self._runs_ahead_cap or shadows) - 1)
         self.nvme_room_reclaimed += 1
         log.info(
             "tiermem model states: the NVMe tier had no room for a stored gradient beside the steps run ahead; "
@@ -995,7 +1009,8 @@ class Stepper:
         fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
         computing = self.steps.run(chunk.index, compute, finish, inline=not on_cpu or fused)  # one at a time
         if staged and computing is not None:  # NOTE [ Step threads ] rule 7: written back as the compute ends
-            self.homes.send_back(chunk, after=computing)
+            with contextlib.suppress(TierCapacityError):  # no extent now: the finish sends it back, as before
+                self.homes.send_back(chunk, after=computing)
         if traced is not None:
             traced.end()
 
