@@ -30,14 +30,13 @@
    (``file_backed_empty`` under the first NVMe path, pages unmapped once written), so closing
    a model larger than its capacities does not pull it into RAM (NOTE [ Model-state rules ]
    rule 1).
-
 7. Every such file has its blocks reserved (``posix_fallocate``) before it is mapped: a write
    to a shared mapping of a sparse file that finds the disk full kills the process with SIGBUS,
-   with nothing to catch. Measured: the 2.5x-RAM headline GPT's plain loop, its NVMe tier grown
-   to 66 GiB of the disk's 76, died with SIGBUS handing 14.8 GiB of parameters back at close.
-   Now a full disk is an error that names the bytes and the free space (:class:`StorageError`, TRAPS 43;
-   ``Runtime.close`` then leaves the model unusable and says why, and the restore checks the free
-   space before it writes a byte).
+   with nothing to catch (TRAPS 43). Measured: the 2.5x-RAM headline GPT's plain loop, its NVMe
+   tier grown to 66 GiB of the disk's 76, died with SIGBUS handing 14.8 GiB of parameters back
+   at close. Now a full disk is an error that names the bytes and the free space
+   (:class:`StorageError`; ``Runtime.close`` then leaves the model unusable and says why, and the
+   restore checks the free space before it writes a byte).
 
 The run directory and the filesystem check come from the runtime (``run_directory``,
 ``is_tmpfs``): this module touches no tier.
