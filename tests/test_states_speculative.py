@@ -110,7 +110,14 @@ def test_a_stored_gradient_short_of_nvme_room_takes_the_copies_room_back(tmp_pat
     write-back takes their room back (they are discarded, their chunks step at
     ``optimizer.step()``), where it raised StatesMemoryError; later windows run fewer chunks
     ahead until what runs ahead fits, and the loop stays bitwise."""
-    monkeypatch.setattr(Shadows, "fitting_on_nvme", lambda self, chunks: list(chunks))
+    counted = Shadows.fitting_on_nvme
+
+    def beyond_the_room(self: Shadows, chunks: list[Any], most: int | None = None) -> list[Any]:
+        with monkeypatch.context() as inner:  # the room counted as unbounded; the cap still holds
+            inner.setattr(type(self.store.registry), "free_bytes", lambda registry, tier: 1 << 60)
+            return counted(self, chunks, most)
+
+    monkeypatch.setattr(Shadows, "fitting_on_nvme", beyond_the_room)
     with caplog.at_level(logging.INFO, logger="tiermem.states"):
         stats = run_both(tmp_path, 6, None, nvme=int(state_bytes("adamw", make_model()) * 1.4))
     assert stats["speculative_steps_discarded"] > 0

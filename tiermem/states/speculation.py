@@ -154,18 +154,19 @@ class Shadows:
         shadow = self._by_index.get(chunk.index)
         return shadow is not None and shadow.landed()
 
-    def fitting_on_nvme(self, chunks: list[Chunk]) -> list[Chunk]:
+    def fitting_on_nvme(self, chunks: list[Chunk], most: int | None = None) -> list[Chunk]:
         """Rule 2: of ``chunks`` (in layout order), those whose shadows the NVMe tier holds beside
         every gradient the backward may store there (any trainable chunk's with ``grad_home``
         "nvme", sliced ones included; gradients on the host never go there), so a shadow never
-        takes room the plan counted on: the last ones first, which backward reaches first."""
+        takes room the plan counted on: the last ones first, which backward reaches first, and
+        ``most`` of them at most (after a reclaim)."""
         registry = self.store.registry
         stored = [c for c in self.store.chunks if c.trainable and c.grad_home == "nvme"]
         room = registry.free_bytes("nvme") - sum(registry.reserved_size("nvme", c.nbytes) for c in stored)
         fitting: list[Chunk] = []
         for chunk in reversed(chunks):
             shadow = registry.reserved_size("nvme", chunk.home_bytes)
-            if shadow > room:
+            if shadow > room or len(fitting) == most:
                 break
             room -= shadow
             fitting.append(chunk)

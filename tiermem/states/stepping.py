@@ -285,9 +285,8 @@ class Stepper:
         )
         if self._speculative:
             candidates = [c for c in self.store.chunks if c.trainable and self._observed(c)]
-            fitting = self.shadows.fitting_on_nvme(candidates)
-            if self._runs_ahead_cap is not None:  # rule 2: fewer than took a gradient's room last time
-                fitting = fitting[len(fitting) - self._runs_ahead_cap :] if self._runs_ahead_cap else []
+            # rule 2: after a reclaim, fewer than the shadows that took a gradient's room then
+            fitting = self.shadows.fitting_on_nvme(candidates, most=self._runs_ahead_cap)
             self._runs_ahead = frozenset(c.index for c in fitting)
             self._speculative = bool(self._runs_ahead)
         if self._speculative:
@@ -538,7 +537,7 @@ class Stepper:
             self._reclaiming = False
         self.shadows.settle()
         self._abandon_speculation()
-        self._runs_ahead_cap = max(0, min(shadows, self._runs_ahead_cap or shadows) - 1)
+        self._runs_ahead_cap = shadows - 1  # they were at most the last cap, so it only falls
         self.nvme_room_reclaimed += 1
         log.info(
             "tiermem model states: the NVMe tier had no room for a stored gradient beside the steps run ahead; "
