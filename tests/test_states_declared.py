@@ -548,9 +548,9 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     found: list[bool] = []  # at each of their steps: was the home off NVMe already?
     prefetch, progress, stage = Stepper._prefetch_home, Stepper.backward_progress, Homes.stage
 
-    def counted_prefetch(self, chunk):
+    def counted_prefetch(self, chunk, **kwargs):
         before = chunk.home.state, chunk.home.tier
-        started = prefetch(self, chunk)
+        started = prefetch(self, chunk, **kwargs)
         if (chunk.home.state, chunk.home.tier) != before:
             room.append(self._homes_off_nvme()[1])
         return started
@@ -581,6 +581,54 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     assert stepper.homes_read_when_room_freed > 0, "no home was read once the room freed"
     assert found and all(found), "a home read once the room freed was still on NVMe when its step staged it"
     assert room and max(room) <= STAGED_HOMES
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path, monkeypatch):
+    """NOTE [ Tied homes read ahead ] rule 2: the chunk of the tied embedding steps after the whole
+    backward. Once a window taught the order, its home is read as soon as every chunk that stepped
+    before it has stepped, not first by its own step: each time it steps, its home is off NVMe
+    already, and it was read after all the other chunks' steps. The room (STAGED_HOMES homes) and the
+    host tier hold, and training stays bitwise."""
+    from tiermem.layout.placement import STAGED_HOMES
+    from tiermem.states.homes import Homes
+    from tiermem.states.stepping import Stepper
+
+    reads: list[tuple[set[int], int]] = []  # per tied read ahead: chunks stepped then, homes off NVMe
+    found: list[bool] = []  # at each tied step after a read ahead: was its home off NVMe already?
+    prefetch, stage = Stepper._prefetch_home, Homes.stage
+
+    def counted_prefetch(self, chunk, *, tied=False):
+        before = chunk.home.state
+        started = prefetch(self, chunk, tied=tied)
+        if tied and chunk.home.state is not before:
+            reads.append((set(self._stepped), self._homes_off_nvme()[1]))
+        return started
+
+    def counted_stage(self, chunk, known=None):
+        if chunk.index == tied_index and reads:
+            found.append(chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme")
+        stage(self, chunk, known)
+
+    monkeypatch.setattr(Stepper, "_prefetch_home", counted_prefetch)
+    monkeypatch.setattr(Homes, "stage", counted_stage)
+    steps = 5
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
+        states = managed(rt)
+        tied_index = states.chunk_of(model.wte.weight).index
+        got = plain_loop(model, optimizer, steps, 1, None)
+        others = {c.index for c in states.chunks if c.index != tied_index and c.trainable}
+        stats = rt.stats().as_dict()
+        assert stats["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+    assert stats["model_states"]["tied_homes_read_ahead"] == len(reads) >= steps - 2  # each window once taught
+    assert all(others <= stepped and off <= STAGED_HOMES for stepped, off in reads)
+    assert found and all(found), "the tied chunk's step read its own home"
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 

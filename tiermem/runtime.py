@@ -818,6 +818,7 @@ class Runtime:
             speculative_homes_read_ahead=sum(d.get("speculative_homes_read_ahead", 0) for d in managed),
             speculative_homes_read_on_demand=sum(d.get("speculative_homes_read_on_demand", 0) for d in managed),
             speculative_nvme_reclaims=sum(d.get("speculative_nvme_reclaims", 0) for d in managed),
+            tied_homes_read_ahead=sum(d.get("tied_homes_read_ahead", 0) for d in managed),
         )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},

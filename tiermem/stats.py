@@ -74,6 +74,9 @@ class ModelStateStatistics:
     speculative_homes_read_on_demand: int = 0
     #: backwards whose copies gave their NVMe room back to a stored gradient (rule 2 there)
     speculative_nvme_reclaims: int = 0
+    #: a declared loop's homes of tied weights read once they were the next to step early (NOTE
+    #: [ Tied homes read ahead ] in ``tiermem.states.step_order``)
+    tied_homes_read_ahead: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +92,7 @@ class ModelStateStatistics:
             "speculative_homes_read_ahead": self.speculative_homes_read_ahead,
             "speculative_homes_read_on_demand": self.speculative_homes_read_on_demand,
             "speculative_nvme_reclaims": self.speculative_nvme_reclaims,
+            "tied_homes_read_ahead": self.tied_homes_read_ahead,
         }
 
 

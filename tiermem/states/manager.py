@@ -604,6 +604,7 @@ class ModelStates:
             "speculative_homes_read_ahead": self.stepper.shadows.read_ahead,
             "speculative_homes_read_on_demand": self.stepper.shadows.read_on_demand,
             "speculative_nvme_reclaims": self.stepper.nvme_room_reclaimed,
+            "tied_homes_read_ahead": self.stepper.tied_homes_read_ahead,
             "chunks": [
                 {
                     "index": c.index,

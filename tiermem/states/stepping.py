@@ -142,6 +142,7 @@ from tiermem.states.hostgrad import GradientWrites
 from tiermem.states.optimizer import ManagedOptimizer
 from tiermem.states.speculation import Shadow, Shadows, hyperparameters, same_hyperparameters
 from tiermem.states.stateio import SaveGuard
+from tiermem.states.step_order import StepOrder
 from tiermem.states.step_thread import StepThread
 from tiermem.states.store import ChunkStore
 
@@ -234,6 +235,11 @@ class Stepper:
         self.nvme_room_reclaimed = 0
         self._reclaiming = False
         self._runs_ahead_cap: int | None = None
+        #: NOTE [ Tied homes read ahead ] (``step_order.py``): the last window's order of early steps,
+        #: and the homes of tied chunks read by it once they are the next to step (cumulative)
+        self.order = StepOrder()
+        self._tied_ahead: list[tuple[Chunk, frozenset[int]]] = []
+        self.tied_homes_read_ahead = 0
         if store.registry.has_tier("nvme"):
             store.registry.add_reclaimer("nvme", self._reclaim_nvme)
 
@@ -301,6 +307,13 @@ class Stepper:
             and (not self.relayout.pending or not declared.keep_gradients)  # see step()
             and not self._partial_end
         )
+        self.order.backward_began()
+        # NOTE [ Tied homes read ahead ] rule 2: tied chunks and the chunks that stepped before them
+        self._tied_ahead = []
+        if self._early and not self._speculative:
+            for index in self.order.last:
+                if self.facts.tied(self.store.chunks[index].layout):
+                    self._tied_ahead.append((self.store.chunks[index], self.order.stepped_before(index)))
 
     def backward_entered(self, chunk: Chunk) -> None:
         """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan keeps
@@ -331,6 +344,7 @@ class Stepper:
         of waits a step, 0.05-0.17 s from every hook)."""
         if self._queued and self._speculative:
             self._start_queued()
+        self._read_tied_ahead()
         chunk = self._home_wanted
         if chunk is None:
             return
@@ -344,6 +358,23 @@ class Stepper:
         if self._prefetch_home(chunk):
             self._home_wanted = None
             self.homes_read_when_room_freed += 1
+
+    def _read_tied_ahead(self) -> None:
+        """NOTE [ Tied homes read ahead ] rule 2: the home of a chunk of tied weights, once every
+        chunk that stepped before it in the last window's order has stepped in this backward."""
+        if not self._early or self._queued:
+            return  # rule 9 reads the queue's head first
+        for entry in list(self._tied_ahead):
+            chunk, before = entry
+            home = chunk.home
+            if chunk.index in self._stepped or home is None or home.tier != "nvme":
+                self._tied_ahead.remove(entry)  # stepped, or its home is staged already
+                continue
+            if home.state is not ObjectState.RESIDENT or not before <= self._stepped:
+                continue  # on its way (its step's read), or a chunk before it still to step
+            if self._prefetch_home(chunk, tied=True) and home.state is ObjectState.MOVING:
+                self.tied_homes_read_ahead += 1
+                self._tied_ahead.remove(entry)
 
     def _stage_for_step(self, chunk: Chunk) -> None:
         """Rule 10: a backward that steps nothing early stages the NVMe home of ``chunk``, one of
@@ -387,17 +418,18 @@ class Stepper:
             first.append(c.index)
         return first
 
-    def _prefetch_home(self, chunk: Chunk) -> bool:
+    def _prefetch_home(self, chunk: Chunk, *, tied: bool = False) -> bool:
         """Rule 3: read ``chunk``'s NVMe home to the host ahead of its step, while no other home
         waits for its step and there is room. False when it could be read but there is no room
-        now (the last homes' write-backs still hold it)."""
+        now (the last homes' write-backs still hold it). ``tied``: a chunk of tied weights is read
+        too (NOTE [ Tied homes read ahead ] rule 2: it is the next to step)."""
         if chunk.home is None or chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme":
             return True
         if chunk.slice_span is not None:
             return True  # NOTE [ Sliced steps ] (``chunk_step.py``): never staged whole
         if chunk.dirty:
             return True  # its home is older than its device copy: it steps at optimizer.step()
-        if self.facts.tied(chunk.layout):
+        if self.facts.tied(chunk.layout) and not tied:
             return True  # tied weights step after the whole backward
         if chunk.index in self.shadows or (self._speculative and not self._speculates(chunk)):
             return True  # copied already, or it steps at optimizer.step()
@@ -619,6 +651,7 @@ class Stepper:
             self.speculative_chunk_steps += 1
         else:
             self.early_chunk_steps += 1
+            self.order.stepped(chunk.index)
         if went_home and (self._queued or self.steps.busy or not self._ready(chunk)):
             self._queued.append((chunk, slots, group_of))  # backward never waits on a home read
             self._start_queued()
@@ -697,6 +730,8 @@ class Stepper:
             raise
         finally:
             self._drop_unstepped_shadows()
+        # NOTE [ Tied homes read ahead ] rule 1: the order of the early steps this backward ran
+        self.order.backward_ended(complete and self._early and not self._speculative)
         for index in sorted(self._stepped):
             chunk = self.store.chunks[index]
             if chunk.pins == 0:
@@ -808,6 +843,7 @@ class Stepper:
             # parameters hold no gradient now, so the new chunks step exactly the others.
             with tracing.traced("re-pack", "repack"):
                 self.relayout.run()
+            self.order.forget()  # NOTE [ Tied homes read ahead ] rule 1: the chunks are renumbered
             stepped = set()
         self.store.pool.release_all()
         if self.shadows:  # NOTE [ Speculative steps ] rule 4: no fetch reads an old home any more
