@@ -485,6 +485,55 @@ def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, 
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+def test_a_home_written_back_before_its_step_finished_leaves_its_block_to_the_next(tmp_path, monkeypatch):
+    """NOTE [ Step threads ] rule 7 with NOTE [ Spare tier blocks ] rule 3: a staged home's write-back
+    starts as its step's compute ends and may land before the training thread finishes that step
+    (here always: each finish waits for it first). The step's views into the home end with its
+    compute, so the host keeps the home's block and the next home takes it; with the views held
+    until the finish, every home's block was let go and made afresh (1.3 GiB of fresh pages a step
+    on the 210M HF GPT-2 of bench/hf_states.py). Training stays bitwise."""
+    from tiermem.states.stepping import Stepper
+    from tiermem.tiers.memory import MemoryTier
+
+    served: list[tuple[int, bool]] = []  # host blocks asked for: (bytes, a kept one served it)
+    take, finish = MemoryTier._take_spare, Stepper._finish_chunk_step
+
+    def recorded(self, reserved):
+        block = take(self, reserved)
+        if self.name == "host":
+            served.append((reserved, block is not None))
+        return block
+
+    def landed_first(self, chunk, job, staged, ok):
+        if staged:
+            chunk.home.wait()  # its write-back, handed to the scheduler with the step, landed
+        finish(self, chunk, job, staged, ok)
+
+    monkeypatch.setattr(MemoryTier, "_take_spare", recorded)
+    monkeypatch.setattr(Stepper, "_finish_chunk_step", landed_first)
+
+    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        # counted from the second step: the first profiles, plans and re-packs
+        return step_loop(model, optimizer, 3, lambda step: served.clear() if step == 1 else None)
+
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme"})
+        got = train(model, optimizer)
+        states = managed(rt)
+        assert states.stepper.steps.threaded, "the steps computed inline: nothing to test"
+        room = rt.registry.reserved_size("host", states.store.staged_home_room)
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
+    homes = [kept for n, kept in served if n == room]
+    assert len(homes) >= 4, served
+    assert sum(homes) > len(homes) / 2, homes  # mostly kept blocks: each home leaves its block to the next
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 def _slow_nvme_writes(monkeypatch: pytest.MonkeyPatch, delay: float = 0.02) -> None:
     """Every NVMe write lands ``delay`` late, so a home's write-back is still in flight when the
     next chunk's backward begins (on a fast disk it may land first: nothing to test)."""
