@@ -8,17 +8,18 @@ the room and rules of NOTE [ Declared steps ] rule 3.
 # NOTE [ Tied homes read ahead ]
 1. What is learned: the chunks a complete backward of a declared loop stepped early (NOTE
    [ Declared steps ] rule 3), in the order they stepped. The next window's backward runs the same
-   modules, so its chunks step in the same order. A re-pack renumbers the chunks, and the order is
-   forgotten. Exactness never depends on it: a wrong guess only reads a home early, which then
-   waits on the host for its step, and ``optimizer.step()`` sends back any that did not step.
+   modules, so its chunks step in the same order. A re-pack (at a step, or for a new declaration)
+   renumbers the chunks: the order holds only for the chunk list it was learned on. Exactness never
+   depends on it: a wrong guess only reads a home early, which then waits on the host for its step;
+   the end of backward sends back any that did not step.
 2. A chunk holding tied weights steps after the whole backward, since its other owner's gradient
    comes last. Its backward begins at backward's first module (an LM head), so it is never staged
    as its backward begins, which would hold the room through all of backward. Its home was read on
    demand once its gradients were complete: on the 0.15x-RAM headline GPT it waited 43 ms a step,
    then its write-back. Now its home is read as soon as every chunk that stepped before it in the
-   last window has stepped in this one, and the room allows (``backward_progress``, from every hook
-   of backward). There, that is the last block's step, and the step of the tied chunk no longer
-   waits.
+   last window has stepped in this one, no other chunk whose backward began waits for its step,
+   and the room allows (``backward_progress``, from every hook of backward). There, that is the last
+   block's step, and the step of the tied chunk no longer waits.
 3. Tried, not kept: reading in forward the homes of the chunks that step first in backward, into
    host room the plan leaves free (the 0.15x headline holds about 0.5 of its 1.5 GiB host tier;
    backward there is disk-bound while forward leaves its disk idle for about 0.33 of 0.7 s). Whole
@@ -31,14 +32,25 @@ the room and rules of NOTE [ Declared steps ] rule 3.
 
 from __future__ import annotations
 
+from tiermem.states.chunks import Chunk
+from tiermem.states.store import ChunkStore
+
 
 class StepOrder:
     """Rule 1's order (``last``) and this backward's, as it grows."""
 
-    def __init__(self) -> None:
-        #: chunk indices in the order the last complete backward with early steps stepped them
-        self.last: tuple[int, ...] = ()
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._last: tuple[int, ...] = ()
+        #: the chunk list ``_last`` indexes (a re-pack builds a new one)
+        self._learned_on: list[Chunk] | None = None
         self._now: list[int] = []
+
+    @property
+    def last(self) -> tuple[int, ...]:
+        """Chunk indices in the order the last complete backward with early steps stepped them, of
+        the chunks as they are now (empty after a re-pack)."""
+        return self._last if self._learned_on is self.store.chunks else ()
 
     def backward_began(self) -> None:
         self._now = []
@@ -49,12 +61,7 @@ class StepOrder:
     def backward_ended(self, learn: bool) -> None:
         """Rule 1: a complete backward that stepped early teaches the next window its order."""
         if learn and self._now:
-            self.last = tuple(self._now)
-        self._now = []
-
-    def forget(self) -> None:
-        """Rule 1: the chunks were re-packed, so the indices name other chunks now."""
-        self.last = ()
+            self._last, self._learned_on = tuple(self._now), self.store.chunks
         self._now = []
 
     def stepped_before(self, index: int) -> frozenset[int]:

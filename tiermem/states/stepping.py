@@ -237,8 +237,9 @@ class Stepper:
         self._runs_ahead_cap: int | None = None
         #: NOTE [ Tied homes read ahead ] (``step_order.py``): the last window's order of early steps,
         #: and the homes of tied chunks read by it once they are the next to step (cumulative)
-        self.order = StepOrder()
+        self.order = StepOrder(store)
         self._tied_ahead: list[tuple[Chunk, frozenset[int]]] = []
+        self._tied_read: list[Chunk] = []
         self.tied_homes_read_ahead = 0
         if store.registry.has_tier("nvme"):
             store.registry.add_reclaimer("nvme", self._reclaim_nvme)
@@ -309,11 +310,12 @@ class Stepper:
         )
         self.order.backward_began()
         # NOTE [ Tied homes read ahead ] rule 2: tied chunks and the chunks that stepped before them
-        self._tied_ahead = []
+        self._tied_ahead, self._tied_read = [], []
         if self._early and not self._speculative:
             for index in self.order.last:
-                if self.facts.tied(self.store.chunks[index].layout):
-                    self._tied_ahead.append((self.store.chunks[index], self.order.stepped_before(index)))
+                chunk = self.store.chunks[index]
+                if self.facts.tied(chunk.layout) and self._stages_early(chunk):
+                    self._tied_ahead.append((chunk, self.order.stepped_before(index)))
 
     def backward_entered(self, chunk: Chunk) -> None:
         """A chunk's backward began: stage its NVMe home for an early step (rule 3). The plan keeps
@@ -361,9 +363,10 @@ class Stepper:
 
     def _read_tied_ahead(self) -> None:
         """NOTE [ Tied homes read ahead ] rule 2: the home of a chunk of tied weights, once every
-        chunk that stepped before it in the last window's order has stepped in this backward."""
-        if not self._early or self._queued:
-            return  # rule 9 reads the queue's head first
+        chunk that stepped before it in the last window's order has stepped in this backward, and
+        no other chunk whose backward began waits for its step (a chunk outside that order)."""
+        if not self._early or self._queued or self._home_wanted is not None:
+            return  # rule 9 reads the queue's head first; rule 3: a wish of this backward first
         for entry in list(self._tied_ahead):
             chunk, before = entry
             home = chunk.home
@@ -372,9 +375,25 @@ class Stepper:
                 continue
             if home.state is not ObjectState.RESIDENT or not before <= self._stepped:
                 continue  # on its way (its step's read), or a chunk before it still to step
+            if any(
+                c.entered and c.index not in self._stepped and not self.facts.tied(c.layout) and self._stages_early(c)
+                for c in self.store.chunks
+            ):
+                return  # an entered chunk outside the order steps first: the room is its own
             if self._prefetch_home(chunk, tied=True) and home.state is ObjectState.MOVING:
                 self.tied_homes_read_ahead += 1
                 self._tied_ahead.remove(entry)
+                self._tied_read.append(chunk)
+
+    def _stages_early(self, chunk: Chunk) -> bool:
+        """A chunk whose NVMe home an early step stages whole (rule 3)."""
+        return (
+            chunk.home_tier == "nvme"
+            and chunk.trainable
+            and not chunk.persistent
+            and not chunk.dirty
+            and chunk.slice_span is None
+        )
 
     def _stage_for_step(self, chunk: Chunk) -> None:
         """Rule 10: a backward that steps nothing early stages the NVMe home of ``chunk``, one of
@@ -704,9 +723,12 @@ class Stepper:
 
     def abandon_queued(self) -> None:
         """Rule 9: queued steps that will not run in this backward (an error ended it) no longer
-        count as stepped, so nothing steps twice; homes read for them go back."""
+        count as stepped, so nothing steps twice; homes read for them go back, and tied homes read
+        ahead of steps that did not run (NOTE [ Tied homes read ahead ] rule 1)."""
         queued, self._queued = self._queued, []
         self._home_wanted = None
+        tied, self._tied_read = self._tied_read, []
+        self._send_back_staged(c for c in tied if c.index not in self._stepped)
         for chunk, _, _ in queued:
             if chunk.index in self.shadows:
                 self._drop_shadow(chunk)
@@ -843,7 +865,6 @@ class Stepper:
             # parameters hold no gradient now, so the new chunks step exactly the others.
             with tracing.traced("re-pack", "repack"):
                 self.relayout.run()
-            self.order.forget()  # NOTE [ Tied homes read ahead ] rule 1: the chunks are renumbered
             stepped = set()
         self.store.pool.release_all()
         if self.shadows:  # NOTE [ Speculative steps ] rule 4: no fetch reads an old home any more
@@ -1039,6 +1060,7 @@ class Stepper:
             if staged:
                 self.homes.send_back(chunk)
             raise
+        del home  # the job's views are the home's only readers now, and end with its compute
         finish = functools.partial(self._finish_chunk_step, chunk, job, staged)
         compute = tracing.wrap(job.compute, f"chunk step {chunk.index} compute", "chunk_step")
         fused = self.steps.fused_inline and not staged and all(group.get("fused") for group, _ in job.groups)
