@@ -438,15 +438,14 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
-def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, monkeypatch):
-    """NOTE [ Spare tier blocks ] rule 6: every NVMe home staged whole on the host takes a block of
-    the largest such home's bytes (the room the plan keeps per staged home), so a block one home
-    leaves serves the next whatever its size: after the first step every home takes a block of
-    that one size, most of them kept ones. Blocks of each home's own size were kept per size, and
-    a host with room for one block beside the homes in flight then made each home's afresh."""
+def _watch_host_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[tuple[int, bool]], Callable[[nn.Module, torch.optim.Optimizer], list[torch.Tensor]]]:
+    """The host blocks asked for, as (bytes, whether a kept one served it), and a 3-step loop that
+    counts them from its second step (the first profiles, plans and re-packs)."""
     from tiermem.tiers.memory import MemoryTier
 
-    served: list[tuple[int, bool]] = []  # host blocks asked for: (bytes, a kept one served it)
+    served: list[tuple[int, bool]] = []
     take = MemoryTier._take_spare
 
     def recorded(self, reserved):
@@ -458,9 +457,18 @@ def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, 
     monkeypatch.setattr(MemoryTier, "_take_spare", recorded)
 
     def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        # counted from the second step: the first profiles, plans and re-packs
         return step_loop(model, optimizer, 3, lambda step: served.clear() if step == 1 else None)
 
+    return served, train
+
+
+def test_staged_homes_of_several_sizes_take_turns_in_kept_host_blocks(tmp_path, monkeypatch):
+    """NOTE [ Spare tier blocks ] rule 6: every NVMe home staged whole on the host takes a block of
+    the largest such home's bytes (the room the plan keeps per staged home), so a block one home
+    leaves serves the next whatever its size: after the first step every home takes a block of
+    that one size, most of them kept ones. Blocks of each home's own size were kept per size, and
+    a host with room for one block beside the homes in flight then made each home's afresh."""
+    served, train = _watch_host_blocks(monkeypatch)
     plain = make_model()
     want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)))
     model = make_model()
@@ -493,29 +501,16 @@ def test_a_home_written_back_before_its_step_finished_leaves_its_block_to_the_ne
     until the finish, every home's block was let go and made afresh (1.7-1.9 GiB of fresh pages a
     step against 0.44-0.50 on the 210M HF GPT-2 of bench/hf_states.py). Training stays bitwise."""
     from tiermem.states.stepping import Stepper
-    from tiermem.tiers.memory import MemoryTier
 
-    served: list[tuple[int, bool]] = []  # host blocks asked for: (bytes, a kept one served it)
-    take, finish = MemoryTier._take_spare, Stepper._finish_chunk_step
-
-    def recorded(self, reserved):
-        block = take(self, reserved)
-        if self.name == "host":
-            served.append((reserved, block is not None))
-        return block
+    finish = Stepper._finish_chunk_step
 
     def landed_first(self, chunk, job, staged, ok):
         if staged:
             chunk.home.wait()  # its write-back, handed to the scheduler with the step, landed
         finish(self, chunk, job, staged, ok)
 
-    monkeypatch.setattr(MemoryTier, "_take_spare", recorded)
     monkeypatch.setattr(Stepper, "_finish_chunk_step", landed_first)
-
-    def train(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        # counted from the second step: the first profiles, plans and re-packs
-        return step_loop(model, optimizer, 3, lambda step: served.clear() if step == 1 else None)
-
+    served, train = _watch_host_blocks(monkeypatch)
     plain = make_model()
     want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)))
     model = make_model()
@@ -639,9 +634,19 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
     backward. Once a window taught the order, its home is read as soon as every chunk that stepped
     before it has stepped, not first by its own step: each time it steps, its home is off NVMe
     already, and it was read after all the other chunks' steps. The room (STAGED_HOMES homes) and the
-    host tier hold, and training stays bitwise."""
+    host tier hold, and training stays bitwise. The embeddings' backward takes 50 ms here, so the
+    last write-backs land before it ends whatever the machine's load (else the step may come first)."""
+    from tests import test_states
     from tiermem.states.homes import Homes
     from tiermem.states.stepping import Stepper
+
+    def slow_embeddings(self: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+        x = _SlowBackward.apply(self.wte(tokens) + self.wpe(torch.arange(tokens.shape[1])))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+    monkeypatch.setattr(test_states.GPT, "forward", slow_embeddings)
 
     # per tied read ahead: the chunks stepped then, homes waiting for their step and off NVMe
     reads: list[tuple[set[int], int, int]] = []
