@@ -552,6 +552,25 @@ def _slow_nvme_writes(monkeypatch: pytest.MonkeyPatch, delay: float = 0.02) -> N
     monkeypatch.setattr(NvmeTier, "write", slow_write)
 
 
+def _watch_stagings(monkeypatch: pytest.MonkeyPatch) -> tuple[set[int], list[bool]]:
+    """Chunks whose home a test saw read ahead (it adds them), and at each one's next staging by its
+    step whether the home was off NVMe already (moving, or landed on the host)."""
+    from tiermem.states.homes import Homes
+
+    read: set[int] = set()
+    found: list[bool] = []
+    stage = Homes.stage
+
+    def counted_stage(self, chunk, known=None):
+        if chunk.index in read:
+            read.discard(chunk.index)
+            found.append(chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme")
+        stage(self, chunk, known)
+
+    monkeypatch.setattr(Homes, "stage", counted_stage)
+    return read, found
+
+
 class _SlowBackward(torch.autograd.Function):
     """The identity, whose backward takes 50 ms: a chunk's backward outlasts a home's write-back."""
 
@@ -573,7 +592,6 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     it, the room (STAGED_HOMES homes) is never exceeded, nor the host; training stays bitwise."""
     from tests import test_states
     from tiermem.layout.placement import STAGED_HOMES
-    from tiermem.states.homes import Homes
     from tiermem.states.stepping import Stepper
 
     steps = 3
@@ -588,9 +606,8 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     monkeypatch.setattr(test_states.Block, "forward", slow_block)
     _slow_nvme_writes(monkeypatch)
     room: list[int] = []  # homes off NVMe right after each read ahead of an early step
-    read_late: set[int] = set()  # chunks whose home a later hook read, in the current backward
-    found: list[bool] = []  # at each of their steps: was the home off NVMe already?
-    prefetch, progress, stage = Stepper._prefetch_home, Stepper.backward_progress, Homes.stage
+    read_late, found = _watch_stagings(monkeypatch)  # chunks whose home a later hook read
+    prefetch, progress = Stepper._prefetch_home, Stepper.backward_progress
 
     def counted_prefetch(self, chunk, **kwargs):
         before = chunk.home.state, chunk.home.tier
@@ -605,15 +622,8 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
         if self.homes_read_when_room_freed > before:
             read_late.add(wanted.index)
 
-    def counted_stage(self, chunk, known=None):
-        if chunk.index in read_late:
-            read_late.discard(chunk.index)
-            found.append(chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme")
-        stage(self, chunk, known)
-
     monkeypatch.setattr(Stepper, "_prefetch_home", counted_prefetch)
     monkeypatch.setattr(Stepper, "backward_progress", counted_progress)
-    monkeypatch.setattr(Homes, "stage", counted_stage)
     model = make_model()
     total = state_bytes("adamw", model)
     with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
@@ -637,7 +647,6 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
     host tier hold, and training stays bitwise. The embeddings' backward takes 50 ms here, so the
     last write-backs land before it ends whatever the machine's load (else the step may come first)."""
     from tests import test_states
-    from tiermem.states.homes import Homes
     from tiermem.states.stepping import Stepper
 
     def slow_embeddings(self: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
@@ -650,9 +659,8 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
 
     # per tied read ahead: the chunks stepped then, homes waiting for their step and off NVMe
     reads: list[tuple[set[int], int, int]] = []
-    read: set[int] = set()  # tied chunks read ahead whose step has not staged them yet
-    found: list[bool] = []  # at each of those steps: was its home off NVMe already?
-    prefetch, stage = Stepper._prefetch_home, Homes.stage
+    read, found = _watch_stagings(monkeypatch)  # tied chunks read ahead
+    prefetch = Stepper._prefetch_home
 
     def counted_prefetch(self, chunk, *, tied=False):
         before = chunk.home.state
@@ -663,14 +671,7 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
             read.add(chunk.index)
         return started
 
-    def counted_stage(self, chunk, known=None):
-        if chunk.index in read:
-            read.discard(chunk.index)
-            found.append(chunk.home.state is ObjectState.MOVING or chunk.home.tier != "nvme")
-        stage(self, chunk, known)
-
     monkeypatch.setattr(Stepper, "_prefetch_home", counted_prefetch)
-    monkeypatch.setattr(Homes, "stage", counted_stage)
     steps = 5
     plain = make_model()
     want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
