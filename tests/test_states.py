@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -16,6 +17,7 @@ from torch import nn
 
 import tiermem
 from tiermem.objects import ObjectState
+from tiermem.registry import Priority
 from tiermem.states import (
     ManagedOptimizer,
     PlanError,
@@ -24,6 +26,7 @@ from tiermem.states import (
     StatesUsageError,
     UnsupportedOptimizerError,
 )
+from tiermem.states.forward_order import ForwardOrder
 
 D, VOCAB, SEQ = 32, 64, 16
 
@@ -470,6 +473,63 @@ def test_the_embeddings_backward_does_not_fetch_its_chunk(tmp_path):
         assert tied().index not in {chunk.index for chunk in fetched}
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_the_head_finds_the_tied_chunk_prefetched_in_the_order_the_last_forward_entered(tmp_path):
+    """NOTE [ Forward order ] rules 2-3: nothing follows the last block's chunk by index, so the LM
+    head fetched the tied embedding's chunk on demand; from the second forward on, the last block's
+    run prefetches it, and training stays bitwise."""
+    plain = make_model()
+    want = train(plain, OPTIMIZERS["adamw"](param_groups(plain)), range(4))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.5))) as rt:
+        model, optimizer, states, tied = _manage_streamed(rt, model)
+        got = train(model, optimizer, range(1))  # the first step re-packs: a new chunk list, a new pool
+        fetch, at_head = states.pool.fetch, []  # per forward: how the head found the tied chunk
+
+        def record(chunk: Any, priority: Any, *args: Any, **kwargs: Any) -> bool:
+            if chunk is tied() and priority == Priority.PREFETCH and not chunk.resident:
+                prefetched.append(torch._C._current_graph_task_id() == -1)  # in forward, not backward
+            return fetch(chunk, priority, *args, **kwargs)
+
+        def head_started(_module: nn.Module, _args: Any) -> None:
+            at_head.append(tied().resident and any(prefetched))
+
+        states.pool.fetch = record
+        model.head.register_forward_pre_hook(head_started, prepend=True)
+        last_block = states.chunk_of(model.blocks[-1].out.weight)
+        for step in range(1, 4):
+            prefetched: list[bool] = []
+            got += train(model, optimizer, range(step, step + 1))
+        assert not tied().persistent and last_block is not tied()
+        assert states.forward_order.last[-1] == (tied().index,)  # the head's run comes last
+    assert at_head == [False, True, True]  # the first forward on these chunks learns the order
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_the_forward_order_answers_while_a_forward_follows_the_last_one_on_the_same_chunks():
+    """NOTE [ Forward order ] rules 1-2: the next streamed chunk of the last forward's runs while
+    this forward entered the same runs; the next by index (None) once it differs, and after a
+    re-pack (a new chunk list)."""
+    chunks = [SimpleNamespace(index=i, persistent=i == 2) for i in range(5)]
+    store = SimpleNamespace(chunks=chunks)
+    order = ForwardOrder(store)  # type: ignore[arg-type]
+
+    def forward(*runs: tuple[int, ...]) -> list[int | None]:
+        order.began()
+        answers = [order.entered(tuple(store.chunks[i] for i in run)) for run in runs]
+        order.ended()
+        return answers
+
+    assert forward((0,), (0, 1), (1,), (2,), (3,), (4,), (0,)) == [None] * 7  # nothing learned yet
+    # one module after another in a run asks again; the run's own chunks and the persistent chunk 2
+    # are skipped; the last run has no next
+    assert forward((0,), (0,), (0, 1), (1,), (2,), (3,), (4,), (0,)) == [1, 1, 3, 3, 3, 4, 0, None]
+    assert forward((0,), (0, 1), (4,), (3,)) == [1, 3, None, None]  # another branch: by index from there
+    assert order.last == ((0,), (0, 1), (4,), (3,))
+    store.chunks = list(chunks)  # a re-pack
+    assert order.last == () and forward((0,), (0, 1)) == [None, None]
 
 
 class Twice(nn.Module):

@@ -40,10 +40,11 @@ backend, ``describe``, ``close``) and the wiring:
    views of the old chunks. A hand-written plan that no longer fits the new packing keeps
    the old layout (with a warning).
 3. Residency: a module's forward pre-hook fetches the chunks of its own parameters (DEMAND)
-   and prefetches the next chunk in order (not in a forward that runs inside backward, a
-   checkpointed block recomputed: the next chunk is one backward just used, and fetching it
-   evicted the ones backward needs next: a LoRA Llama with every block recomputed read 64 MB a
-   step from NVMe, 46 MB without). Each output's ``grad_fn`` gets a pre-hook that
+   and prefetches the next chunk in order: the one the last forward entered next where that is
+   not the next by index (NOTE [ Forward order ] in ``forward_order.py``). Not in a forward that
+   runs inside backward, a checkpointed block recomputed: the next chunk is one backward just
+   used, and fetching it evicted the ones backward needs next (a LoRA Llama with every block
+   recomputed read 64 MB a step from NVMe, 46 MB without). Each output's ``grad_fn`` gets a pre-hook that
    fetches them again before the module's backward (not an ``nn.Embedding``'s: its backward
    reads only the indices) and prefetches the previous chunk; it
    runs after the tensor hooks on that output, so the module that consumed it has already
@@ -166,6 +167,7 @@ from tiermem.states.copies import PlainCopies
 from tiermem.states.declarations import Declarations, grad_norm
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.facts import Lifecycle, ModelFacts, Snapshot
+from tiermem.states.forward_order import ForwardOrder
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.moves import ParameterMoves, Training
@@ -282,6 +284,8 @@ class ModelStates:
         self.moves = ParameterMoves(facts)
         self.copies = PlainCopies(facts.model)
         self.access = ParameterAccess(facts, self.store, self.homes, self.lifecycle, self.stepper.stepped_early)
+        #: NOTE [ Forward order ] (``forward_order.py``): the chunks the last forward entered, in order
+        self.forward_order = ForwardOrder(self.store)
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int, tracing.Span | None]] = []
         self._trace_names = {module: name or "model" for name, module in facts.model.named_modules()}
@@ -506,12 +510,16 @@ class ModelStates:
         # freed memory ] rule 5), not while the forward streams and takes it again.
         self.store.pool.trimming.boundary()
         self.backward.new_forward()
+        if torch._C._current_graph_task_id() == -1:  # not the model recomputed inside backward
+            self.forward_order.began()
         if torch.is_grad_enabled():
             self.stepper.forward_with_grad()
         return None
 
     def _root_ended(self, _module: nn.Module, _args: Any, output: Any) -> None:
         self.relayout.forward_ended()
+        if torch._C._current_graph_task_id() == -1:
+            self.forward_order.ended()
         if not any(self.training.now) and not any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)
         ):
@@ -531,7 +539,8 @@ class ModelStates:
         # A forward inside backward is a checkpointed block recomputed: the next chunk in forward
         # order is one backward has just used, so prefetching it only evicts the ones it needs next
         recomputing = torch._C._current_graph_task_id() != -1
-        self.store.pool.acquire(chunks, 0 if recomputing else +1)
+        following = None if recomputing else self.forward_order.entered(chunks)
+        self.store.pool.acquire(chunks, 0 if recomputing else +1, following)
         for chunk in chunks:
             chunk.pins += 1
         traced = tracing.span("forward", "forward", self._trace_names.get(module))  # NOTE [ Timeline trace ]

@@ -112,22 +112,27 @@ class ChunkPool:
         if streamed:  # rule 6 of NOTE [ Model-state rules ]: after the spares, chunks no module uses now
             registry.add_reclaimer("device", self.evict_unused, moves_objects=True)
 
-    def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
-        """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction`` (0: none), wait."""
+    def acquire(self, chunks: tuple[Chunk, ...], direction: int, following: int | None = None) -> None:
+        """Make ``chunks`` resident (DEMAND), prefetch the next chunk in ``direction`` (0: none), or
+        the chunk ``following`` names (NOTE [ Forward order ]), wait."""
         traced = tracing.span("fetch chunk", "fetch", chunks[0].index)  # NOTE [ Timeline trace ]
         try:
-            self._acquire(chunks, direction)
+            self._acquire(chunks, direction, following)
         finally:
             if traced is not None:
                 traced.end()
 
-    def _acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
+    def _acquire(self, chunks: tuple[Chunk, ...], direction: int, following: int | None) -> None:
         self._clock += 1
         for chunk in chunks:
             chunk.last_use = self._clock
         for chunk in chunks:
             self.fetch(chunk, Priority.DEMAND, chunks)
-        if direction:
+        if direction and following is not None:
+            chunk = self.chunks[following]
+            if not chunk.resident:
+                self.fetch(chunk, Priority.PREFETCH, chunks, direction)
+        elif direction:
             edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
             self._prefetch(edge, direction, chunks)
         for chunk in chunks:

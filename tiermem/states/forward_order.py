@@ -1,0 +1,82 @@
+"""The order in which the last forward entered its chunks, by which a forward prefetches the chunk it
+enters next when that is not the next by index: the tied embedding's chunk at an LM head
+(NOTE [ Forward order ]).
+
+:class:`ForwardOrder` only records and answers; the manager's forward hooks tell it when a forward
+begins and ends and which chunks each module enters, and hand its answer to the pool
+(``ChunkPool.acquire``), which fetches within the buffers of the plan as for any prefetch.
+
+# NOTE [ Forward order ]
+1. What is learned: the runs of chunks a forward's modules entered, in order (one run per change
+   of the chunks a module's pre-hook fetches: each block's chunks once, then the tied chunk again
+   at the head). Forwards inside backward (a checkpointed block recomputed) are not counted: they
+   prefetch nothing (rule 3 of NOTE [ Model-state rules ]). The next forward runs the same modules,
+   so it enters the same runs. A re-pack renumbers the chunks: the order holds only for the chunk
+   list it was learned on.
+2. While a forward has entered the same runs as the last one so far, each new run prefetches the
+   first chunk of the runs that follow it in the last forward that is streamed and not one of the
+   run's own; once it differs (another branch taken, a different model call), it prefetches the
+   next chunk by index, as before anything was learned. Where the learned next chunk is the next by
+   index, nothing changes. Exactness never depends on it: a prefetch only starts a fill earlier,
+   within the buffers and with the victims any prefetch may take (only chunks behind the run).
+3. What it is for: nothing follows the last block's chunk by index, so the LM head of a model with
+   tied embeddings fetched the embedding's chunk on demand, evicted while the blocks streamed: on
+   the 0.15x-RAM headline GPT (64 MiB chunks, NVMe homes) forward waited 23-32 ms for it each step.
+"""
+
+from __future__ import annotations
+
+from tiermem.states.chunks import Chunk
+from tiermem.states.store import ChunkStore
+
+Run = tuple[int, ...]
+
+
+class ForwardOrder:
+    """Rule 1's runs of the last forward (``last``) and this forward's, as they grow."""
+
+    def __init__(self, store: ChunkStore) -> None:
+        self.store = store
+        self._last: tuple[Run, ...] = ()
+        #: the chunk list ``_last`` indexes (a re-pack builds a new one)
+        self._learned_on: list[Chunk] | None = None
+        self._now: list[Run] = []
+        #: rule 2: whether this forward entered the last one's runs so far
+        self._in_step = True
+        #: the answer for the run entered last (asked again by each module in it)
+        self._following: int | None = None
+
+    @property
+    def last(self) -> tuple[Run, ...]:
+        """The runs of the last forward, of the chunks as they are now (empty after a re-pack)."""
+        return self._last if self._learned_on is self.store.chunks else ()
+
+    def began(self) -> None:
+        self._now, self._in_step, self._following = [], True, None
+
+    def ended(self) -> None:
+        """Rule 1: this forward's runs are the order the next one follows."""
+        if self._now:
+            self._last, self._learned_on = tuple(self._now), self.store.chunks
+        self._now, self._following = [], None
+
+    def entered(self, chunks: tuple[Chunk, ...]) -> int | None:
+        """Rule 2: a module of this forward entered ``chunks``; the index of the chunk to prefetch
+        next, or None for the next by index."""
+        run = tuple(c.index for c in chunks)
+        if self._now and self._now[-1] == run:
+            return self._following
+        position = len(self._now)
+        self._now.append(run)
+        last = self.last
+        self._in_step = self._in_step and position < len(last) and last[position] == run
+        self._following = self._next_streamed(last[position + 1 :], run) if self._in_step else None
+        return self._following
+
+    def _next_streamed(self, runs: tuple[Run, ...], run: Run) -> int | None:
+        chunks = self.store.chunks
+        for following in runs:
+            for index in following:
+                if index not in run and not chunks[index].persistent:
+                    return index
+        return None
