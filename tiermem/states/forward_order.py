@@ -9,19 +9,34 @@ begins and ends and which chunks each module enters, and hand its answer to the 
 # NOTE [ Forward order ]
 1. What is learned: the runs of chunks a forward's modules entered, in order (one run per change
    of the chunks a module's pre-hook fetches: each block's chunks once, then the tied chunk again
-   at the head). Forwards inside backward (a checkpointed block recomputed) are not counted: they
-   prefetch nothing (rule 3 of NOTE [ Model-state rules ]). The next forward runs the same modules,
-   so it enters the same runs. A re-pack renumbers the chunks: the order holds only for the chunk
-   list it was learned on.
+   at the head), from the root module's forward pre-hook to its forward hook. Forwards inside
+   backward (a checkpointed block recomputed) are not counted: they prefetch nothing (rule 3 of
+   NOTE [ Model-state rules ]); nor are calls of a submodule outside the root's forward (a CLIP
+   model's ``get_text_features``), which keep the next by index. The next forward runs the same
+   modules, so it enters the same runs; one that raised teaches the runs it entered. A re-pack
+   renumbers the chunks: the order holds only for the chunk list it was learned on.
 2. While a forward has entered the same runs as the last one so far, each new run prefetches the
    first chunk of the runs that follow it in the last forward that is streamed and not one of the
    run's own; once it differs (another branch taken, a different model call), it prefetches the
    next chunk by index, as before anything was learned. Where the learned next chunk is the next by
    index, nothing changes. Exactness never depends on it: a prefetch only starts a fill earlier,
    within the buffers and with the victims any prefetch may take (only chunks behind the run).
+   Forwards that alternate between two paths (a reference model's forward with the adapters off
+   between training forwards) each follow the other's order and may prefetch the wrong branch's
+   chunk, a read that the next by index might have saved.
 3. What it is for: nothing follows the last block's chunk by index, so the LM head of a model with
    tied embeddings fetched the embedding's chunk on demand, evicted while the blocks streamed: on
    the 0.15x-RAM headline GPT (64 MiB chunks, NVMe homes) forward waited 23-32 ms for it each step.
+4. ``optimizer.step()`` fills the first streamed chunks the last forward entered (as many as a
+   forward holds at its start: its first chunk and the one it prefetches, within the buffers) as
+   their homes land: it waits for their write-backs before the other chunks' and starts each fill
+   as soon as its home is back (a prefetch never waits for a write-back, ``ChunkPool.fetch``), so
+   the fills overlap the remaining waits rather than the next forward's start. The chunk that
+   stepped last is often the forward's first (a tied embedding's, whose gradient comes last): on
+   the 0.15x-RAM headline GPT's plain loop forward waited 12-14 ms for it against 22-23, and 0-0.7
+   ms for the next against 6.6. Values never depend on it: the fills read the stepped homes, and
+   an edit of a parameter before the next forward waits for its chunk's fill as for any fetch
+   (NOTE [ Parameter access ]).
 """
 
 from __future__ import annotations
@@ -41,8 +56,10 @@ class ForwardOrder:
         #: the chunk list ``_last`` indexes (a re-pack builds a new one)
         self._learned_on: list[Chunk] | None = None
         self._now: list[Run] = []
+        #: rule 1: whether a root forward runs (what a submodule called alone enters is not recorded)
+        self._recording = False
         #: rule 2: whether this forward entered the last one's runs so far
-        self._in_step = True
+        self._follows_last = True
         #: the answer for the run entered last (asked again by each module in it)
         self._following: int | None = None
 
@@ -52,31 +69,45 @@ class ForwardOrder:
         return self._last if self._learned_on is self.store.chunks else ()
 
     def began(self) -> None:
-        self._now, self._in_step, self._following = [], True, None
+        self._now, self._recording, self._follows_last, self._following = [], True, True, None
 
     def ended(self) -> None:
         """Rule 1: this forward's runs are the order the next one follows."""
         if self._now:
             self._last, self._learned_on = tuple(self._now), self.store.chunks
-        self._now, self._following = [], None
+        self._now, self._recording, self._following = [], False, None
 
     def entered(self, chunks: tuple[Chunk, ...]) -> int | None:
         """Rule 2: a module of this forward entered ``chunks``; the index of the chunk to prefetch
         next, or None for the next by index."""
+        if not self._recording:
+            return None
         run = tuple(c.index for c in chunks)
         if self._now and self._now[-1] == run:
             return self._following
         position = len(self._now)
         self._now.append(run)
         last = self.last
-        self._in_step = self._in_step and position < len(last) and last[position] == run
-        self._following = self._next_streamed(last[position + 1 :], run) if self._in_step else None
+        self._follows_last = self._follows_last and position < len(last) and last[position] == run
+        self._following = self._next_streamed(last, position + 1, run) if self._follows_last else None
         return self._following
 
-    def _next_streamed(self, runs: tuple[Run, ...], run: Run) -> int | None:
+    def first(self, count: int) -> list[int]:
+        """Rule 4: the first ``count`` streamed chunks the last forward entered, in order."""
+        chunks, found = self.store.chunks, []
+        for run in self.last:
+            for index in run:
+                if len(found) == count:
+                    return found
+                if index not in found and not chunks[index].persistent:
+                    found.append(index)
+        return found
+
+    def _next_streamed(self, runs: tuple[Run, ...], start: int, run: Run) -> int | None:
+        """Rule 2: the first streamed chunk of ``runs`` from ``start`` on that ``run`` does not hold."""
         chunks = self.store.chunks
-        for following in runs:
-            for index in following:
+        for position in range(start, len(runs)):
+            for index in runs[position]:
                 if index not in run and not chunks[index].persistent:
                     return index
         return None

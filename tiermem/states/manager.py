@@ -44,11 +44,11 @@ backend, ``describe``, ``close``) and the wiring:
    not the next by index (NOTE [ Forward order ] in ``forward_order.py``). Not in a forward that
    runs inside backward, a checkpointed block recomputed: the next chunk is one backward just
    used, and fetching it evicted the ones backward needs next (a LoRA Llama with every block
-   recomputed read 64 MB a step from NVMe, 46 MB without). Each output's ``grad_fn`` gets a pre-hook that
-   fetches them again before the module's backward (not an ``nn.Embedding``'s: its backward
-   reads only the indices) and prefetches the previous chunk; it
-   runs after the tensor hooks on that output, so the module that consumed it has already
-   unpinned. A chunk is pinned while a module using it runs forward, and from that module's
+   recomputed read 64 MB a step from NVMe, 46 MB without). Each output's ``grad_fn`` gets a
+   pre-hook that fetches them again before the module's backward (not an ``nn.Embedding``'s:
+   its backward reads only the indices) and prefetches the previous chunk; it runs after the
+   tensor hooks on that output, so the module that consumed it has already unpinned. A chunk is
+   pinned while a module using it runs forward, and from that module's
    backward start until the use is done: every own trainable parameter has accumulated, or,
    for a module without trainable parameters of its own, every input that requires grad has
    its gradient (the end of backward unpins the rest). A call whose parameter accumulates
@@ -263,6 +263,8 @@ class ModelStates:
             remove_hooks=self._remove_hooks,
             register_hooks=self._register_hooks,
         )
+        #: NOTE [ Forward order ] (``forward_order.py``): the chunks the last forward entered, in order
+        self.forward_order = ForwardOrder(self.store)
         #: the optimizer rt.manage returns; its step and early chunk steps both go through the stepper
         self.optimizer = ManagedOptimizer(self, base)
         self.stepper = Stepper(
@@ -275,6 +277,7 @@ class ModelStates:
             steps,
             self.optimizer,
             shadows,
+            self.forward_order,
             speculate=speculative_steps != "off",
         )
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now
@@ -284,8 +287,6 @@ class ModelStates:
         self.moves = ParameterMoves(facts)
         self.copies = PlainCopies(facts.model)
         self.access = ParameterAccess(facts, self.store, self.homes, self.lifecycle, self.stepper.stepped_early)
-        #: NOTE [ Forward order ] (``forward_order.py``): the chunks the last forward entered, in order
-        self.forward_order = ForwardOrder(self.store)
         #: modules whose forward runs, with the autograd sequence number their forward started at
         self._active: list[tuple[nn.Module, int, tracing.Span | None]] = []
         self._trace_names = {module: name or "model" for name, module in facts.model.named_modules()}

@@ -129,9 +129,12 @@ class ChunkPool:
         for chunk in chunks:
             self.fetch(chunk, Priority.DEMAND, chunks)
         if direction and following is not None:
-            chunk = self.chunks[following]
-            if not chunk.resident:
-                self.fetch(chunk, Priority.PREFETCH, chunks, direction)
+            target = self.chunks[following]
+            # Used last long ago (the tied chunk: at forward's start), it would be the first victim
+            # of the next fetch or reclaim before its own module comes.
+            target.last_use = self._clock
+            if not target.resident:
+                self.fetch(target, Priority.PREFETCH, chunks, direction)
         elif direction:
             edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
             self._prefetch(edge, direction, chunks)

@@ -80,11 +80,11 @@ class _TimedPool:
         self._store = store
         self.waited = 0.0
 
-    def acquire(self, chunks: tuple[Chunk, ...], direction: int) -> None:
+    def acquire(self, chunks: tuple[Chunk, ...], direction: int, following: int | None = None) -> None:
         start = time.perf_counter()
         try:
             with _disable_current_modes():  # rule 5: the profiler's byte counts must not see the pool
-                self._store.pool.acquire(chunks, direction)
+                self._store.pool.acquire(chunks, direction, following)
         finally:
             self.waited += time.perf_counter() - start
 
