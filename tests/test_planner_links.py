@@ -50,23 +50,13 @@ def test_a_recomputing_lora_plan_predicts_the_bytes_each_link_reads(tmp_path):
         assert set(rt.plan.block_policy) == {"recompute"} and rt.plan.persistent_chunks < rt.plan.chunks
         assert "nvme" in rt.plan.state_home
         predicted = rt.decision.estimate.links
-        states = rt._model_states[-1]
-
-        def settled_links() -> dict[str, Any]:
-            # A step ends filling the next forward's first chunks (NOTE [ Forward order ] rule 4):
-            # a window from one step's end to another's counts one such fill a step, once landed.
-            for chunk in states.chunks:
-                states.pool.wait(chunk)
-            return rt.stats().as_dict()["links"]
-
-        for step in range(steps + 1):
-            if step == 1:
-                before = settled_links()
+        before = rt.stats().as_dict()["links"]
+        for step in range(steps):
             loss = model(input_ids=tf.ids(step), labels=tf.ids(step)).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
-        measured = per_step(before, settled_links(), steps)
+        measured = per_step(before, rt.stats().as_dict()["links"], steps)
         tf.within_capacities(rt)
     print({k: (predicted.get(k, 0), measured.get(k, 0)) for k in READS})
     for link in READS:

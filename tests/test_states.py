@@ -534,37 +534,6 @@ def test_the_forward_order_answers_while_a_forward_follows_the_last_one_on_the_s
     assert order.last == () and forward((0,), (0, 1)) == [None, None]
 
 
-def test_the_step_prefetches_the_chunks_the_next_forward_enters_first(tmp_path):
-    """NOTE [ Forward order ] rule 4: ``optimizer.step()`` releases every streamed chunk, then fills
-    the first two the last forward entered before it returns, so the next forward finds them on
-    their way; an edit of a parameter between steps waits for its fill, and training stays bitwise."""
-    plain = make_model()
-    plain_optimizer = OPTIMIZERS["adamw"](param_groups(plain))
-    want = train(plain, plain_optimizer, range(4))
-    with torch.no_grad():
-        plain.wte.weight[3].mul_(0.5)  # a user's edit between steps
-    want += train(plain, plain_optimizer, range(4, 5))
-    model = make_model()
-    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.5))) as rt:
-        model, optimizer, states, tied = _manage_streamed(rt, model)
-        got = train(model, optimizer, range(2))  # the first step re-packs; the second forward teaches the order
-        first, ready = states.forward_order.first(2), []
-        assert first == [tied().index, tied().index + 1]  # the embeddings' chunk, then the first block's
-
-        def forward_started(_module: nn.Module, _args: Any) -> None:
-            ready.append([states.chunks[i].resident for i in first])
-
-        model.register_forward_pre_hook(forward_started, prepend=True)
-        got += train(model, optimizer, range(2, 4))
-        assert [c.index for c in states.chunks if c.resident] == first  # the step's prefetch, nothing else
-        with torch.no_grad():
-            model.wte.weight[3].mul_(0.5)
-        got += train(model, optimizer, range(4, 5))
-    assert ready == [[True, True]] * 3
-    assert_bitwise(got, want)
-    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
-
-
 class Twice(nn.Module):
     """One linear called twice in a forward (ALBERT-style sharing across calls)."""
 

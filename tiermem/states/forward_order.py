@@ -27,16 +27,11 @@ begins and ends and which chunks each module enters, and hand its answer to the 
 3. What it is for: nothing follows the last block's chunk by index, so the LM head of a model with
    tied embeddings fetched the embedding's chunk on demand, evicted while the blocks streamed: on
    the 0.15x-RAM headline GPT (64 MiB chunks, NVMe homes) forward waited 23-32 ms for it each step.
-4. ``optimizer.step()`` fills the first streamed chunks the last forward entered (as many as a
-   forward holds at its start: its first chunk and the one it prefetches, within the buffers) as
-   their homes land: it waits for their write-backs before the other chunks' and starts each fill
-   as soon as its home is back (a prefetch never waits for a write-back, ``ChunkPool.fetch``), so
-   the fills overlap the remaining waits rather than the next forward's start. The chunk that
-   stepped last is often the forward's first (a tied embedding's, whose gradient comes last): on
-   the 0.15x-RAM headline GPT's plain loop forward waited 12-14 ms for it against 22-23, and 0-0.7
-   ms for the next against 6.6. Values never depend on it: the fills read the stepped homes, and
-   an edit of a parameter before the next forward waits for its chunk's fill as for any fetch
-   (NOTE [ Parameter access ]).
+4. Tried, not kept: ``optimizer.step()`` filling the next forward's first two chunks as their
+   homes landed (their write-backs waited for first). On the 0.15x-RAM headline's plain loop forward
+   waited 12-14 ms for its first chunk against 22-23 ms, but the 2.5x-RAM headline's declared step,
+   in one run against the code before it, took 48.8 s against 43.6 s with ``ru_maxrss`` 240 MiB
+   higher (cause not found), and the fills after a run's last step are reads no forward uses.
 """
 
 from __future__ import annotations
@@ -91,17 +86,6 @@ class ForwardOrder:
         self._follows_last = self._follows_last and position < len(last) and last[position] == run
         self._following = self._next_streamed(last, position + 1, run) if self._follows_last else None
         return self._following
-
-    def first(self, count: int) -> list[int]:
-        """Rule 4: the first ``count`` streamed chunks the last forward entered, in order."""
-        chunks, found = self.store.chunks, []
-        for run in self.last:
-            for index in run:
-                if len(found) == count:
-                    return found
-                if index not in found and not chunks[index].persistent:
-                    found.append(index)
-        return found
 
     def _next_streamed(self, runs: tuple[Run, ...], start: int, run: Run) -> int | None:
         """Rule 2: the first streamed chunk of ``runs`` from ``start`` on that ``run`` does not hold."""

@@ -277,7 +277,6 @@ class ModelStates:
             steps,
             self.optimizer,
             shadows,
-            self.forward_order,
             speculate=speculative_steps != "off",
         )
         #: NOTE [ Moving a managed model ] rule 4: the tracker waits for parameters that train now

@@ -136,7 +136,6 @@ from tiermem.states.chunks import Chunk
 from tiermem.states.declarations import Declarations, clip_declared
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.facts import ModelFacts
-from tiermem.states.forward_order import ForwardOrder
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.hostgrad import GradientWrites
@@ -167,14 +166,11 @@ class Stepper:
         steps: StepThread,
         optimizer: ManagedOptimizer,
         shadows: Shadows,
-        forward_order: ForwardOrder,
         *,
         speculate: bool = True,
     ) -> None:
         self.facts = facts
         self.store = store
-        #: NOTE [ Forward order ] rule 4: the chunks the next forward enters first, prefetched at the step's end
-        self.forward_order = forward_order
         self.gradients = gradients
         self.homes = homes
         self.relayout = relayout
@@ -917,19 +913,8 @@ class Stepper:
             raise
         self._finish_steps()  # the next forward reads stepped homes
         self.gradients.stash.release_all()
-        self._wait_written_back(stepped)
-
-    def _wait_written_back(self, stepped: set[int]) -> None:
-        """The stepped chunks' write-backs: the next reader waits on them anyway; errors surface here.
-        NOTE [ Forward order ] rule 4: the next forward's first chunks are filled as their homes land,
-        theirs waited for first, so the fills overlap the other waits."""
-        pool = self.store.pool
-        first = self.forward_order.first(min(2, pool.buffers))
-        for index in [*first, *sorted(stepped.difference(first)), None]:
-            for chunk in (self.store.chunks[i] for i in first):
-                if not chunk.resident:  # refused while its home is still being written back
-                    pool.fetch(chunk, Priority.PREFETCH, ())
-            home = None if index is None or index not in stepped else self.store.chunks[index].home
+        for index in stepped:  # their write-backs: the next reader waits on them anyway; errors surface here
+            home = self.store.chunks[index].home
             if home is not None:
                 home.wait()
 
