@@ -23,7 +23,12 @@ gradients afresh: 6.4, 4.2 then 3.2 s at 210M on a 2-vCPU Intel VM, and 3.0-3.5 
 timing its second step made plain's median a second slower than its steady step. The timed
 steps run inside ``rt.trace``: each step's compute, waits by cause, busy links and the share of
 moves hidden come from ``tiermem trace summary``; the CPU seconds of each kind of thread
-(training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``.
+(training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``; and where the CPUs
+and the training thread were during the steps (``/proc/stat``, ``/proc/thread-self/schedstat``):
+the share of the machine's CPU time left idle, and the training thread's seconds a step on a CPU,
+ready but waiting for one, and asleep. On 2 cores a loop that is slower than plain PyTorch while
+no move is waited for shows it there: plain PyTorch's training thread barely sleeps, and every
+second it sleeps in a parallel region its OpenMP partner idles too.
 
 The floor is max(plain PyTorch's step in the same run, the disk time of the mode's NVMe bytes per
 step at the read and write bandwidth ``tiermem bench io`` measures on ``--path`` in the same run).
@@ -85,6 +90,41 @@ def thread_cpu() -> dict[int, float]:
             continue
         seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
     return seconds
+
+
+def machine_cpu() -> tuple[int, int]:
+    """The machine's CPU time so far in clock ticks, all CPUs together: (idle, total). Idle counts
+    ``idle`` and ``iowait`` of ``/proc/stat`` (a CPU with nothing to run, waiting on I/O or not)."""
+    with open("/proc/stat", encoding="ascii") as f:
+        ticks = [int(x) for x in f.readline().split()[1:]]
+    return ticks[3] + ticks[4], sum(ticks[:8])  # guest time is already in user and nice
+
+
+def training_schedule() -> tuple[float, float]:
+    """Seconds the calling thread has so far run on a CPU and waited, ready, for one
+    (``/proc/thread-self/schedstat``); wall time less both is the time it slept."""
+    with open("/proc/thread-self/schedstat", encoding="ascii") as f:
+        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
+    return run_ns / 1e9, wait_ns / 1e9
+
+
+def schedule_between(
+    wall: float, machine: tuple[tuple[int, int], tuple[int, int]], training: tuple[tuple[float, float], ...]
+) -> dict[str, float]:
+    """Where ``wall`` seconds of steps went for the CPUs and the training thread: the share of the
+    machine's CPU time left idle, and the training thread's seconds on a CPU, ready but waiting for
+    one, and asleep (waiting for the GIL, for OpenMP's other thread at the end of a parallel
+    region, for a move)."""
+    (idle0, total0), (idle1, total1) = machine
+    (run0, ready0), (run1, ready1) = training
+    run, ready = run1 - run0, ready1 - ready0
+    return {
+        "wall_s": wall,
+        "cpu_idle": (idle1 - idle0) / max(total1 - total0, 1),
+        "on_cpu_s": run,
+        "ready_s": ready,
+        "asleep_s": max(wall - run - ready, 0.0),
+    }
 
 
 def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
@@ -170,8 +210,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         for tokens in batches[: args.warmup]:
             step(model, optimizer, tokens)
         cpu_before, faults_before = thread_cpu(), _faulted_bytes()
+        machine_before, training_before, window = machine_cpu(), training_schedule(), time.perf_counter()
         for tokens in batches[args.warmup :]:
             step(model, optimizer, tokens)
+        machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - window
         threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
     else:
         capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
@@ -188,9 +230,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 step(model, optimizer, tokens)
             before = rt.stats().as_dict()["links"]
             cpu_before, faults_before = thread_cpu(), _faulted_bytes()
+            machine_before, training_before, window = machine_cpu(), training_schedule(), time.perf_counter()
             with rt.trace(trace_path):
                 for tokens in batches[args.warmup :]:
                     step(model, optimizer, tokens)
+            machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - window
             threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
             after = rt.stats().as_dict()["links"]
             steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
@@ -217,6 +261,12 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         cpu_s=cpus[args.warmup :],
         cpu_by_thread={name: spent / args.steps for name, spent in threads.items()},  # a step's
         fault_mib=faults / args.steps / (1 << 20),  # a step's
+        schedule={  # the training thread's seconds a step; the machine's idle share of the steps
+            name: value / args.steps if name.endswith("_s") else value
+            for name, value in schedule_between(
+                window, (machine_before, machine_after), (training_before, training_after)
+            ).items()
+        },
         first_step_s=walls[0],
         losses=losses,
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -248,6 +298,11 @@ def _median_threads(runs: list[dict[str, Any]]) -> dict[str, float]:
     return dict(sorted(medians.items(), key=lambda kv: -kv[1]))
 
 
+def _median_schedule(runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per figure of :func:`schedule_between`, its median over ``runs``."""
+    return {name: statistics.median(r["schedule"][name] for r in runs) for name in runs[0]["schedule"]}
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> dict[str, Any]:
     """Medians per mode against the floor and plain PyTorch's RSS; refuses runs whose losses differ."""
     reference = runs["plain"][0]["losses"]
@@ -265,6 +320,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "cpu_s": statistics.median(t for r in runs["plain"] for t in r["cpu_s"]),
             "cpu_by_thread": _median_threads(runs["plain"]),
             "fault_mib": statistics.median(r["fault_mib"] for r in runs["plain"]),
+            "schedule": _median_schedule(runs["plain"]),
             "ru_maxrss": plain_rss,
         }
     }
@@ -283,6 +339,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "cpu_s": statistics.median(t for r in mode_runs for t in r["cpu_s"]),
             "cpu_by_thread": _median_threads(mode_runs),
             "fault_mib": statistics.median(r["fault_mib"] for r in mode_runs),
+            "schedule": _median_schedule(mode_runs),
             "nvme_read": read,
             "nvme_written": written,
             "disk_s": disk_s,
@@ -318,7 +375,8 @@ def _report(summary: dict[str, Any], say: Any) -> None:
     say(
         f"bench io: read {disk['read'] / mib:.0f} MiB/s, write {disk['write'] / mib:.0f} MiB/s; plain PyTorch "
         f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s: {_threads(plain)}), ru_maxrss "
-        f"{plain['ru_maxrss'] / mib:.0f} MiB, {plain['fault_mib']:.0f} MiB of pages faulted in a step"
+        f"{plain['ru_maxrss'] / mib:.0f} MiB, {plain['fault_mib']:.0f} MiB of pages faulted in a step; "
+        f"{_schedule(plain)}"
     )
     for mode in MODES[1:]:
         m = modes[mode]
@@ -337,8 +395,17 @@ def _report(summary: dict[str, Any], say: Any) -> None:
                 f"{phases}; {hidden} of the moves hidden"
             )
         say(f"  CPU s a step by thread: {_threads(m)}; {m['fault_mib']:.0f} MiB of pages faulted in (zeroed) a step")
+        say(f"  {_schedule(m)}")
         say(f"  plan {m['plan']}, homes {m['homes']}, predicted step {m['predicted_step_s']}")
     say("losses bitwise equal in every process")
+
+
+def _schedule(mode: dict[str, Any]) -> str:
+    sched = mode["schedule"]
+    return (
+        f"CPUs idle {sched['cpu_idle']:.1%} of the steps; the training thread a step on a CPU "
+        f"{sched['on_cpu_s']:.2f} s, ready for one {sched['ready_s']:.2f} s, asleep {sched['asleep_s']:.2f} s"
+    )
 
 
 def _threads(mode: dict[str, Any]) -> str:

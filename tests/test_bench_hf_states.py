@@ -53,6 +53,15 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         # thread's, and each pool of tiermem's once, its threads' numbers dropped
         assert "training" in m["cpu_by_thread"] and min(m["cpu_by_thread"].values()) >= 0
         assert all(not name[-1].isdigit() for name in m["cpu_by_thread"])
+    # where the steps' time went for the CPUs and the training thread: the idle share is a share, and
+    # the training thread's seconds on a CPU, ready and asleep add up to the wall time of the window
+    # read around its steps, a step's
+    for mode in hf_states.MODES:
+        sched, run = summary["modes"][mode]["schedule"], runs[mode][0]
+        assert 0.0 <= sched["cpu_idle"] <= 1.0
+        assert sched["on_cpu_s"] > 0 and sched["ready_s"] >= 0 and sched["asleep_s"] >= 0
+        assert sched["on_cpu_s"] + sched["ready_s"] + sched["asleep_s"] == pytest.approx(sched["wall_s"])
+        assert sum(run["step_s"]) / args.steps <= sched["wall_s"]
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
         hf_states.summarize(runs, disk)
