@@ -109,7 +109,9 @@ def training_schedule() -> tuple[float, float]:
 
 
 def schedule_between(
-    wall: float, machine: tuple[tuple[int, int], tuple[int, int]], training: tuple[tuple[float, float], ...]
+    wall: float,
+    machine: tuple[tuple[int, int], tuple[int, int]],
+    training: tuple[tuple[float, float], tuple[float, float]],
 ) -> dict[str, float]:
     """Where ``wall`` seconds of steps went for the CPUs and the training thread: the share of the
     machine's CPU time left idle, and the training thread's seconds on a CPU, ready but waiting for
@@ -210,10 +212,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         for tokens in batches[: args.warmup]:
             step(model, optimizer, tokens)
         cpu_before, faults_before = thread_cpu(), _faulted_bytes()
-        machine_before, training_before, window = machine_cpu(), training_schedule(), time.perf_counter()
+        machine_before, training_before, started = machine_cpu(), training_schedule(), time.perf_counter()
         for tokens in batches[args.warmup :]:
             step(model, optimizer, tokens)
-        machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - window
+        machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - started
         threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
     else:
         capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
@@ -230,11 +232,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 step(model, optimizer, tokens)
             before = rt.stats().as_dict()["links"]
             cpu_before, faults_before = thread_cpu(), _faulted_bytes()
-            machine_before, training_before, window = machine_cpu(), training_schedule(), time.perf_counter()
+            machine_before, training_before, started = machine_cpu(), training_schedule(), time.perf_counter()
             with rt.trace(trace_path):
                 for tokens in batches[args.warmup :]:
                     step(model, optimizer, tokens)
-            machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - window
+            machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - started
             threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
             after = rt.stats().as_dict()["links"]
             steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
