@@ -37,20 +37,17 @@ begins and ends and which chunks each module enters, and hand its answer to the 
 from __future__ import annotations
 
 from tiermem.states.chunks import Chunk
+from tiermem.states.learned_order import LearnedOrder
 from tiermem.states.store import ChunkStore
 
 Run = tuple[int, ...]
 
 
-class ForwardOrder:
+class ForwardOrder(LearnedOrder[Run]):
     """Rule 1's runs of the last forward (``last``) and this forward's, as they grow."""
 
     def __init__(self, store: ChunkStore) -> None:
-        self.store = store
-        self._last: tuple[Run, ...] = ()
-        #: the chunk list ``_last`` indexes (a re-pack builds a new one)
-        self._learned_on: list[Chunk] | None = None
-        self._now: list[Run] = []
+        super().__init__(store)
         #: rule 1: whether a root forward runs (what a submodule called alone enters is not recorded)
         self._recording = False
         #: rule 2: whether this forward entered the last one's runs so far
@@ -58,18 +55,12 @@ class ForwardOrder:
         #: the answer for the run entered last (asked again by each module in it)
         self._following: int | None = None
 
-    @property
-    def last(self) -> tuple[Run, ...]:
-        """The runs of the last forward, of the chunks as they are now (empty after a re-pack)."""
-        return self._last if self._learned_on is self.store.chunks else ()
-
     def began(self) -> None:
         self._now, self._recording, self._follows_last, self._following = [], True, True, None
 
     def ended(self) -> None:
         """Rule 1: this forward's runs are the order the next one follows."""
-        if self._now:
-            self._last, self._learned_on = tuple(self._now), self.store.chunks
+        self._learn()
         self._now, self._recording, self._following = [], False, None
 
     def entered(self, chunks: tuple[Chunk, ...]) -> int | None:

@@ -32,25 +32,12 @@ the room and rules of NOTE [ Declared steps ] rule 3.
 
 from __future__ import annotations
 
-from tiermem.states.chunks import Chunk
-from tiermem.states.store import ChunkStore
+from tiermem.states.learned_order import LearnedOrder
 
 
-class StepOrder:
-    """Rule 1's order (``last``) and this backward's, as it grows."""
-
-    def __init__(self, store: ChunkStore) -> None:
-        self.store = store
-        self._last: tuple[int, ...] = ()
-        #: the chunk list ``_last`` indexes (a re-pack builds a new one)
-        self._learned_on: list[Chunk] | None = None
-        self._now: list[int] = []
-
-    @property
-    def last(self) -> tuple[int, ...]:
-        """Chunk indices in the order the last complete backward with early steps stepped them, of
-        the chunks as they are now (empty after a re-pack)."""
-        return self._last if self._learned_on is self.store.chunks else ()
+class StepOrder(LearnedOrder[int]):
+    """Rule 1's order (``last``: chunk indices in the order the last complete backward with early
+    steps stepped them) and this backward's, as it grows."""
 
     def backward_began(self) -> None:
         self._now = []
@@ -60,8 +47,8 @@ class StepOrder:
 
     def backward_ended(self, learn: bool) -> None:
         """Rule 1: a complete backward that stepped early teaches the next window its order."""
-        if learn and self._now:
-            self._last, self._learned_on = tuple(self._now), self.store.chunks
+        if learn:
+            self._learn()
         self._now = []
 
     def stepped_before(self, index: int) -> frozenset[int]:
