@@ -26,9 +26,10 @@ moves hidden come from ``tiermem trace summary``; the CPU seconds of each kind o
 (training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``; and where the CPUs
 and the training thread were during the steps (``/proc/stat``, ``/proc/thread-self/schedstat``):
 the share of the machine's CPU time left idle, and the training thread's seconds a step on a CPU,
-ready but waiting for one, and asleep. On 2 cores a loop that is slower than plain PyTorch while
-no move is waited for shows it there: plain PyTorch's training thread barely sleeps, and every
-second it sleeps in a parallel region its OpenMP partner idles too.
+ready but waiting for one, and asleep; over the steps and per phase (forward, backward, the
+optimizer step, with each kind of thread's CPU seconds in it). On 2 cores a loop that is slower
+than plain PyTorch while no move is waited for shows it there: plain PyTorch's training thread
+barely sleeps, and every second it sleeps in a parallel region its OpenMP partner idles too.
 
 The floor is max(plain PyTorch's step in the same run, the disk time of the mode's NVMe bytes per
 step at the read and write bandwidth ``tiermem bench io`` measures on ``--path`` in the same run).
@@ -101,11 +102,12 @@ def machine_cpu() -> tuple[int, int]:
 
 
 def training_schedule() -> tuple[float, float]:
-    """Seconds the calling thread has so far run on a CPU and waited, ready, for one
-    (``/proc/thread-self/schedstat``); wall time less both is the time it slept."""
+    """Seconds the calling thread has so far run on a CPU (its CPU clock) and waited, ready, for
+    one (``/proc/thread-self/schedstat``); wall time less both is the time it slept. The run time
+    is not schedstat's: for the thread reading it, that lags by up to a scheduler tick."""
     with open("/proc/thread-self/schedstat", encoding="ascii") as f:
-        run_ns, wait_ns = (int(x) for x in f.read().split()[:2])
-    return run_ns / 1e9, wait_ns / 1e9
+        wait_ns = int(f.read().split()[1])
+    return time.thread_time(), wait_ns / 1e9
 
 
 def schedule_between(
@@ -127,6 +129,54 @@ def schedule_between(
         "ready_s": ready,
         "asleep_s": max(wall - run - ready, 0.0),
     }
+
+
+#: the phases of a step, as the timed steps mark them
+PHASES = ("forward", "backward", "optimizer.step")
+
+
+def snapshot() -> tuple[float, dict[int, float], tuple[int, int], tuple[float, float]]:
+    """What a phase's figures are read between: the wall clock, each thread's CPU seconds, the
+    machine's idle and total ticks and the training thread's run and ready seconds. The clock is
+    read next to the training thread's figures, so that its seconds add up to the wall time."""
+    threads, machine_ticks = thread_cpu(), machine_cpu()
+    training = training_schedule()
+    return time.perf_counter(), threads, machine_ticks, training
+
+
+class PhaseSchedule:
+    """:func:`schedule_between` and :func:`cpu_by_thread` per phase of the timed steps: each phase
+    summed over the steps from the snapshots taken at its start and end, read out a step's."""
+
+    def __init__(self) -> None:
+        self._sums: dict[str, dict[str, Any]] = {}
+
+    def add(self, marks: list[tuple[float, dict[int, float], tuple[int, int], tuple[float, float]]]) -> None:
+        """One step's snapshots: at its start and at the end of each of :data:`PHASES`."""
+        for name, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
+            total = self._sums.setdefault(
+                name, {"wall": 0.0, "idle": 0, "ticks": 0, "run": 0.0, "ready": 0.0, "threads": {}}
+            )
+            total["wall"] += end[0] - start[0]
+            total["idle"] += end[2][0] - start[2][0]
+            total["ticks"] += end[2][1] - start[2][1]
+            total["run"] += end[3][0] - start[3][0]
+            total["ready"] += end[3][1] - start[3][1]
+            for thread, spent in cpu_by_thread(start[1], end[1]).items():
+                total["threads"][thread] = total["threads"].get(thread, 0.0) + spent
+
+    def per_step(self, steps: int) -> dict[str, dict[str, Any]]:
+        """Per phase: the schedule figures (seconds a step; the idle share over all its steps) and
+        the CPU seconds a step of each kind of thread."""
+        phases: dict[str, dict[str, Any]] = {}
+        for name, total in self._sums.items():
+            figures = schedule_between(
+                total["wall"], ((0, 0), (total["idle"], total["ticks"])), ((0.0, 0.0), (total["run"], total["ready"]))
+            )
+            phases[name] = {k: v / steps if k.endswith("_s") else v for k, v in figures.items()}
+            threads = sorted(total["threads"].items(), key=lambda kv: -kv[1])
+            phases[name]["cpu_by_thread"] = {thread: spent / steps for thread, spent in threads}
+        return phases
 
 
 def cpu_by_thread(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
@@ -191,18 +241,26 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     walls: list[float] = []
     cpus: list[float] = []
     losses: list[float] = []
+    phases = PhaseSchedule()
 
     def step(model: Any, optimizer: Any, tokens: torch.Tensor) -> None:
+        timed = len(walls) >= args.warmup
         wall, cpu = _clock()
+        marks = [snapshot()] if timed else []
         with tracing.traced("step", "step"):
             with tracing.traced("forward pass", "phase"):
                 loss = model(input_ids=tokens, labels=tokens).loss
+            marks += [snapshot()] if timed else []
             with tracing.traced("backward pass", "phase"):  # a declared loop steps its chunks in here
                 loss.backward()
+            marks += [snapshot()] if timed else []
             with tracing.traced("optimizer.step", "phase"):
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+        marks += [snapshot()] if timed else []
         now_wall, now_cpu = _clock()
+        if timed:
+            phases.add(marks)
         walls.append(now_wall - wall)
         cpus.append(now_cpu - cpu)
         losses.append(loss.item())
@@ -269,6 +327,7 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 window, (machine_before, machine_after), (training_before, training_after)
             ).items()
         },
+        phase_schedule=phases.per_step(args.steps),
         first_step_s=walls[0],
         losses=losses,
         ru_maxrss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -305,6 +364,18 @@ def _median_schedule(runs: list[dict[str, Any]]) -> dict[str, float]:
     return {name: statistics.median(r["schedule"][name] for r in runs) for name in runs[0]["schedule"]}
 
 
+def _median_phases(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per phase of :data:`PHASES`, its schedule figures and threads' CPU seconds, medians over ``runs``."""
+    medians: dict[str, dict[str, Any]] = {}
+    for phase in PHASES:
+        figures = [r["phase_schedule"][phase] for r in runs]
+        medians[phase] = {
+            name: statistics.median(f[name] for f in figures) for name in figures[0] if name != "cpu_by_thread"
+        }
+        medians[phase]["cpu_by_thread"] = _median_threads([{"cpu_by_thread": f["cpu_by_thread"]} for f in figures])
+    return medians
+
+
 def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> dict[str, Any]:
     """Medians per mode against the floor and plain PyTorch's RSS; refuses runs whose losses differ."""
     reference = runs["plain"][0]["losses"]
@@ -323,6 +394,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "cpu_by_thread": _median_threads(runs["plain"]),
             "fault_mib": statistics.median(r["fault_mib"] for r in runs["plain"]),
             "schedule": _median_schedule(runs["plain"]),
+            "phase_schedule": _median_phases(runs["plain"]),
             "ru_maxrss": plain_rss,
         }
     }
@@ -342,6 +414,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
             "cpu_by_thread": _median_threads(mode_runs),
             "fault_mib": statistics.median(r["fault_mib"] for r in mode_runs),
             "schedule": _median_schedule(mode_runs),
+            "phase_schedule": _median_phases(mode_runs),
             "nvme_read": read,
             "nvme_written": written,
             "disk_s": disk_s,
@@ -380,6 +453,7 @@ def _report(summary: dict[str, Any], say: Any) -> None:
         f"{plain['ru_maxrss'] / mib:.0f} MiB, {plain['fault_mib']:.0f} MiB of pages faulted in a step; "
         f"{_schedule(plain)}"
     )
+    _report_phases(plain, say)
     for mode in MODES[1:]:
         m = modes[mode]
         say(
@@ -398,6 +472,7 @@ def _report(summary: dict[str, Any], say: Any) -> None:
             )
         say(f"  CPU s a step by thread: {_threads(m)}; {m['fault_mib']:.0f} MiB of pages faulted in (zeroed) a step")
         say(f"  {_schedule(m)}")
+        _report_phases(m, say)
         say(f"  plan {m['plan']}, homes {m['homes']}, predicted step {m['predicted_step_s']}")
     say("losses bitwise equal in every process")
 
@@ -410,8 +485,17 @@ def _schedule(mode: dict[str, Any]) -> str:
     )
 
 
+def _report_phases(mode: dict[str, Any], say: Any) -> None:
+    for phase, figures in mode["phase_schedule"].items():
+        say(
+            f"  {phase} {figures['wall_s']:.2f} s a step: CPUs idle {figures['cpu_idle']:.1%}; the training "
+            f"thread on a CPU {figures['on_cpu_s']:.2f} s, ready {figures['ready_s']:.2f} s, asleep "
+            f"{figures['asleep_s']:.2f} s; CPU s by thread: {_threads(figures)}"
+        )
+
+
 def _threads(mode: dict[str, Any]) -> str:
-    return ", ".join(f"{name} {s:.2f}" for name, s in mode["cpu_by_thread"].items() if s >= 0.005)
+    return ", ".join(f"{name} {s:.2f}" for name, s in mode["cpu_by_thread"].items() if s >= 0.005) or "-"
 
 
 def main() -> int:

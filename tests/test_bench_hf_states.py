@@ -60,8 +60,18 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         sched, run = summary["modes"][mode]["schedule"], runs[mode][0]
         assert 0.0 <= sched["cpu_idle"] <= 1.0
         assert sched["on_cpu_s"] > 0 and sched["ready_s"] >= 0 and sched["asleep_s"] >= 0
-        assert sched["on_cpu_s"] + sched["ready_s"] + sched["asleep_s"] == pytest.approx(sched["wall_s"])
+        spent = sched["on_cpu_s"] + sched["ready_s"] + sched["asleep_s"]
+        assert spent == pytest.approx(sched["wall_s"], abs=1e-4)  # to the microseconds between the readings
         assert sum(run["step_s"]) / args.steps <= sched["wall_s"]
+        # and per phase of the timed steps, read at its start and end: the same sum holds in each, the
+        # phases lie within the steps, and each names the training thread among its threads
+        phases = summary["modes"][mode]["phase_schedule"]
+        assert tuple(phases) == hf_states.PHASES
+        for figures in phases.values():
+            assert 0.0 <= figures["cpu_idle"] <= 1.0 and "training" in figures["cpu_by_thread"]
+            spent = figures["on_cpu_s"] + figures["ready_s"] + figures["asleep_s"]
+            assert spent == pytest.approx(figures["wall_s"], abs=1e-4)
+        assert 0 < sum(f["wall_s"] for f in phases.values()) <= sum(run["step_s"]) / args.steps
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
         hf_states.summarize(runs, disk)
