@@ -211,3 +211,63 @@ def test_leaving_the_runtime_makes_parameters_plain_again() -> None:
     assert all(type(p) is nn.Parameter for p in model.parameters())
     for p, w in zip(model.parameters(), want, strict=True):
         assert torch.equal(p, w)
+
+
+def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    losses = []
+    for x in batches:
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
+def test_deepcopy_and_torch_save_of_a_managed_optimizer_give_a_plain_one_with_its_states() -> None:
+    """NOTE [ Exact optimizer step ] rule 7: copied mid-run with the model, the copies are a plain
+    model and a plain AdamW with the true states, and they train on bitwise as plain PyTorch's copies."""
+    batches = _batches(4)
+    plain = _model()
+    plain_opt = torch.optim.AdamW(plain.parameters())
+    _train(plain, plain_opt, batches[:2])
+    want_model, want_opt = copy.deepcopy((plain, plain_opt))
+    want = _train(want_model, want_opt, batches[2:])
+    with tiermem.Runtime(NVME) as rt:
+        model, opt = rt.manage(_model(), torch.optim.AdamW, plan={"state_home": "nvme", "chunk_size": "256KiB"})
+        _train(model, opt, batches[:2])
+        copied_model, copied_opt = copy.deepcopy((model, opt))
+        buffer = io.BytesIO()
+        torch.save(opt, buffer)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+    assert type(copied_opt) is torch.optim.AdamW and type(loaded) is torch.optim.AdamW
+    params = list(copied_model.parameters())
+    assert [p for group in copied_opt.param_groups for p in group["params"]] == params  # the copied model's
+    for got in (copied_opt, loaded):
+        assert len(got.state) == len(plain_opt.state) == len(params)
+        for state, want_state in zip(got.state.values(), plain_opt.state.values(), strict=True):
+            assert state.keys() == want_state.keys()
+            assert all(torch.equal(state[k], want_state[k]) for k in state)
+    got = _train(copied_model, copied_opt, batches[2:])
+    assert torch.equal(torch.stack(got), torch.stack(want))
+    for a, b in zip(copied_model.parameters(), want_model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_the_optimizer_handed_to_manage_refuses_to_step_until_the_runtime_closes() -> None:
+    """NOTE [ Exact optimizer step ] rule 8: stepped out of habit, the optimizer rt.manage replaced
+    would rebuild its states in RAM and train apart; it refuses, and is itself again at the close."""
+    model = _model()
+    original = torch.optim.AdamW(model.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(original, 1)  # wraps the instance's step
+    wrapped = original.step
+    with tiermem.Runtime(SMALL) as rt:
+        model, opt = rt.manage(model, original)
+        model(_batches(1)[0]).sum().backward()
+        with pytest.raises(StatesUsageError, match=r"step the optimizer rt\.manage\(\) returned"):
+            original.step()
+        opt.step()  # the managed one steps
+        assert not original.state
+    assert original.step == wrapped  # the scheduler's wrapper again
+    del scheduler

@@ -7,6 +7,7 @@ cross-parameter optimizer are refused before the first step."""
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -347,3 +348,20 @@ def test_mixed_precision_steps_fp32_masters_with_any_optimizer(tmp_path, name):
             got.append(loss.detach())
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in managed.parameters()], [m.detach() for m in masters])
+
+
+def test_a_misspelt_keyword_of_manage_is_named_not_blamed_on_the_optimizer(tmp_path):
+    """Keyword arguments rt.manage does not take go to the optimizer class; one that looks like a
+    keyword of rt.manage is named as such, and the list of those matches rt.manage's signature."""
+    from tiermem.states.optimizer import MANAGE_KEYWORDS
+
+    keywords = [
+        p.name for p in inspect.signature(tiermem.Runtime.manage).parameters.values() if p.kind is p.KEYWORD_ONLY
+    ]
+    assert sorted(MANAGE_KEYWORDS) == sorted(["plan", *keywords])
+    with tiermem.Runtime(config(tmp_path, device="1MiB")) as rt:
+        with pytest.raises(TypeError, match=r"Did you mean rt\.manage's grad_accumulation_steps="):
+            rt.manage(nn.Linear(4, 4), torch.optim.AdamW, lr=1e-3, grad_accum_steps=2)
+        with pytest.raises(TypeError, match="unexpected keyword argument 'betaz'") as refused:
+            rt.manage(nn.Linear(4, 4), torch.optim.AdamW, betaz=(0.9, 0.99))  # the optimizer's own error
+        assert "rt.manage's" not in str(refused.value)

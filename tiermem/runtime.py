@@ -289,6 +289,11 @@ class Runtime:
     def register(self, tensor: torch.Tensor, tier: str = "device") -> Handle:
         """Manage ``tensor`` in ``tier`` (adopted without a copy when it already lives on
         that tier's device; deduplicated by storage and version)."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(
+                f"tiermem register/store: expected a torch.Tensor, got {type(tensor).__name__}; "
+                "make it a tensor first (torch.as_tensor(...))"
+            )
         return self.registry.register(tensor, tier)
 
     def store(self, tensor: torch.Tensor, tier: str = "nvme", priority: Priority = Priority.WRITEBACK) -> Handle:

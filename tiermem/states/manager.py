@@ -171,7 +171,7 @@ from tiermem.states.forward_order import ForwardOrder
 from tiermem.states.gradients import Gradients
 from tiermem.states.homes import Homes
 from tiermem.states.moves import ParameterMoves, Training
-from tiermem.states.optimizer import ManagedOptimizer
+from tiermem.states.optimizer import ManagedOptimizer, Superseded
 from tiermem.states.pool import ChunkPool
 from tiermem.states.relayout import FirstStepPlanner, Relayout
 from tiermem.states.speculation import Shadows
@@ -308,6 +308,8 @@ class ModelStates:
                     p.data, p.grad = data, grad
             raise
         base.state.clear()  # its states now live in chunks
+        #: NOTE [ Exact optimizer step ] rule 8: the user's own optimizer, if one was handed over
+        self._superseded = Superseded(base) if base is optimizer else None
         self._move_buffers()
         self._register_hooks()
         self.moves.install()
@@ -598,6 +600,8 @@ class ModelStates:
         finally:
             self.moves.remove()
             self.copies.remove()
+            if self._superseded is not None:
+                self._superseded.remove()
             self.store.pstate.clear()
             _MANAGED.pop(self.facts.model, None)
 

@@ -46,6 +46,18 @@
    chunk too large to stage whole steps so (NOTE [ Sliced steps ] in ``chunk_step.py``). Factored
    or declared optimizers (Adafactor's row and column statistics, a trust ratio) are not
    element-wise: their chunks stage whole, and the placement plans room for that.
+7. Copies: ``copy.deepcopy(optimizer)`` and pickling (``torch.save(optimizer)``) give a plain
+   optimizer of the user's class with the true states (fresh CPU copies read from the chunks, as
+   ``state_dict()`` gives them) over copies of the parameters, as PyTorch's deepcopy of an
+   optimizer would: the parameters copy themselves with their true values, and copied together
+   with the model (``copy.deepcopy((model, optimizer))``) they are the copied model's. The copy
+   is ordinary, not managed, as the model's copies are (``copies.py``). Copied as an object, the
+   managed optimizer would lose its states (they are not in ``optimizer.state``) and its link to
+   the chunks.
+8. An optimizer instance handed to ``rt.manage`` is superseded: its states move into the chunks
+   (its ``state`` is emptied) and, until the model's close, its ``step()`` refuses with a
+   :class:`StatesUsageError` naming the optimizer to step instead. Stepped out of habit, it would
+   build its states afresh in RAM and train apart from the managed ones, which checkpoints save.
 """
 
 from __future__ import annotations
@@ -146,7 +158,16 @@ def coerce_optimizer(
             f"`{cls.__qualname__}.{DECLARATION} = True` (README, 'Your optimizer'; NOTE [ Exact optimizer step ])"
         )
     if not isinstance(optimizer, torch.optim.Optimizer):
-        optimizer = cls([p for p in params if p.requires_grad], **kwargs)
+        try:
+            optimizer = cls([p for p in params if p.requires_grad], **kwargs)
+        except TypeError as exc:
+            meant = _manage_keyword_meant(cls, kwargs)
+            if meant is None:
+                raise
+            raise TypeError(
+                f"tiermem manage: {cls.__name__} refused {meant[0]}= ({exc}); rt.manage() passes the keyword "
+                f"arguments it does not take to the optimizer class. Did you mean rt.manage's {meant[1]}=?"
+            ) from None
     known = {id(p) for p in params}
     for group in optimizer.param_groups:
         if group.get("differentiable"):
@@ -157,6 +178,38 @@ def coerce_optimizer(
                     f"tiermem manage: the optimizer holds a parameter of shape {list(p.shape)} that is not in the model"
                 )
     return optimizer
+
+
+#: the keyword arguments of ``rt.manage`` itself: the rest go to the optimizer class (checked
+#: against ``Runtime.manage``'s signature by the tests)
+MANAGE_KEYWORDS = (
+    "plan",
+    "sample",
+    "grad_accumulation_steps",
+    "clip_grad_norm",
+    "keep_gradients",
+    "param_dtype",
+    "activations",
+)
+
+
+def _manage_keyword_meant(cls: type, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
+    """A keyword ``cls`` does not take that looks like a misspelt keyword of ``rt.manage``:
+    (the keyword, the one meant), or None."""
+    import difflib
+
+    try:
+        taken = inspect.signature(cls.__init__).parameters
+    except (TypeError, ValueError):  # no signature to read
+        return None
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in taken.values()):
+        return None
+    for name in kwargs:
+        if name not in taken:
+            close = difflib.get_close_matches(name, MANAGE_KEYWORDS, n=1, cutoff=0.6)
+            if close:
+                return name, close[0]
+    return None
 
 
 def no_optimizer() -> torch.optim.Optimizer:
@@ -441,3 +494,50 @@ class ManagedOptimizer(torch.optim.Optimizer):
         return "Managed" + torch.optim.Optimizer.__repr__(self).replace(
             type(self).__name__, self.optimizer_class.__name__, 1
         )
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        """Rule 7: rebuilt as a plain ``optimizer_class`` with the true states (pickle and deepcopy)."""
+        states = self._backend.export_optimizer_state(self)
+        plain = {
+            "defaults": dict(self.defaults),
+            "state": defaultdict(dict, {p: dict(s) for p, s in states.items() if s}),
+            "param_groups": [dict(group) for group in self.param_groups],
+        }
+        return (_plain_optimizer, (self.optimizer_class,), plain)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
+        import copy
+
+        return copy._reconstruct(self, memo, *self.__reduce_ex__(4))  # type: ignore[attr-defined,no-any-return]
+
+
+def _plain_optimizer(cls: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
+    """Rule 7: an empty instance of ``cls``; pickle and deepcopy then restore its state through
+    ``__setstate__``, as they do for any torch optimizer."""
+    return cls.__new__(cls)
+
+
+class Superseded:
+    """Rule 8: the optimizer instance handed to ``rt.manage`` refuses ``step()`` until :meth:`remove`."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        #: what the instance had as its own ``step`` (an LR scheduler's wrapper), put back at removal
+        self._own = vars(optimizer).get("step")
+        optimizer.step = self._refuse  # type: ignore[method-assign]
+
+    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
+        name = type(self.optimizer).__name__
+        raise StatesUsageError(
+            f"tiermem manage: this {name} was handed to rt.manage(), and its states now live in tiermem's "
+            f"chunks; step the optimizer rt.manage() returned (`model, optimizer = rt.manage(model, optimizer)`). "
+            f"Stepping this one would build its states afresh in RAM and train apart from them "
+            f"(NOTE [ Exact optimizer step ] rule 8)"
+        )
+
+    def remove(self) -> None:
+        if vars(self.optimizer).get("step") == self._refuse:
+            if self._own is None:
+                del self.optimizer.step
+            else:
+                self.optimizer.step = self._own  # type: ignore[method-assign]
