@@ -57,3 +57,13 @@ def test_closed_stdout_pipe_is_no_traceback(tmp_path: Path, command: list[str]) 
     assert "Traceback" not in err, err
     assert "BrokenPipeError" not in err and "Exception ignored" not in err, err
     assert child.returncode == 0, err
+
+
+def test_plan_takes_the_batch_and_sequence_spellings_of_train() -> None:
+    """A command line moves between `tiermem train` and `tiermem plan`: --batch-size and --seq-len
+    are --batch and --seq."""
+    from tiermem.cli import build_parser
+
+    for argv in (["plan", "--batch-size", "4", "--seq-len", "32"], ["plan", "--batch", "4", "--seq", "32"]):
+        args = build_parser(argv).parse_args(argv)
+        assert (args.batch, args.seq) == (4, 32)

@@ -32,8 +32,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
     parser.add_argument("--model", choices=sorted(MODELS), default="small", help="built-in GPT (default: small)")
     parser.add_argument("--layers", type=positive_int, help="override the model's number of blocks")
-    parser.add_argument("--batch", type=positive_int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--seq", type=positive_int, default=256, help="tokens per sequence (default: 256)")
+    # the spellings of `tiermem train` too, so a command line moves between the two
+    parser.add_argument(
+        "--batch", "--batch-size", dest="batch", type=positive_int, default=8, help="sequences per step (default: 8)"
+    )
+    parser.add_argument(
+        "--seq", "--seq-len", dest="seq", type=positive_int, default=256, help="tokens per sequence (default: 256)"
+    )
     parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate the plan is for (default: 1e-3)")
     parser.add_argument("--no-cache", action="store_true", help="profile again instead of using a cached profile")
     parser.add_argument("--clear-cache", action="store_true", help="remove every cached profile first")
