@@ -10,10 +10,10 @@ noisy machine falls on all of them; medians are reported. The model: ``--layers`
 - ``plain``: plain PyTorch;
 - ``host`` / ``nvme``: ``rt.manage`` with every chunk's states homed on the host / on NVMe (device
   capacity a quarter of the parameters' bytes), a plain loop: the step runs whole at
-  ``optimizer.step()`` (step thread at its default, ``TIERMEM_STEP_THREAD`` unset);
+  ``optimizer.step()`` (step thread at its default, ``TIERMEM_MODEL_STATES_STEP_THREAD`` unset);
 - ``host-declared`` / ``nvme-declared`` with ``-off`` / ``-on``: the declared loop
   (``grad_accumulation_steps=1, keep_gradients=False``): chunks step during backward, on the
-  training thread (``TIERMEM_STEP_THREAD=off``) or on the step thread (``on``).
+  training thread (``TIERMEM_MODEL_STATES_STEP_THREAD=off``) or on the step thread (``on``).
 
 Reported per mode: ``step_ns_per_param`` (the median ``optimizer.step()`` time over the parameter
 count; for declared loops only what is left at ``optimizer.step()``), ``train_step_s`` (median of
@@ -67,7 +67,7 @@ def _config(directory: Path, param_bytes: int, home: str) -> dict[str, Any]:
 # long: one timed loop per mode, kept in one place so every mode is measured alike
 def _child(flag: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
     if mode.endswith(("-on", "-off")):
-        os.environ["TIERMEM_STEP_THREAD"] = mode.rsplit("-", 1)[1]
+        os.environ["TIERMEM_MODEL_STATES_STEP_THREAD"] = mode.rsplit("-", 1)[1]
     import resource
 
     import torch

@@ -73,7 +73,7 @@ def test_check_reports_machine_and_path_problems_with_the_values_ones(
     """Every problem at once: a path that does not exist is reported beside a value that does not
     parse, and beside one this machine cannot give."""
     missing = tmp_path / "nope"
-    for capacity, first in (('"lots"', "device.capacity"), ('"99TiB"', "host.capacity")):
+    for capacity, first in (('"lots"', "device.capacity"), ('"99TiB"', "device.capacity")):
         path = write(tmp_path, f'[device]\ncapacity = {capacity}\n[nvme]\npaths = ["{missing}"]\n')
         assert main(["config", "check", path]) == 1
         lines = capsys.readouterr().err.splitlines()
@@ -101,7 +101,7 @@ def test_check_resolves_for_this_machine_unless_static(tmp_path: Path, capsys: p
     assert capsys.readouterr().out == f"OK: {path}\n"
     too_big = write(tmp_path, '[device]\ncapacity = "10GiB"\n[host]\ncapacity = "10GiB"\n')
     assert main(["config", "check", too_big]) == 1
-    assert "host.capacity: device (10GiB) + host (10GiB) = 20GiB exceeds this machine's RAM (16GiB)" in (
+    assert "device.capacity + host.capacity: device (10GiB) + host (10GiB) = 20GiB exceeds this machine's RAM" in (
         capsys.readouterr().err
     )
 
@@ -216,6 +216,51 @@ def test_check_refuses_nvme_paths_that_cannot_be_used(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "missing' does not exist" in err and "a-file' is not a directory" in err
     assert str(tmp_path) + "' " not in err  # the usable one is not reported
+
+
+def _temp_dir(monkeypatch: pytest.MonkeyPatch, directory: Path) -> str:
+    """Point the system temp dir at ``directory``; returns tiermem's default NVMe directory there."""
+    monkeypatch.setenv("TMPDIR", str(directory))
+    monkeypatch.setattr("tempfile.tempdir", None)  # gettempdir() reads TMPDIR again
+    return str(directory / f"tiermem-nvme-{os.geteuid()}")
+
+
+def test_check_accepts_what_show_wrote_as_a_run_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`config show > t.toml && config check t.toml` failed: show writes the default NVMe directory
+    out, check said it did not exist, and a run makes it. Check makes nothing."""
+    default = _temp_dir(monkeypatch, tmp_path)
+    assert main(["config", "show"]) == 0
+    shown = write(tmp_path, capsys.readouterr().out)
+    assert tomllib.loads(Path(shown).read_text())["nvme"]["paths"] == [default]
+    assert main(["config", "check", shown]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out == f"OK: {shown}\n"
+    assert not os.path.exists(default)
+
+
+def test_check_refuses_a_default_directory_a_run_could_not_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Where a run would fail on the default directory, check says so: its parent is no directory
+    (nothing can be made there), or it is not private to the user (NOTE [ Run directory rules ] 6)."""
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    monkeypatch.setattr("tempfile.tempdir", str(afile))  # TMPDIR would be skipped: gettempdir() checks it
+    default = str(afile / f"tiermem-nvme-{os.geteuid()}")
+    path = write(tmp_path, f'[nvme]\npaths = ["{default}"]\n')
+    assert main(["config", "check", path]) == 1
+    assert (
+        f"nvme.paths: tiermem's default directory {default!r} is missing and cannot be made: {str(afile)!r} is not "
+        "a directory; set TMPDIR to a writable directory or point [nvme] paths at one"
+    ) in capsys.readouterr().err
+    default = _temp_dir(monkeypatch, tmp_path)
+    os.mkdir(default, 0o777)
+    os.chmod(default, 0o777)  # writable by others: a run refuses it
+    for text in (f'[nvme]\npaths = ["{default}"]\n', "[nvme]\npaths = []\n"):
+        assert main(["config", "check", write(tmp_path, text)]) == 1
+        err = capsys.readouterr().err
+        assert f"nvme.paths: tiermem: refusing to use {default!r}: it is writable by group and others" in err, err
 
 
 # -- config show: what the machine decides, and why (tiermem/app/config_explain.py) -------------------

@@ -6,6 +6,7 @@ Machines are faked with MachineProbe, so these tests need neither CUDA nor torch
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import tempfile
@@ -283,7 +284,7 @@ def test_environment_sets_what_the_file_leaves_out(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("TIERMEM_ACTIVATIONS_MIN_BYTES", "")  # empty = unset
     monkeypatch.setenv("TIERMEM_DISTRIBUTED_TIMEOUT_S", "90")
     monkeypatch.setenv("TIERMEM_DISTRIBUTED_BACKEND", "gloo")
-    monkeypatch.setenv("TIERMEM_LOG", "debug")  # not a section: not a setting, ignored
+    monkeypatch.setenv("TIERMEM_KEEP_MALLOC", "1")  # read by tiermem.malloc, not a setting: accepted
     c = Config.coerce(None)
     assert c.nvme.paths == ("/mnt/a", "/mnt/b")
     assert c.device.capacity == 8 * GiB
@@ -321,8 +322,8 @@ def test_bad_and_unknown_environment_variables_are_errors() -> None:
             "TIERMEM_NVME_QUEUE_DEPTH": "lots",
             "TIERMEM_NVME_BLOCKSIZE": "1MiB",
             "TIERMEM_HOST_PINNED": "maybe",
-            "TIERMEM_LOG": "debug",
-            "TIERMEM_DEVICES": "1",
+            "TIERMEM_KEEP_MALLOC": "1",
+            "TIERMEM_TRACE": "",
         },
     )
     assert problems == [
@@ -335,6 +336,48 @@ def test_bad_and_unknown_environment_variables_are_errors() -> None:
         'nvme.queue_depth: "lots" is not an integer; use an integer from 1 to 1024 '
         "(from environment variable TIERMEM_NVME_QUEUE_DEPTH)",
     ]
+
+
+def test_a_typo_in_an_environment_variables_section_is_an_error_with_a_suggestion() -> None:
+    """Like a typo in its key: TIERMEM_NVEM_CAPACITY set nothing and said nothing."""
+    env = {"TIERMEM_NVEM_CAPACITY": "2GiB", "TIERMEM_MODELSTATES_CHUNK_SIZE": "1MiB", "TIERMEM_LOG": "debug"}
+    problems = problems_of({}, env=env)
+    assert [p.split(";")[:2] for p in problems] == [
+        ["TIERMEM_LOG: environment variable names no setting", " settings are TIERMEM_<SECTION>_<KEY> with SECTION one "
+         "of DEVICE, HOST, NVME, SCHEDULER, ACTIVATIONS, MODEL_STATES, DISTRIBUTED, TRACE, and tiermem also reads "
+         "TIERMEM_TRACE, TIERMEM_KEEP_MALLOC"],
+        ["TIERMEM_MODELSTATES_CHUNK_SIZE: environment variable names no setting",
+         " did you mean TIERMEM_MODEL_STATES_CHUNK_SIZE? settings are TIERMEM_<SECTION>_<KEY> with SECTION one of "
+         "DEVICE, HOST, NVME, SCHEDULER, ACTIVATIONS, MODEL_STATES, DISTRIBUTED, TRACE, and tiermem also reads "
+         "TIERMEM_TRACE, TIERMEM_KEEP_MALLOC"],
+        ["TIERMEM_NVEM_CAPACITY: environment variable names no setting",
+         " did you mean TIERMEM_NVME_CAPACITY? settings are TIERMEM_<SECTION>_<KEY> with SECTION one of "
+         "DEVICE, HOST, NVME, SCHEDULER, ACTIVATIONS, MODEL_STATES, DISTRIBUTED, TRACE, and tiermem also reads "
+         "TIERMEM_TRACE, TIERMEM_KEEP_MALLOC"],
+    ]  # fmt: skip
+    assert all(p.endswith("; fix its name or unset it") for p in problems)
+    # tiermem's variables that are not settings stay accepted, empty or not
+    assert Config.from_dict({}, env={"TIERMEM_KEEP_MALLOC": "1", "TIERMEM_TRACE": ""}) == Config()
+
+
+def test_every_tiermem_variable_the_library_names_is_a_setting_or_accepted() -> None:
+    """A TIERMEM_* name the code reads outside the configuration must be in OTHER_ENV_VARS, or
+    setting it would be refused as a typo."""
+    import re
+
+    import tiermem
+    from tiermem.config_fields import _SECTIONS, OTHER_ENV_VARS
+
+    settings = {f"TIERMEM_{name.upper()}_{key.upper()}" for name, cls in _SECTIONS.items() for key in cls.rules()}
+    root = Path(tiermem.__file__).parent.parent
+    named = {
+        match
+        for directory in ("tiermem", "tiers", "schedulers")
+        for source in (root / directory).rglob("*.py")
+        for match in re.findall(r"TIERMEM_[A-Z0-9_]*[A-Z0-9]", source.read_text())
+    }
+    assert {"TIERMEM_KEEP_MALLOC", "TIERMEM_MODEL_STATES_STEP_THREAD"} <= named  # the scan finds them
+    assert named - settings <= set(OTHER_ENV_VARS)
 
 
 def test_coerce_accepts_every_documented_form(tmp_path: Path) -> None:
@@ -372,9 +415,55 @@ def test_cpu_machine_rejects_device_plus_host_beyond_ram() -> None:
     with pytest.raises(ConfigError) as info:
         config.resolve(cpu_machine())
     assert info.value.problems == [
-        "host.capacity: device (10GiB) + host (7GiB) = 17GiB exceeds this machine's RAM (16GiB); "
-        "on the CPU both tiers share one RAM"
+        "device.capacity + host.capacity: device (10GiB) + host (7GiB) = 17GiB exceeds this machine's RAM (16GiB); "
+        'on the CPU both tiers share one RAM: lower [device] capacity or [host] capacity, or set one of them to "auto"'
     ]
+
+
+def test_cpu_ram_problems_name_the_capacity_the_user_set() -> None:
+    """Only the explicit capacity can be lowered: host "auto" got what device left (nothing), and
+    blaming host.capacity sent users to a key they never set."""
+    for name, other in (("device", "host"), ("host", "device")):
+        with pytest.raises(ConfigError) as info:
+            Config.from_dict({name: {"capacity": "100TiB"}}, env={}).resolve(cpu_machine())
+        assert info.value.problems == [
+            f"{name}.capacity: 100TiB exceeds this machine's RAM (16GiB), which the device and host tiers share on "
+            f'the CPU; lower [{name}] capacity or set it to "auto" ([{other}] capacity "auto" gets what it leaves '
+            "of 80% of the RAM available, 10GiB)"
+        ]
+    with pytest.raises(ConfigError) as info:
+        Config.from_dict({"device": {"capacity": "9GiB"}}, env={}).resolve(cpu_machine(local_world_size=2))
+    assert info.value.problems == [
+        "device.capacity: 9GiB x 2 ranks on this machine = 18GiB exceeds this machine's RAM (16GiB), which the "
+        'device and host tiers share on the CPU; lower [device] capacity (capacities are per rank) or set it to "auto" '
+        '([host] capacity "auto" gets what it leaves of 80% of the RAM available, 10GiB)'
+    ]
+
+
+def test_an_auto_cpu_capacity_left_with_nothing_is_a_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TIERMEM_DEVICE_CAPACITY below the RAM but above the share of it left host "auto" at 0 bytes
+    in silence; the first host use then failed, asking to raise a capacity nobody had set."""
+    import tiermem.config
+
+    monkeypatch.setattr(tiermem.config, "_WARNED_EMPTY", set(), raising=False)
+    env = {"TIERMEM_DEVICE_CAPACITY": "12GiB"}
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        for _ in range(2):  # a run resolves more than once (tiermem train, then its runtime): warned once
+            assert Config.from_dict({}, env=env).resolve(cpu_machine()).host.capacity == 0
+    assert [r.getMessage() for r in caplog.records] == [
+        'tiermem config: [host] capacity "auto" comes to 0 bytes: [device] capacity (12GiB) takes all of 80% of '
+        "the RAM available now (10GiB of 16GiB), which the device and host tiers share on the CPU, so nothing can "
+        "be put on the host tier. Lower [device] capacity, or set [host] capacity to a size (device + host must "
+        "fit in the RAM)"
+    ]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="tiermem"):
+        assert Config.from_dict({"host": {"capacity": "9GiB"}}, env={}).resolve(cpu_machine()).device.capacity == 0
+        Config.from_dict({"device": {"capacity": "3GiB"}}, env={}).resolve(cpu_machine())  # leaves 5 GiB: quiet
+        Config.from_dict({"host": {"capacity": 0}}, env={}).resolve(cpu_machine())  # an explicit 0 is meant
+    assert [r.getMessage().split(":")[1] for r in caplog.records] == [' [device] capacity "auto" comes to 0 bytes']
 
 
 def test_auto_capacities_are_each_ranks_share_of_the_machine() -> None:
@@ -391,8 +480,9 @@ def test_auto_capacities_are_each_ranks_share_of_the_machine() -> None:
     with pytest.raises(ConfigError) as info:
         config.resolve(two)
     assert info.value.problems == [
-        "host.capacity: device (5GiB) + host (4GiB) x 2 ranks on this machine = 18GiB exceeds this machine's "
-        "RAM (16GiB); on the CPU both tiers share one RAM; capacities are per rank"
+        "device.capacity + host.capacity: device (5GiB) + host (4GiB) x 2 ranks on this machine = 18GiB exceeds "
+        "this machine's RAM (16GiB); on the CPU both tiers share one RAM: lower [device] capacity or [host] "
+        'capacity (capacities are per rank), or set one of them to "auto"'
     ]
     cuda = cpu_machine(cuda_device_count=2, local_rank=1, local_world_size=2, cuda_free=lambda index: 20 * GiB)
     r = Config().resolve(cuda)
@@ -455,6 +545,44 @@ def test_nvme_capacity_counts_each_filesystem_once(tmp_path: Path) -> None:
     assert one_fs.resolve(probe).nvme.capacity == 90 * GiB
     two_fs = Config.from_dict({"nvme": {"paths": [str(tmp_path / "a"), str(tmp_path / "c")]}}, env={})
     assert two_fs.resolve(probe).nvme.capacity == 180 * GiB
+
+
+def test_an_nvme_capacity_beyond_the_free_space_is_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An explicit capacity larger than the disk's free space starts a run that fails at the write
+    finding the disk full: said at once, as a warning (free space comes and goes, unlike RAM); like
+    auto, the free space of each filesystem counts once, per rank."""
+    filesystems = {"a": 1, "b": 1, "c": 2}
+    probe = cpu_machine(disk_space=lambda path: DiskSpace(filesystems[Path(path).name], 100 * GiB))
+    a, b, c = (str(tmp_path / name) for name in "abc")
+
+    def warnings(paths: list[str], capacity: str, machine: MachineProbe = probe) -> list[str]:
+        caplog.clear()
+        config = Config.from_dict({"nvme": {"paths": paths, "capacity": capacity}}, env={})
+        with caplog.at_level("WARNING", logger="tiermem"):
+            config.resolve(machine)  # not a problem: the run starts
+        return [r.getMessage() for r in caplog.records]
+
+    assert warnings([a], "100GiB") == []  # all of the free space is the user's to give
+    advice = (
+        '; lower [nvme] capacity, set it to "auto" (90% of the free space), free space there, or add [nvme] '
+        "paths on other filesystems; else the write that finds the disk full raises DiskFullError"
+    )
+    assert warnings([a, b], "1TiB") == [  # one filesystem: its free space once
+        f"tiermem config: nvme.capacity: 1TiB exceeds the free space of [nvme] paths (100GiB free on the "
+        f"filesystem of {a})" + advice
+    ]
+    assert warnings([a, b], "1TiB") == []  # said once a process: a run resolves its configuration more than once
+    assert warnings([a, c], "200GiB") == []
+    assert warnings([a, c], "201GiB") == [
+        f"tiermem config: nvme.capacity: 201GiB exceeds the free space of [nvme] paths (100GiB free on the "
+        f"filesystem of {a}, 100GiB free on the filesystem of {c}: 200GiB in all)" + advice
+    ]
+    assert warnings([a], "60GiB", cpu_machine(disk_space=probe.disk_space, local_world_size=2)) == [
+        "tiermem config: nvme.capacity: 60GiB x 2 ranks on this machine = 120GiB exceeds the free space of [nvme] "
+        f'paths (100GiB free on the filesystem of {a}); lower [nvme] capacity (it is per rank), set it to "auto" '
+        "(90% of the free space), free space there, or add [nvme] paths on other filesystems; else the write that "
+        "finds the disk full raises DiskFullError"
+    ]
 
 
 def test_resolve_makes_paths_concrete_and_leaves_non_machine_autos() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import logging
 import os
 import shutil
 import sys
@@ -45,6 +46,7 @@ from tiermem.config_fields import (
     _SECTIONS,
     AUTO,
     ENV_PREFIX,
+    OTHER_ENV_VARS,
     ActivationsConfig,
     DeviceConfig,
     DistributedConfig,
@@ -59,6 +61,8 @@ from tiermem.config_fields import (
 from tiermem.errors import ConfigError
 from tiermem.tiers.rundir import default_parent
 from tiermem.units import format_size
+
+log = logging.getLogger("tiermem")
 
 __all__ = [
     "AUTO",
@@ -122,8 +126,9 @@ def _cuda_device_count() -> int:
 class MachineProbe:
     """The facts about a machine that resolution needs, injectable so tests can fake a machine.
 
-    ``cuda_free(index)`` (free bytes on ``cuda:index``) and ``disk_space(path)`` are called
-    only for the settings that need them, so faking a CPU machine needs neither CUDA nor disks.
+    ``cuda_free(index)`` (free bytes on ``cuda:index``) is called only for an ``auto`` CUDA device
+    capacity, so faking a CPU machine needs no CUDA; ``disk_space(path)`` for each NVMe path (an
+    ``auto`` capacity is a share of the free space, an explicit one must fit in it).
     ``local_world_size``: the ranks of this job on this machine, which share its RAM and disks
     (NOTE [ Ranks ] in ``tiermem.distributed``); ``auto`` capacities are each rank's share.
     """
@@ -342,9 +347,10 @@ class Config:
 def _read_env(env: Mapping[str, str], given: set[tuple[str, str]], values: dict[str, dict[str, Any]]) -> list[str]:
     """Fill ``values`` from ``TIERMEM_<SECTION>_<KEY>`` for keys not in ``given`` (the file wins).
 
-    A name under a known section that names no key is a problem (a typo must not pass
-    silently); other ``TIERMEM_*`` names (``TIERMEM_LOG``) are not settings and are skipped.
-    An empty value counts as unset.
+    Every ``TIERMEM_*`` name is tiermem's: one that names no setting (a typo in its section or
+    its key) is a problem, with the closest name, as unknown keys in a file are, since a typo
+    that is silently ignored leaves a run without what was asked. Only the variables tiermem
+    reads elsewhere (``OTHER_ENV_VARS``) are not settings. An empty value counts as unset.
     """
     problems = []
     if env.get(ENV_PREFIX + "TRACE") and ("trace", "path") not in given and not env.get(ENV_PREFIX + "TRACE_PATH"):
@@ -356,6 +362,8 @@ def _read_env(env: Mapping[str, str], given: set[tuple[str, str]], values: dict[
         rest = upper[len(ENV_PREFIX) :]
         name = next((s for s in _SECTIONS if rest.startswith(s.upper() + "_")), None)
         if name is None:
+            if var not in OTHER_ENV_VARS:
+                problems.append(_unknown_variable(var))
             continue
         key = rest[len(name) + 1 :].lower()
         rules = _SECTIONS[name].rules()
@@ -375,6 +383,23 @@ def _read_env(env: Mapping[str, str], given: set[tuple[str, str]], values: dict[
         except ValueError as exc:
             problems.append(f"{name}.{key}: {exc} (from environment variable {var})")
     return problems
+
+
+def _unknown_variable(var: str) -> str:
+    """The problem of a ``TIERMEM_*`` variable that names no section: the closest variable tiermem
+    knows (compared without the common prefix, which would make every name look close) and the
+    shape of the names it reads."""
+    known = [f"{ENV_PREFIX}{name.upper()}_{key.upper()}" for name, cls in _SECTIONS.items() for key in cls.rules()]
+    known += list(OTHER_ENV_VARS)
+    rest = var.upper()[len(ENV_PREFIX) :]
+    close = difflib.get_close_matches(rest, [k[len(ENV_PREFIX) :] for k in known], n=1)
+    guess = f"did you mean {ENV_PREFIX}{close[0]}? " if close else ""
+    sections = ", ".join(name.upper() for name in _SECTIONS)
+    return (
+        f"{var}: environment variable names no setting; {guess}settings are {ENV_PREFIX}<SECTION>_<KEY> with "
+        f"SECTION one of {sections}, and tiermem also reads {', '.join(OTHER_ENV_VARS)}; "
+        "fix its name or unset it"
+    )
 
 
 def _resolve_device_name(requested: str, probe: MachineProbe, problems: list[str]) -> str | None:
@@ -448,32 +473,127 @@ def _cpu_capacities(config: Config, probe: MachineProbe, problems: list[str]) ->
         host_cap = max(0, share - int(device_cap))
     device_cap, host_cap = int(device_cap), int(host_cap)
     if (device_cap + host_cap) * ranks > probe.total_ram:
-        total = (device_cap + host_cap) * ranks
-        problems.append(
-            f"host.capacity: device ({format_size(device_cap)}) + host ({format_size(host_cap)})"
-            f"{_ranks_here(probe)} = {format_size(total)} exceeds this machine's RAM "
-            f"({format_size(probe.total_ram)}); on the CPU both tiers share one RAM"
-            + ("; capacities are per rank" if ranks > 1 else "")
-        )
+        problems.append(_beyond_ram(config, device_cap, host_cap, probe))
+    elif config.device.capacity == AUTO and device_cap == 0:
+        _warn_auto_empty("device", "host", host_cap, probe)
+    elif config.host.capacity == AUTO and host_cap == 0:
+        _warn_auto_empty("host", "device", device_cap, probe)
     return device_cap, host_cap
+
+
+def _beyond_ram(config: Config, device_cap: int, host_cap: int, probe: MachineProbe) -> str:
+    """The problem of CPU capacities that do not fit in RAM, keyed by the capacities the user set:
+    only those can be lowered (an ``auto`` one is what an explicit one left, here nothing)."""
+    ranks, ram = probe.local_world_size, format_size(probe.total_ram)
+    per_rank = " (capacities are per rank)" if ranks > 1 else ""
+    total = format_size((device_cap + host_cap) * ranks)
+    explicit = [name for name in ("device", "host") if getattr(config, name).capacity != AUTO]
+    if len(explicit) == 2:
+        return (
+            f"device.capacity + host.capacity: device ({format_size(device_cap)}) + host ({format_size(host_cap)})"
+            f"{_ranks_here(probe)} = {total} exceeds this machine's RAM ({ram}); on the CPU both tiers share one "
+            f'RAM: lower [device] capacity or [host] capacity{per_rank}, or set one of them to "auto"'
+        )
+    (name,) = explicit  # both auto share 80% of the available RAM, which always fits
+    other = "host" if name == "device" else "device"
+    capacity = format_size(device_cap if name == "device" else host_cap)
+    amount = f"{capacity}{_ranks_here(probe)} = {total}" if ranks > 1 else capacity
+    return (
+        f"{name}.capacity: {amount} exceeds this machine's RAM ({ram}), which the device and host tiers share "
+        f'on the CPU; lower [{name}] capacity{per_rank} or set it to "auto" ([{other}] capacity "auto" gets '
+        f"what it leaves of 80% of the RAM available, {format_size(probe.available_ram)})"
+    )
+
+
+#: ``(tier, the other tier's capacity)`` already warned about: a run resolves its configuration
+#: more than once (``tiermem train`` before its runtime does), and one warning says it all.
+_WARNED_EMPTY: set[tuple[str, int]] = set()
+
+
+def _warn_auto_empty(tier: str, other: str, other_cap: int, probe: MachineProbe) -> None:
+    """An ``auto`` tier that the other tier's explicit capacity left with nothing: not an error (the
+    configuration may never use that tier), but the first object put there would fail with a
+    TierCapacityError telling the user to raise a capacity they never set, so say why now."""
+    if (tier, other_cap) in _WARNED_EMPTY:
+        return
+    _WARNED_EMPTY.add((tier, other_cap))
+    share = "this rank's share of " if probe.local_world_size > 1 else ""
+    log.warning(
+        'tiermem config: [%s] capacity "auto" comes to 0 bytes: [%s] capacity (%s) takes all of %s80%% of '
+        "the RAM available now (%s of %s), which the device and host tiers share on the CPU, so nothing "
+        "can be put on the %s tier. Lower [%s] capacity, or set [%s] capacity to a size (device + host "
+        "must fit in the RAM)",
+        tier,
+        other,
+        format_size(other_cap),
+        share,
+        format_size(probe.available_ram),
+        format_size(probe.total_ram),
+        tier,
+        other,
+        tier,
+    )
 
 
 def _resolve_nvme(nvme: NvmeConfig, probe: MachineProbe, problems: list[str]) -> NvmeConfig:
     """Absolute paths (default ``<tempdir>/tiermem-nvme-<uid>``, private to the user; a multi-process
     job's ranks use ``<path>/rank<R>`` under them, decided by the runtime: ``tiermem.distributed``); capacity auto
     = 90% of the free space of the distinct filesystems holding them (two paths on one
-    filesystem share its free space), shared among the ranks on this machine."""
+    filesystem share its free space), shared among the ranks on this machine; an explicit
+    capacity (per rank) must fit in that free space as many times as there are ranks."""
     paths = nvme.paths or (default_parent(),)
     paths = tuple(os.path.abspath(os.path.expanduser(p)) for p in paths)
     capacity: Any = nvme.capacity
+    # filesystem -> (its free bytes, the first path on it): each filesystem counted once
+    free_by_fs: dict[int, tuple[int, str]] = {}
+    unread = False
+    for path in paths:
+        try:
+            space = probe.disk_space(path)
+        except OSError as exc:
+            problems.append(f"nvme.paths: cannot read the free space for {_show(path)}: {exc.strerror or exc}")
+            unread = True
+            continue
+        free_by_fs.setdefault(space.filesystem, (space.free, path))
+    free = sum(fs_free for fs_free, _ in free_by_fs.values())
     if capacity == AUTO:
-        free_by_fs: dict[int, int] = {}
-        for path in paths:
-            try:
-                space = probe.disk_space(path)
-            except OSError as exc:
-                problems.append(f"nvme.paths: cannot read the free space for {_show(path)}: {exc.strerror or exc}")
-                continue
-            free_by_fs.setdefault(space.filesystem, space.free)
-        capacity = sum(free_by_fs.values()) * 9 // 10 // probe.local_world_size
+        capacity = free * 9 // 10 // probe.local_world_size
+    elif not unread and capacity * probe.local_world_size > free:
+        _warn_beyond_disk(capacity, free_by_fs, probe)
     return dataclasses.replace(nvme, paths=paths, capacity=capacity)
+
+
+#: explicit NVMe capacities already warned about, with their paths (see :data:`_WARNED_EMPTY`)
+_WARNED_DISK: set[tuple[int, tuple[str, ...]]] = set()
+
+
+def _warn_beyond_disk(capacity: int, free_by_fs: dict[int, tuple[int, str]], probe: MachineProbe) -> None:
+    """An explicit NVMe capacity the paths' filesystems have no room for now: the files grow as
+    objects arrive, so the run would fail later, at the write that finds the disk full (a
+    DiskFullError naming what to do). A warning, not a problem: free space is a fact of the
+    moment (another job's files come and go, the ranks of a job start one after another, a dead
+    run's files go at the next start), where RAM is a fact of the machine."""
+    key = (capacity, tuple(sorted(path for _, path in free_by_fs.values())))
+    if key in _WARNED_DISK:
+        return
+    _WARNED_DISK.add(key)
+    log.warning("tiermem config: %s", _beyond_disk(capacity, free_by_fs, probe))
+
+
+def _beyond_disk(capacity: int, free_by_fs: dict[int, tuple[int, str]], probe: MachineProbe) -> str:
+    """What :func:`_warn_beyond_disk` says: the capacity, each filesystem's free space, what to do."""
+    ranks = probe.local_world_size
+    amount = format_size(capacity)
+    if ranks > 1:
+        amount += f"{_ranks_here(probe)} = {format_size(capacity * ranks)}"
+    where = ", ".join(
+        f"{format_size(fs_free)} free on the filesystem of {path}" for fs_free, path in free_by_fs.values()
+    )
+    if len(free_by_fs) > 1:
+        where += f": {format_size(sum(fs_free for fs_free, _ in free_by_fs.values()))} in all"
+    return (
+        f"nvme.capacity: {amount} exceeds the free space of [nvme] paths ({where}); lower [nvme] capacity"
+        + (" (it is per rank)" if ranks > 1 else "")
+        + ', set it to "auto" (90% of the free space), free space there, or add [nvme] paths on other filesystems;'
+        + " else the write that finds the disk full raises DiskFullError"
+    )

@@ -29,6 +29,7 @@ from tiermem.units import parse_size
 __all__ = [
     "AUTO",
     "ENV_PREFIX",
+    "OTHER_ENV_VARS",
     "SIZE_SETTINGS",
     "ActivationsConfig",
     "DeviceConfig",
@@ -45,6 +46,15 @@ AUTO: Literal["auto"] = "auto"
 
 ENV_PREFIX = "TIERMEM_"
 """Environment variables ``TIERMEM_<SECTION>_<KEY>`` set any key the file/dict leaves out."""
+
+OTHER_ENV_VARS: dict[str, str] = {
+    "TIERMEM_TRACE": "the short name for [trace] path",
+    "TIERMEM_KEEP_MALLOC": "1 leaves glibc's malloc thresholds as they are (tiermem.malloc)",
+}
+"""The ``TIERMEM_*`` variables tiermem reads that are no ``<SECTION>_<KEY>`` setting, and what each
+does. Every other ``TIERMEM_*`` name is a setting or a typo: reading the environment reports a
+typo, since a variable that silently does nothing leaves a run without what was asked. A new
+variable read outside the configuration belongs here (``tests/test_config.py`` checks it)."""
 
 _KiB = 1024
 _MiB = 1024**2

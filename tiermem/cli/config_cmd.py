@@ -24,7 +24,8 @@ else:  # pragma: no cover - Python 3.10
 
 from tiermem import distributed
 from tiermem.config import Config, MachineProbe
-from tiermem.errors import ConfigError
+from tiermem.errors import ConfigError, StoragePathError
+from tiermem.tiers.rundir import check_own_directories, default_parent
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,14 +102,48 @@ def _paths_as_written(file: str) -> tuple[str, ...]:
 
 
 def _path_problems(paths: tuple[str, ...]) -> list[str]:
-    """The NVMe paths a file names must be usable directories here (the default one is
-    created on demand): a problem for each unusable path."""
+    """A problem for each NVMe path that would stop a run from opening its NVMe tier here, judged
+    as the tier judges them (``resolve_parents`` in ``tiermem.tiers.nvme_store``), and without
+    touching them: a configured path must be a writable directory; tiermem's own default
+    directory (``[]``, or written out by ``tiermem config show``) may be missing, since a run makes
+    it, but not unmakable, and not someone else's (NOTE [ Run directory rules ] rule 6)."""
+    default = default_parent()
     problems = []
-    for path in paths:
+    for path in paths or (default,):
         full = os.path.abspath(os.path.expanduser(path))
-        if not os.path.isdir(full):
+        if full == default:
+            problems += _default_path_problems(full)
+        elif not os.path.isdir(full):
             what = "is not a directory" if os.path.exists(full) else "does not exist"
             problems.append(f"nvme.paths: {full!r} {what}; create it or point [nvme] paths elsewhere")
-        elif not os.access(full, os.W_OK | os.X_OK) or os.statvfs(full).f_flag & os.ST_RDONLY:
+        elif not _writable(full):
             problems.append(f"nvme.paths: {full!r} is not writable (read-only filesystem or no permission)")
     return problems
+
+
+def _default_path_problems(default: str) -> list[str]:
+    """The default directory: private to the user where it exists; where it does not, a run makes
+    it and its missing parents, which needs the nearest existing one to be a writable directory."""
+    try:
+        check_own_directories(default, create_parent=False)
+    except StoragePathError as exc:
+        return [f"nvme.paths: {exc}"]
+    except OSError:
+        pass  # nothing to inspect there (a parent is no directory): judged below
+    if os.path.isdir(default):
+        return [] if _writable(default) else [f"nvme.paths: {default!r} is not writable (no permission)"]
+    nearest = os.path.dirname(default)
+    while not os.path.exists(nearest) and os.path.dirname(nearest) != nearest:
+        nearest = os.path.dirname(nearest)
+    if os.path.isdir(nearest) and _writable(nearest):
+        return []  # made on demand by the run, as it would be now
+    why = "is not writable" if os.path.isdir(nearest) else "is not a directory"
+    return [
+        f"nvme.paths: tiermem's default directory {default!r} is missing and cannot be made: {nearest!r} {why}; "
+        "set TMPDIR to a writable directory or point [nvme] paths at one"
+    ]
+
+
+def _writable(directory: str) -> bool:
+    """Whether this process may make files in ``directory`` (mode bits and a read-only mount)."""
+    return os.access(directory, os.W_OK | os.X_OK) and not os.statvfs(directory).f_flag & os.ST_RDONLY
