@@ -10,6 +10,7 @@ import dataclasses
 import math
 import re
 import threading
+import traceback
 from concurrent.futures import Future
 from typing import Any
 
@@ -27,6 +28,7 @@ from tiermem.registry import Registry
 from tiermem.states.sharded.layout import ShardSpec, size_shards
 from tiermem.states.speculation import Shadows
 from tiermem.tiers.nvme import NvmeTier
+from tiermem.units import format_size_up
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,6 +284,40 @@ def test_a_refusal_names_the_smallest_capacities_and_they_fit(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_refusal_names_the_tier_that_is_short_and_says_it_once(tmp_path):
+    """The refusal's first sentence names the tier short of the smallest capacities that fit, not
+    the one the first chunk size tried ran out of: four 256 x 256 Linears at device 600 KiB and
+    host 1 MiB are refused for the host (the first size's reserve wanted 1.5 MiB of device, but
+    540 KiB fits), and raised by what it names the model is managed. The refusal is not chained to
+    the first size's, so a traceback prints the message once."""
+
+    def manage(device: int, host: int) -> Plan:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+        with tiermem.Runtime(config(tmp_path, device, host)) as rt:
+            rt.manage(model, torch.optim.AdamW, lr=1e-3)
+            return rt.plan
+
+    with pytest.raises(StatesMemoryError) as info:
+        manage(600 * 1024, MiB)
+    message = str(info.value)
+    # the smallest capacities, exact (the last sentence's "[tier] size (N bytes)")
+    least = {tier: int(n) for tier, n in re.findall(r"\[(device|host)\] \S+ \((\d+) bytes\)", message)}
+    assert least["device"] <= 600 * 1024 < least["device"] + 64 * 1024 and least["host"] > MiB
+    short = least["host"] - MiB
+    assert message.startswith(
+        f"tiermem model states do not fit: too little host: the host has 1MiB free, below the "
+        f"{format_size_up(least['host'])} of the smallest capacities that fit (below); the device's 600KiB "
+    ), message
+    assert f"Raise [host] capacity by at least {format_size_up(short)}. " in message, message
+    assert "the device needs" not in message  # the first size's own refusal is not repeated
+    assert info.value.__cause__ is None and info.value.__suppress_context__
+    printed = "".join(traceback.format_exception(info.value))
+    assert printed.count("tiermem model states do not fit") == 1, printed
+    assert manage(600 * 1024, MiB + short).chunks > 0
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sharded_plans_shrink_chunks_before_refusing_and_name_the_least():
     """NOTE [ Sharded model states ] rule 3: the default size (one chunk of every shard) needs two
     staged homes' room; a smaller size fits the same per-rank bytes; when no size fits, the
@@ -295,6 +331,7 @@ def test_sharded_plans_shrink_chunks_before_refusing_and_name_the_least():
     assert plan.chunks > 1 and plan.chunk_size < one_chunk.chunk_size and "nvme" in plan.state_home
     with pytest.raises(StatesMemoryError, match="No chunk size fits; the smallest per-rank capacities") as info:
         size_shards(specs, 2, Budgets(0, 4096, 1 << 30), auto, "host")
+    assert info.value.__cause__ is None  # its text includes the first size's refusal: said once
     figures = named(str(info.value))
     least = Budgets(0, figures["host"], figures["nvme"])
     fitted = size_shards(specs, 2, least, auto, "host")

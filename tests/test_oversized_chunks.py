@@ -91,6 +91,26 @@ def test_a_requested_chunk_size_may_leave_outliers_alone_but_not_other_parameter
         chunk_sizes(PlanRequest(chunk_size=512 * KiB), 16 * MiB, lambda: [], MiB)
 
 
+def test_a_hand_chunk_size_below_the_largest_parameter_is_refused_naming_it_and_the_fix(tmp_path):
+    """README "Errors": ``plan=`` a chunk_size below the largest parameter is a PlanError that names
+    chunk_size, the parameter (its bytes and name) and what to give instead; with an embedding
+    that is an outlier (rule 4), the largest parameter that is no outlier."""
+
+    def refusal(*modules: torch.nn.Module, chunk_size: str) -> str:
+        with tiermem.Runtime(settings(tmp_path, 64 * MiB, 64 * MiB)) as rt, pytest.raises(PlanError) as info:
+            rt.manage(torch.nn.Sequential(*modules), torch.optim.AdamW, lr=1e-3, plan={"chunk_size": chunk_size})
+        return str(info.value)
+
+    linears = [torch.nn.Linear(256, 256) for _ in range(5)]  # five: none is an outlier
+    message = refusal(*linears, chunk_size="1KiB")
+    assert message.startswith("tiermem plan: chunk_size=1024 is below the largest parameter (262144 bytes: '0.weight')")
+    assert "give chunk_size >= 262144" in message and 'leave it out (or "auto")' in message
+    message = refusal(torch.nn.Embedding(2048, 256), *linears, chunk_size="128KiB")
+    assert "below the largest parameter that is no outlier (262144 bytes: '1.weight'; " in message
+    assert "the largest 2097152 bytes" in message and "give chunk_size >= 262144" in message
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_default_rule_leaves_outliers_alone_only_when_no_ordinary_size_fits():
     params = infos(4 * MiB, *[256 * KiB] * 16)
     order = list(range(len(params)))

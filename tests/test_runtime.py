@@ -113,6 +113,14 @@ def test_device_budget_is_enforced(tmp_path):
         assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
 
 
+def test_storing_what_is_not_a_tensor_says_so(tmp_path):
+    with tiermem.Runtime(_config(tmp_path)) as rt:
+        for call in (lambda: rt.store([1, 2, 3], "host"), lambda: rt.register([1, 2, 3])):
+            with pytest.raises(TypeError, match=r"expected a torch\.Tensor, got list"):
+                call()
+        assert rt.stats().as_dict()["tiers"]["device"]["current_bytes"] == 0
+
+
 def test_requests_after_close_are_clear_errors(tmp_path):
     rt = tiermem.Runtime(_config(tmp_path))
     with pytest.raises(RuntimeClosedError, match=r"inside `with tiermem\.Runtime"):
@@ -169,6 +177,20 @@ def test_the_readmes_submodules_are_reached_from_a_plain_import_tiermem() -> Non
     code = (
         "import tiermem, sys; assert 'tiermem.checkpoint' not in sys.modules; "
         "tiermem.checkpoint.storage_reader; tiermem.distributed.PeerFailureError"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def test_dir_lists_the_lazy_exports_without_importing_them() -> None:
+    """``dir(tiermem)`` (and so tab completion) offers every name of ``__all__`` and the
+    subpackages before any was used, as well as the module's own globals, in a fresh interpreter,
+    and listing them imports none of the core."""
+    code = (
+        "import tiermem, sys; names = dir(tiermem); "
+        "missing = [n for n in [*tiermem.__all__, 'integrations', '__version__', 'os'] if n not in names]; "
+        "assert not missing, missing; assert names == sorted(names), names; "
+        "assert 'tiermem.runtime' not in sys.modules and 'torch' not in sys.modules"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

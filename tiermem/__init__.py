@@ -72,3 +72,10 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+def __dir__() -> list[str]:
+    """The module's own globals, as Python's default ``dir`` lists them, plus the lazy exports
+    and subpackages: ``__getattr__`` alone leaves them out until first used, so tab completion
+    and ``dir(tiermem)`` would not offer ``Runtime`` or ``Config``. Imports nothing."""
+    return sorted({*globals(), *__all__, *_EXPORTS, *_SUBMODULES})

@@ -20,28 +20,39 @@ from tiermem.layout.placement import (
     staging_bytes,
     streamed_reserve,
 )
-from tiermem.units import format_size_up
+from tiermem.units import ALIGNMENT, format_size, format_size_up
 
 Layouts = TypeVar("Layouts")
 
 
 def chunk_sizes(
-    request: PlanRequest, largest: int, candidates: Callable[[], Sequence[int]], floor: int | None = None
+    request: PlanRequest,
+    largest: int,
+    candidates: Callable[[], Sequence[int]],
+    floor: int | None = None,
+    *,
+    name_of: Callable[[int], str] | None = None,
 ) -> list[int]:
     """The chunk sizes to try: the requested one (at least ``floor``, the largest parameter's
     bytes, or the floor below which even outliers' own chunks do not help (NOTE [ Chunk
-    layout rules ] rule 4); rounded up to ``ALIGNMENT``), else ``candidates()`` (rule 5)."""
+    layout rules ] rule 4); rounded up to ``ALIGNMENT``, rule 3), else ``candidates()`` (rule 5).
+    ``name_of(nbytes)``: the name of a parameter of that many bytes, for the refusal."""
     if request.chunk_size is None:
         return list(candidates())
     floor = largest if floor is None else floor
     if request.chunk_size < floor:
+        named = f": {name_of(floor)!r}" if name_of is not None else ""
         outliers = (
-            f" that is no outlier ({floor} bytes; only parameters more than twice the largest of the others, "
-            f"the largest {largest} bytes, get a chunk of their own)"
+            f" that is no outlier ({floor} bytes{named}; only parameters more than twice the largest of the "
+            f"others, the largest {largest} bytes, get a chunk of their own)"
             if floor < largest
-            else f" ({largest} bytes)"
+            else f" ({largest} bytes{named})"
         )
-        raise PlanError(f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter{outliers}")
+        raise PlanError(
+            f"tiermem plan: chunk_size={request.chunk_size} is below the largest parameter{outliers}, and a "
+            f"parameter never spans two chunks; give chunk_size >= {floor} (sizes are rounded up to "
+            f'{format_size(ALIGNMENT)}), or leave it out (or "auto") for the default rule\'s size'
+        )
     return [normalize_chunk_size(request.chunk_size)]
 
 
@@ -67,8 +78,9 @@ def choose_layout(
     [ Default placement rule ] rule 4; None: no block is recomputed): sizes whose plan keeps
     them win; without a requested chunk size, a size that fits only below them is taken when
     no size keeps them (blocks then recompute only where the device has room beside the
-    buffers; a block whose activations stay small never does). Raises the first size's error
-    when none fits, with the smallest capacities with which one would."""
+    buffers; a block whose activations stay small never does). When none fits, raises the first
+    size's error, or for the rule alone one naming the tiers short of the smallest capacities with
+    which one would, and those capacities."""
     best: tuple[tuple[bool, int, int, int], Layouts, Plan] | None = None
     first_error: Exception | None = None
     smallest: Budgets | None = None
@@ -109,15 +121,48 @@ def choose_layout(
     if best is None:
         assert first_error is not None
         if smallest is not None and isinstance(first_error, StatesMemoryError):
-            raise StatesMemoryError(
-                f"{first_error} The smallest capacities with which the default placement fits: "
-                f"[device] {format_size_up(smallest.device)} ({smallest.device} bytes), [host] "
-                f"{format_size_up(smallest.host)} ({smallest.host} bytes) and [nvme] {format_size_up(smallest.nvme)} "
-                f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where "
-                "it has room, staged one at a time)."
-            ) from first_error
+            # from None: the first size's refusal is one chunk size's story (its device reserve
+            # at the default buffers, say) and may blame a tier that is not short at all; the
+            # message below says which tier is, and chaining would print both
+            raise StatesMemoryError(_short_of(first_error, smallest, budgets)) from None
         raise first_error
     return best[1], best[2]
+
+
+_NAMES = {"device": "device", "host": "host", "nvme": "NVMe"}
+_SUBJECTS = {"device": "the device", "host": "the host", "nvme": "NVMe"}
+
+
+def _short_of(first_error: StatesMemoryError, smallest: Budgets, budgets: Budgets) -> str:
+    """A refusal of the default rule: first the tiers with less free than ``smallest`` (the least
+    with which some chunk size fits, which the last sentence lists), with both numbers and the
+    raise each needs, then those smallest capacities. When no tier is short of them, the first
+    size's own refusal says what it lacked."""
+    tiers = [(tier, getattr(budgets, tier), getattr(smallest, tier)) for tier in ("device", "host", "nvme")]
+    short = [(tier, free, least) for tier, free, least in tiers if least > free]
+    if short:
+        names = " and ".join(_NAMES[tier] for tier, _, _ in short)
+        # exact bytes only in the last sentence: scripts read the capacities from its "(N bytes)"
+        numbers = "; ".join(
+            f"{_SUBJECTS[tier]} has {format_size(free)} free, below the {format_size_up(least)} of the smallest "
+            "capacities that fit (below)"
+            for tier, free, least in short
+        )
+        enough = [f"{_SUBJECTS[tier]}'s {format_size(free)}" for tier, free, least in tiers if 0 < least <= free]
+        beside = f"; {' and '.join(enough)} free {'is' if len(enough) == 1 else 'are'} enough" if enough else ""
+        raises = " and ".join(
+            f"[{tier}] capacity by at least {format_size_up(least - free)}" for tier, free, least in short
+        )
+        lead = f"tiermem model states do not fit: too little {names}: {numbers}{beside}. Raise {raises}."
+    else:
+        lead = str(first_error)
+    return (
+        f"{lead} The smallest capacities with which the default placement fits: "
+        f"[device] {format_size_up(smallest.device)} ({smallest.device} bytes), [host] "
+        f"{format_size_up(smallest.host)} ({smallest.host} bytes) and [nvme] {format_size_up(smallest.nvme)} "
+        f"({smallest.nvme} bytes) free (every chunk streamed through the fewest buffers, homes on NVMe where "
+        "it has room, staged one at a time)."
+    )
 
 
 def smallest_budgets(

@@ -60,7 +60,9 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    (NOTE [ Chunk layout rules ] rules 4 and 5). Every chunk size is tried with two staged homes, then
    with one (rule 3); of the sizes that fit, those that stage two win (their step overlaps its
    I/O), then the least waste. A refusal of the rule alone names the smallest free bytes per
-   tier with which some chunk size fits (``choose.py``), outliers' own chunks included.
+   tier with which some chunk size fits (``choose.py``), outliers' own chunks included, and
+   first the tiers whose free bytes are below those, with the raise each needs: the first size's
+   own refusal may blame a tier that some other size does not need more of.
    Measured: a 4 x 256 GPT-2 and Llama (vocabulary 1,024, 52 MiB of fp32 AdamW state) at device
    25% and host 10% of it were refused with two staged homes (8 MiB of host for 1 MiB chunks,
    the largest parameter's size) and train with one (4 MiB).

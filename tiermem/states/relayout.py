@@ -131,7 +131,9 @@ class Relayout:
         info = self.facts.info
         largest = max(i.nbytes for i in info)
         return choose_layout(
-            chunk_sizes(self.request, largest, lambda: size_candidates(info), packing_floor(info)),
+            chunk_sizes(
+                self.request, largest, lambda: size_candidates(info), packing_floor(info), name_of=self._name_of
+            ),
             # NOTE [ Chunk layout rules ] rule 4: a parameter above the chunk size is an outlier
             # (the sizes tried are at least the floor) and gets a chunk of its own
             lambda size: pack(info, order, size, oversized=True),
@@ -143,6 +145,11 @@ class Relayout:
             fallback=outlier_candidates(info) if self.request.chunk_size is None else (),
             recompute_buffers=self.facts.recompute_buffers,
         )
+
+    def _name_of(self, nbytes: int) -> str:
+        """The name of the first parameter of ``nbytes`` bytes, for a refusal of the chunk size."""
+        index = next(i for i, p in enumerate(self.facts.info) if p.nbytes == nbytes)
+        return self.facts.param_names([index])[0]
 
     # -- building ------------------------------------------------------------------------------
     def build(self, layouts: Sequence[ChunkLayout], plan: Plan, snapshot: Snapshot) -> None:

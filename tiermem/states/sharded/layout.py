@@ -117,11 +117,12 @@ def size_shards(
     least = {"device": 0, "host": 0, "nvme": sum(homes)}
     least[staging] += max(homes, default=0)  # every home on NVMe, one staged at a time
     assert first is not None
+    # from None: the message carries the first refusal's text; chained, a traceback prints it twice
     raise StatesMemoryError(
         f"{first} No chunk size fits; the smallest per-rank capacities with which one does: "
         + ", ".join(f"[{tier}] {format_size_up(least[tier])}" for tier in STATE_HOMES if least[tier])
         + f" free (chunks of {format_size(sizes[-1])}, every state home on NVMe, staged one at a time)."
-    ) from first
+    ) from None
 
 
 def signature(chunk_size: int, layouts: Sequence[ChunkLayout], sections: int) -> str:
