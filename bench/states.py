@@ -106,10 +106,15 @@ def _cpu_s() -> float:
 
 
 def _needed(message: str) -> dict[str, int]:
-    """The bytes a refused plan says each tier needs ("the host needs 937.96MiB ...")."""
-    needs = {}
+    """The bytes a refused plan says each tier needs ("the host needs 937.96MiB ..."), or, from the
+    default rule's refusal, the smallest capacities with which it fits ("[host] 1.27MiB (1331200
+    bytes)"): where a tier already has that much, raising it to that changes nothing."""
+    needs: dict[str, int] = {}
     for tier, number, unit in re.findall(r"the (device|host) needs ([\d.]+)\s*(B|KiB|MiB|GiB|TiB)", message):
         needs[tier] = int(float(number) * _UNITS[unit]) + 1
+    smallest = message.partition("The smallest capacities with which")[2]
+    for tier, exact in re.findall(r"\[(device|host)\] \S+ \((\d+) bytes\)", smallest):
+        needs[tier] = max(needs.get(tier, 0), int(exact))
     return needs
 
 
