@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import io
 import pickle
+import warnings
 
 import pytest
 import torch
@@ -255,19 +256,36 @@ def test_deepcopy_and_torch_save_of_a_managed_optimizer_give_a_plain_one_with_it
         assert torch.equal(a, b)
 
 
-def test_the_optimizer_handed_to_manage_refuses_to_step_until_the_runtime_closes() -> None:
+def test_the_optimizer_handed_to_manage_refuses_to_step_and_its_scheduler_drives_the_managed_one() -> None:
     """NOTE [ Exact optimizer step ] rule 8: stepped out of habit, the optimizer rt.manage replaced
-    would rebuild its states in RAM and train apart; it refuses, and is itself again at the close."""
+    would rebuild its states in RAM and train apart; it refuses, an LR scheduler made on it before
+    rt.manage sets the managed optimizer's learning rate (also after a load_state_dict), bitwise as
+    in plain PyTorch, and the optimizer is itself again at the close."""
+    batches = _batches(4)
+    plain = _model()
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=0.01)
+    plain_scheduler = torch.optim.lr_scheduler.StepLR(plain_opt, 1, gamma=0.5)
     model = _model()
-    original = torch.optim.AdamW(model.parameters())
-    scheduler = torch.optim.lr_scheduler.StepLR(original, 1)  # wraps the instance's step
+    original = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(original, 1, gamma=0.5)  # wraps the instance's step
     wrapped = original.step
     with tiermem.Runtime(SMALL) as rt:
         model, opt = rt.manage(model, original)
-        model(_batches(1)[0]).sum().backward()
+        for i, x in enumerate(batches):
+            for m, o, sched in ((model, opt, scheduler), (plain, plain_opt, plain_scheduler)):
+                m(x).square().mean().backward()
+                o.step()
+                o.zero_grad()
+                with warnings.catch_warnings():  # torch: the scheduler never saw its optimizer step
+                    warnings.simplefilter("ignore", UserWarning)
+                    sched.step()
+            if i == 1:
+                opt.load_state_dict(opt.state_dict())
+        assert opt.param_groups[0]["lr"] == plain_opt.param_groups[0]["lr"] == 0.01 * 0.5**4
+        for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+            assert torch.equal(a, b)
+        model(batches[0]).sum().backward()
         with pytest.raises(StatesUsageError, match=r"step the optimizer rt\.manage\(\) returned"):
             original.step()
-        opt.step()  # the managed one steps
         assert not original.state
     assert original.step == wrapped  # the scheduler's wrapper again
-    del scheduler

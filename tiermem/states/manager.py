@@ -309,7 +309,7 @@ class ModelStates:
             raise
         base.state.clear()  # its states now live in chunks
         #: NOTE [ Exact optimizer step ] rule 8: the user's own optimizer, if one was handed over
-        self._superseded = Superseded(base) if base is optimizer else None
+        self._superseded = Superseded(base, self.optimizer) if base is optimizer else None
         self._move_buffers()
         self._register_hooks()
         self.moves.install()

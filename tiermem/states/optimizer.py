@@ -58,11 +58,15 @@
    (its ``state`` is emptied) and, until the model's close, its ``step()`` refuses with a
    :class:`StatesUsageError` naming the optimizer to step instead. Stepped out of habit, it would
    build its states afresh in RAM and train apart from the managed ones, which checkpoints save.
+   Its ``param_groups`` are the managed optimizer's (the same list, again after a
+   ``load_state_dict``): an LR scheduler made on it before ``rt.manage`` drives the managed
+   optimizer's learning rate, where it would have changed only groups nothing steps.
 """
 
 from __future__ import annotations
 
 import inspect
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -442,6 +446,8 @@ class ManagedOptimizer(torch.optim.Optimizer):
     def __init__(self, backend: StatesBackend, base: torch.optim.Optimizer) -> None:
         self._backend = backend
         self._frozen_groups = False
+        #: rule 8: the user's optimizer this one replaced, sharing its param groups
+        self._superseded: Superseded | None = None
         self.optimizer_class: type[torch.optim.Optimizer] = type(base)
         #: the total gradient norm of the last step when rt.manage(clip_grad_norm=) clips
         self.grad_norm: torch.Tensor | None = None
@@ -478,6 +484,8 @@ class ManagedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # validates and matches parameters, as PyTorch does
+        if self._superseded is not None:  # rule 8: PyTorch's load made new groups
+            self._superseded.share_groups()
         # PyTorch casts floating states to each parameter's dtype; under mixed precision the
         # parameters are working copies (bf16) and the states belong to the fp32 masters, so
         # the chunks take the saved values themselves, matched to parameters as PyTorch does.
@@ -517,26 +525,35 @@ def _plain_optimizer(cls: type[torch.optim.Optimizer]) -> torch.optim.Optimizer:
     return cls.__new__(cls)
 
 
-class Superseded:
-    """Rule 8: the optimizer instance handed to ``rt.manage`` refuses ``step()`` until :meth:`remove`."""
+def _refuse_superseded(optimizer: torch.optim.Optimizer, *_args: Any, **_kwargs: Any) -> Any:
+    """Rule 8: the ``step`` of a superseded optimizer, bound to it (an LR scheduler made on it
+    later wraps its ``step.__func__`` and binds that to the optimizer again)."""
+    raise StatesUsageError(
+        f"tiermem manage: this {type(optimizer).__name__} was handed to rt.manage(), and its states now live in "
+        f"tiermem's chunks; step the optimizer rt.manage() returned (`model, optimizer = rt.manage(model, "
+        f"optimizer)`). Stepping this one would build its states afresh in RAM and train apart from them "
+        f"(NOTE [ Exact optimizer step ] rule 8)"
+    )
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+
+class Superseded:
+    """Rule 8: the optimizer instance handed to ``rt.manage`` refuses ``step()`` until :meth:`remove`,
+    and shares the managed optimizer's param groups."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, managed: ManagedOptimizer) -> None:
         self.optimizer = optimizer
+        self.managed = managed
         #: what the instance had as its own ``step`` (an LR scheduler's wrapper), put back at removal
         self._own = vars(optimizer).get("step")
-        optimizer.step = self._refuse  # type: ignore[method-assign]
+        optimizer.step = types.MethodType(_refuse_superseded, optimizer)  # type: ignore[method-assign]
+        managed._superseded = self
+        self.share_groups()
 
-    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
-        name = type(self.optimizer).__name__
-        raise StatesUsageError(
-            f"tiermem manage: this {name} was handed to rt.manage(), and its states now live in tiermem's "
-            f"chunks; step the optimizer rt.manage() returned (`model, optimizer = rt.manage(model, optimizer)`). "
-            f"Stepping this one would build its states afresh in RAM and train apart from them "
-            f"(NOTE [ Exact optimizer step ] rule 8)"
-        )
+    def share_groups(self) -> None:
+        self.optimizer.param_groups = self.managed.param_groups
 
     def remove(self) -> None:
-        if vars(self.optimizer).get("step") == self._refuse:
+        if getattr(vars(self.optimizer).get("step"), "__func__", None) is _refuse_superseded:
             if self._own is None:
                 del self.optimizer.step
             else:
