@@ -67,3 +67,11 @@ def test_plan_takes_the_batch_and_sequence_spellings_of_train() -> None:
     for argv in (["plan", "--batch-size", "4", "--seq-len", "32"], ["plan", "--batch", "4", "--seq", "32"]):
         args = build_parser(argv).parse_args(argv)
         assert (args.batch, args.seq) == (4, 32)
+
+
+def test_an_unknown_flag_is_refused_with_the_subcommands_usage(capsys: pytest.CaptureFixture[str]) -> None:
+    from tiermem.cli import main
+
+    assert main(["plan", "--bogus", "3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tiermem plan ") and "tiermem plan: error: unrecognized arguments: --bogus 3" in err

@@ -81,6 +81,14 @@ def build_parser(argv: Sequence[str] = ()) -> argparse.ArgumentParser:
     return parser
 
 
+def _subcommand_parser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
+    """The parser of subcommand ``name`` (argparse keeps it in its subparsers action)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return action.choices[name]  # type: ignore[no-any-return]
+    return parser
+
+
 @contextlib.contextmanager
 def sigterm_as_interrupt() -> Iterator[None]:
     """Turn SIGTERM into KeyboardInterrupt while a command runs, so its ``finally`` blocks
@@ -109,7 +117,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser(args_list)
     try:
-        args = parser.parse_args(args_list)
+        args, unknown = parser.parse_known_args(args_list)
+        if unknown:  # the subcommand's usage, not the top level's, is what helps here
+            _subcommand_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exc:  # --help, --version, usage errors: keep argparse's status
         return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     module = importlib.import_module(COMMANDS[args.command].module)
