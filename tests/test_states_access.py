@@ -69,18 +69,23 @@ def _homes(rt: tiermem.Runtime) -> set[str]:
     return {c.home_tier for c in states.chunks}
 
 
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> torch.Tensor:
+    """One training step of the tests' loss; its loss."""
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.detach()
+
+
 def _train_with_ema(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], nn.Module]:
     ema = copy.deepcopy(model)
     losses = []
     for x in _batches(3):
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        losses.append(_step(model, opt, x))
         with torch.no_grad():
             for e, p in zip(ema.parameters(), model.parameters(), strict=True):
                 e.lerp_(p, 0.1)
-        losses.append(loss.detach())
     return losses, ema
 
 
@@ -112,11 +117,7 @@ def _edit_mid_run(model: nn.Module, opt: torch.optim.Optimizer, state: dict[str,
                 model[3].weight.mul_(0.5)
                 nn.init.zeros_(model[5].bias)
                 model[6].weight.data[0].fill_(0.25)
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
+        losses.append(_step(model, opt, x))
     return losses
 
 
@@ -215,14 +216,7 @@ def test_leaving_the_runtime_makes_parameters_plain_again() -> None:
 
 
 def _train(model: nn.Module, opt: torch.optim.Optimizer, batches: list[torch.Tensor]) -> list[torch.Tensor]:
-    losses = []
-    for x in batches:
-        loss = model(x).square().mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-    return losses
+    return [_step(model, opt, x) for x in batches]
 
 
 def test_deepcopy_and_torch_save_of_a_managed_optimizer_give_a_plain_one_with_its_states() -> None:
@@ -273,9 +267,7 @@ def test_the_optimizer_handed_to_manage_refuses_to_step_and_its_scheduler_drives
         model, opt = rt.manage(model, original)
         for i, x in enumerate(batches):
             for m, o, sched in ((model, opt, scheduler), (plain, plain_opt, plain_scheduler)):
-                m(x).square().mean().backward()
-                o.step()
-                o.zero_grad()
+                _step(m, o, x)
                 with warnings.catch_warnings():  # torch: the scheduler never saw its optimizer step
                     warnings.simplefilter("ignore", UserWarning)
                     sched.step()
