@@ -85,6 +85,18 @@ def test_the_default_is_per_user_and_made_private_when_free(tmpdir_root: Path) -
     assert not default.exists(), "the default directory tiermem made is removed once empty"
 
 
+def test_the_last_runtime_to_leave_the_default_directory_removes_it(tmpdir_root: Path) -> None:
+    """Two runs on the default path, the one that made it leaving first: the other, which found
+    it, removes it as it leaves (it was left behind, empty)."""
+    default = Path(default_parent())
+    first = nvme_tier([])
+    second = nvme_tier([])
+    first.close()
+    assert default.is_dir()  # the second run's directory is in it
+    second.close()
+    assert not default.exists()
+
+
 @pytest.mark.parametrize("backend", ["posix", "auto"])
 def test_a_symlink_planted_at_the_default_path_is_refused(
     tmpdir_root: Path, tmp_path: Path, backend: str, monkeypatch: pytest.MonkeyPatch

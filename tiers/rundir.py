@@ -115,7 +115,7 @@ _RANK_ADVICE = (
 
 def default_parent() -> str:
     """The default NVMe parent: ``$TMPDIR/tiermem-nvme-<uid>``, private to the user (rule 6;
-    created on demand with mode 0700, removed when empty).
+    created on demand with mode 0700, removed by the last runtime to leave it).
 
     Per user: a fixed name in a world-writable directory is another local user's to take first.
     Not under ``$XDG_RUNTIME_DIR``: that is a tmpfs, where offloaded bytes would stay in RAM.
@@ -350,11 +350,13 @@ def check_own_directories(parent: str | os.PathLike[str], create_parent: bool) -
 
 def _removable(parent: str, created: list[str]) -> tuple[str, ...]:
     """What cleanup may remove once empty, innermost first: what this process made, and
-    tiermem's own default parent above a rank directory whoever made it (the last rank to
-    leave removes it)."""
+    tiermem's own default parent, itself or above a rank directory, whoever made it: the last
+    runtime to leave removes it. Were only its maker to, a second run that outlived the first
+    would leave it behind, empty. One that vanishes as another run makes its directory there is
+    made again (:meth:`RunDirectory.create` retries)."""
     directories = sorted(set(created), key=len, reverse=True)
     default = default_parent()
-    if os.path.dirname(parent) == default and default not in directories:
+    if default in (parent, os.path.dirname(parent)) and default not in directories:
         directories.append(default)
     return tuple(directories)
 
