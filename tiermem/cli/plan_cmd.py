@@ -117,8 +117,11 @@ def _print(result: dict[str, Any]) -> None:
         f"tiermem plan: GPT {m['name']} ({m['n_layer']} blocks, d_model {m['d_model']}, {m['parameters'] / 1e6:.2f}M "
         f"parameters), batch {result['batch_size']} x {m['seq_len']} tokens, on {result['device']}"
     )
-    source = "cached" if result["profile"]["cached"] else f"measured in {result['profile']['profiling_s']:.1f}s"
-    print(f"profile: {source}; planning took {result['planning_s']:.2f}s")
+    profiling_s, total_s = result["profile"]["profiling_s"], result["planning_s"]
+    if result["profile"]["cached"]:
+        print(f"profile: cached (measured in {profiling_s:.2f}s when made); planned in {total_s:.2f}s")
+    else:  # planning_s is the whole call: the profile, then the search
+        print(f"profile: measured in {profiling_s:.2f}s; planned in {max(total_s - profiling_s, 0.0):.2f}s after it")
     print(
         f"plan: chunk size {format_size(plan['chunk_size'])}, {plan['persistent_chunks']} of "
         f"{len(plan['state_home'])} chunks persistent, {plan['buffers']} buffers"
