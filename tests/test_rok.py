@@ -70,3 +70,9 @@ def test_rok_rejects_bad_batch_sizes(capsys):
     except SystemExit as exit_:
         assert exit_.code != 0
     assert "expected" in capsys.readouterr().err
+
+
+def test_rok_refuses_a_model_shape_that_is_not_positive(capsys):
+    """rok takes the GPT's shape as train does: a zero is refused at the command line."""
+    assert main(["rok", "--layers", "0"]) == 2
+    assert "argument --layers: 0 must be at least 1" in capsys.readouterr().err

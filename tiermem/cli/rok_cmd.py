@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from tiermem.app.models.gpt import GPTConfig
+from tiermem.cli.arguments import add_gpt_shape
 from tiermem.config import Config
 from tiermem.units import format_size
 
@@ -25,11 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="tier configuration file (default: the embedded default)")
     parser.add_argument("--batch-sizes", type=_int_list, default=[1, 2, 4], help="comma list (default 1,2,4)")
     parser.add_argument("--steps", type=int, default=2, help="measured steps per point, after one warm-up (default: 2)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks (default: 4)")
-    parser.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads (default: 4)")
-    parser.add_argument("--vocab", type=int, default=1024, help="vocabulary size (default: 1024)")
-    parser.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default: 256)")
+    add_gpt_shape(parser, vocab=1024)
     parser.add_argument("--out", default="rok", help="output prefix: writes PREFIX.csv and PREFIX.png")
     parser.add_argument("--json", action="store_true", help="print the points as JSON")
 

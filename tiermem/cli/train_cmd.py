@@ -26,7 +26,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from tiermem.cli.arguments import positive_float, positive_int
+from tiermem.cli.arguments import add_gpt_shape, positive_float, positive_int
 from tiermem.config import AUTO, Config
 from tiermem.units import format_size
 
@@ -60,11 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", metavar="FILE", help="tier configuration (TOML); default: defaults + TIERMEM_*")
     parser.add_argument("--steps", type=positive_int, default=30, help="optimizer steps (default: 30)")
     parser.add_argument("--batch-size", type=positive_int, default=8, help="sequences per step (default: 8)")
-    parser.add_argument("--layers", type=positive_int, default=4, help="transformer blocks (default: 4)")
-    parser.add_argument("--d-model", type=positive_int, default=256, help="model width (default: 256)")
-    parser.add_argument("--heads", type=positive_int, default=4, help="attention heads (default: 4)")
-    parser.add_argument("--vocab", type=positive_int, default=512, help="vocabulary size (default: 512)")
-    parser.add_argument("--seq-len", type=positive_int, default=256, help="tokens per sequence (default: 256)")
+    add_gpt_shape(parser, vocab=512)
     parser.add_argument("--lr", type=positive_float, default=1e-3, help="AdamW learning rate (default: 1e-3)")
     parser.add_argument(
         "--policy",
