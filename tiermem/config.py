@@ -505,33 +505,29 @@ def _beyond_ram(config: Config, device_cap: int, host_cap: int, probe: MachinePr
     )
 
 
-#: ``(tier, the other tier's capacity)`` already warned about: a run resolves its configuration
-#: more than once (``tiermem train`` before its runtime does), and one warning says it all.
-_WARNED_EMPTY: set[tuple[str, int]] = set()
+#: the warnings already given, by what they are about: a run resolves its configuration more than
+#: once (``tiermem train`` before its runtime does), and one warning says it all
+_WARNED: set[tuple[object, ...]] = set()
+
+
+def _warn_once(key: tuple[object, ...], message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        log.warning("tiermem config: %s", message)
 
 
 def _warn_auto_empty(tier: str, other: str, other_cap: int, probe: MachineProbe) -> None:
     """An ``auto`` tier that the other tier's explicit capacity left with nothing: not an error (the
     configuration may never use that tier), but the first object put there would fail with a
     TierCapacityError telling the user to raise a capacity they never set, so say why now."""
-    if (tier, other_cap) in _WARNED_EMPTY:
-        return
-    _WARNED_EMPTY.add((tier, other_cap))
     share = "this rank's share of " if probe.local_world_size > 1 else ""
-    log.warning(
-        'tiermem config: [%s] capacity "auto" comes to 0 bytes: [%s] capacity (%s) takes all of %s80%% of '
-        "the RAM available now (%s of %s), which the device and host tiers share on the CPU, so nothing "
-        "can be put on the %s tier. Lower [%s] capacity, or set [%s] capacity to a size (device + host "
+    _warn_once(
+        ("auto empty", tier, other_cap),
+        f'[{tier}] capacity "auto" comes to 0 bytes: [{other}] capacity ({format_size(other_cap)}) takes all of '
+        f"{share}80% of the RAM available now ({format_size(probe.available_ram)} of "
+        f"{format_size(probe.total_ram)}), which the device and host tiers share on the CPU, so nothing can be "
+        f"put on the {tier} tier. Lower [{other}] capacity, or set [{tier}] capacity to a size (device + host "
         "must fit in the RAM)",
-        tier,
-        other,
-        format_size(other_cap),
-        share,
-        format_size(probe.available_ram),
-        format_size(probe.total_ram),
-        tier,
-        other,
-        tier,
     )
 
 
@@ -563,21 +559,15 @@ def _resolve_nvme(nvme: NvmeConfig, probe: MachineProbe, problems: list[str]) ->
     return dataclasses.replace(nvme, paths=paths, capacity=capacity)
 
 
-#: explicit NVMe capacities already warned about, with their paths (see :data:`_WARNED_EMPTY`)
-_WARNED_DISK: set[tuple[int, tuple[str, ...]]] = set()
-
-
 def _warn_beyond_disk(capacity: int, free_by_fs: dict[int, tuple[int, str]], probe: MachineProbe) -> None:
     """An explicit NVMe capacity the paths' filesystems have no room for now: the files grow as
     objects arrive, so the run would fail later, at the write that finds the disk full (a
     DiskFullError naming what to do). A warning, not a problem: free space is a fact of the
     moment (another job's files come and go, the ranks of a job start one after another, a dead
-    run's files go at the next start), where RAM is a fact of the machine."""
-    key = (capacity, tuple(sorted(path for _, path in free_by_fs.values())))
-    if key in _WARNED_DISK:
-        return
-    _WARNED_DISK.add(key)
-    log.warning("tiermem config: %s", _beyond_disk(capacity, free_by_fs, probe))
+    run's files go at the next start), where RAM is a fact of the machine. Said once per capacity
+    and paths, whatever the free space reads each time."""
+    paths = tuple(sorted(path for _, path in free_by_fs.values()))
+    _warn_once(("beyond disk", capacity, paths), _beyond_disk(capacity, free_by_fs, probe))
 
 
 def _beyond_disk(capacity: int, free_by_fs: dict[int, tuple[int, str]], probe: MachineProbe) -> str:

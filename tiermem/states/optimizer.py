@@ -65,6 +65,8 @@
 
 from __future__ import annotations
 
+import copy
+import difflib
 import inspect
 import types
 from collections import defaultdict
@@ -200,8 +202,6 @@ MANAGE_KEYWORDS = (
 def _manage_keyword_meant(cls: type, kwargs: Mapping[str, Any]) -> tuple[str, str] | None:
     """A keyword ``cls`` does not take that looks like a misspelt keyword of ``rt.manage``:
     (the keyword, the one meant), or None."""
-    import difflib
-
     try:
         taken = inspect.signature(cls.__init__).parameters
     except (TypeError, ValueError):  # no signature to read
@@ -514,8 +514,6 @@ class ManagedOptimizer(torch.optim.Optimizer):
         return (_plain_optimizer, (self.optimizer_class,), plain)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> torch.optim.Optimizer:
-        import copy
-
         return copy._reconstruct(self, memo, *self.__reduce_ex__(4))  # type: ignore[attr-defined,no-any-return]
 
 
