@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import tiermem.cli
 from tiermem.cli import COMMANDS, main
@@ -384,8 +385,9 @@ def test_show_says_off_where_the_machine_alone_decides_the_step_thread(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Issue 21 item 4, [model_states] step_thread: on one usable core 'auto' is the machine's
-    decision ("off"), shown as such; from two cores the optimizer's flags decide part of it per
-    run, so it stays "auto" with what the machine decides in its comment."""
+    decision ("off"), shown as such; from two cores the run decides part of it (where the model
+    computes, torch's threads, the optimizer's flags), so it stays "auto" with what the machine
+    decides in its comment."""
     import tiermem.states.step_thread as step_thread
 
     monkeypatch.setattr(step_thread, "usable_cores", lambda: 1)
@@ -397,7 +399,9 @@ def test_show_says_off_where_the_machine_alone_decides_the_step_thread(
     assert main(["config", "show"]) == 0
     out = capsys.readouterr().out
     assert tomllib.loads(out)["model_states"]["step_thread"] == "auto"
-    assert "the optimizer's flags decide that per run" in comments(out)["model_states.step_thread"]
+    comment = comments(out)["model_states.step_thread"]
+    assert f"torch's {torch.get_num_threads()} intra-op threads" in comment
+    assert "inline where a CPU model's compute takes every core" in comment
 
 
 def test_show_says_every_size_as_a_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -27,7 +27,7 @@ from tiermem.registry import ObjectState
 from tiermem.states import chunk_step
 from tiermem.states import step_thread as step_thread_module
 from tiermem.states.chunk_step import ChunkStep
-from tiermem.states.step_thread import AUTO_MIN_CORES, ENV_VAR, step_thread_wanted
+from tiermem.states.step_thread import AUTO_MIN_CORES, ENV_VAR, spare_core, step_thread_wanted
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -200,6 +200,48 @@ def test_auto_steps_fused_host_homes_inline(tmp_path, step_thread, monkeypatch, 
         got = plain_loop(model, optimizer, 2, 1, None)
     threads = {s["thread"].startswith("tiermem-step") for s in seen}
     assert threads == {on_step_thread}
+    assert_bitwise(got, want)
+
+
+def test_a_spare_core_is_one_beyond_the_intra_op_threads():
+    """Rule 6's question, with the machine's answers given."""
+    assert spare_core(cores=2, threads=1) and spare_core(cores=16, threads=8)
+    assert not spare_core(cores=2, threads=2) and not spare_core(cores=8, threads=16)
+
+
+def test_auto_steps_a_cpu_model_inline_while_its_compute_takes_every_core(tmp_path, step_thread, monkeypatch):
+    """Rule 6: under ``auto`` a CPU model's chunks step inline while torch's intra-op threads take
+    every usable core, and on the step thread once a core is spare, asked at each step; bitwise
+    plain PyTorch with the same threads."""
+    monkeypatch.setenv(ENV_VAR, "auto")
+    monkeypatch.setattr(step_thread_module, "usable_cores", lambda: AUTO_MIN_CORES)
+    threads_by_step = [AUTO_MIN_CORES, 1, AUTO_MIN_CORES]
+
+    def loop(model: nn.Module, optimizer: Any, watch: Watch | None = None) -> list[Any]:
+        got = []
+        for threads in threads_by_step:
+            torch.set_num_threads(threads)
+            if watch is not None:
+                watch.seen.append({"step_threads": threads})
+            got += plain_loop(model, optimizer, 1, 1, None)
+        return got + [p.detach().clone() for p in model.parameters()]
+
+    plain = make_model()
+    want = loop(plain, adamw(param_groups(plain), "default"))
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        model, optimizer = rt.manage(
+            model, adamw(param_groups(model), "default"), plan={"state_home": "nvme"}, grad_accumulation_steps=1
+        )
+        seen = step_thread.of(rt)
+        got = loop(model, optimizer, step_thread)
+    on_thread_by_step: list[set[bool]] = []
+    for entry in seen:
+        if "step_threads" in entry:
+            on_thread_by_step.append(set())
+        else:
+            on_thread_by_step[-1].add(entry["thread"].startswith("tiermem-step"))
+    assert on_thread_by_step == [{False}, {True}, {False}]
     assert_bitwise(got, want)
 
 

@@ -170,7 +170,9 @@ def explain(
 
 def _step_thread_why() -> tuple[str, str | None]:
     """What ``auto`` decides on this machine (its cores), and the setting when the machine alone
-    decides it ("off" below the cores the step thread needs); else the run's flags decide the rest."""
+    decides it ("off" below the cores the step thread needs); else the run decides the rest."""
+    import torch
+
     from tiermem.states.step_thread import AUTO_MIN_CORES, usable_cores
 
     cores = usable_cores()
@@ -179,9 +181,12 @@ def _step_thread_why() -> tuple[str, str | None]:
             f"auto: this process may use {cores} core (the step thread needs {AUTO_MIN_CORES}), so chunk steps inline",
             "off",
         )
+    threads = torch.get_num_threads()
+    spare = "leave" if cores > threads else "leave no"
     return (
-        f"auto: {cores} cores here, so chunk steps on the step thread, except fused steps over host homes "
-        "(inline: the optimizer's flags decide that per run)",
+        f"auto: {cores} cores here, which torch's {threads} intra-op threads {spare} core to spare: chunk "
+        "steps go to the step thread where a core is spare or the model computes on an accelerator, "
+        "inline where a CPU model's compute takes every core, and fused steps over host homes inline",
         None,
     )
 

@@ -236,7 +236,7 @@ class ModelStates:
         self.lifecycle = Lifecycle(sum(info.nbytes for info in facts.info))
         self.store = ChunkStore(registry, facts)
         #: where chunk steps compute (NOTE [ Step threads ]): homes, gradients and the stepper share it
-        steps = StepThread.configured(step_thread)
+        steps = StepThread.configured(step_thread, compute_on_cpu=facts.device.type == "cpu")
         self.homes = Homes(self.store, steps)
         #: NOTE [ Speculative steps ]: the stepper makes them; stored gradients wait for their write-backs
         shadows = Shadows(self.store, self.homes)

@@ -31,13 +31,25 @@ backward and the state I/O.
    AdamW, SGD, single-tensor, ``foreach`` and ``fused``) give bitwise the same values on any
    thread; the tests compare each flag with plain PyTorch, with and without the step thread.
 6. Policy: ``[model_states] step_thread`` (``TIERMEM_MODEL_STATES_STEP_THREAD``) = ``on``, ``off``
-   or ``auto`` (the default). ``auto`` runs the
-   step thread when the process may use at least :data:`AUTO_MIN_CORES` cores, except for steps
-   whose groups are all ``fused=True`` over homes already in memory (host-homed chunks): torch's
-   fused kernel is so short that handing it over costs more than it overlaps. Measured with
-   ``bench/optimizer_step.py`` (declared loop, 8.4M parameters, 2 cores, 3 rounds, median step
-   off -> on): single-tensor 0.208 -> 0.171 s (host homes), 0.277 -> 0.243 s (NVMe); foreach
-   0.179 -> 0.181 s, 0.278 -> 0.236 s; fused 0.161 -> 0.179 s (host: slower), 0.249 -> 0.245 s.
+   or ``auto`` (the default). ``auto`` runs the step thread when the process may use at least
+   :data:`AUTO_MIN_CORES` cores and the step has a core to itself: the model computes on an
+   accelerator (the training thread only launches kernels), or the process may use more cores
+   than the training thread's intra-op threads (:func:`spare_core`, asked at each step, since
+   ``torch.set_num_threads`` may change between steps). Where the model computes on every core,
+   a step on another thread does not overlap anything: it takes cores from the compute's OpenMP
+   team, whose other threads then wait for the preempted one at every barrier. Measured on the
+   210M Hugging Face GPT-2 of ``bench/hf_states.py`` (2-vCPU EPYC, torch's 2 threads, ``--worker``
+   processes alternated, ``on`` against ``off``): declared loop 7.28 / 7.70 / 7.23 / 6.37 / 6.36 /
+   6.31 s a step against 6.73 / 6.31 / 6.94 / 6.23 / 6.18 / 6.06 (6 of 6 pairs faster inline),
+   0.3-2.2 CPU s a step less (the step thread's AdamW took 0.35-0.44 CPU s, the same steps inline
+   about 0.1 more of the training thread's team), ru_maxrss 1,464-1,496 MiB against 1,671-1,925;
+   plain loop 6.68 / 6.47 / 6.25 / 6.88 / 6.51 / 6.51 against 7.79 / 6.31 / 6.41 / 6.86 / 5.98 /
+   6.05 (4 of 6). ``bench/optimizer_step.py --rounds 6`` (8.4M parameters, declared, the same
+   VM): NVMe homes 0.285 s on against 0.291 off, host homes 0.204 against 0.196, within the
+   noise. Also under ``auto``, steps whose groups are all ``fused=True`` over homes already in
+   memory (host-homed chunks) run inline: torch's fused kernel is so short that handing it over
+   costs more than it overlaps (an earlier run of ``bench/optimizer_step.py``: fused over host
+   homes 0.161 s a step inline against 0.179 s on the thread).
 7. A staged NVMe home's write-back is submitted as its step is handed over, to start when the
    compute ends (``Handle.move_to(..., after=)``: NOTE [ Managed object rules ] rule 11 in
    ``registry.py``), not when rule 3's finish runs: hooks poll only between modules, and where
@@ -63,7 +75,7 @@ import torch
 
 from tiermem import tracing
 
-__all__ = ["AUTO_MIN_CORES", "ENV_VAR", "StepThread", "step_thread_setting", "step_thread_wanted"]
+__all__ = ["AUTO_MIN_CORES", "ENV_VAR", "StepThread", "spare_core", "step_thread_setting", "step_thread_wanted"]
 
 ENV_VAR = "TIERMEM_MODEL_STATES_STEP_THREAD"
 SETTINGS = ("auto", "on", "off")
@@ -77,6 +89,12 @@ def usable_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def spare_core(cores: int | None = None, threads: int | None = None) -> bool:
+    """Rule 6: whether the process may use more cores than the training thread's intra-op threads
+    (``cores`` defaults to :func:`usable_cores`, ``threads`` to ``torch.get_num_threads()``)."""
+    return (usable_cores() if cores is None else cores) > (torch.get_num_threads() if threads is None else threads)
 
 
 def step_thread_setting(setting: str | None = None) -> str:
@@ -109,15 +127,19 @@ class StepThread:
     """Chunk steps in flight: at most one (rule 2), computed on the step thread or inline."""
 
     @classmethod
-    def configured(cls, setting: str | None = None) -> StepThread:
-        """Rule 6: from ``[model_states] step_thread`` (None: the environment's, ``auto`` when unset)."""
+    def configured(cls, setting: str | None = None, *, compute_on_cpu: bool = True) -> StepThread:
+        """Rule 6: from ``[model_states] step_thread`` (None: the environment's, ``auto`` when unset);
+        ``compute_on_cpu``: the model computes on the CPU, so ``auto`` wants a spare core."""
         value = step_thread_setting(setting)
-        return cls(step_thread_wanted(value), fused_inline=value == "auto")
+        auto = value == "auto"
+        return cls(step_thread_wanted(value), fused_inline=auto, spare_core_only=auto and compute_on_cpu)
 
-    def __init__(self, threaded: bool, fused_inline: bool = False) -> None:
+    def __init__(self, threaded: bool, fused_inline: bool = False, spare_core_only: bool = False) -> None:
         self.threaded = threaded
         #: rule 6 (``auto``): fused steps over homes in memory run inline
         self.fused_inline = fused_inline
+        #: rule 6 (``auto``, the model on the CPU): steps go to the step thread only beside a spare core
+        self.spare_core_only = spare_core_only
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         #: the step in flight: its chunk index, the compute's future and the training-thread finish
         self._in_flight: tuple[int, concurrent.futures.Future[None], Callable[[bool], None]] | None = None
@@ -134,7 +156,7 @@ class StepThread:
         compute's future when it runs on the step thread (done when the compute ends, before
         ``finish``: rule 7); None when it ran inline."""
         self.finish_all()
-        if inline or not self.threaded:
+        if inline or not self.threaded or (self.spare_core_only and not spare_core()):
             ok = False
             try:
                 compute()
