@@ -46,6 +46,8 @@ import tempfile
 import threading
 import time
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 POLICIES = ["keep", "nvme", "auto", "recompute", "host"]
 
 
@@ -224,7 +226,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3, help="measured steps per process")
     parser.add_argument("--rounds", type=int, default=3, help="A B A B rounds over the policies")
     parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--path", default=None, help="NVMe directory (default: a temp dir)")
+    parser.add_argument("--path", type=arguments.directory, default=None, help="NVMe directory (default: a temp dir)")
     parser.add_argument(
         "--block-size", default=None, help="[nvme] block_size, also the scheduler's request size (default: config's)"
     )

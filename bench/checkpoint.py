@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 FORMATS = ("dcp", "zarr")
 WIDTH, LAYERS = 1024, 16
 
@@ -130,7 +132,9 @@ def machine(directory: Path) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="A B pairs (fresh process each)")
-    parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the NVMe tier and checkpoints go")
+    parser.add_argument(
+        "--dir", type=arguments.directory, default=tempfile.gettempdir(), help="where the NVMe tier and checkpoints go"
+    )
     parser.add_argument("--pause", type=float, default=3.0, help="seconds between processes (throttling)")
     parser.add_argument("--child", choices=FORMATS, help=argparse.SUPPRESS)
     parser.add_argument("--child-dir", help=argparse.SUPPRESS)

@@ -27,6 +27,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 MODES = ("blocking", "async")
 WIDTH, LAYERS = 1024, 8
 
@@ -93,7 +95,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--child", choices=MODES)
-    parser.add_argument("--dir", type=Path)
+    parser.add_argument("--dir", type=arguments.directory_path)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(_child(args.child, args.dir)))

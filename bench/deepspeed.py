@@ -57,6 +57,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 DEFAULT_VENV = HERE / ".deepspeed-venv"
@@ -501,7 +503,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--ds-offload", dest="offload", choices=["auto", "nvme", "cpu"], default="auto",
         help="DeepSpeed's offload device (auto: nvme where its async_io op builds, else cpu)",
     )  # fmt: skip
-    parser.add_argument("--nvme-path", default=None, help="directory for NVMe files (default: a temp dir)")
+    parser.add_argument(
+        "--nvme-path", type=arguments.directory, default=None, help="directory for NVMe files (default: a temp dir)"
+    )
     parser.add_argument("--trace", action="store_true", help="tiermem workers record a timeline; print where it goes")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds a worker may take")
     parser.add_argument("--dry-run", action="store_true", help="print the configurations as JSON; run nothing")

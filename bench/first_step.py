@@ -43,6 +43,8 @@ import tempfile
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 STATE_BYTES_PER_PARAM = 16  # fp32 AdamW: parameter, gradient, two states
 SIZES: dict[str, dict[str, int]] = {
     "210M": {"n_layer": 16, "n_embd": 1024, "n_head": 16, "vocab_size": 8192, "seq": 256, "batch": 2},
@@ -190,7 +192,9 @@ def main() -> int:
     parser.add_argument("--size", choices=sorted(SIZES), default="210M")
     parser.add_argument("--steps", type=int, default=4, help="steps per process (the first and >= 1 steady)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of plain, uncached, then cached on its cache")
-    parser.add_argument("--nvme-path", default=None, help="directory for NVMe files (default: a temp dir)")
+    parser.add_argument(
+        "--nvme-path", type=arguments.directory, default=None, help="directory for NVMe files (default: a temp dir)"
+    )
     parser.add_argument("--profile", default=None, help="directory for a cProfile of each worker's first step")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

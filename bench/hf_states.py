@@ -56,6 +56,7 @@ import threading
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
 import first_step
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 from first_step import STATE_BYTES_PER_PARAM, hf_gpt2
@@ -510,7 +511,9 @@ def main() -> int:
         "--fraction", type=float, default=0.0, help="device and host capacity / state bytes (0: 10%% at 210M)"
     )
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
+    parser.add_argument(
+        "--path", type=arguments.directory, default=None, help="NVMe directory (default: a private one under $TMPDIR)"
+    )
     parser.add_argument("--io-size", default="1GiB", help="bytes per tiermem bench io pass for the floor")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)

@@ -46,6 +46,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 from tiermem.units import format_size, parse_size
 
 #: Ratio goals of the issue: bandwidth >= 0.95x fio; small requests/s >= 0.8x fio.
@@ -218,7 +220,9 @@ def ratio_line(label: str, tm: list[float], fio: list[float] | None, unit: str, 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--path", help="directory for both sides' files (default: a private temp dir)")
+    parser.add_argument(
+        "--path", type=arguments.directory, help="directory for both sides' files (default: a private temp dir)"
+    )
     parser.add_argument("--size", default="1GiB", help="file size (default 1GiB)")
     parser.add_argument("--block-size", default="1MiB", help="large-request block size (default 1MiB)")
     parser.add_argument("--queue-depth", type=int, default=32, help="queue depth (default 32)")

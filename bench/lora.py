@@ -45,6 +45,7 @@ import tempfile
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 SIZES: dict[str, dict[str, int]] = {
@@ -210,7 +211,9 @@ def main() -> int:
         help="torch threads in both modes (default 1: on a shared 2-core VM more "
         "OpenMP threads spin against the runtime's I/O threads and the neighbours, TRAPS 7)",
     )
-    parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
+    parser.add_argument(
+        "--path", type=arguments.directory, default=None, help="NVMe directory (default: a private one under $TMPDIR)"
+    )
     parser.add_argument("--io-size", default="1GiB", help="bytes per tiermem bench io pass for the floor")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", choices=(*MODES, FIXED), help=argparse.SUPPRESS)

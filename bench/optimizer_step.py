@@ -39,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 FLAGS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0, help="torch intra-op threads (0: torch's default)")
-    parser.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
+    parser.add_argument("--dir", type=arguments.directory_path, default=Path(tempfile.gettempdir()))
     parser.add_argument("--child", nargs=2, metavar=("FLAG", "MODE"))
     args = parser.parse_args()
     if args.child:

@@ -36,6 +36,8 @@ import tempfile
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 SIZES: dict[str, dict[str, int]] = {
     "tiny": {"n_layer": 2, "d_model": 128, "n_head": 4, "vocab_size": 512, "seq_len": 64, "batch": 2},
     "200M": {"n_layer": 16, "d_model": 1024, "n_head": 16, "vocab_size": 8192, "seq_len": 256, "batch": 2},
@@ -183,7 +185,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--fraction", type=float, default=0.10, help="device and host capacity / AdamW state bytes")
     parser.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    parser.add_argument("--nvme-path", default=None)
+    parser.add_argument("--nvme-path", type=arguments.directory, default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help=argparse.SUPPRESS)

@@ -53,6 +53,8 @@ import threading
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 # What the caller set, read before anything imports tiermem (which sets a default of 1):
 # plain PyTorch runs with torch's own default (off) unless the caller chose, as a user's
 # plain training script would; tiermem runs with whatever import tiermem leaves.
@@ -563,7 +565,12 @@ def main() -> int:
             "only holds gradients on their way home)",
         ),
     )
-    parser.add_argument("--nvme-path", default=None, help="directory for NVMe files (default: a temp dir in $TMPDIR)")
+    parser.add_argument(
+        "--nvme-path",
+        type=arguments.directory,
+        default=None,
+        help="directory for NVMe files (default: a temp dir in $TMPDIR)",
+    )
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--mode", choices=MODES, help=argparse.SUPPRESS)

@@ -53,6 +53,8 @@ import threading
 import time
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+
 STATE_BYTES = 16  # fp32 parameter, gradient, AdamW exp_avg and exp_avg_sq
 STEP_GOALS = {"declared": 1.25, "plain": 1.35}
 """Median step over the floor, per loop (issue 20 item 4; the plain loop's from issue 33)."""
@@ -180,7 +182,9 @@ def main() -> int:
         default=None,
         help="NVMe tier capacity (default: room for a copy of every home too, up to 28 B/param, where the disk has it)",
     )
-    parser.add_argument("--path", default=None, help="NVMe directory (default: a private one under $TMPDIR)")
+    parser.add_argument(
+        "--path", type=arguments.directory, default=None, help="NVMe directory (default: a private one under $TMPDIR)"
+    )
     parser.add_argument("--chunk-size", type=int, default=64 << 20, help="bytes (default 64 MiB)")
     parser.add_argument("--no-fused", action="store_true", help="AdamW's CPU default instead of fused=True")
     parser.add_argument("--io-size", default="4GiB", help="bytes per tiermem bench io pass (default 4GiB)")

@@ -39,6 +39,7 @@ import timeit
 from pathlib import Path
 from typing import Any
 
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 
 MODES = ("off", "on")
@@ -223,7 +224,12 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--fraction", type=float, default=0.10, help="device and host capacity / state bytes")
-    parser.add_argument("--nvme-path", default=None, help="where the NVMe tier's files go (default: the temp dir)")
+    parser.add_argument(
+        "--nvme-path",
+        type=arguments.directory,
+        default=None,
+        help="where the NVMe tier's files go (default: the temp dir)",
+    )
     parser.add_argument("--alternate", action="store_true", help="one process, timed steps alternating off and on")
     parser.add_argument("--micro", action="store_true", help="the per-point (off) and per-event (on) costs alone")
     parser.add_argument("--events-per-step", help="--micro: an on run's events_by_kind, e.g. '{\"span\": 2000, ...}'")
