@@ -253,6 +253,45 @@ def test_in_place_change_of_a_saved_tensor_raises_pytorchs_error(runtime):
     assert "expected version 0" in str(plain.value)
 
 
+@pytest.mark.parametrize("edited", ["small saved tensor", "parameter"])
+def test_in_place_change_of_a_tensor_kept_as_it_is_raises_pytorchs_error(runtime, edited):
+    """Rules 3 and 5: a saved tensor below ``min_bytes`` and a parameter are kept as they are, and
+    their in-place change is still PyTorch's error, not a gradient of the changed values (TRAPS 1:
+    the hooks switch autograd's own check off for them too)."""
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.linear = nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y = self.linear(x).sigmoid()  # saves its output: 512 bytes, kept as it is
+            if edited == "small saved tensor":
+                y.mul_(2)
+            return y
+
+    torch.manual_seed(0)
+    model = nn.Sequential(Block(), Block())
+    x = torch.randn(8, 16)
+
+    def run() -> None:
+        out = model(x).sum()
+        if edited == "parameter":
+            with torch.no_grad():
+                model[1].linear.weight.mul_(0.5)  # between forward and backward
+        out.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run()
+    for policy in ("keep", "host", "nvme"):
+        with (
+            pytest.raises(RuntimeError, match="modified by an inplace operation") as ours,
+            runtime.offload_activations(model, blocks=[Block], policy=policy),
+        ):
+            run()
+        assert "expected version" in str(ours.value)
+
+
 def test_retain_graph_allows_a_second_backward(runtime):
     torch.manual_seed(0)
     model = Decoder()

@@ -57,6 +57,29 @@ def test_manage_alone_applies_a_fixed_policy_bitwise(tmp_path, policy):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("policy", ["keep", "nvme"])
+def test_a_parameter_changed_between_forward_and_backward_is_pytorchs_error(tmp_path, policy):
+    """NOTE [ Activation offload rules ] rules 3 and 5 under ``rt.manage``'s own hooks: a managed
+    parameter changed in place after the forward that saved it fails backward as in plain
+    PyTorch, not with a gradient of the changed weight (TRAPS 1)."""
+
+    def step(model: nn.Module) -> None:
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(tokens).float().square().mean()
+        with torch.no_grad():
+            model.blocks[1].fc.weight.mul_(0.5)
+        loss.backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        step(make_model())
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, _ = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)), activations=policy)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation") as ours:
+            step(model)
+    assert "expected version" in str(ours.value)
+
+
 def test_auto_applies_the_plans_block_policy_and_none_opts_out(tmp_path):
     blocks = ["host"] * 7 + ["keep"]
     with tiermem.Runtime(config(tmp_path)) as rt:

@@ -18,7 +18,7 @@ from tiermem.activations.fallback import ActivationMemoryError, Fallbacks
 from tiermem.activations.history import OffloadHistory
 from tiermem.activations.ledger import failure_cause
 from tiermem.activations.prefetch import Prefetcher
-from tiermem.activations.saved import BlockGroup, Forwards, SavedActivation, in_backward, version_error
+from tiermem.activations.saved import BlockGroup, Forwards, KeptTensor, SavedActivation, in_backward, version_error
 from tiermem.activations.storages import ProtectedStorages, StorageWatch
 from tiermem.errors import StorageError, TierCapacityError
 from tiermem.layout.activation_policy import BlockPolicy
@@ -92,7 +92,7 @@ class SavedTensorHooks:
             return tensor  # rule 2: a recomputing backward needs it at once
         storage = tensor.untyped_storage()
         if storage.nbytes() < self.min_bytes or storage in self.protected or tensor.device != self.device:
-            return tensor  # rule 3: small, a parameter's, or on another device: kept as it is
+            return KeptTensor(tensor)  # rule 3: small, a parameter's, or on another device: kept as it is
         if self.history.ledger.pending_failures:
             self.fallbacks.drain()
         group = self.forwards.current
@@ -140,8 +140,10 @@ class SavedTensorHooks:
 
     # -- unpack --------------------------------------------------------------------------------
     def unpack(self, saved: Any) -> torch.Tensor:
+        if isinstance(saved, KeptTensor):
+            return saved.unpacked()  # rule 5: PyTorch's error if it changed in place since pack
         if isinstance(saved, torch.Tensor):
-            return saved
+            return saved  # rule 2: packed in backward, needed at once
         if self.on_unpack is not None:
             self.on_unpack()
         if saved.modified is not None:

@@ -23,7 +23,8 @@
    its own :class:`SavedActivation` with its own view. Blocks whose policy offloads start
    a write-back to ``host`` or ``nvme`` at once.
 5. Unpack checks the version recorded at pack (TRAPS 1: hooks switch autograd's own
-   check off) and raises PyTorch's error on a mismatch; a block's saved tensors are held
+   check off, for the tensors rule 3 keeps as they are too: ``KeptTensor``) and raises
+   PyTorch's error on a mismatch; a block's saved tensors are held
    until its forward ends and checked there too, since most in-place changes happen
    inside the block, to tensors that are gone by backward; serves a tensor whose write is in
    flight from memory and cancels that write (forwarding); otherwise starts its fetch on

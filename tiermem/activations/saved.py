@@ -42,6 +42,25 @@ class SavedActivation:
             self.handle.free()
 
 
+class KeptTensor:
+    """What autograd holds for a saved tensor kept as it is (NOTE [ Activation offload rules ]
+    rule 3): the tensor and its version at pack, which unpack checks (rule 5). Returning the
+    tensor bare would hide an in-place change from autograd too: hooks switch its own check off
+    for every saved tensor, kept or not (TRAPS 1)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+        self.version = tensor._version
+
+    def unpacked(self) -> torch.Tensor:
+        """The tensor, unless it changed in place since pack: then autograd's own error."""
+        if self.tensor._version != self.version:
+            raise version_error(self.tensor, self.version)
+        return self.tensor
+
+
 @dataclass(eq=False)
 class BlockGroup:
     """One block's saved tensors in one forward pass."""
