@@ -425,6 +425,28 @@ def test_find_blocks_on_every_family_and_overrides():
         find_blocks(nn.Linear(3, 3))
     with pytest.raises(ValueError, match="names not found: \\['nope'\\]"):
         find_blocks(Decoder(), blocks=["nope"])
+    model = Decoder()
+    assert [n for n, _ in find_blocks(model, blocks=Block)] == [f"blocks.{i}" for i in range(4)]  # one type alone
+    assert [n for n, _ in find_blocks(model, blocks="blocks.2")] == ["blocks.2"]  # one name, not its letters
+    assert [n for n, _ in find_blocks(model, blocks=model.blocks)] == [f"blocks.{i}" for i in range(4)]
+    assert [n for n, _ in find_blocks(model, blocks=[model.blocks[1], "head"])] == ["blocks.1", "head"]
+    with pytest.raises(ValueError, match=r"1 module\(s\) not inside this model"):
+        find_blocks(model, blocks=[Block()])
+    with pytest.raises(TypeError, match=r"blocks= takes module types.*got 3 of type int"):
+        find_blocks(model, blocks=[Block, 3])
+    with pytest.raises(TypeError, match=r"blocks= takes module types.*got 3 of type int"):
+        find_blocks(model, blocks=3)
+
+
+@pytest.mark.parametrize(
+    ("policy", "said"),
+    [(3, r"got 3 of type int$"), (["nvme"] * 4, r"of type list \(a list: give dict\(enumerate\(policies\)\)\)")],
+)
+def test_a_policy_of_another_type_is_refused_saying_what_it_takes(runtime, policy, said):
+    model = Decoder()
+    refused = r"policy= takes a policy name .* or a mapping .*" + said
+    with pytest.raises(TypeError, match=refused), runtime.offload_activations(model, policy=policy):
+        pass
 
 
 def test_adaptive_keep_rule():

@@ -282,6 +282,38 @@ def test_load_refuses_another_architecture(tmp_path):
             rt.load(path)
 
 
+def test_load_into_a_model_with_more_layers_names_the_model_not_the_optimizer(tmp_path):
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        manage(rt)
+        rt.save(path)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=1)
+        model.layers.append(nn.Linear(2 * W, 2 * W))
+        model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=3e-3), plan=PLAN)
+        before = snapshot(model, optimizer)
+        refused = r"lacks 2 of this model's entries \(\['model\.layers\.4\.weight', 'model\.layers\.4\.bias'\]\)"
+        with pytest.raises(CheckpointError, match=refused + r".*another architecture; nothing was loaded"):
+            rt.load(path)
+        assert_bitwise(snapshot(model, optimizer), before)
+
+
+def test_a_model_managed_without_an_optimizer_loads_a_training_checkpoints_weights(tmp_path):
+    """The README's teacher or evaluation model: rt.manage(model) loads the model's entries of a
+    checkpoint saved while training, and leaves its optimizer's."""
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model, optimizer, schedule = manage(rt)
+        train(model, optimizer, schedule, range(2))
+        rt.save(path)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        teacher = rt.manage(make_model(seed=1))
+        rt.load(path)
+        got = {k: v.clone() for k, v in teacher.state_dict().items()}
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 @pytest.mark.parametrize("what", ["directory", "file", "symlink", "broken_manifest"])
 def test_save_refuses_a_path_that_is_not_a_checkpoint(tmp_path, what):
     """Rule 6 of NOTE [ Checkpoint commit rules ]: never swap out and remove a user's files."""
@@ -369,6 +401,36 @@ def test_load_refuses_other_param_groups_before_writing(tmp_path):
         with pytest.raises(CheckpointError, match=r"other optimizer parameter groups.*nothing was loaded"):
             rt.load(path)
         assert_bitwise(snapshot(model, optimizer), before)  # checked before the first write
+
+
+@pytest.mark.parametrize(
+    ("saved_with", "loaded_into", "foreign"),
+    [
+        ((torch.optim.AdamW, {}), (torch.optim.SGD, {"momentum": 0.9}), "exp_avg"),
+        ((torch.optim.SGD, {"momentum": 0.9}), (torch.optim.AdamW, {}), "momentum_buffer"),
+        ((torch.optim.AdamW, {"amsgrad": True}), (torch.optim.AdamW, {}), "max_exp_avg_sq"),
+    ],
+)
+def test_load_refuses_another_optimizers_states_before_writing(tmp_path, saved_with, loaded_into, foreign):
+    """A checkpoint of another optimizer (or of other settings) is refused, naming the state this
+    one does not keep, before anything is written: loaded, its param groups would bring the other
+    optimizer's hyper-parameters (AdamW's weight decay) into this one's step."""
+    path = tmp_path / "ckpt"
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=0)
+        model, optimizer = rt.manage(model, saved_with[0](model.parameters(), lr=0.1, **saved_with[1]), plan=PLAN)
+        train(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2), range(1))
+        rt.save(path)
+    with tiermem.Runtime(config(tmp_path)) as rt:
+        model = make_model(seed=1)
+        model, optimizer = rt.manage(model, loaded_into[0](model.parameters(), lr=0.1, **loaded_into[1]), plan=PLAN)
+        train(model, optimizer, torch.optim.lr_scheduler.StepLR(optimizer, step_size=2), range(1))
+        before = snapshot(model, optimizer)
+        with pytest.raises(
+            CheckpointError, match=rf"optimizer state '{foreign}' of .*does not keep.*nothing was loaded"
+        ):
+            rt.load(path)
+        assert_bitwise(snapshot(model, optimizer), before)
 
 
 def test_a_load_failing_after_writes_began_says_so(tmp_path, monkeypatch):

@@ -229,6 +229,21 @@ def test_trainer_declares_its_loop_and_stays_bitwise_plain_trainer(tmp_path, acc
         assert evidence["runtime_norm"] is None
 
 
+def test_trainer_without_the_managed_optimizer_is_refused_naming_the_fix(tmp_path):
+    """tiermem's Trainer given no optimizer would build one over the managed parameters, outside
+    the tiers and stepped apart from them: refused at train(), naming ``optimizers=``."""
+    from tiermem.integrations.hf import Trainer
+
+    torch.manual_seed(0)
+    model = MODELS["gpt2"]()
+    with runtime(tmp_path) as rt:
+        model, _ = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        trainer = Trainer(model=model, args=arguments(tmp_path / "out"), train_dataset=Tokens(16, 0), runtime=rt)
+        with pytest.raises(StatesUsageError, match=r"given no optimizer.*optimizers=\(optimizer, None\)"):
+            trainer.train()
+        assert all(p.grad is None for p in model.parameters())  # refused before any step
+
+
 class HalveGradientsFromStep(transformers.TrainerCallback):  # type: ignore[misc]
     """Edits gradients in ``on_pre_optimizer_step`` from the given optimizer step on."""
 

@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -328,6 +329,37 @@ def test_summary_and_plot(traced_run: TracedRun, capsys: pytest.CaptureFixture[s
     png = path.parent / "timeline.png"
     assert main(["trace", "plot", str(path), "-o", str(png), "--steps", "2:3"]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_and_summary_say_what_is_wrong_in_words(
+    traced_run: TracedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Steps past the trace's last, a folder that is not there, a reader that went away: a line
+    saying so (or, for the reader, nothing), never a traceback; a range past the end ends at the
+    last step."""
+    path = traced_run.path
+    assert main(["trace", "plot", str(path), "-o", str(tmp_path / "past.png"), "--steps", "5:9"]) == 1
+    assert "begin past the trace's last step: it has 3 (give steps 1 to 3)" in capsys.readouterr().err
+    assert not (tmp_path / "past.png").exists()
+    assert main(["trace", "plot", str(path), "-o", str(tmp_path / "end.png"), "--steps", "3:9"]) == 0
+    assert (tmp_path / "end.png").exists()
+    missing = tmp_path / "missing" / "p.png"
+    assert main(["trace", "plot", str(path), "-o", str(missing)]) == 1
+    assert f"cannot write {missing}: no such directory {missing.parent}" in capsys.readouterr().err
+    script = f"from tiermem.cli import main; import sys; sys.exit(main(['trace', 'summary', {str(path)!r}]))"
+    reader = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert reader.stdout is not None
+    reader.stdout.close()  # `| head -0`: gone before the summary is printed
+    assert reader.stderr is not None
+    with reader.stderr:
+        errors = reader.stderr.read()
+    assert reader.wait(timeout=120) == 0
+    assert b"Traceback" not in errors
+    with pytest.raises(FileNotFoundError, match=r"tiermem trace: cannot write the trace to .*missing.*existing folder"):
+        tracing.Recorder(tmp_path / "missing" / "t.json").start()
+    with pytest.raises(IsADirectoryError, match=r"cannot write the trace to"):
+        tracing.Recorder(tmp_path).start()
+    assert tracing.RECORDER is None
 
 
 def test_a_cut_off_trace_still_reads(tmp_path: Path) -> None:

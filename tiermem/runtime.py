@@ -321,7 +321,8 @@ class Runtime:
 
         ``policy``: ``auto | keep | recompute | host | nvme`` or a mapping from block (index
         or qualified name) to one of the last four; default ``[activations] policy``.
-        ``blocks``: module types or qualified names; default the model's repeated layers.
+        ``blocks``: module types, qualified names or the model's own modules (one alone, or a list; an
+        ``nn.ModuleList`` gives its layers); default the model's repeated layers.
 
         On a model whose activations ``rt.manage`` applies, it holds the model for its body
         (NOTE [ Managed activations ] rule 5).

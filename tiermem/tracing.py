@@ -160,7 +160,14 @@ class Recorder:
         global RECORDER
         if RECORDER is not None:
             raise RuntimeError(f"tiermem trace: already recording to {RECORDER.path}; stop that trace first")
-        self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
+        try:
+            self._file = open(self.path, "w", encoding="utf-8")  # noqa: SIM115 - closed by stop()
+        except OSError as exc:  # a folder missing, the path a folder, no permission: said in words
+            raise type(exc)(
+                exc.errno,
+                f"tiermem trace: cannot write the trace to {self.path}: {exc.strerror}; give a file path in an "
+                "existing folder",
+            ) from exc
         self._file.write('{"displayTimeUnit": "ms", "traceEvents": [\n')
         for pid, label in ((_THREADS_PID, "tiermem threads"), (_LINKS_PID, "tiermem links and tiers")):
             self._pending.append(("M", "process_name", pid, 0, {"name": label}))

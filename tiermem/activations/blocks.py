@@ -2,7 +2,9 @@
 
 By default the blocks are the children of the largest ``nn.ModuleList`` (or
 ``nn.Sequential``) whose children all have one type — the transformer layers of a
-GPT, BERT or T5 stack. ``blocks=`` overrides with module types or qualified names.
+GPT, BERT or T5 stack. ``blocks=`` overrides with module types, qualified names or the
+modules themselves (a list of them, or one ``nn.ModuleList``); one type or name alone is taken as
+a list of one.
 An encoder-decoder has two such lists; both are used, in forward order.
 """
 
@@ -13,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-BlockSpec = Sequence[type[nn.Module] | str] | None
+BlockSpec = Sequence[type[nn.Module] | str | nn.Module] | type[nn.Module] | str | None
 
 
 def _repeated_lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -32,27 +34,57 @@ def _parameter_count(module: nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
+def _as_list(blocks: Any) -> list[Any]:
+    """``blocks=`` as a list: one type or name alone is a list of one (a name is not split into
+    its letters); anything else must be an iterable of types, names and modules."""
+    if isinstance(blocks, (str, type)):
+        return [blocks]
+    if isinstance(blocks, nn.Module) and not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return [blocks]
+    try:
+        items = list(blocks)
+    except TypeError:
+        items = None
+    strange = [b for b in items or () if not isinstance(b, (str, type, nn.Module))]
+    if items is None or strange:
+        raise TypeError(
+            f"tiermem activations: blocks= takes module types, qualified names or the model's modules (or a list "
+            f"of them); got {(strange or [blocks])[0]!r} of type {type((strange or [blocks])[0]).__name__}"
+        )
+    return items
+
+
 def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, nn.Module]]:
     """The model's activation blocks as ``(qualified name, module)`` in registration order.
 
     Raises ``ValueError`` naming what was looked for when nothing matches.
     """
     if blocks is not None:
+        blocks = _as_list(blocks)
         wanted_types = tuple(b for b in blocks if isinstance(b, type))
         wanted_names = {b for b in blocks if isinstance(b, str)}
+        wanted_modules = {id(b) for b in blocks if isinstance(b, nn.Module)}
         chosen = [
             (name, module)
             for name, module in model.named_modules()
-            if name and ((bool(wanted_types) and isinstance(module, wanted_types)) or name in wanted_names)
+            if name
+            and (
+                (bool(wanted_types) and isinstance(module, wanted_types))
+                or name in wanted_names
+                or id(module) in wanted_modules
+            )
         ]
         # A block inside another chosen block would split it: keep the outermost only.
         outer = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
         missing = wanted_names - {n for n, _ in outer}
+        strangers = len(wanted_modules - {id(m) for _, m in chosen})
+        if strangers:
+            missing.add(f"{strangers} module(s) not inside this model")
         if missing or not outer:
             raise ValueError(
                 f"tiermem activations: blocks={list(blocks)!r} matched "
                 f"{[n for n, _ in outer] or 'nothing'}; names not found: {sorted(missing) or 'none'}. "
-                "Give module types or qualified names from model.named_modules()."
+                "Give module types, qualified names from model.named_modules() or the model's own modules."
             )
         return outer
     lists = _repeated_lists(model)

@@ -282,7 +282,12 @@ def plot(trace: Trace, out: str | os.PathLike[str], steps: tuple[int, int] | Non
     intervals = step_intervals(trace)
     all_events = [e for events in trace.spans.values() for e in events] + trace.transfers
     if steps is not None and intervals:
-        first, last = max(1, steps[0]), min(len(intervals), steps[1])
+        if steps[0] > len(intervals):
+            raise ValueError(
+                f"steps {steps[0]}:{steps[1]} begin past the trace's last step: it has {len(intervals)} "
+                f"(give steps 1 to {len(intervals)})"
+            )
+        first, last = max(1, steps[0]), min(len(intervals), steps[1])  # a range past the end ends at the last
         lo, hi = intervals[first - 1][0], intervals[last - 1][1]
     elif all_events:
         lo, hi = min(e["ts"] for e in all_events), max(_end(e) for e in all_events)

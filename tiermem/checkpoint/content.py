@@ -135,6 +135,23 @@ class LoadTree:
                 f"{list(into.shape)} and dtype {into.dtype}; nothing was loaded"
             )
 
+    def _check_state_key(self, states: ModelStates, i: int, fqn: str, key: str, shape: tuple[int, ...]) -> None:
+        """A saved state of the parameter's own shape is one this optimizer keeps for it (its
+        sections, NOTE [ Exact optimizer step ] rule 3). Another optimizer's (``exp_avg`` where
+        SGD keeps ``momentum_buffer``), or one other settings keep (``max_exp_avg_sq`` of
+        ``amsgrad=True``), would load as a value nothing reads, and the param groups after it
+        would bring that optimizer's hyper-parameters into this one's step."""
+        facts = getattr(states, "facts", None)  # an FSDP2 model's sharded states keep no such record
+        if facts is None or i not in facts.optimized or not shape or shape != tuple(facts.params[i].shape):
+            return  # 0-d states (``step``) and other shapes are not told apart from this optimizer's
+        if key not in facts.section_keys[i]:
+            kept = ", ".join(facts.section_keys[i]) or "no state of its shape"
+            raise self._error(
+                f"holds optimizer state {key!r} of {fqn}, which this optimizer "
+                f"({facts.optimizer_class.__name__}, as configured) does not keep (it keeps {kept}): it was saved "
+                "from another optimizer, or with other settings; nothing was loaded"
+            )
+
     def _section(
         self, m: int, states: ModelStates, i: int, key: str, values: dict[int, StateTensor]
     ) -> StateTensor | None:
@@ -158,9 +175,12 @@ class LoadTree:
         values = {t.index: t for t in stateio.checkpoint_tensors() if t.key is None}
         flat_of = {path: flat for flat, path in paths.items()}
         model: dict[str, Any] = {}
+        lacking = []
         for name, value in states.model.state_dict(keep_vars=True).items():
             i = index.get(id(value)) if isinstance(value, torch.Tensor) else None
             md = metadata.state_dict_metadata.get(flat_of.get((model_key, name), ""))
+            if md is None and isinstance(value, torch.Tensor):
+                lacking.append(f"{model_key}.{name}")
             if i is None or i not in values:  # buffers, extra state, FSDP2's shards: loaded in place
                 if isinstance(value, torch.Tensor) and isinstance(md, TensorStorageMetadata):
                     self._check_tensor(f"{model_key}.{name}", tuple(md.size), md.properties.dtype, value)
@@ -174,10 +194,18 @@ class LoadTree:
         extra = sorted(f for f, p in paths.items() if p[0] == model_key and (len(p) != 2 or p[1] not in model))
         if extra:
             raise self._error(f"holds model entries this model does not have: {extra[:5]}")
+        if lacking:  # before the optimizer's groups, which would differ too and say less
+            raise self._error(
+                f"lacks {len(lacking)} of this model's entries ({lacking[:5]}): it was saved from another "
+                "architecture; nothing was loaded"
+            )
         state: dict[str, dict[str, Any]] = {}
         groups: dict[int, dict[str, Any]] = {}
+        # A model managed without an optimizer (a teacher, an evaluation: nothing it trains) loads
+        # the model's entries of a training checkpoint and leaves the optimizer's in it.
+        frozen = hasattr(states, "facts") and not states.facts.optimized  # FSDP2's are never frozen
         for flat, path in paths.items():
-            if path[0] != optim_key:
+            if path[0] != optim_key or frozen:
                 continue
             if len(path) == 4 and path[1] == "param_groups":
                 groups.setdefault(int(path[2]), {})[path[3]] = None
@@ -193,6 +221,7 @@ class LoadTree:
                 continue
             assert isinstance(md, TensorStorageMetadata)
             shape, dtype = tuple(md.size), md.properties.dtype
+            self._check_state_key(states, i, fqn, key, shape)
             section = self._section(m, states, i, key, values)
             if section is not None:
                 p = states.params[i]
@@ -207,13 +236,15 @@ class LoadTree:
                     shape, dtype, commit=lambda v, r=record, k=key: r.__setitem__(k, v)
                 )
         self.tree[model_key] = model
-        self.tree[optim_key] = {"state": state, "param_groups": [groups[g] for g in sorted(groups)]}
+        if not frozen:
+            self.tree[optim_key] = {"state": state, "param_groups": [groups[g] for g in sorted(groups)]}
 
     def groups_tree(self) -> dict[str, Any]:
         """Only the optimizers' param groups: what :meth:`check_groups` needs, read first."""
         return {
             keys_of(m)[1]: {"param_groups": [dict(g) for g in self.tree[keys_of(m)[1]]["param_groups"]]}
             for m in range(len(self.all_states))
+            if keys_of(m)[1] in self.tree  # a model without an optimizer asks for none
         }
 
     def _saved_groups(self, m: int, loaded: dict[ObjPath, Any]) -> list[dict[str, Any]]:
@@ -226,6 +257,8 @@ class LoadTree:
     def check_groups(self, loaded: dict[ObjPath, Any]) -> None:
         """Before anything is written: the saved param groups hold this optimizer's parameters."""
         for m, states in enumerate(self.all_states):
+            if keys_of(m)[1] not in self.tree:
+                continue  # managed without an optimizer: nothing of the checkpoint's optimizer is loaded
             saved = self._saved_groups(m, loaded)
             current = _param_groups(states, _fqns(states)[0])
             if [s.get("params") for s in saved] != [c["params"] for c in current]:
@@ -240,6 +273,8 @@ class LoadTree:
         self.check_groups(loaded)
         for m, states in enumerate(self.all_states):
             _, optim_key = keys_of(m)
+            if optim_key not in self.tree:
+                continue
             _, by_name = _fqns(states)
             for path, value in loaded.items():
                 if path[0] == optim_key and path[1] == "state":

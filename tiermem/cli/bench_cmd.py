@@ -17,6 +17,7 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from tiermem.cli.output import stdout_closed
 from tiermem.tiers.backends import BACKEND_NAMES
 from tiermem.units import format_size, parse_size
 
@@ -462,8 +463,6 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print_table(report)
             sys.stdout.flush()
-    except BrokenPipeError:
-        # The reader went away (``| head``): not an error of the benchmark. Point stdout at
-        # /dev/null so the interpreter's own flush at exit does not complain again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except BrokenPipeError:  # the reader went away (``| head``): not an error of the benchmark
+        return stdout_closed()
     return 0

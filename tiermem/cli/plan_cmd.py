@@ -9,14 +9,13 @@ says by how much each tier is short.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
 import sys
 import time
 from typing import Any
 
 from tiermem.cli.arguments import positive_int
+from tiermem.cli.output import stdout_closed
 from tiermem.config import Config
 from tiermem.units import format_size
 
@@ -98,14 +97,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             _print(result)
         sys.stdout.flush()
-    except BrokenPipeError:
-        # The reader went away (``tiermem plan | head -1``): not an error of the plan, so no
-        # traceback. Point stdout at /dev/null so the interpreter's own flush at exit does not
-        # fail again (Python's documentation, "Note on SIGPIPE"); status 0, as bench io does.
-        with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no descriptor
-            devnull = os.open(os.devnull, os.O_WRONLY)
-            os.dup2(devnull, sys.stdout.fileno())
-            os.close(devnull)
+    except BrokenPipeError:  # the reader went away (``tiermem plan | head -1``): not an error of the plan
+        return stdout_closed()
     return 0
 
 

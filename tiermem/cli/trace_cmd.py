@@ -15,6 +15,7 @@ import os
 import sys
 from typing import Any
 
+from tiermem.cli.output import stdout_closed
 from tiermem.units import format_size
 
 
@@ -59,13 +60,29 @@ def run(args: argparse.Namespace) -> int:
         return 1
     if args.action == "plot":
         out = args.output or os.path.splitext(args.path)[0] + ".png"
-        print(trace_report.plot(trace, out, args.steps))
+        folder = os.path.dirname(os.path.abspath(out))
+        if not os.path.isdir(folder):
+            print(f"tiermem trace plot: cannot write {out}: no such directory {folder}", file=sys.stderr)
+            return 1
+        try:
+            written = trace_report.plot(trace, out, args.steps)
+        except ValueError as exc:  # steps the trace does not have
+            print(f"tiermem trace plot: {exc}", file=sys.stderr)
+            return 1
+        except OSError as exc:
+            print(f"tiermem trace plot: cannot write {out}: {exc.strerror or exc}", file=sys.stderr)
+            return 1
+        print(written)
         return 0
-    steps = trace_report.summarize(trace)
-    if args.json:
-        print(json.dumps({"steps": [s.as_dict() for s in steps], "link_bytes": trace.link_bytes(), **trace.info}))
-        return 0
-    _print_summary(steps, trace)
+    try:
+        steps = trace_report.summarize(trace)
+        if args.json:
+            print(json.dumps({"steps": [s.as_dict() for s in steps], "link_bytes": trace.link_bytes(), **trace.info}))
+        else:
+            _print_summary(steps, trace)
+        sys.stdout.flush()
+    except BrokenPipeError:  # the reader went away (``tiermem trace summary FILE | head``)
+        return stdout_closed()
     return 0
 
 

@@ -19,7 +19,6 @@ itself lives in :mod:`tiermem.app.train`; this module only parses, chooses the b
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +26,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from tiermem.cli.arguments import add_gpt_shape, positive_float, positive_int
+from tiermem.cli.output import stdout_closed
 from tiermem.config import AUTO, Config
 from tiermem.units import format_size
 
@@ -189,7 +189,7 @@ def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoint
             _print_intro(model_config, args, device, budget)
             sys.stdout.flush()
         except BrokenPipeError:  # nobody reads the summary (`| head -1`): no run for it
-            return _stdout_closed()
+            return stdout_closed()
     summary = _train_here(args, config, model_config, plan, checkpoints, rank)
     if summary is None:
         return 0  # rank 0 prints the summary (NOTE [ Training on ranks ] rule 6)
@@ -214,7 +214,7 @@ def _run(args: argparse.Namespace, config: Config, model_config: Any, checkpoint
                 print(f"\ntimeline trace: {path} (Perfetto; tiermem trace summary|plot FILE)")
         sys.stdout.flush()
     except BrokenPipeError:
-        return _stdout_closed()
+        return stdout_closed()
     return 0
 
 
@@ -270,18 +270,6 @@ def _checkpoint_block(args: argparse.Namespace, start_step: int) -> dict[str, An
     path = None if args.checkpoint is None else os.path.abspath(args.checkpoint)
     resumed = None if args.resume is None else os.path.abspath(args.resume)
     return {"path": path, "save_every": args.save_every, "resumed_from": resumed, "start_step": start_step}
-
-
-def _stdout_closed() -> int:
-    """The reader of stdout went away (``tiermem train | head -1``): not an error of the run,
-    so no traceback. Point stdout at /dev/null so the interpreter's own flush at exit does
-    not fail again (Python's documentation, "Note on SIGPIPE"); exit status 0, as ``tiermem
-    bench io`` does."""
-    with contextlib.suppress(OSError, ValueError):  # ValueError: a stdout with no file descriptor
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-    return 0
 
 
 def _budget(config: Config, measured: ActivationBytes, policy: str, state_bytes: int = 0) -> dict[str, Any]:

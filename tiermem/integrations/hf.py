@@ -155,6 +155,16 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
             )
         return super().train(*args, **kwargs)
 
+    def create_optimizer(self, model: Any = None) -> Any:
+        if self.optimizer is None and self.runtime.manages(self.model if model is None else model):
+            raise StatesUsageError(
+                "tiermem + Hugging Face Trainer: the model is managed by rt.manage, but Trainer was given no "
+                "optimizer, so it would build its own over the managed parameters: one tiermem does not manage, whose "
+                "states would sit in RAM beside the tiers and step apart from them. Pass the optimizer rt.manage "
+                "returned: Trainer(..., optimizers=(optimizer, None), runtime=rt)"
+            )
+        return super().create_optimizer(model)
+
     def _clip_grad_norm(self, model: Any) -> Any:
         if self.declared is not None and self.declared.clip_grad_norm is not None:
             return self.declared.clip_grad_norm_()  # rule 3: the runtime clips, once

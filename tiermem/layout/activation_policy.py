@@ -81,6 +81,13 @@ def resolve_policies(spec: PolicySpec, block_names: Sequence[str], default: str)
         if policy.offloads and count:
             policies[-1] = BlockPolicy.KEEP
         return policies, False
+    if not isinstance(spec, Mapping):
+        hint = " (a list: give dict(enumerate(policies)))" if isinstance(spec, (list, tuple)) else ""
+        raise TypeError(
+            f"tiermem activations: policy= takes a policy name ({', '.join(POLICY_NAMES)}) or a mapping from block "
+            f"index or qualified name to one, such as {{0: 'recompute', 3: 'nvme'}}; got {spec!r} of type "
+            f"{type(spec).__name__}{hint}"
+        )
     policies = [BlockPolicy.KEEP] * count
     problems = []
     for key, value in spec.items():
