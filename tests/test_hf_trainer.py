@@ -8,6 +8,7 @@ refused clearly. Models are built from configs (no downloads)."""
 from __future__ import annotations
 
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -227,6 +228,41 @@ def test_trainer_declares_its_loop_and_stays_bitwise_plain_trainer(tmp_path, acc
     else:  # offloaded chunks stepped during the last backward of the windows after the first
         assert evidence["early_chunk_steps"] > 0
         assert evidence["runtime_norm"] is None
+
+
+def test_trainer_resumes_from_its_rt_save_checkpoint_bitwise(tmp_path):
+    """train(resume_from_checkpoint=) over a managed model: a fresh process-like run (new runtime,
+    another model's weights) resumed from the step-2 checkpoint ends as the uninterrupted run
+    does: the same logged losses, norms and LRs, the same parameters (dropout draws included)."""
+    from tiermem.integrations.hf import Trainer
+
+    def run(out: Path, seed: int, resume: Any) -> tuple[list[Any], list[torch.Tensor]]:
+        torch.manual_seed(seed)
+        model = MODELS["gpt2"]()
+        with runtime(tmp_path / "rt") as rt:
+            model, optimizer = rt.manage(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+            args = arguments(out, max_steps=4, save_strategy="steps", save_steps=2, gradient_accumulation_steps=1)
+            trainer = Trainer(
+                model=model, args=args, train_dataset=Tokens(16, 0), optimizers=(optimizer, None), runtime=rt
+            )
+            trainer.train(resume_from_checkpoint=resume)
+            log = [
+                (h["step"], h["loss"], h["grad_norm"], h["learning_rate"])
+                for h in trainer.state.log_history
+                if "loss" in h
+            ]
+            return log, [p.detach().clone() for p in model.parameters()]
+
+    want_log, want_params = run(tmp_path / "whole", 0, None)
+    assert (tmp_path / "whole" / "checkpoint-2" / "trainer_state.json").exists()
+    got_log, got_params = run(tmp_path / "resumed", 1, str(tmp_path / "whole" / "checkpoint-2"))
+    assert [entry[0] for entry in want_log] == [1, 2, 3, 4]
+    assert got_log == want_log
+    assert all(torch.equal(a, b) for a, b in zip(got_params, want_params, strict=True))
+    shutil.rmtree(tmp_path / "whole" / "checkpoint-4")
+    again_log, again_params = run(tmp_path / "whole", 1, True)  # the last checkpoint, as Trainer finds it
+    assert again_log == want_log
+    assert all(torch.equal(a, b) for a, b in zip(again_params, want_params, strict=True))
 
 
 def test_trainer_without_the_managed_optimizer_is_refused_naming_the_fix(tmp_path):

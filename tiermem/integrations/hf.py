@@ -12,10 +12,14 @@ checkpoints through ``rt.save``.
 Trainer's own checkpoint (``save_strategy``) writes ``model.state_dict()`` and
 ``optimizer.state_dict()`` whole, in memory, and its ``resume_from_checkpoint`` loads them back
 over the chunks; a managed model's states are saved streamed and atomically by ``rt.save``
-instead (NOTE [ Checkpoint rules ] in ``tiermem.checkpoint``). :class:`RuntimeCheckpoints` turns
-every save Trainer decides on into ``rt.save(<output_dir>/checkpoint-<step>, extra=...)``, with
-Trainer's state and the LR scheduler's in ``extra``; without it a managed model's Trainer refuses
-to save with an error that says so (``check_trainer``).
+instead (NOTE [ Checkpoint rules ] in ``tiermem.checkpoint``). :class:`Trainer` saves where
+Trainer saves (after the step's log and evaluation): its model and optimizer through
+``rt.save(<output_dir>/checkpoint-<step>, extra=...)``, with Trainer's state and the LR
+scheduler's in ``extra``, then Trainer's own ``trainer_state.json`` and ``rng_state.pth`` beside
+them; and it resumes from such a checkpoint (``train(resume_from_checkpoint=path or True)``)
+with ``rt.load``. A plain ``transformers.Trainer`` saves so given :class:`RuntimeCheckpoints` (at
+the step's end, before its log); without it a managed model's Trainer refuses to save with an
+error that says so (``check_trainer``).
 
 # NOTE [ Trainer loops declared ]
 1. :class:`Trainer` (``transformers.Trainer`` given ``runtime=rt``) and :class:`Accelerator`
@@ -59,7 +63,10 @@ import torch
 import transformers
 from accelerate.utils import DistributedType
 from transformers import TrainerCallback
+from transformers.trainer import TRAINER_STATE_NAME
 
+from tiermem.checkpoint.content import rng_state, set_rng_state
+from tiermem.errors import CheckpointError
 from tiermem.states.errors import StatesUsageError
 from tiermem.states.manager import DeclaredLoop
 
@@ -85,8 +92,12 @@ class RuntimeCheckpoints(TrainerCallback):  # type: ignore[misc]
         extra = {
             "trainer_state": dataclasses.asdict(state),
             "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+            "rng_state": rng_state(),  # what Trainer's own save keeps in rng_state.pth
         }
-        self.rt.save(os.path.join(args.output_dir, f"checkpoint-{state.global_step}"), extra=extra)
+        path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+        self.rt.save(path, extra=extra)
+        # Where Trainer's resume reads its state, before it loads anything (Trainer.train).
+        state.save_to_json(os.path.join(path, TRAINER_STATE_NAME))
         return control
 
 
@@ -131,18 +142,17 @@ _CLIPS_THROUGH_METHODS = all(hasattr(transformers.Trainer, name) for name in ("_
 
 class Trainer(transformers.Trainer):  # type: ignore[misc]
     """``transformers.Trainer`` over a model ``rt.manage`` manages (``runtime=rt``): its loop
-    declared (NOTE [ Trainer loops declared ]) and its saves through ``rt.save``
-    (:class:`RuntimeCheckpoints`, added unless given)."""
+    declared (NOTE [ Trainer loops declared ]), its checkpoints through ``rt.save`` and its
+    resume through ``rt.load``."""
 
     def __init__(self, *args: Any, runtime: Any, declare_loop: bool = True, **kwargs: Any) -> None:
-        callbacks = list(kwargs.pop("callbacks", None) or [])
-        if not any(isinstance(c, RuntimeCheckpoints) for c in callbacks):
-            callbacks.append(RuntimeCheckpoints(runtime))
-        super().__init__(*args, callbacks=callbacks, **kwargs)
+        super().__init__(*args, **kwargs)
         self.runtime = runtime
         self.declare_loop = declare_loop
         #: the loop declared at train(); None when undeclared (rule 1)
         self.declared: DeclaredLoop | None = None
+        #: the ``extra`` of the checkpoint train(resume_from_checkpoint=) loaded
+        self._resumed: dict[str, Any] | None = None
 
     def train(self, *args: Any, **kwargs: Any) -> Any:
         self.declared = None
@@ -154,6 +164,52 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
                 clip_grad_norm=float(max_norm) if max_norm is not None and max_norm > 0 else None,
             )
         return super().train(*args, **kwargs)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """A checkpoint's model (Trainer's ``_save_checkpoint`` calls this first) goes through
+        ``rt.save``, the optimizer with it; a save the user asks for is Trainer's export."""
+        if not _internal_call or output_dir is None:
+            return super().save_model(output_dir, _internal_call)
+        extra = {
+            "trainer_state": dataclasses.asdict(self.state),
+            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
+        }
+        self.runtime.save(output_dir, extra=extra)
+        return None
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Saved with the model by ``rt.save`` (:meth:`save_model`)."""
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        """Nothing yet: the states are loaded with the optimizer's (:meth:`_load_optimizer_and_scheduler`)."""
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """Resuming: ``rt.load`` restores the managed model's and optimizer's states (param groups
+        included), where Trainer would read its own files over the chunks, once its LR scheduler
+        exists (making one sets the groups' learning rate to the schedule's first), then the
+        schedule's own state from ``extra``."""
+        if checkpoint is None:
+            return
+        try:
+            self._resumed = self.runtime.load(checkpoint)
+        except CheckpointError as exc:
+            raise CheckpointError(
+                f"tiermem + Hugging Face Trainer: cannot resume from {checkpoint}: {exc} (a managed model resumes "
+                "from the rt.save checkpoints this Trainer, or RuntimeCheckpoints, writes)",
+                checkpoint,
+            ) from exc
+        saved = (self._resumed or {}).get("lr_scheduler")
+        if saved is not None and self.lr_scheduler is not None:
+            self.lr_scheduler.load_state_dict(saved)
+
+    def _load_rng_state(self, checkpoint: str | None) -> None:
+        """Trainer's own ``rng_state.pth`` where it saved one; else (a checkpoint
+        :class:`RuntimeCheckpoints` made) the generators ``rt.save`` kept at the step's end."""
+        saved = None if checkpoint is None else (self._resumed or {}).get("rng_state")
+        if checkpoint is None or os.path.isfile(os.path.join(checkpoint, "rng_state.pth")) or saved is None:
+            return super()._load_rng_state(checkpoint)
+        set_rng_state(saved)
+        return None
 
     def create_optimizer(self, model: Any = None) -> Any:
         if self.optimizer is None and self.runtime.manages(self.model if model is None else model):
