@@ -136,16 +136,16 @@ class LoadTree:
             )
 
     def _check_state_key(self, states: ModelStates, i: int, fqn: str, key: str, shape: tuple[int, ...]) -> None:
-        """A saved state of the parameter's own shape is one this optimizer keeps for it (its
-        sections, NOTE [ Exact optimizer step ] rule 3). Another optimizer's (``exp_avg`` where
+        """A saved state of the parameter's own shape is one this optimizer keeps for it (as
+        learned on samples, NOTE [ Exact optimizer step ] rule 3). Another optimizer's (``exp_avg`` where
         SGD keeps ``momentum_buffer``), or one other settings keep (``max_exp_avg_sq`` of
         ``amsgrad=True``), would load as a value nothing reads, and the param groups after it
         would bring that optimizer's hyper-parameters into this one's step."""
         facts = getattr(states, "facts", None)  # an FSDP2 model's sharded states keep no such record
         if facts is None or i not in facts.optimized or not shape or shape != tuple(facts.params[i].shape):
             return  # 0-d states (``step``) and other shapes are not told apart from this optimizer's
-        if key not in facts.section_keys[i]:
-            kept = ", ".join(facts.section_keys[i]) or "no state of its shape"
+        if key not in facts.state_keys[i]:
+            kept = ", ".join(facts.state_keys[i]) or "no state"
             raise self._error(
                 f"holds optimizer state {key!r} of {fqn}, which this optimizer "
                 f"({facts.optimizer_class.__name__}, as configured) does not keep (it keeps {kept}): it was saved "

@@ -108,6 +108,8 @@ class ModelFacts:
     state_names: tuple[str, ...]
     #: per parameter index: its state keys that have sections (the rest are small states)
     section_keys: tuple[tuple[str, ...], ...]
+    #: per parameter index: every state key the optimizer keeps for it (learned on samples)
+    state_keys: tuple[tuple[str, ...], ...]
     #: rt.manage(param_dtype=): the working dtype, None without mixed precision
     param_dtype: torch.dtype | None
     #: fp32 master bytes per working byte (chunk layout rule 6)
@@ -160,6 +162,7 @@ class ModelFacts:
             optimizer_class=type(base),
             state_names=layout.names,
             section_keys=tuple(layout.keys.get(id(p), ()) for p in params),
+            state_keys=tuple(layout.all_keys.get(id(p), ()) for p in params),
             param_dtype=working,
             master_scale=master_scale,
         )

@@ -71,7 +71,7 @@ import inspect
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -251,6 +251,8 @@ class StateLayout:
     names: tuple[str, ...]
     #: per parameter (by id) the optimizer steps: its section keys
     keys: dict[int, tuple[str, ...]]
+    #: per parameter (by id) the optimizer steps: every state key it keeps (sections and small ones)
+    all_keys: dict[int, tuple[str, ...]] = field(default_factory=dict)
 
     def sections(self, p: torch.Tensor) -> int:
         """Sections a chunk holding ``p`` needs for it: its last section key's index + 1."""
@@ -331,9 +333,13 @@ def learn_state(
     with torch.random.fork_rng(devices=[]):  # an optimizer drawing random numbers leaves the user's RNG as it was
         instance = _probe(cls, defaults, sample_groups, steps=2)
     by_kind: list[dict[tuple[int, torch.dtype], tuple[str, ...]]] = []
+    every_key: list[dict[tuple[int, torch.dtype], tuple[str, ...]]] = []
     order: list[str] = []
     for found, group in zip(kinds, sample_groups, strict=True):
         classified: dict[tuple[int, torch.dtype], tuple[str, ...]] = {}
+        every_key.append(
+            {kind: tuple(instance.state.get(p, {})) for kind, p in zip(found, group["params"], strict=True)}
+        )
         one_d = {}
         for (ndim, dtype), p in zip(found, group["params"], strict=True):
             entry = instance.state.get(p, {})
@@ -368,7 +374,10 @@ def learn_state(
     keys = {
         id(p): by_kind[g][p.dim(), master_dtype or p.dtype] for g, group in enumerate(groups) for p in group["params"]
     }
-    return StateLayout(tuple(order), keys)
+    all_keys = {
+        id(p): every_key[g][p.dim(), master_dtype or p.dtype] for g, group in enumerate(groups) for p in group["params"]
+    }
+    return StateLayout(tuple(order), keys, all_keys)
 
 
 def _check_independent(
