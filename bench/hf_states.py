@@ -102,26 +102,33 @@ def machine_cpu() -> tuple[int, int]:
     return ticks[3] + ticks[4], sum(ticks[:8])  # guest time is already in user and nice
 
 
-def training_schedule() -> tuple[float, float]:
+def training_schedule() -> tuple[float, float, float, float]:
     """Seconds the calling thread has so far run on a CPU (its CPU clock) and waited, ready, for
-    one (``/proc/thread-self/schedstat``); wall time less both is the time it slept. The run time
-    is not schedstat's: for the thread reading it, that lags by up to a scheduler tick."""
+    one (``/proc/thread-self/schedstat``); wall time less both is the time it slept. Then the wall
+    clock read right after, and how long the reading took: a window starting at that clock counts
+    a preemption inside the reading as ready time it does not span, so its three figures add up to
+    its wall time within that much (:func:`schedule_between`'s ``reading_s``). The run time is not
+    schedstat's: for the thread reading it, that lags by up to a scheduler tick."""
+    start = time.perf_counter()
     with open("/proc/thread-self/schedstat", encoding="ascii") as f:
         wait_ns = int(f.read().split()[1])
-    return time.thread_time(), wait_ns / 1e9
+    run = time.thread_time()
+    clock = time.perf_counter()
+    return run, wait_ns / 1e9, clock, clock - start
 
 
 def schedule_between(
     wall: float,
     machine: tuple[tuple[int, int], tuple[int, int]],
-    training: tuple[tuple[float, float], tuple[float, float]],
+    training: tuple[tuple[float, float, float, float], tuple[float, float, float, float]],
 ) -> dict[str, float]:
     """Where ``wall`` seconds of steps went for the CPUs and the training thread: the share of the
     machine's CPU time left idle, and the training thread's seconds on a CPU, ready but waiting for
     one, and asleep (waiting for the GIL, for OpenMP's other thread at the end of a parallel
-    region, for a move)."""
+    region, for a move); ``reading_s``: how far the three may add up beyond ``wall`` (the start's
+    reading, :func:`training_schedule`)."""
     (idle0, total0), (idle1, total1) = machine
-    (run0, ready0), (run1, ready1) = training
+    (run0, ready0, _, reading), (run1, ready1, _, _) = training
     run, ready = run1 - run0, ready1 - ready0
     return {
         "wall_s": wall,
@@ -129,6 +136,7 @@ def schedule_between(
         "on_cpu_s": run,
         "ready_s": ready,
         "asleep_s": max(wall - run - ready, 0.0),
+        "reading_s": reading,
     }
 
 
@@ -136,13 +144,17 @@ def schedule_between(
 PHASES = ("forward", "backward", "optimizer.step")
 
 
-def snapshot() -> tuple[float, dict[int, float], tuple[int, int], tuple[float, float]]:
+Snapshot = tuple[float, dict[int, float], tuple[int, int], tuple[float, float, float, float]]
+
+
+def snapshot() -> Snapshot:
     """What a phase's figures are read between: the wall clock, each thread's CPU seconds, the
-    machine's idle and total ticks and the training thread's run and ready seconds. The clock is
-    read next to the training thread's figures, so that its seconds add up to the wall time."""
+    machine's idle and total ticks and the training thread's :func:`training_schedule`. The clock is
+    the one read right after the training thread's figures, so that its seconds add up to the wall
+    time (within the reading)."""
     threads, machine_ticks = thread_cpu(), machine_cpu()
     training = training_schedule()
-    return time.perf_counter(), threads, machine_ticks, training
+    return training[2], threads, machine_ticks, training
 
 
 class PhaseSchedule:
@@ -152,12 +164,13 @@ class PhaseSchedule:
     def __init__(self) -> None:
         self._sums: dict[str, dict[str, Any]] = {}
 
-    def add(self, marks: list[tuple[float, dict[int, float], tuple[int, int], tuple[float, float]]]) -> None:
+    def add(self, marks: list[Snapshot]) -> None:
         """One step's snapshots: at its start and at the end of each of :data:`PHASES`."""
         for name, start, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
             total = self._sums.setdefault(
-                name, {"wall": 0.0, "idle": 0, "ticks": 0, "run": 0.0, "ready": 0.0, "threads": {}}
+                name, {"wall": 0.0, "idle": 0, "ticks": 0, "run": 0.0, "ready": 0.0, "reading": 0.0, "threads": {}}
             )
+            total["reading"] += start[3][3]
             total["wall"] += end[0] - start[0]
             total["idle"] += end[2][0] - start[2][0]
             total["ticks"] += end[2][1] - start[2][1]
@@ -172,7 +185,9 @@ class PhaseSchedule:
         phases: dict[str, dict[str, Any]] = {}
         for name, total in self._sums.items():
             figures = schedule_between(
-                total["wall"], ((0, 0), (total["idle"], total["ticks"])), ((0.0, 0.0), (total["run"], total["ready"]))
+                total["wall"],
+                ((0, 0), (total["idle"], total["ticks"])),
+                ((0.0, 0.0, 0.0, total["reading"]), (total["run"], total["ready"], 0.0, 0.0)),
             )
             phases[name] = {k: v / steps if k.endswith("_s") else v for k, v in figures.items()}
             threads = sorted(total["threads"].items(), key=lambda kv: -kv[1])
@@ -271,10 +286,10 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         for tokens in batches[: args.warmup]:
             step(model, optimizer, tokens)
         cpu_before, faults_before = thread_cpu(), _faulted_bytes()
-        machine_before, training_before, started = machine_cpu(), training_schedule(), time.perf_counter()
+        machine_before, training_before = machine_cpu(), training_schedule()
         for tokens in batches[args.warmup :]:
             step(model, optimizer, tokens)
-        machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - started
+        machine_after, training_after = machine_cpu(), training_schedule()
         threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
     else:
         capacity = int(state_bytes * (args.fraction or FRACTIONS[args.size]))
@@ -291,11 +306,11 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
                 step(model, optimizer, tokens)
             before = rt.stats().as_dict()["links"]
             cpu_before, faults_before = thread_cpu(), _faulted_bytes()
-            machine_before, training_before, started = machine_cpu(), training_schedule(), time.perf_counter()
+            machine_before, training_before = machine_cpu(), training_schedule()
             with rt.trace(trace_path):
                 for tokens in batches[args.warmup :]:
                     step(model, optimizer, tokens)
-            machine_after, training_after, window = machine_cpu(), training_schedule(), time.perf_counter() - started
+            machine_after, training_after = machine_cpu(), training_schedule()
             threads, faults = cpu_by_thread(cpu_before, thread_cpu()), _faulted_bytes() - faults_before
             after = rt.stats().as_dict()["links"]
             steps = [s.as_dict() for s in trace_report.summarize(trace_report.load(trace_path))]
@@ -325,7 +340,9 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
         schedule={  # the training thread's seconds a step; the machine's idle share of the steps
             name: value / args.steps if name.endswith("_s") else value
             for name, value in schedule_between(
-                window, (machine_before, machine_after), (training_before, training_after)
+                training_after[2] - training_before[2],
+                (machine_before, machine_after),
+                (training_before, training_after),
             ).items()
         },
         phase_schedule=phases.per_step(args.steps),

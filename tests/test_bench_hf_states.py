@@ -61,7 +61,7 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         assert 0.0 <= sched["cpu_idle"] <= 1.0
         assert sched["on_cpu_s"] > 0 and sched["ready_s"] >= 0 and sched["asleep_s"] >= 0
         spent = sched["on_cpu_s"] + sched["ready_s"] + sched["asleep_s"]
-        assert spent == pytest.approx(sched["wall_s"], abs=1e-4)  # to the microseconds between the readings
+        assert sched["wall_s"] - 1e-6 <= spent <= sched["wall_s"] + sched["reading_s"] + 1e-6  # within the reading
         assert sum(run["step_s"]) / args.steps <= sched["wall_s"]
         # and per phase of the timed steps, read at its start and end: the same sum holds in each, the
         # phases lie within the steps, and each names the training thread among its threads
@@ -70,7 +70,7 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         for figures in phases.values():
             assert 0.0 <= figures["cpu_idle"] <= 1.0 and "training" in figures["cpu_by_thread"]
             spent = figures["on_cpu_s"] + figures["ready_s"] + figures["asleep_s"]
-            assert spent == pytest.approx(figures["wall_s"], abs=1e-4)
+            assert figures["wall_s"] - 1e-6 <= spent <= figures["wall_s"] + figures["reading_s"] + 1e-6
         assert 0 < sum(f["wall_s"] for f in phases.values()) <= sum(run["step_s"]) / args.steps
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
