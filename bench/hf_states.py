@@ -144,17 +144,15 @@ def schedule_between(
 PHASES = ("forward", "backward", "optimizer.step")
 
 
-Snapshot = tuple[float, dict[int, float], tuple[int, int], tuple[float, float, float, float]]
+Snapshot = tuple[dict[int, float], tuple[int, int], tuple[float, float, float, float]]
 
 
 def snapshot() -> Snapshot:
-    """What a phase's figures are read between: the wall clock, each thread's CPU seconds, the
-    machine's idle and total ticks and the training thread's :func:`training_schedule`. The clock is
-    the one read right after the training thread's figures, so that its seconds add up to the wall
-    time (within the reading)."""
+    """What a phase's figures are read between: each thread's CPU seconds, the machine's idle and
+    total ticks and the training thread's :func:`training_schedule`, whose clock is the phase's
+    (read right after its figures, so that its seconds add up to the wall time within the reading)."""
     threads, machine_ticks = thread_cpu(), machine_cpu()
-    training = training_schedule()
-    return training[2], threads, machine_ticks, training
+    return threads, machine_ticks, training_schedule()
 
 
 class PhaseSchedule:
@@ -170,13 +168,14 @@ class PhaseSchedule:
             total = self._sums.setdefault(
                 name, {"wall": 0.0, "idle": 0, "ticks": 0, "run": 0.0, "ready": 0.0, "reading": 0.0, "threads": {}}
             )
-            total["reading"] += start[3][3]
-            total["wall"] += end[0] - start[0]
-            total["idle"] += end[2][0] - start[2][0]
-            total["ticks"] += end[2][1] - start[2][1]
-            total["run"] += end[3][0] - start[3][0]
-            total["ready"] += end[3][1] - start[3][1]
-            for thread, spent in cpu_by_thread(start[1], end[1]).items():
+            (threads0, machine0, training0), (threads1, machine1, training1) = start, end
+            total["reading"] += training0[3]
+            total["wall"] += training1[2] - training0[2]
+            total["idle"] += machine1[0] - machine0[0]
+            total["ticks"] += machine1[1] - machine0[1]
+            total["run"] += training1[0] - training0[0]
+            total["ready"] += training1[1] - training0[1]
+            for thread, spent in cpu_by_thread(threads0, threads1).items():
                 total["threads"][thread] = total["threads"].get(thread, 0.0) + spent
 
     def per_step(self, steps: int) -> dict[str, dict[str, Any]]:

@@ -430,7 +430,7 @@ def test_find_blocks_on_every_family_and_overrides():
     assert [n for n, _ in find_blocks(model, blocks="blocks.2")] == ["blocks.2"]  # one name, not its letters
     assert [n for n, _ in find_blocks(model, blocks=model.blocks)] == [f"blocks.{i}" for i in range(4)]
     assert [n for n, _ in find_blocks(model, blocks=[model.blocks[1], "head"])] == ["blocks.1", "head"]
-    with pytest.raises(ValueError, match=r"1 module\(s\) not inside this model"):
+    with pytest.raises(ValueError, match=r"names not found: none; 1 of the modules given are not in this model"):
         find_blocks(model, blocks=[Block()])
     with pytest.raises(TypeError, match=r"blocks= takes module types.*got 3 of type int"):
         find_blocks(model, blocks=[Block, 3])

@@ -13,20 +13,15 @@ from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from tests.bench_modules import BENCH, bench_module
+
 DIRECTORY_OPTIONS = {"--path", "--nvme-path", "--dir"}
 
 
 @pytest.fixture
 def arguments() -> Iterator[ModuleType]:
-    """The module, imported from bench/ as its scripts import it."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import arguments
-
-        yield arguments
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("arguments") as module:
+        yield module
 
 
 def test_a_directory_must_exist_and_be_one(arguments, tmp_path):

@@ -6,26 +6,19 @@ disk. No timing asserts (speed goals live in bench/, never in timed tests)."""
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "bench"
+from tests.bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
 def hf_states() -> Iterator[ModuleType]:
-    """The bench module, imported from bench/ as its scripts import each other."""
-    sys.path.insert(0, str(BENCH))
-    try:
-        import hf_states
-
-        yield hf_states
-    finally:
-        sys.path.remove(str(BENCH))
+    with bench_module("hf_states") as module:
+        yield module
 
 
 def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(

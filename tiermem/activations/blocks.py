@@ -45,11 +45,11 @@ def _as_list(blocks: Any) -> list[Any]:
         items = list(blocks)
     except TypeError:
         items = None
-    strange = [b for b in items or () if not isinstance(b, (str, type, nn.Module))]
-    if items is None or strange:
+    strange = blocks if items is None else next((b for b in items if not isinstance(b, (str, type, nn.Module))), None)
+    if items is None or strange is not None:
         raise TypeError(
             f"tiermem activations: blocks= takes module types, qualified names or the model's modules (or a list "
-            f"of them); got {(strange or [blocks])[0]!r} of type {type((strange or [blocks])[0]).__name__}"
+            f"of them); got {strange!r} of type {type(strange).__name__}"
         )
     return items
 
@@ -78,12 +78,11 @@ def find_blocks(model: nn.Module, blocks: BlockSpec = None) -> list[tuple[str, n
         outer = [(n, m) for n, m in chosen if not any(n.startswith(o + ".") for o, _ in chosen if o != n)]
         missing = wanted_names - {n for n, _ in outer}
         strangers = len(wanted_modules - {id(m) for _, m in chosen})
-        if strangers:
-            missing.add(f"{strangers} module(s) not inside this model")
-        if missing or not outer:
+        if missing or strangers or not outer:
+            elsewhere = f"; {strangers} of the modules given are not in this model" if strangers else ""
             raise ValueError(
                 f"tiermem activations: blocks={list(blocks)!r} matched "
-                f"{[n for n, _ in outer] or 'nothing'}; names not found: {sorted(missing) or 'none'}. "
+                f"{[n for n, _ in outer] or 'nothing'}; names not found: {sorted(missing) or 'none'}{elsewhere}. "
                 "Give module types, qualified names from model.named_modules() or the model's own modules."
             )
         return outer

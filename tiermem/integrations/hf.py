@@ -73,6 +73,14 @@ from tiermem.states.manager import DeclaredLoop
 __all__ = ["Accelerator", "RuntimeCheckpoints", "Trainer", "check_trainer"]
 
 
+def _checkpoint_extra(state: Any, scheduler: Any) -> dict[str, Any]:
+    """The ``extra`` of a Trainer's ``rt.save``: Trainer's state and the LR scheduler's."""
+    return {
+        "trainer_state": dataclasses.asdict(state),
+        "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
+    }
+
+
 class RuntimeCheckpoints(TrainerCallback):  # type: ignore[misc]
     """Trainer's saves as ``rt.save`` checkpoints (the Trainer skips its own)."""
 
@@ -89,11 +97,8 @@ class RuntimeCheckpoints(TrainerCallback):  # type: ignore[misc]
         if not control.should_save:
             return control
         control.should_save = False  # Trainer's own save would write the whole states in memory
-        extra = {
-            "trainer_state": dataclasses.asdict(state),
-            "lr_scheduler": None if scheduler is None else scheduler.state_dict(),
-            "rng_state": rng_state(),  # what Trainer's own save keeps in rng_state.pth
-        }
+        # the generators too: what Trainer's own save keeps in rng_state.pth
+        extra = {**_checkpoint_extra(state, scheduler), "rng_state": rng_state()}
         path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
         self.rt.save(path, extra=extra)
         # Where Trainer's resume reads its state, before it loads anything (Trainer.train).
@@ -170,11 +175,7 @@ class Trainer(transformers.Trainer):  # type: ignore[misc]
         ``rt.save``, the optimizer with it; a save the user asks for is Trainer's export."""
         if not _internal_call or output_dir is None:
             return super().save_model(output_dir, _internal_call)
-        extra = {
-            "trainer_state": dataclasses.asdict(self.state),
-            "lr_scheduler": None if self.lr_scheduler is None else self.lr_scheduler.state_dict(),
-        }
-        self.runtime.save(output_dir, extra=extra)
+        self.runtime.save(output_dir, extra=_checkpoint_extra(self.state, self.lr_scheduler))
         return None
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:

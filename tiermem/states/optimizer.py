@@ -71,7 +71,7 @@ import inspect
 import types
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -252,7 +252,7 @@ class StateLayout:
     #: per parameter (by id) the optimizer steps: its section keys
     keys: dict[int, tuple[str, ...]]
     #: per parameter (by id) the optimizer steps: every state key it keeps (sections and small ones)
-    all_keys: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    all_keys: dict[int, tuple[str, ...]]
 
     def sections(self, p: torch.Tensor) -> int:
         """Sections a chunk holding ``p`` needs for it: its last section key's index + 1."""
