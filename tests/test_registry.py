@@ -570,3 +570,121 @@ def test_cached_bytes_are_accounted_until_freed_and_refused_past_capacity(make_s
         cached.tensor  # noqa: B018
     with pytest.raises(ValueError, match="not a memory tier"):
         store.registry.adopt_cache("nvme", buffer)
+
+
+def _stale_nvme(store: Store, nbytes: int) -> None:
+    """Leave ``nbytes`` of 0xFF bytes on the NVMe tier's file where the next objects go, so a
+    read of bytes never written there returns them, not the zeros of a fresh file."""
+    stale = store.registry.register(torch.full((nbytes,), 255, dtype=torch.uint8), "nvme", dedup=False)
+    stale.free()
+
+
+def _nvme_written(store: Store) -> int:
+    return store.nvme.statistics().bytes_written
+
+
+def _link_bytes(store: Store, link: str) -> int:
+    stats = store.scheduler.statistics().links.get(link)
+    return 0 if stats is None else stats.bytes
+
+
+def test_a_zero_tail_is_neither_written_to_storage_nor_read_back(make_store):
+    """Rule 12: an object moved to NVMe with ``zero_from`` writes only the bytes before it (from
+    the next alignment boundary on); read back (a move, ``copy_out``) its tail is zeros although
+    the file holds other bytes there, and only the stored bytes cross the link. Back in memory the
+    tail ends: the next write-back writes the whole object."""
+    store = make_store()
+    nbytes = 4 * BLOCK
+    _stale_nvme(store, 2 * nbytes)
+    data = torch.zeros(nbytes, dtype=torch.uint8)
+    data[: BLOCK + 100] = torch.arange(BLOCK + 100, dtype=torch.int64).remainder(251).to(torch.uint8) + 1
+    handle = store.registry.make("host", nbytes)
+    handle.tensor("host").copy_(data)
+    written = _nvme_written(store)
+    handle.move_to("nvme", Priority.WRITEBACK, zero_from=BLOCK + 100)
+    handle.wait()
+    assert handle.obj.zero_from == BLOCK + 4096  # rounded up to the alignment: whole blocks of direct I/O
+    assert _nvme_written(store) - written == BLOCK + 4096
+    assert torch.equal(handle.copy_out()[:nbytes], data)
+    before = _link_bytes(store, "nvme->host")
+    handle.move_to("host", Priority.DEMAND)
+    handle.wait()
+    assert _link_bytes(store, "nvme->host") - before == BLOCK + 4096
+    assert torch.equal(handle.tensor("host"), data) and handle.obj.zero_from is None
+    handle.tensor("host")[-1] = 7  # changed in memory: written whole, no tail any more
+    written = _nvme_written(store)
+    handle.move_to("nvme", Priority.WRITEBACK)
+    handle.wait()
+    assert _nvme_written(store) - written == nbytes and handle.obj.zero_from is None
+    data[-1] = 7
+    assert torch.equal(handle.copy_out()[:nbytes], data)
+    handle.free()
+
+
+def test_a_zero_tail_at_or_past_the_end_is_no_tail_and_one_outside_the_object_is_refused(make_store):
+    """Rule 12: a tail that rounds up to the object's end leaves every byte written; a tail
+    outside the object is a caller's error, and the object stays where it was."""
+    store = make_store()
+    handle = store.registry.make("host", 2 * BLOCK)
+    handle.tensor("host").fill_(3)
+    handle.move_to("nvme", Priority.WRITEBACK, zero_from=2 * BLOCK - 10)
+    handle.wait()
+    assert handle.obj.zero_from is None
+    assert torch.equal(handle.copy_out(), torch.full((2 * BLOCK,), 3, dtype=torch.uint8))
+    handle.move_to("host", Priority.DEMAND)
+    handle.wait()
+    for bad in (0, 2 * BLOCK + 1):
+        with pytest.raises(AssertionError, match="zero tail"):
+            handle.move_to("nvme", Priority.WRITEBACK, zero_from=bad)
+        assert handle.tier == "host" and handle.state is ObjectState.RESIDENT
+    handle.free()
+
+
+def test_a_zero_tail_read_with_known_bytes_and_by_range_copies_is_zeros(make_store):
+    """Rule 12 with rules 6 and 8: a move back told its stored prefix sits in memory reads
+    nothing at all; range copies out of the object read only what lies before the tail and
+    zero the rest of their span; a range copy into its storage that reaches past the tail moves
+    the tail to its end, and one starting past it is refused (the bytes between were never
+    written). The file holds 0xFF bytes under the tail throughout."""
+    from tiermem.registry import KnownBytes
+
+    store = make_store()
+    nbytes = 4 * BLOCK
+    _stale_nvme(store, 2 * nbytes)
+    stored = torch.arange(BLOCK, dtype=torch.int64).remainder(250).to(torch.uint8) + 1
+    handle = store.registry.make("host", nbytes)
+    handle.tensor("host").zero_()[:BLOCK].copy_(stored)
+    handle.move_to("nvme", Priority.WRITEBACK, zero_from=BLOCK)
+    handle.wait()
+    expected = torch.zeros(nbytes, dtype=torch.uint8)
+    expected[:BLOCK] = stored
+
+    target = store.registry.make("host", nbytes)
+    target.tensor("host").fill_(9)  # a reused block's old bytes, which the copies must replace
+    before = _link_bytes(store, "nvme->host")
+    target.fill_from(handle, nbytes=2 * BLOCK, source_offset=BLOCK // 2, offset=0).wait()  # across the tail
+    target.fill_from(handle, nbytes=BLOCK, source_offset=3 * BLOCK, offset=3 * BLOCK).wait()  # inside it
+    assert _link_bytes(store, "nvme->host") - before == BLOCK // 2
+    got = target.tensor("host")
+    assert torch.equal(got[: 2 * BLOCK], expected[BLOCK // 2 : BLOCK // 2 + 2 * BLOCK])
+    assert not got[3 * BLOCK :].any() and (got[2 * BLOCK : 3 * BLOCK] == 9).all()
+
+    memory = store.registry.register(stored.clone(), "device", dedup=False)
+    before = _link_bytes(store, "nvme->host")
+    handle.move_to("host", Priority.DEMAND, KnownBytes(memory.obj.home, 0, BLOCK))
+    handle.wait()
+    assert _link_bytes(store, "nvme->host") == before  # the stored bytes were known: nothing read
+    assert torch.equal(handle.tensor("host"), expected)
+
+    handle.move_to("nvme", Priority.WRITEBACK, zero_from=BLOCK)
+    handle.wait()
+    piece = store.registry.register(torch.full((BLOCK,), 5, dtype=torch.uint8), "host", dedup=False)
+    handle.fill_from(piece, nbytes=BLOCK, offset=BLOCK).wait()  # from the tail's start: it moves on
+    assert handle.obj.zero_from == 2 * BLOCK
+    expected[BLOCK : 2 * BLOCK] = 5
+    assert torch.equal(handle.copy_out()[:nbytes], expected)
+    with pytest.raises(AssertionError, match="unwritten"):
+        handle.fill_from(piece, nbytes=BLOCK, offset=3 * BLOCK)
+    assert torch.equal(handle.copy_out()[:nbytes], expected)
+    for h in (handle, target, memory, piece):
+        h.free()

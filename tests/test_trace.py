@@ -592,6 +592,8 @@ def test_moves_are_labelled_with_what_they_carry(tmp_path: Path) -> None:
     assert {m["link"] for m in by_label["gradient"]} == {"device->host"}  # offloaded chunks' gradients
     assert all(m["nbytes"] in chunk_bytes for m in by_label["chunk copy fill"])
     assert all(m["link"].endswith("->device") for m in by_label["chunk copy fill"])  # from the home, wherever
-    # a home carries AdamW's two states (a move told the parameters are known reads only those) or all three
-    assert all(m["nbytes"] in {k * n for n in chunk_bytes for k in (2, 3)} for m in by_label["chunk home"])
+    # a home carries AdamW's two states (a move told the parameters are known reads only those) or all three;
+    # a new home's states are zeros, neither written nor read (NOTE [ Managed object rules ] rule 12): its
+    # parameters alone are, or nothing but the known bytes is moved
+    assert all(m["nbytes"] in {k * n for n in chunk_bytes for k in (1, 2, 3)} for m in by_label["chunk home"])
     assert {m["link"] for m in by_label["chunk home"]} <= {"nvme->host", "host->nvme"}

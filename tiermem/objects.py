@@ -87,6 +87,11 @@ class ManagedObject:
         self.cancelling = False
         #: Moves that landed (rule 2: the target became home); a cancelled or failed one does not count.
         self.moves_landed = 0
+        #: Rule 12: where the object rests on a storage tier, its bytes from here on are zeros that
+        #: were never written there (None: every byte is stored); ``target_zero_from``: the same for
+        #: the move in flight to storage, taken over when it lands.
+        self.zero_from: int | None = None
+        self.target_zero_from: int | None = None
         #: Set once the current move has ended and the object's state reflects it.
         self.settled = threading.Event()
         self.settled.set()
@@ -186,11 +191,13 @@ class Handle:
         priority: Priority = Priority.PREFETCH,
         known: KnownBytes | None = None,
         after: Future[None] | None = None,
+        zero_from: int | None = None,
     ) -> Transfer | None:
         """Start moving the object to ``tier``; None when it is already there. ``known``:
-        rule 6 of NOTE [ Managed object rules ]; ``after``: its rule 11."""
+        rule 6 of NOTE [ Managed object rules ]; ``after``: its rule 11; ``zero_from``: its rule 12
+        (the caller vouches that the bytes from there on are zeros: a storage tier is not written them)."""
         self._check()
-        return self.obj.registry.move(self.obj, tier, priority, known, after)
+        return self.obj.registry.move(self.obj, tier, priority, known, after, zero_from)
 
     def wait(self) -> None:
         """Wait for the object's move to end; raise its error if it failed."""

@@ -92,13 +92,13 @@ class ChunkStore:
         layouts: Sequence[ChunkLayout],
         plan: Plan,
         snapshot: Snapshot,
-        fill_home: Callable[[Chunk, torch.Tensor], None] | None = None,
+        fill_home: Callable[[Chunk, torch.Tensor], bool] | None = None,
     ) -> None:
         """Create the chunks of ``layouts`` under ``plan`` holding ``snapshot``'s values and
         gradients (optimizer states are the caller's: :class:`~tiermem.states.stateio.StateIO`).
         ``fill_home``: given a chunk whose home goes to NVMe and the home's bytes in memory, it
         may write the chunk's optimizer states there before the home is written once (the
-        caller's import then need not read the home back to write them)."""
+        caller's import then need not read the home back to write them), and says whether it did."""
         facts = self.facts
         self.plan = plan
         slots: list[tuple[Chunk, Slot] | None] = [None] * len(facts.params)
@@ -170,7 +170,7 @@ class ChunkStore:
         layout: ChunkLayout,
         plan: Plan,
         snapshot: Snapshot,
-        fill_home: Callable[[Chunk, torch.Tensor], None] | None,
+        fill_home: Callable[[Chunk, torch.Tensor], bool] | None,
         writer: _HomeWriter,
     ) -> Chunk:
         persistent = layout.index < plan.persistent_chunks
@@ -231,7 +231,7 @@ class ChunkStore:
         self,
         chunk: Chunk,
         snapshot: Snapshot,
-        fill_home: Callable[[Chunk, torch.Tensor], None] | None,
+        fill_home: Callable[[Chunk, torch.Tensor], bool] | None,
         writer: _HomeWriter,
     ) -> None:
         """A streamed chunk: parameters view its storage, emptied at once (rule 1: on CUDA all
@@ -255,9 +255,15 @@ class ChunkStore:
             # Copied into the home: the snapshot's file-backed pages can go back to their file, so a
             # model built under rt.init() never sits whole in RAM (NOTE [ Materialising under rt.init() ]).
             release_file_pages(snapshot.data[slot.index])
-        if fill_home is not None and nvme:
-            fill_home(chunk, home)
-        chunk.home = writer.write(home) if nvme else self.register(home, chunk.home_tier, "chunk home")
+        states_written = fill_home(chunk, home) if fill_home is not None and nvme else False
+        # Its optimizer-state sections are still the zeros the home was made of: NVMe is not
+        # written them (NOTE [ Managed object rules ] rule 12). A home of fp32 masters keeps its
+        # working copy after them, so only a home that ends with its states has a zero tail; one
+        # stepped in slices writes each section's range in turn, past the tail's start.
+        whole = chunk.master_scale == 1 and chunk.slice_span is None
+        zeros = nvme and whole and chunk.sections > 0 and not states_written
+        zero_from = chunk.section_base(0) if zeros else None
+        chunk.home = writer.write(home, zero_from) if nvme else self.register(home, chunk.home_tier, "chunk home")
 
     def free(self) -> None:
         """Free every chunk's bytes (accounting included); parameters keep dangling views."""
@@ -307,7 +313,7 @@ class _HomeWriter:
         #: the bytes every block holds: the build's largest NVMe home's
         self.room = room
         self._made: Handle | None = None  # the block the home being filled is in
-        self._filled: Handle | None = None  # the home filled last, its write not started
+        self._filled: tuple[Handle, int | None] | None = None  # the home filled last and its zero tail, not written
         self._writing: list[Handle] = []
 
     def zeros(self, nbytes: int) -> torch.Tensor:
@@ -325,14 +331,16 @@ class _HomeWriter:
                 return handle.tensor("host").zero_()
         return self.scratch.zeros(nbytes)
 
-    def write(self, home: torch.Tensor) -> Handle:
+    def write(self, home: torch.Tensor, zero_from: int | None = None) -> Handle:
         """The home made in :meth:`zeros`'s bytes, filled: on NVMe, or on its way there once the
         next home is made or the build ends (by then the build holds no view of its block, which
-        the host tier keeps for the next home only where nothing else holds it)."""
+        the host tier keeps for the next home only where nothing else holds it). ``zero_from``:
+        its bytes from there on are still zeros, not written (NOTE [ Managed object rules ] rule
+        12; a home made in the scratch buffer is written whole)."""
         handle, self._made = self._made, None
         if handle is None:  # made in the scratch buffer: written before register() returns
             return self.store.register(home, "nvme", "chunk home")
-        self._filled = handle
+        self._filled = (handle, zero_from)
         return handle
 
     def land(self, keep: int = 0) -> None:
@@ -353,11 +361,12 @@ class _HomeWriter:
         self._writing.clear()
 
     def _start(self) -> None:
-        handle, self._filled = self._filled, None
-        if handle is None:
+        filled, self._filled = self._filled, None
+        if filled is None:
             return
+        handle, zero_from = filled
         try:
-            handle.move_to("nvme", Priority.WRITEBACK)
+            handle.move_to("nvme", Priority.WRITEBACK, zero_from=zero_from)
         except TierCapacityError as exc:
             raise StatesMemoryError.tier_full(
                 exc, "a chunk", ", or give plan= fewer persistent chunks or a smaller chunk_size"
