@@ -176,6 +176,7 @@ def test_an_interrupted_forward_is_closed_at_the_next_step(tmp_path):
     model = make_model()
     with tiermem.Runtime(config(tmp_path)) as rt:
         model, optimizer = rt.manage(model, torch.optim.SGD(model.parameters(), lr=0.1), activations="nvme")
+        train(model, optimizer, range(1))  # planned as its forward started (its profiling step runs the hooks too)
 
         def interrupt(_module: nn.Module, _args: Any) -> None:
             raise KeyboardInterrupt

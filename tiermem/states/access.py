@@ -397,7 +397,8 @@ class ParameterAccess:
         if not current:
             raise StatesUsageError(
                 "tiermem parameter access: this view of a managed parameter was taken before its chunks were "
-                "re-packed (at the first optimizer.step()); take the view again from the parameter"
+                "re-packed (by the first-step plan, as the first training forward starts or at the first "
+                "optimizer.step(), or by an execution-order re-pack); take the view again from the parameter"
             )
         return chunk
 

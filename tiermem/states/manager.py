@@ -110,29 +110,37 @@ backend, ``describe``, ``close``) and the wiring:
    Reentrant checkpointing works (its nested backward may end ours early; later gradients
    are then brought back and added, exactly).
 9. Planning on the first real step (``rt.manage(plan="auto")`` without ``sample=``): the
-   default placement rule carries the first step; the root's forward pre-hook keeps the
-   arguments of the first forward with grad (detached), and the next ``optimizer.step()``
-   (where a re-pack would run, rule 2, once backward is done and gradients are known) hands
-   them to the planner. Where a plain copy of the model states fits in free memory and in
-   what the memory tiers have free, it profiles on plain parameters (the chunks are
-   snapshotted and freed, the parameters become ordinary tensors again and the manager's
-   hooks are off); otherwise on the chunks in place, streamed through the device budget by
-   the profiling's own hooks, which drop its gradients (NOTE [ Streamed first-step
+   default placement rule is built at ``rt.manage``; the root's forward pre-hook keeps the
+   arguments of the first forward with grad (detached) and, in training mode, hands them to the
+   planner at once, before that forward runs (``Stepper.plan_first_step``), so the first step
+   runs on the planned chunks: nothing has stepped and no gradient exists yet, so the re-pack
+   moves the parameters alone (210M HF GPT-2 of ``bench/first_step.py``, 2-vCPU Intel VM, 3
+   alternated pairs of fresh uncached processes: the first step 7.2-8.6 s, 1.75-1.90x a steady
+   step, against 8.3-9.6 s, 2.02-2.30x, planning at the step, which re-packed homes the first
+   backward had stepped on the default placement). A first forward in eval
+   mode, re-run inside backward or under saved-tensor hooks leaves it to the next
+   ``optimizer.step()`` (where a re-pack would run, rule 2, once backward is done and gradients
+   are known). The profiling step runs the model's own forward hooks like any forward (a user's
+   hook raising in it raises from that forward). Where a plain copy of the model states fits in
+   free memory and in what the memory tiers have free, it profiles on plain parameters (the
+   chunks are snapshotted and freed, the parameters become ordinary tensors again and the
+   manager's hooks are off); otherwise on the chunks in place, streamed through the device
+   budget by the profiling's own hooks, which drop its gradients (NOTE [ Streamed first-step
    profiling ] in ``streamed_profile.py``), so the capacities hold from ``rt.manage`` on.
    Either way the profiling step leaves RNG, buffers and gradients as they were (NOTE
    [ Profiling step ]), and the chunks are rebuilt under the planned plan, in its execution
    order, before the step goes on, from a snapshot held in memory where it fits there and in
-   the memory tiers' free bytes, else written to NVMe (NOTE [ Spilled snapshots ]); so the
-   step and everything after it are exactly what they would have been. Planning is skipped
-   (reason logged, default placement kept) when the step is called inside
-   ``rt.offload_activations`` (its saved-tensor hooks would capture the profiling step: tried
-   again at the next step), when the planner fails, and for a model with compiled blocks
-   (NOTE [ Compiling a managed model ] rule 4 in ``compile.py``); the new layout is not built
-   (logged, the old one kept) when the snapshot fits neither memory nor an NVMe tier.
-   Where the profile of the model's last profiled batch is cached and revalidates, the plan
-   is made from it at ``rt.manage`` and the chunks are built under it (NOTE [ Profile cache ]
-   rule 6 in ``tiermem.planner.cache``); the first forward's arguments are checked against
-   that batch's shapes and dtypes, and only a batch of other shapes plans at the first step.
+   the memory tiers' free bytes, else written to NVMe (NOTE [ Spilled snapshots ]); so the step
+   and everything after it are exactly what they would have been. Planning is skipped (reason
+   logged, default placement kept) when the step is called inside ``rt.offload_activations``
+   (its saved-tensor hooks would capture the profiling step: tried again at the next step),
+   when the planner fails, and for a model with compiled blocks (NOTE [ Compiling a
+   managed model ] rule 4 in ``compile.py``); the new layout is not built (logged, the old one kept)
+   when the snapshot fits neither memory nor an NVMe tier. Where the profile of the model's
+   last profiled batch is cached and revalidates, the plan is made from it at ``rt.manage`` and
+   the chunks are built under it (NOTE [ Profile cache ] rule 6 in ``tiermem.planner.cache``);
+   the first forward's arguments are checked against that batch's shapes and dtypes, and only a
+   batch of other shapes plans at the first step.
 """
 
 from __future__ import annotations
@@ -508,6 +516,8 @@ class ModelStates:
         self.training.sync()
         self.backward.settle()
         self.relayout.forward_started(args, kwargs)
+        if self.relayout.plans_now():
+            self.stepper.plan_first_step()
         # A forward begins: what the last phase freed leaves the heap first (NOTE [ Returning
         # freed memory ] rule 5), not while the forward streams and takes it again.
         self.store.pool.trimming.boundary()

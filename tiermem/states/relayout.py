@@ -236,9 +236,22 @@ class Relayout:
                     self._seen.add(i)
                     self._recording.append(i)
 
+    def plans_now(self) -> bool:
+        """Rule 9: whether the first-step plan is made now, as the root's forward with grad
+        starts (before its forward, so that step runs on the planned chunks): not for a forward
+        in eval mode (a validation pass with grad left on), one that autograd runs again inside
+        backward, nor one under saved-tensor hooks (the offloader's would capture the profiling
+        step); the next ``optimizer.step()`` plans then."""
+        return (
+            self._plan_batch is not None
+            and self.facts.model.training
+            and torch._C._current_graph_task_id() == -1
+            and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        )
+
     def forward_ended(self) -> None:
         if self._plan_batch is not None:
-            self.pending = True  # rule 9: plan at the next optimizer.step()
+            self.pending = True  # rule 9: not planned as the forward started; at the next optimizer.step()
         if self._recording is None:
             return
         order = self._recording + [i for i in range(len(self.facts.params)) if i not in self._seen]
@@ -247,7 +260,8 @@ class Relayout:
             self.pending = True  # rule 2: at the next optimizer.step()
 
     def run(self) -> None:
-        """The re-pack (or first-step plan) due at this optimizer.step(), backward being done."""
+        """The re-pack (or first-step plan) due at this optimizer.step(), backward being done, or
+        the first-step plan as the first forward starts (:meth:`plans_now`)."""
         self.pending = False
         if self._plan_batch is not None and self._plan_first_step():
             trim()  # NOTE [ Returning freed memory ] rule 4: the profiling step's and the old chunks' heap

@@ -826,6 +826,17 @@ class Stepper:
         self._windows = int(position.get("windows", 0))
         self._counted = self._grad_forwards = 0
 
+    def plan_first_step(self) -> None:
+        """NOTE [ Model-state rules ] rule 9: the first-step plan as the first forward with grad
+        starts, before it runs: no chunk has stepped, and no gradient is kept yet, so the re-pack
+        moves the parameters alone (the new NVMe homes' states are zeros, not written: NOTE
+        [ Managed object rules ] rule 12) and the whole step runs on the planned chunks."""
+        self._send_back_staged(self.store.chunks)  # homes read ahead (rule 11): every chunk is rebuilt
+        if self.save_guard is not None:
+            self.save_guard.before_rewrite()
+        with tracing.traced("re-pack", "repack"):
+            self.relayout.run()
+
     # -- the optimizer step over the chunks, one chunk at a time ----------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
         """``optimizer.step()``, outside backward: every chunk not stepped early steps now."""
