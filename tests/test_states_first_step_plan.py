@@ -58,6 +58,38 @@ def test_auto_plans_at_the_first_step_and_training_stays_bitwise(tmp_path, fract
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("fraction", [1.0, 0.1])
+def test_the_first_training_forward_plans_before_it_runs(tmp_path, fraction, mode):
+    """Rule 9: the first forward with grad in training mode is planned from before it runs, so
+    its own blocks already compute on the planned chunks (the first step runs on the plan, and
+    its backward stores or steps nothing on the default placement); a forward in eval mode with
+    grad left on (a validation pass) keeps its arguments and leaves planning to the next
+    ``optimizer.step()``, as a forward under saved-tensor hooks does. Bitwise either way; with
+    the chunks streamed (10%) as with a plain copy (100%)."""
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * fraction)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        seen: list[bool] = []  # planned by the time each block's forward ran
+        for block in model.blocks:
+            block.register_forward_pre_hook(lambda *_: seen.append(rt.plan.predicted.step_s is not None))
+        tokens, _ = batch(0)
+        with torch.no_grad():
+            model.train(mode == "train")(tokens)  # no grad: never planned from
+        assert rt.plan.predicted.step_s is None and seen and not any(seen)
+        seen.clear()
+        model(tokens)  # with grad: planned before its blocks run, in training mode only
+        real = seen[-len(model.blocks) :]  # the profiling step before it ran the blocks too
+        assert all(real) if mode == "train" else not any(seen), seen
+        model.train()
+        losses = train(model, optimizer, range(3))
+        assert rt.plan.predicted.step_s is not None
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
 def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
     """``[model_states] chunk_size``: the default rule's first step and the planner's plan after it
     use that size (the planner alone picks 20 KiB, then 28 KiB, here), training stays bitwise;
