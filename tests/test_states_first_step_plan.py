@@ -1,6 +1,7 @@
 """``rt.manage(plan="auto")`` without ``sample=`` plans from the first real step (NOTE
-[ Model-state rules ] rule 9): the first ``optimizer.step()`` profiles the first forward's
-arguments and re-packs under the planner's plan, and training stays bitwise plain PyTorch."""
+[ Model-state rules ] rule 9): as the first training forward with grad starts (else at the
+next ``optimizer.step()``) it profiles that forward's arguments and re-packs under the
+planner's plan, and training stays bitwise plain PyTorch."""
 
 from __future__ import annotations
 
@@ -83,6 +84,85 @@ def test_the_first_training_forward_plans_before_it_runs(tmp_path, fraction, mod
         real = seen[-len(model.blocks) :]  # the profiling step before it ran the blocks too
         assert all(real) if mode == "train" else not any(seen), seen
         model.train()
+        losses = train(model, optimizer, range(3))
+        assert rt.plan.predicted.step_s is not None
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
+@pytest.mark.parametrize("fraction", [1.0, 0.1])
+def test_a_first_forward_under_autocast_plans_inside_it_and_stays_bitwise(tmp_path, fraction):
+    """Rule 9 under ``torch.autocast``: the plan made as the first forward starts profiles inside
+    the user's autocast (its activations at the working dtype), and the profiling step's casts of
+    the parameters, of chunks the re-pack frees, leave autocast's cache before the forward runs
+    (kept, the first backward ran through the profiling step's graph and failed at 10%)."""
+
+    def run(model: nn.Module, optimizer: torch.optim.Optimizer, rt: Any = None) -> list[torch.Tensor]:
+        losses = []
+        for step in range(3):
+            tokens, targets = batch(step)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                logits = model(tokens)
+                if rt is not None:
+                    assert rt.plan.predicted.step_s is not None  # planned as the first forward started
+            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.detach())
+        return losses
+
+    plain = make_model()
+    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * fraction)
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        got = run(model, optimizer, rt)
+        device = rt.stats().tiers["device"]
+    assert device.peak_bytes <= capacity
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
+def test_a_kept_batch_is_not_planned_from_by_a_forward_without_grad(tmp_path):
+    """Rule 9: a batch kept from an eval forward with grad is planned from at a training
+    forward with grad, never at one under ``torch.no_grad`` (where profiling finds no
+    gradients, and planning would be given up)."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        tokens, _ = batch(0)
+        model.eval()(tokens)  # a validation pass with grad left on: its batch is kept
+        with torch.no_grad():
+            model.train()(tokens)
+        assert rt.plan.predicted.step_s is None
+        losses = train(model, optimizer, range(3))
+        assert rt.plan.predicted.step_s is not None
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+@pytest.mark.parametrize("fraction", [1.0, 0.1])
+def test_a_first_forward_that_fails_while_profiling_plans_at_the_next(tmp_path, fraction, error):
+    """Rule 9: the profiling step runs the model before its first forward ever completed; where
+    the model's own code fails in it (a user's hook here; a bad batch alike) the error reaches
+    the caller, and the next training forward plans, instead of the default placement staying."""
+    model = make_model()
+    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * fraction))) as rt:
+        _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+
+        def fail(_module: nn.Module, _args: Any) -> None:
+            raise error("a user's hook")
+
+        handle = model.blocks[1].register_forward_pre_hook(fail)
+        with pytest.raises(error, match="a user's hook"):
+            model(batch(0)[0])
+        handle.remove()
+        assert rt.plan.predicted.step_s is None
         losses = train(model, optimizer, range(3))
         assert rt.plan.predicted.step_s is not None
     want_losses, want_params = reference("adamw")

@@ -44,9 +44,10 @@ forward with grad of the managed model, with no context for the caller to open.
    the hooks are popped and the block hooks removed. A ``BaseException`` (``KeyboardInterrupt``)
    bypasses them: the capture stays open until the next ``optimizer.step()``/``zero_grad()`` or
    the end of management closes it (popping only our own hooks, on the thread that pushed them).
-7. Policy: ``"auto"`` resolves at each forward's start from the plan in force (a plan made at
-   the first ``optimizer.step()`` takes over from the configuration's policy from the next
-   forward on); a fixed one never changes. A new policy gets a new offloader; what the old one
+7. Policy: ``"auto"`` resolves at each forward's start from the plan in force (a first-step
+   plan takes over from the configuration's policy from the forward it is made at the start
+   of, or, made at an ``optimizer.step()``, from the next forward on); a fixed one never
+   changes. A new policy gets a new offloader; what the old one
    learned is the model's (NOTE [ Activation offload rules ] rule 8).
 """
 

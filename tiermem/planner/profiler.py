@@ -5,8 +5,9 @@
 1. It runs on the parameters in plain PyTorch (not chunked; rule 8: streamed), on a sample: what the user gives
    (``rt.manage(..., sample=...)``: a tuple of the model's positional arguments, or a
    callable ``sample(model) -> loss``), or else the arguments of the managed model's first
-   forward with grad, as a :class:`Batch` (the manager plans at the first
-   ``optimizer.step()``, NOTE [ Model-state rules ] rule 9). A tuple's or a batch's backward
+   forward with grad, as a :class:`Batch` (the manager plans as that forward starts in
+   training mode, else at the next ``optimizer.step()``: NOTE [ Model-state rules ] rule 9).
+   A tuple's or a batch's backward
    is that of its scalar outputs (a loss), or of every differentiable output with ones when
    there is none.
 2. It changes nothing training depends on (TRAPS 10): the RNG states (CPU and CUDA) are

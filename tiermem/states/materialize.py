@@ -13,8 +13,9 @@
    seed. Random factories (``torch.randn``...) are not redirected (their values must stay
    torch's own), so a module that draws its parameters from them builds them in RAM.
 3. ``rt.manage(model, ...)`` then copies the parameters into chunks in their home tiers, one
-   chunk at a time (construction order; re-packed at the first step after the first forward,
-   NOTE [ Model-state rules ] rule 2); the mappings go when nothing refers to them any more.
+   chunk at a time (construction order; re-packed by a first-step plan or at the first step
+   after the first forward, NOTE [ Model-state rules ] rules 2 and 9); the mappings go when
+   nothing refers to them any more.
    A model built here and never managed keeps working on its file-backed tensors.
 4. On tmpfs the "file" is RAM: the run says so once with a warning.
 5. Resident memory: a written page of a shared file mapping counts in the process's RSS until

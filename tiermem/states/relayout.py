@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from tiermem.errors import TierCapacityError
+from tiermem.errors import TierCapacityError, TiermemError
 from tiermem.layout.choose import choose_layout, chunk_sizes
 from tiermem.layout.chunks import ChunkLayout, outlier_candidates, pack, packing_floor, size_candidates, waste
 from tiermem.layout.placement import Budgets, Plan, PlanRequest
@@ -109,6 +109,8 @@ class Relayout:
         #: rule 9: who plans at the first step, and the first forward's arguments
         self._planner = planner
         self._plan_batch: tuple[tuple[Any, ...], dict[str, Any]] | None = None
+        #: rule 9: planning as a forward starts (plan_at_forward), where a failing model plans again
+        self._retry_failed = False
 
     def _initial_order(self) -> list[int]:
         """Rule 2: registration order, or the execution order the planner's profile recorded
@@ -245,9 +247,27 @@ class Relayout:
         return (
             self._plan_batch is not None
             and self.facts.model.training
+            and torch.is_grad_enabled()  # a batch kept from an eval forward, now without grad
+            and not torch.is_inference_mode_enabled()
             and torch._C._current_graph_task_id() == -1
             and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
         )
+
+    def plan_at_forward(self) -> None:
+        """Rule 9: the first-step plan as the first training forward starts (:meth:`plans_now`).
+        The profiling step runs the model before its forward ever completed, so where it fails
+        in the model's own code (an exception other than tiermem's: a bad batch, a user's hook,
+        an interrupt) the next training forward plans again instead of the default placement
+        staying for good. Autocast's cache of casts goes before and after: the profiling step's
+        casts of the parameters are of the chunks the re-pack frees, and the forward would take
+        them, with their graph, from the cache."""
+        torch.clear_autocast_cache()
+        self._retry_failed = True
+        try:
+            self.run()
+        finally:
+            self._retry_failed = False
+            torch.clear_autocast_cache()
 
     def forward_ended(self) -> None:
         if self._plan_batch is not None:
@@ -291,7 +311,20 @@ class Relayout:
                 "step outside it (the offloader's hooks would capture the profiling step)"
             )
             return False
-        self._planner = None  # once, whatever happens below
+        self._planner = None  # once, whatever happens below (but a failing first forward: plan_at_forward)
+        try:
+            return self._plan_first_step_with(planner, batch)
+        except BaseException:
+            self._retry(planner)
+            raise
+
+    def _retry(self, planner: FirstStepPlanner) -> None:
+        """:meth:`plan_at_forward`: a first forward that failed plans at the next training forward."""
+        if self._retry_failed:
+            self._planner = planner
+            log.info("tiermem model states: the first forward failed while profiling; the next training forward plans")
+
+    def _plan_first_step_with(self, planner: FirstStepPlanner, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
         refused = self._plain_copy_refused()
         if refused is not None:
             log.info("tiermem model states: profiling the first step with the chunks streamed: %s", refused)
@@ -453,6 +486,8 @@ class Relayout:
             order = new_order
         except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
             self.request = request
+            if not isinstance(exc, TiermemError):
+                self._retry(planner)
             log.warning(
                 "tiermem model states: planning from the first step failed, the default placement stays "
                 "(give rt.manage a plan= or sample= to choose): %s: %s",

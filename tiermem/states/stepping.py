@@ -835,7 +835,7 @@ class Stepper:
         if self.save_guard is not None:
             self.save_guard.before_rewrite()
         with tracing.traced("re-pack", "repack"):
-            self.relayout.run()
+            self.relayout.plan_at_forward()
 
     # -- the optimizer step over the chunks, one chunk at a time ----------------------------------
     def step(self, optimizer: ManagedOptimizer) -> None:
