@@ -117,6 +117,6 @@ def test_the_example_trains_bitwise_like_the_plain_one(tmp_path, tmp_path_factor
     assert stats["model_states"]["persistent_chunks"] < stats["model_states"]["chunks"]
     assert stats["links"]["host->device"]["bytes"] > 0  # chunks streamed in from their homes
     # the plan's activation policy ran on the model's forwards (its saved activations captured); the
-    # first step runs on the plan too (NOTE [ Model-state rules ] rule 9), which here recomputes blocks
+    # first step runs on the plan too (NOTE [ Model-state rules ] rule 9), so nothing need be offloaded
     assert stats["activations"]["captured_bytes"] > 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["cache"]  # the runtime's files are gone

@@ -63,11 +63,11 @@ def test_auto_plans_at_the_first_step_and_training_stays_bitwise(tmp_path, fract
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
 def test_the_first_training_forward_plans_before_it_runs(tmp_path, fraction, mode):
     """Rule 9: the first forward with grad in training mode is planned from before it runs, so
-    its own blocks already compute on the planned chunks (the first step runs on the plan, and
-    its backward stores or steps nothing on the default placement); a forward in eval mode with
-    grad left on (a validation pass) keeps its arguments and leaves planning to the next
-    ``optimizer.step()``, as a forward under saved-tensor hooks does. Bitwise either way; with
-    the chunks streamed (10%) as with a plain copy (100%)."""
+    its own blocks already compute on the planned chunks; a forward in eval mode with grad left
+    on (a validation pass) keeps its arguments and leaves planning to the next
+    ``optimizer.step()`` (a forward under saved-tensor hooks: ``test_a_step_inside_offload_
+    activations_plans_at_a_later_step_outside``). Bitwise either way; with the chunks streamed
+    (10%) as with a plain copy (100%)."""
     model = make_model()
     capacity = int(state_bytes("adamw", model) * fraction)
     with tiermem.Runtime(config(tmp_path, capacity)) as rt:
