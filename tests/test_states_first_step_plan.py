@@ -35,6 +35,21 @@ from tiermem.states import backward, streamed_profile
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
 
+def _train_planning(rt: tiermem.Runtime, model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Three steps of ``train``, not planned before them and planned after."""
+    assert rt.plan is not None and rt.plan.predicted.step_s is None
+    losses = train(model, optimizer, range(3))
+    assert rt.plan.predicted.step_s is not None
+    return losses
+
+
+def _assert_plain_pytorchs(losses: list[torch.Tensor], model: nn.Module) -> None:
+    """Bitwise plain PyTorch's three AdamW steps: the losses and the parameters after them."""
+    want_losses, want_params = reference("adamw")
+    assert_bitwise(losses, want_losses)
+    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+
+
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
 def test_auto_plans_at_the_first_step_and_training_stays_bitwise(tmp_path, fraction):
     model = make_model()
@@ -137,12 +152,8 @@ def test_a_kept_batch_is_not_planned_from_by_a_forward_without_grad(tmp_path):
         model.eval()(tokens)  # a validation pass with grad left on: its batch is kept
         with torch.no_grad():
             model.train()(tokens)
-        assert rt.plan.predicted.step_s is None
-        losses = train(model, optimizer, range(3))
-        assert rt.plan.predicted.step_s is not None
-    want_losses, want_params = reference("adamw")
-    assert_bitwise(losses, want_losses)
-    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+        losses = _train_planning(rt, model, optimizer)
+    _assert_plain_pytorchs(losses, model)
 
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
@@ -162,12 +173,8 @@ def test_a_first_forward_that_fails_while_profiling_plans_at_the_next(tmp_path, 
         with pytest.raises(error, match="a user's hook"):
             model(batch(0)[0])
         handle.remove()
-        assert rt.plan.predicted.step_s is None
-        losses = train(model, optimizer, range(3))
-        assert rt.plan.predicted.step_s is not None
-    want_losses, want_params = reference("adamw")
-    assert_bitwise(losses, want_losses)
-    assert_bitwise([p.detach() for p in model.parameters()], want_params)
+        losses = _train_planning(rt, model, optimizer)
+    _assert_plain_pytorchs(losses, model)
 
 
 def test_the_configured_chunk_size_is_the_one_both_placements_use(tmp_path):
