@@ -61,20 +61,20 @@ operations below, never a tier or the scheduler. The objects themselves are in
    cancels the write: rules 1 and 3), and its bytes go once the future is done, whatever its
    outcome (NOTE [ Scheduling rules ] rule 8): the caller vouches that nothing but that work
    writes the source meanwhile, and that the future ends.
-12. Zero tails: a move to storage may be told that the object's bytes from ``zero_from`` on
-   are zeros (``Handle.move_to(..., zero_from=)``; the caller vouches): it writes only the
-   bytes before it (from the next ``ALIGNMENT`` boundary on, so the write stays whole blocks),
-   and while the object rests there every read of it (a move back, with or without known
-   bytes; a range copy out of it; ``copy_out``) reads only the stored bytes and zeroes the
-   rest of its target itself, on the calling thread, before the read is submitted. A new
-   chunk home is the case (``ChunkStore``'s build in ``states/store.py``: its optimizer-state
-   sections are zeros until a step or a state import writes them): measured on the 210M first-step bench, ``rt.manage``
-   wrote 2.4 GiB of homes, 1.6 GiB of it zeros, and the first backward read those zeros
-   back (1.6 GiB) while the saved activations' reads queued behind them. A move back into
+12. Zero tails: a move to storage may be told that the object's bytes from ``zero_from`` on are
+   zeros (``Handle.move_to(..., zero_from=)``; the caller vouches): it writes only the bytes
+   before it (from the next ``ALIGNMENT`` boundary on, so the write stays whole blocks), and
+   while the object rests there every read of it (a move back, with or without known bytes; a
+   range copy out of it; ``copy_out``) reads only the stored bytes and zeroes the rest of its
+   target itself, on the calling thread, before the read is submitted. A new chunk home is the
+   case (``ChunkStore``'s build in ``states/store.py``: its optimizer-state sections are zeros
+   until a step or a state import writes them): measured on the 210M first-step bench,
+   ``rt.manage`` wrote 2.4 GiB of homes, 1.6 GiB of it zeros, and the first backward read those
+   zeros back (1.6 GiB) while the saved activations' reads queued behind them. A move back into
    memory ends the tail (the whole object is in memory; its next write-back writes it all
-   unless told again); a range copy into the object's storage that reaches past the tail
-   moves it to the copy's end, and one that starts past it is refused (the bytes between
-   were never written).
+   unless told again); a range copy into the object's storage that reaches past the tail moves
+   it to the copy's end, and one that starts past it is refused (the bytes between were never
+   written).
 """
 
 from __future__ import annotations

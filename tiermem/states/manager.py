@@ -117,30 +117,34 @@ backend, ``describe``, ``close``) and the wiring:
    moves the parameters alone (210M HF GPT-2 of ``bench/first_step.py``, 2-vCPU Intel VM, 3
    alternated pairs of fresh uncached processes: the first step 7.2-8.6 s, 1.75-1.90x a steady
    step, against 8.3-9.6 s, 2.02-2.30x, planning at the step, which re-packed homes the first
-   backward had stepped on the default placement). A first forward in eval
-   mode, re-run inside backward or under saved-tensor hooks leaves it to the next
+   backward had stepped on the default placement). A first forward in eval mode, without grad,
+   re-run inside backward or under saved-tensor hooks leaves it to the next
    ``optimizer.step()`` (where a re-pack would run, rule 2, once backward is done and gradients
-   are known). The profiling step runs the model's own forward hooks like any forward (a user's
-   hook raising in it raises from that forward). Where a plain copy of the model states fits in
-   free memory and in what the memory tiers have free, it profiles on plain parameters (the
-   chunks are snapshotted and freed, the parameters become ordinary tensors again and the
-   manager's hooks are off); otherwise on the chunks in place, streamed through the device
-   budget by the profiling's own hooks, which drop its gradients (NOTE [ Streamed first-step
-   profiling ] in ``streamed_profile.py``), so the capacities hold from ``rt.manage`` on.
-   Either way the profiling step leaves RNG, buffers and gradients as they were (NOTE
-   [ Profiling step ]), and the chunks are rebuilt under the planned plan, in its execution
-   order, before the step goes on, from a snapshot held in memory where it fits there and in
-   the memory tiers' free bytes, else written to NVMe (NOTE [ Spilled snapshots ]); so the step
-   and everything after it are exactly what they would have been. Planning is skipped (reason
-   logged, default placement kept) when the step is called inside ``rt.offload_activations``
-   (its saved-tensor hooks would capture the profiling step: tried again at the next step),
-   when the planner fails, and for a model with compiled blocks (NOTE [ Compiling a
-   managed model ] rule 4 in ``compile.py``); the new layout is not built (logged, the old one kept)
-   when the snapshot fits neither memory nor an NVMe tier. Where the profile of the model's
-   last profiled batch is cached and revalidates, the plan is made from it at ``rt.manage`` and
-   the chunks are built under it (NOTE [ Profile cache ] rule 6 in ``tiermem.planner.cache``);
-   the first forward's arguments are checked against that batch's shapes and dtypes, and only a
-   batch of other shapes plans at the first step.
+   are known) or the next training forward (``Relayout.plans_now``). The profiling step runs
+   inside the forward's contexts (autocast: it measures the working dtype's activations, and
+   autocast's cache of parameter casts is cleared before and after, the old chunks' casts being
+   stale) and runs the model's own forward hooks like any forward: where the model's code fails
+   in it (an exception other than tiermem's, or an interrupt) the error reaches the caller and
+   the next training forward plans again. Where a plain copy of the model states fits in free
+   memory and in what the memory tiers have free, it profiles on plain parameters (the chunks
+   are snapshotted and freed, the parameters become ordinary tensors again and the manager's
+   hooks are off); otherwise on the chunks in place, streamed through the device budget by the
+   profiling's own hooks, which drop its gradients (NOTE [ Streamed first-step profiling ] in
+   ``streamed_profile.py``), so the capacities hold from ``rt.manage`` on. Either way the
+   profiling step leaves RNG, buffers and gradients as they were (NOTE [ Profiling step ]), and
+   the chunks are rebuilt under the planned plan, in its execution order, before the step goes
+   on, from a snapshot held in memory where it fits there and in the memory tiers' free bytes,
+   else written to NVMe (NOTE [ Spilled snapshots ]); so the step and everything after it are
+   exactly what they would have been. Planning is skipped (reason logged, default placement
+   kept) when the step is called inside ``rt.offload_activations`` (its saved-tensor hooks
+   would capture the profiling step: tried again at the next step), when the planner fails, and
+   for a model with compiled blocks (NOTE [ Compiling a managed model ] rule 4 in
+   ``compile.py``); the new layout is not built (logged, the old one kept) when the snapshot
+   fits neither memory nor an NVMe tier. Where the profile of the model's last profiled batch
+   is cached and revalidates, the plan is made from it at ``rt.manage`` and the chunks are
+   built under it (NOTE [ Profile cache ] rule 6 in ``tiermem.planner.cache``); the first
+   forward's arguments are checked against that batch's shapes and dtypes, and only a batch of
+   other shapes plans at the first step.
 """
 
 from __future__ import annotations
