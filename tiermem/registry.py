@@ -485,8 +485,9 @@ class Registry:
             if target.state is ObjectState.MOVING:
                 raise internal_error(f"{target!r}: filled while it moves (the move would drop the copy)")
             src, dst = source.home, target.home
-            if not src.tier.is_memory:  # rule 12: the zeros past a tail are not read
-                nbytes = _read_stored(source, dst, source_offset, nbytes, target_offset)
+            # rule 12: the zeros past a tail are not read; zeroed below, outside the lock (the
+            # caller keeps both objects alive and unmoved until the copy ended: rule 8)
+            stored = nbytes if src.tier.is_memory else _stored_count(source, source_offset, nbytes)
             if not dst.tier.is_memory and target.zero_from is not None and target_offset + nbytes > target.zero_from:
                 # rule 12: written up to its end, the tail starts there (never past a gap of unwritten bytes)
                 if target_offset > target.zero_from:
@@ -496,10 +497,12 @@ class Registry:
                     )
                 end = target_offset + nbytes
                 target.zero_from = end if end < target.nbytes else None
+        if stored < nbytes:
+            dst.view(target_offset + stored, nbytes - stored).zero_()
         return self.scheduler.submit(
             src,
             dst,
-            nbytes=nbytes,
+            nbytes=stored,
             src_offset=source_offset,
             dst_offset=target_offset,
             priority=priority,
@@ -693,14 +696,20 @@ def _aligned_tail(obj: ManagedObject, zero_from: int | None) -> int | None:
     return tail if tail < obj.nbytes else None
 
 
-def _read_stored(obj: ManagedObject, target: Allocation, offset: int, nbytes: int, target_offset: int) -> int:
-    """Rule 12: of ``nbytes`` to read from ``obj`` (resting on storage) at ``offset`` into memory
-    allocation ``target`` at ``target_offset``, the count before its zero tail; the rest of the
-    span is zeroed in ``target`` here, before the read is submitted (on a device, on the calling
-    thread's stream, which the submit's fence puts the copies after: TRAPS 28)."""
+def _stored_count(obj: ManagedObject, offset: int, nbytes: int) -> int:
+    """Rule 12: of ``nbytes`` to read from ``obj`` (resting on storage) at ``offset``, the count
+    before its zero tail."""
     zero_from = obj.zero_from
     if zero_from is None or offset + nbytes <= zero_from:
         return nbytes
-    stored = max(0, zero_from - offset)
-    target.view(target_offset + stored, nbytes - stored).zero_()
+    return max(0, zero_from - offset)
+
+
+def _read_stored(obj: ManagedObject, target: Allocation, offset: int, nbytes: int, target_offset: int) -> int:
+    """Rule 12: :func:`_stored_count`, the rest of the span zeroed in memory allocation ``target``
+    at ``target_offset`` here, before the read is submitted (on a device, on the calling
+    thread's stream, which the submit's fence puts the copies after: TRAPS 28)."""
+    stored = _stored_count(obj, offset, nbytes)
+    if stored < nbytes:
+        target.view(target_offset + stored, nbytes - stored).zero_()
     return stored
