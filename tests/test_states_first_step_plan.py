@@ -158,12 +158,14 @@ def test_a_kept_batch_is_not_planned_from_by_a_forward_without_grad(tmp_path):
 
 @pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("fraction", [1.0, 0.1])
-def test_a_first_forward_that_fails_while_profiling_plans_at_the_next(tmp_path, fraction, error):
+def test_a_first_forward_that_fails_while_profiling_plans_at_the_next(tmp_path, caplog, fraction, error):
     """Rule 9: the profiling step runs the model before its first forward ever completed; where
     the model's own code fails in it (a user's hook here; a bad batch alike) the error reaches
-    the caller, and the next training forward plans, instead of the default placement staying."""
+    the caller, the log says the next training forward plans, and it does, instead of the
+    default placement staying."""
     model = make_model()
-    with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * fraction))) as rt:
+    settings = config(tmp_path, int(state_bytes("adamw", model) * fraction))
+    with caplog.at_level(logging.INFO, logger="tiermem.states"), tiermem.Runtime(settings) as rt:
         _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
 
         def fail(_module: nn.Module, _args: Any) -> None:
@@ -173,6 +175,8 @@ def test_a_first_forward_that_fails_while_profiling_plans_at_the_next(tmp_path, 
         with pytest.raises(error, match="a user's hook"):
             model(batch(0)[0])
         handle.remove()
+        assert "the next training forward plans" in caplog.text
+        assert "the default placement stays" not in caplog.text
         losses = _train_planning(rt, model, optimizer)
     _assert_plain_pytorchs(losses, model)
 

@@ -315,14 +315,16 @@ class Relayout:
         try:
             return self._plan_first_step_with(planner, batch)
         except BaseException:
-            self._retry(planner)
+            if self._retry(planner):
+                log.info("tiermem model states: profiling the first forward stopped; the next training forward plans")
             raise
 
-    def _retry(self, planner: FirstStepPlanner) -> None:
-        """:meth:`plan_at_forward`: a first forward that failed plans at the next training forward."""
+    def _retry(self, planner: FirstStepPlanner) -> bool:
+        """:meth:`plan_at_forward`: a first forward that failed plans at the next training forward;
+        whether it will."""
         if self._retry_failed:
             self._planner = planner
-            log.info("tiermem model states: the first forward failed while profiling; the next training forward plans")
+        return self._retry_failed
 
     def _plan_first_step_with(self, planner: FirstStepPlanner, batch: tuple[tuple[Any, ...], dict[str, Any]]) -> bool:
         refused = self._plain_copy_refused()
@@ -486,11 +488,12 @@ class Relayout:
             order = new_order
         except Exception as exc:  # noqa: BLE001 - the default placement carries on, as logged
             self.request = request
-            if not isinstance(exc, TiermemError):
-                self._retry(planner)
+            retried = not isinstance(exc, TiermemError) and self._retry(planner)  # the model's own error
             log.warning(
-                "tiermem model states: planning from the first step failed, the default placement stays "
-                "(give rt.manage a plan= or sample= to choose): %s: %s",
+                "tiermem model states: planning from the first step failed, %s: %s: %s",
+                "the next training forward plans again"
+                if retried
+                else "the default placement stays (give rt.manage a plan= or sample= to choose)",
                 type(exc).__name__,
                 exc,
             )
