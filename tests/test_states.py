@@ -127,6 +127,26 @@ def train(
     return out
 
 
+def train_autocast(
+    model: nn.Module, optimizer: torch.optim.Optimizer, after_forward: Callable[[], None] | None = None
+) -> list[torch.Tensor]:
+    """Losses of three steps with the forward under bf16 autocast on the CPU (fp32 parameters,
+    the loss in fp32 outside it); ``after_forward`` runs inside autocast after each forward."""
+    losses = []
+    for step in range(3):
+        tokens, targets = batch(step)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(tokens)
+            if after_forward is not None:
+                after_forward()
+        loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.detach())
+    return losses
+
+
 def assert_bitwise(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
     assert len(got) == len(want)
     for a, b in zip(got, want, strict=True):

@@ -24,6 +24,7 @@ from tests.test_states import (
     make_model,
     param_groups,
     state_bytes,
+    train_autocast,
 )
 from tiermem.registry import ObjectState
 from tiermem.states import StatesUsageError
@@ -252,27 +253,14 @@ def test_autocast_bf16_over_managed_parameters_is_bitwise(tmp_path):
     """Mixed precision the PyTorch way (fp32 parameters, bf16 compute under autocast) on managed
     states, declared loop included."""
 
-    def run(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            tokens, targets = batch(step)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(tokens)
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        return losses
-
     plain = make_model()
-    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    want = train_autocast(plain, OPTIMIZERS["adamw"](param_groups(plain)))
     model = make_model()
     with tiermem.Runtime(config(tmp_path, int(state_bytes("adamw", model) * 0.1))) as rt:
         model, optimizer = rt.manage(
             model, OPTIMIZERS["adamw"](param_groups(model)), plan={"state_home": "nvme"}, grad_accumulation_steps=1
         )
-        got = run(model, optimizer)
+        got = train_autocast(model, optimizer)
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 

@@ -25,6 +25,7 @@ from tests.test_states import (
     reference,
     state_bytes,
     train,
+    train_autocast,
 )
 from tests.test_streamed_profile_cut import assert_measured_as_plain
 from tiermem.errors import PlanError
@@ -113,28 +114,17 @@ def test_a_first_forward_under_autocast_plans_inside_it_and_stays_bitwise(tmp_pa
     the parameters, of chunks the re-pack frees, leave autocast's cache before the forward runs
     (kept, the first backward ran through the profiling step's graph and failed at 10%)."""
 
-    def run(model: nn.Module, optimizer: torch.optim.Optimizer, rt: Any = None) -> list[torch.Tensor]:
-        losses = []
-        for step in range(3):
-            tokens, targets = batch(step)
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = model(tokens)
-                if rt is not None:
-                    assert rt.plan.predicted.step_s is not None  # planned as the first forward started
-            loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            losses.append(loss.detach())
-        return losses
-
     plain = make_model()
-    want = run(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    want = train_autocast(plain, OPTIMIZERS["adamw"](param_groups(plain)))
     model = make_model()
     capacity = int(state_bytes("adamw", model) * fraction)
     with tiermem.Runtime(config(tmp_path, capacity)) as rt:
         _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
-        got = run(model, optimizer, rt)
+
+        def planned() -> None:  # as the first forward started, inside autocast
+            assert rt.plan.predicted.step_s is not None
+
+        got = train_autocast(model, optimizer, planned)
         device = rt.stats().tiers["device"]
     assert device.peak_bytes <= capacity
     assert_bitwise(got, want)
