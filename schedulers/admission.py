@@ -113,63 +113,99 @@ def padded(move: Move, src_off: int, dst_off: int, length: int) -> int:
 
 
 class TierLimits:
-    """Bytes and requests in flight per tier, and the bounds that admit a block (rules 3-5, 7)."""
+    """Bytes and requests in flight per tier, in all and per priority, and the bounds that
+    admit a block (rules 3-5, 7)."""
 
     def __init__(self, max_inflight: int, tier_max_inflight: dict[str, int]) -> None:
         self.max_inflight = max_inflight
         self.tier_max_inflight = tier_max_inflight
         self.inflight_bytes: dict[str, int] = collections.defaultdict(int)
         self._inflight_requests: dict[str, int] = collections.defaultdict(int)
+        # Rule 4's shares are each priority's own: by (tier name, priority) as issued.
+        self._priority_bytes: dict[tuple[str, Priority], int] = collections.defaultdict(int)
+        self._priority_requests: dict[tuple[str, Priority], int] = collections.defaultdict(int)
 
-    def limit(self, tier: Tier, priority: Priority) -> int:
-        bound = self.tier_max_inflight.get(tier.name, self.max_inflight)
-        return int(bound * PREFETCH_SHARE) if priority == Priority.PREFETCH else bound
+    def bound(self, tier: Tier) -> int:
+        """The tier's in-flight byte bound (rule 3)."""
+        return self.tier_max_inflight.get(tier.name, self.max_inflight)
 
-    def admits(self, move: Move, nbytes: int, held: set[str], slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
-        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
+    def admits(
+        self,
+        move: Move,
+        nbytes: int,
+        held: set[str],
+        slots_ahead: int = 0,
+        bytes_ahead: int = 0,
+        prefetching: frozenset[str] | set[str] = frozenset(),
+    ) -> bool:
+        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on;
+        ``prefetching``: tiers a prefetch is waiting on (rule 4's write-back share).
         ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
         counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
         transfer = move.transfer
         executor = move.executor
         priority = transfer.priority
-        slots = self._inflight_requests[executor.name] + slots_ahead
-        if slots >= executor.queue_depth:
+        if self._inflight_requests[executor.name] + slots_ahead >= executor.queue_depth:
             return False
-        if priority == Priority.PREFETCH and slots and slots >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
-            return False  # rule 4 applies to request slots as well as bytes
+        share = _share(priority, executor.name in prefetching)
+        if share < 1.0:  # rule 4, for request slots as for bytes
+            own = self._priority_requests[executor.name, priority] + slots_ahead
+            if own and own >= max(1, int(executor.queue_depth * share)):
+                return False
         for tier in (transfer.src.tier, transfer.dst.tier):
             if priority > Priority.DEMAND and tier.name in held:
                 return False  # rule 2: nothing of lower priority slips in ahead of a waiting demand
+            bound = self.bound(tier)
             inflight = self.inflight_bytes[tier.name] + bytes_ahead
-            if inflight and inflight + nbytes > self.limit(tier, priority):
+            if inflight and inflight + nbytes > bound:
+                return False
+            share = _share(priority, tier.name in prefetching)
+            own = self._priority_bytes[tier.name, priority] + bytes_ahead
+            if share < 1.0 and own and own + nbytes > int(bound * share):
                 return False
         return True
 
-    def admitted_run(self, move: Move, held: set[str]) -> tuple[int, int]:
+    def admitted_run(
+        self, move: Move, held: set[str], prefetching: frozenset[str] | set[str] = frozenset()
+    ) -> tuple[int, int]:
         """How much of ``move`` to issue now: (bytes, blocks), (0, 0) when rules 2-5 admit
         nothing. Blocks are admitted one by one, as if each were issued alone, up to the
         move's run length (rule 7), so a run never holds more than its blocks would."""
         block, remaining = move.block_size, move.remaining
         length = min(block, remaining)
-        if not self.admits(move, length, held):
+        if not self.admits(move, length, held, prefetching=prefetching):
             return 0, 0
         total, blocks = length, 1
         while blocks < move.max_run and total < remaining:
             length = min(block, remaining - total)
-            if not self.admits(move, length, held, blocks, total):
+            if not self.admits(move, length, held, blocks, total, prefetching):
                 break
             total += length
             blocks += 1
         return total, blocks
 
-    def issued(self, move: Move, span: int, blocks: int) -> None:
-        """Count a run of ``blocks`` (``span`` bytes) of ``move`` as in flight."""
+    def issued(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
+        """Count a run of ``blocks`` (``span`` bytes) of ``move``, issued at ``priority``, as in flight."""
         for name in move.tier_names:
             self.inflight_bytes[name] += span
+            self._priority_bytes[name, priority] += span
         self._inflight_requests[move.executor.name] += blocks
+        self._priority_requests[move.executor.name, priority] += blocks
 
-    def landed(self, move: Move, span: int, blocks: int) -> None:
-        """The run counted by :meth:`issued` is no longer in flight."""
+    def landed(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
+        """The run counted by :meth:`issued` (at the same ``priority``) is no longer in flight."""
         for name in move.tier_names:
             self.inflight_bytes[name] -= span
+            self._priority_bytes[name, priority] -= span
         self._inflight_requests[move.executor.name] -= blocks
+        self._priority_requests[move.executor.name, priority] -= blocks
+
+
+def _share(priority: Priority, prefetch_waits: bool) -> float:
+    """Rule 4: the most of a tier's bound and queue that ``priority``'s own moves may hold;
+    write-backs are held to the rest only while a prefetch waits for that tier."""
+    if priority == Priority.PREFETCH:
+        return PREFETCH_SHARE
+    if priority == Priority.WRITEBACK and prefetch_waits:
+        return 1.0 - PREFETCH_SHARE
+    return 1.0

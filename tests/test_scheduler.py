@@ -102,6 +102,29 @@ def test_prefetch_never_starves_writeback(device, make_scheduler, gated):
     prefetch.wait(timeout=10)
 
 
+@pytest.mark.parametrize("bound", ["queue", "bytes"])
+def test_a_long_writeback_leaves_a_waiting_prefetch_its_share(device, make_scheduler, gated, bound):
+    """Rule 4, the other way: a write-back that refills the tier as each block lands hands a
+    prefetch that waits for the tier its share, so the prefetch does not wait for it to end."""
+    storage = gated(queue_depth=4) if bound == "queue" else gated(queue_depth=64)
+    scheduler = make_scheduler() if bound == "queue" else make_scheduler(max_inflight=4 * BLOCK)
+    writeback = scheduler.submit(filled(device, 16 * BLOCK), storage.allocate(16 * BLOCK), priority=Priority.WRITEBACK)
+    storage.wait_pending(4)  # the write-back fills the queue (or the bytes bound)
+    prefetch = scheduler.submit(storage.allocate(8 * BLOCK), device.allocate(8 * BLOCK), priority=Priority.PREFETCH)
+    time.sleep(0.05)  # the prefetch reaches the loop while the tier is full
+    storage.release(3)  # three write-back blocks land, one by one
+    storage.wait_pending(4)
+    time.sleep(0.05)  # nothing more is issued past the bound
+    assert [op for op, *_ in storage.log[4:]] == ["read"] * 3  # the prefetch's share; the write-back keeps 1
+    storage.release(1)  # the write-back's last block in flight lands: the write-back gets its share back
+    storage.wait_pending(4)
+    assert storage.log[7][0] == "write"
+    storage.gated = False
+    storage.release_all()
+    prefetch.wait(timeout=10)
+    writeback.wait(timeout=10)
+
+
 def test_cancel_drops_queued_blocks_and_waits_for_inflight(device, make_scheduler, gated):
     storage = gated(queue_depth=1)
     scheduler = make_scheduler()
