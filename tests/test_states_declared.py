@@ -426,6 +426,56 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+def test_a_chunks_home_read_queues_ahead_of_the_next_chunks_prefetch(tmp_path, monkeypatch):
+    """NOTE [ Declared steps ] rule 3: as a chunk's backward begins, its NVMe home is read for its
+    step before the next chunk's parameters are prefetched, so the read is not queued behind
+    that fill (the step needs its home before the next chunk's backward needs its parameters);
+    training stays exact."""
+    from tiermem.registry import Priority
+    from tiermem.states.pool import ChunkPool
+    from tiermem.states.stepping import Stepper
+
+    events: list[tuple[str, int, int]] = []  # (home read | parameter prefetch, chunk, step), in order
+    step = [0]
+    entered, fetch = Stepper.backward_entered, ChunkPool.fetch
+
+    def staged(self, chunk):
+        before = chunk.home.state if chunk.home is not None else None
+        entered(self, chunk)
+        if chunk.home is not None and before is not ObjectState.MOVING and chunk.home.state is ObjectState.MOVING:
+            events.append(("home", chunk.index, step[0]))
+
+    def fetched(self, chunk, priority, keep, direction=0):
+        resident = chunk.resident
+        result = fetch(self, chunk, priority, keep, direction)
+        if priority == Priority.PREFETCH and direction < 0 and not resident and chunk.resident:
+            events.append(("prefetch", chunk.index, step[0]))
+        return result
+
+    monkeypatch.setattr(Stepper, "backward_entered", staged)
+    monkeypatch.setattr(ChunkPool, "fetch", fetched)
+    plain = make_model()
+    want = step_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), 3, lambda _step: None)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.3))) as rt:
+        model, optimizer = manage_streaming(rt, model)
+        got = step_loop(model, optimizer, 3, lambda i: step.__setitem__(0, i))
+        assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
+    # Steps after the first (which profiles and re-packs): each home read as its chunk's backward
+    # began, against the prefetch of the chunk whose backward comes next.
+    pairs = [
+        (at, later)
+        for at, (kind, chunk, when) in enumerate(events)
+        if kind == "home" and when > 0
+        for later, other in enumerate(events)
+        if other == ("prefetch", chunk - 1, when)
+    ]
+    assert len(pairs) >= 3, f"too few homes read beside the next chunk's prefetch: {events}"
+    assert all(home < prefetch for home, prefetch in pairs), str(events)
+    assert_bitwise(got, want)
+
+
 def _watch_host_blocks(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[list[tuple[int, bool]], Callable[[nn.Module, torch.optim.Optimizer], list[torch.Tensor]]]:

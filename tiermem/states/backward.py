@@ -170,9 +170,13 @@ class BackwardTracker:
                 self._pinned[id(use)] = use
                 for chunk in use.chunks:
                     chunk.pins += 1
-            self.store.pool.acquire(use.chunks, -1)
+            self.store.pool.acquire(use.chunks, 0)
         for chunk in use.chunks:
             self._enter(chunk)
+        if use.reads_values:
+            # After _enter: a home staged for the chunk's early step (NOTE [ Declared steps ] rule 3)
+            # queues ahead of the next chunk's prefetch, as the step needs it first.
+            self.store.pool.prefetch_next(use.chunks, -1)
         self.stepper.backward_progress()
 
     def _input_ready(self, use: Use, _grad: torch.Tensor) -> None:

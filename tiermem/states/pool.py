@@ -136,10 +136,14 @@ class ChunkPool:
             if not target.resident:
                 self.fetch(target, Priority.PREFETCH, chunks, direction)
         elif direction:
-            edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
-            self._prefetch(edge, direction, chunks)
+            self.prefetch_next(chunks, direction)
         for chunk in chunks:
             self.wait(chunk)
+
+    def prefetch_next(self, chunks: tuple[Chunk, ...], direction: int) -> None:
+        """Prefetch the next streamed chunk past ``chunks`` in ``direction`` (-1: backward's order)."""
+        edge = chunks[-1].index + 1 if direction > 0 else chunks[0].index - 1
+        self._prefetch(edge, direction, chunks)
 
     def fetch(self, chunk: Chunk, priority: Priority, keep: tuple[Chunk, ...], direction: int = 0) -> bool:
         """Start refilling ``chunk``'s own storage from its home (TRAPS 2); False when a

@@ -36,9 +36,13 @@ copies of homes an undeclared loop's backward steps into are :class:`~tiermem.st
    room is taken as its backward begins, every later hook of the backward asks again, and
    the read starts as soon as a write-back landed rather than when the step needs the home
    (on the 0.15x-RAM headline GPT nearly every early step of a chunk waited for its whole
-   home read before: 0.8-3.1 s a step). The step changes only the chunk's home (master and states);
-   its device copy, which the rest of this backward may still hold for frozen parameters, is
-   released when backward ends, so the next forward reads the new values. Persistent chunks
+   home read before: 0.8-3.1 s a step). The read is submitted before the next chunk's
+   parameters are prefetched (both at the same priority, first come first served): the step
+   needs its home before the next chunk's backward needs its parameters (210M HF GPT-2 on 2
+   cores: every other home read queued 24-30 ms behind that fill). The step changes only the
+   chunk's home (master and states); its device copy, which the rest of this backward may
+   still hold for frozen parameters, is released when backward ends, so the next forward
+   reads the new values. Persistent chunks
    (their device copy is the master, still saved by autograd), chunks that never completed and
    chunks whose device copy is newer than their home (``load_state_dict`` since the last step:
    the copy goes home when released) step at ``optimizer.step()``, which also waits for the early
