@@ -877,6 +877,38 @@ def test_eval_forward_without_grad_and_state_dict_between_steps(tmp_path):
         assert_bitwise(list(model.state_dict().values()), list(plain.state_dict().values()))
 
 
+@pytest.mark.parametrize("fraction", [0.1, 1.0])
+def test_inference_mode_forwards_match_plain_pytorch_and_training_goes_on(tmp_path, fraction):
+    """A forward under ``torch.inference_mode()`` (evaluation, generation) fetches and releases
+    streamed chunks like any other: before the first step (which then plans) and between steps,
+    with the plan's activation policy in force; outputs and the training around them bitwise
+    plain PyTorch's."""
+    plain = make_model()
+    plain_optimizer = OPTIMIZERS["adamw"](param_groups(plain))
+    model = make_model()
+    capacity = int(state_bytes("adamw", model) * fraction)
+    tokens = batch(7)[0]
+
+    def evaluated(model: nn.Module) -> torch.Tensor:
+        with torch.inference_mode():
+            out = model(tokens)
+        assert out.is_inference()
+        return out.clone()
+
+    with tiermem.Runtime(config(tmp_path, capacity)) as rt:
+        model, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+        got, want = [evaluated(model)], [evaluated(plain)]
+        got += train(model, optimizer, range(2))
+        want += train(plain, plain_optimizer, range(2))
+        assert rt.plan is not None  # the first training forward planned, after the inference one
+        got.append(evaluated(model))
+        want.append(evaluated(plain))
+        got += train(model, optimizer, range(2, 3))
+        want += train(plain, plain_optimizer, range(2, 3))
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 @pytest.mark.parametrize("policy", ["nvme", "recompute"])
 def test_composes_with_activation_offload(tmp_path, policy):
     """Saved activations offloaded or recomputed (recompute re-runs forward hooks inside

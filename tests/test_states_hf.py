@@ -5,6 +5,8 @@ training is bitwise plain PyTorch, ``generate`` works on a managed model in eval
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -48,10 +50,10 @@ def state_bytes(model: torch.nn.Module) -> int:
     return 16 * sum(p.numel() for p in model.parameters())
 
 
-def generate(model: torch.nn.Module) -> torch.Tensor:
+def generate(model: torch.nn.Module, mode: Callable[[], Any] = torch.no_grad) -> torch.Tensor:
     model.eval()
     prompt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(7))
-    with torch.no_grad():
+    with mode():
         return model.generate(input_ids=prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
 
 
@@ -69,6 +71,7 @@ def test_hf_training_and_generate_match_plain(tmp_path, name):
         assert rt.plan.predicted.step_s is not None
         if name != "bert":
             assert torch.equal(generate(model), generate(plain))
+            assert torch.equal(generate(model, torch.inference_mode), generate(plain, torch.inference_mode))
         stats = rt.stats().as_dict()
     assert_bitwise(got, want)
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])

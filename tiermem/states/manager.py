@@ -98,7 +98,9 @@ backend, ``describe``, ``close``) and the wiring:
 7. Threads: hooks run on the thread that runs forward and backward (autograd's CPU engine
    runs them on the caller's; on CUDA backward hooks run on autograd's device thread while
    the caller waits in ``backward()``, so they never overlap forward's); the manager is not
-   meant to be driven from two threads.
+   meant to be driven from two threads. Forward hooks under ``torch.inference_mode()`` run
+   with it off (grad still off): the chunks they fetch must be normal tensors
+   (``_outside_inference_mode``).
 8. CUDA: everything above holds; the device tier copies on its own stream, fenced after the
    stream that produced the bytes (TRAPS 28), host homes live in the pinned pool, and
    offloaded chunks step on the CPU (rule 5). Not yet: ``create_graph=True`` backward.
@@ -154,7 +156,7 @@ import dataclasses
 import functools
 import logging
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -198,6 +200,24 @@ if TYPE_CHECKING:
 __all__ = ["DeclaredLoop", "FirstStepPlanner", "ModelStates"]
 
 log = logging.getLogger("tiermem.states")
+
+
+def _outside_inference_mode(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as a forward hook that works under ``torch.inference_mode()`` too (evaluation,
+    generation): the chunks it fetches and releases are the runtime's own tensors, which must
+    stay normal ones, with version counters (the registry's records) and writable outside
+    inference mode (the copy threads fill them, a later step updates them); made inside,
+    they would be inference tensors. Grad stays off there, as inference mode has it."""
+
+    @functools.wraps(hook)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_inference_mode_enabled():
+            return hook(*args, **kwargs)
+        with torch.inference_mode(False), torch.no_grad():
+            return hook(*args, **kwargs)
+
+    return run
+
 
 #: Models under management, so one model is not managed twice.
 _MANAGED: weakref.WeakKeyDictionary[nn.Module, ModelStates] = weakref.WeakKeyDictionary()
@@ -489,11 +509,16 @@ class ModelStates:
     # -- forward hooks: fetch, pin and release the chunks ------------------------------------------
     def _register_hooks(self) -> None:
         model, stateio = self.facts.model, self.stateio
-        self._hooks.append(model.register_forward_pre_hook(self._root_started, with_kwargs=True))
-        self._hooks.append(model.register_forward_hook(self._root_ended, always_call=True))
+        root_started, root_ended = (
+            _outside_inference_mode(self._root_started),
+            _outside_inference_mode(self._root_ended),
+        )
+        started, ended = _outside_inference_mode(self._forward_started), _outside_inference_mode(self._forward_ended)
+        self._hooks.append(model.register_forward_pre_hook(root_started, with_kwargs=True))
+        self._hooks.append(model.register_forward_hook(root_ended, always_call=True))
         for module in self.facts.module_names:
-            self._hooks.append(module.register_forward_pre_hook(self._forward_started))
-            self._hooks.append(module.register_forward_hook(self._forward_ended, with_kwargs=True, always_call=True))
+            self._hooks.append(module.register_forward_pre_hook(started))
+            self._hooks.append(module.register_forward_hook(ended, with_kwargs=True, always_call=True))
             self._hooks.append(module.register_state_dict_pre_hook(stateio.state_dict_started))
             self._hooks.append(module.register_state_dict_post_hook(functools.partial(stateio.state_dict_ended)))
             self._hooks.append(module.register_load_state_dict_pre_hook(stateio.load_started))
