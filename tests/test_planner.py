@@ -156,6 +156,10 @@ def test_the_last_profiled_batch_of_a_model_is_indexed_and_cleared():
     assert not cache.same_batch(found[1], (x,), {})  # no labels: another call
     assert not cache.same_batch(found[1], (x[:1],), {"labels": x[:1]})  # another shape
     assert not cache.same_batch(found[1], (x.int(),), {"labels": x.int()})  # another dtype
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # another autocast: other activation bytes
+        assert not cache.same_batch(found[1], (x,), {"labels": x})
+        under = cache.sample_signature((x,))
+    assert under != cache.sample_signature((x,))
     assert cache.clear() == 2 and cache.last_profile("m" * 32) is None
     assert list(cache.cache_dir().iterdir()) == []
 

@@ -492,6 +492,47 @@ def test_a_cached_profile_plans_at_manage_and_the_first_step_neither_profiles_no
     assert list(tmp_path.iterdir()) == []
 
 
+def test_a_profile_cached_under_autocast_plans_no_forward_outside_it(tmp_path, monkeypatch):
+    """NOTE [ Profile cache ] rules 1 and 6: a first step profiled under bf16 autocast measures the
+    activations bf16 saves; the next run plans from that cached profile at rt.manage, but its first
+    forward, in fp32, does not match it and profiles and plans again at the first step. The
+    autocast profile stays cached under its own key: a third run under autocast plans its first
+    step from it without profiling. Every run trains bitwise plain PyTorch."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "REVALIDATE_FACTOR", 1e6)  # as in the test above: a loaded machine
+    calls = _count_planner_work(monkeypatch)
+    nvme = tmp_path / "nvme"
+    nvme.mkdir()
+    state = state_bytes("adamw", make_model())
+    settings = config(nvme, state // 4, state // 4)
+
+    def run(loop: Any) -> tuple[Any, Any, list[torch.Tensor]]:
+        model = make_model()
+        with tiermem.Runtime(settings) as rt:
+            _, optimizer = rt.manage(model, OPTIMIZERS["adamw"](param_groups(model)))
+            at_manage = rt.plan
+            losses = loop(model, optimizer)
+            return at_manage, rt.plan, losses
+
+    def fp32(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        return train(model, optimizer, range(3))
+
+    plain = make_model()
+    want_autocast = train_autocast(plain, OPTIMIZERS["adamw"](param_groups(plain)))
+    _, autocast_plan, got = run(train_autocast)
+    assert calls["measure"] == 1
+    assert_bitwise(got, want_autocast)
+    at_manage, fp32_plan, got = run(fp32)
+    assert at_manage == autocast_plan  # the last profile planned rt.manage...
+    assert calls["measure"] == 2  # ...and the fp32 forward did not take it: profiled again
+    assert fp32_plan.predicted.peak_bytes["device"] != autocast_plan.predicted.peak_bytes["device"]
+    assert_bitwise(got, reference("adamw")[0])
+    _, again, got = run(train_autocast)
+    assert calls["measure"] == 2 and again == autocast_plan  # planned from the autocast profile, cached
+    assert_bitwise(got, want_autocast)
+    assert list(nvme.iterdir()) == []
+
+
 def test_the_streamed_profiling_pass_recomputes_its_blocks_and_holds_less(monkeypatch):
     """NOTE [ Profiling step ] rules 9 and 11: streamed, one pass measures bytes and times with every
     block checkpointed: it counts the bytes each block saves as the plain bytes pass does, but

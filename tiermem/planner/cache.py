@@ -3,10 +3,11 @@
 # NOTE [ Profile cache ]
 1. Key: a hash of the model's signature (parameter names, shapes, dtypes, whether they train;
    module types in order), the sample's shapes and dtypes (a callable sample is not cached:
-   its batch cannot be seen), the device, the resolved tier configuration without the
-   capacities (capacities change the plan, which is searched afresh every run in well under
-   a second, not what the profile measured), the optimizer and its hyper-parameters, torch's
-   version and thread count, and :data:`PROFILE_VERSION`.
+   its batch cannot be seen) and the autocast regions it was profiled in, the device, the
+   resolved tier configuration without the capacities (capacities change the plan, which is
+   searched afresh every run in well under a second, not what the profile measured), the
+   optimizer and its hyper-parameters, torch's version and thread count, and
+   :data:`PROFILE_VERSION`.
 2. Revalidation is cheap (:func:`revalidate`, tens of milliseconds): a cached profile is used
    when its links still hold, each probe within a factor ``REVALIDATE_FACTOR`` of what the
    cached bandwidth predicts for it:
@@ -45,7 +46,9 @@
    sample. ``rt.manage(plan="auto")`` without ``sample=`` plans from that profile at once when it
    loads and revalidates (:func:`last_profile`), so the chunks are built under the plan and the
    first step neither profiles nor re-packs; the first forward's arguments are then checked
-   against the index's shapes, and a batch of other shapes plans at the first step as before
+   against the index's shapes (and autocast regions: a profile made under bf16 autocast counts
+   half the activation bytes of an fp32 forward), and a batch of other shapes, or one under
+   other autocast, plans at the first step as before
    (NOTE [ Model-state rules ] rule 9 in ``tiermem.states.manager``). The index is written
    with the profile, atomically and best effort, as rules 3-5 say; :func:`clear` removes it too.
 7. A profile measured streamed (NOTE [ Profiling step ] rule 8: times estimated without the
@@ -132,14 +135,29 @@ def model_signature(model: nn.Module) -> list[Any]:
 
 
 def sample_signature(sample: Any) -> list[Any] | None:
-    """Shapes and dtypes of the sample's tensors; None for a callable (rule 1)."""
+    """Shapes and dtypes of the sample's tensors, and the autocast regions in force on this
+    thread; None for a callable (rule 1)."""
     if callable(sample):
         return None
     if isinstance(sample, Batch):  # keyword names count too: another call is another profile
         sample = (sample.args, sorted(sample.kwargs.items()))
-    return [
+    signature: list[Any] = [
         [list(t.shape), str(t.dtype), str(t.device)] if isinstance(t, torch.Tensor) else repr(t)
         for t in tree_leaves(sample)
+    ]
+    if autocast := autocast_regions():
+        signature.append({"autocast": autocast})
+    return signature
+
+
+def autocast_regions() -> list[list[str]]:
+    """The autocast regions in force on this thread, as [device type, dtype]: a step profiled
+    inside one measures its working dtype's activations (NOTE [ Profiling step ]), half an fp32
+    step's under bf16, so a forward outside it must not plan from that profile, nor the other way."""
+    return [
+        [device, str(torch.get_autocast_dtype(device))]
+        for device in ("cpu", "cuda")
+        if torch.is_autocast_enabled(device)
     ]
 
 
