@@ -331,6 +331,46 @@ def test_summary_and_plot(traced_run: TracedRun, capsys: pytest.CaptureFixture[s
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_loop_offloading_activations_alone_is_summarized_step_by_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Rule 7 of NOTE [ Timeline trace ]: a loop with ``rt.offload_activations`` and a plain
+    optimizer (no step spans, no managed optimizer) is cut into steps where each forward pass over
+    the offloaded blocks begins; each step holds its own saved activations' moves."""
+    config = {
+        "device": {"device": "cpu"},
+        "nvme": {"paths": [str(tmp_path / "nvme")]},
+        "scheduler": {"loop": "asyncio"},
+        "activations": {"min_bytes": 0},
+    }
+    (tmp_path / "nvme").mkdir()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 64)
+    steps, path = 3, tmp_path / "t.json"
+    with tiermem.Runtime(config) as rt, rt.trace(path):
+        for _ in range(steps):
+            with rt.offload_activations(model, policy="nvme", blocks=[torch.nn.Sequential]):
+                model(x).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    trace = trace_report.load(path)
+    assert len(trace.passes) == steps
+    assert main(["trace", "summary", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["steps"]) == steps
+    starts = [start for start, _ in trace_report.step_intervals(trace)]
+    assert starts == [ts for ts, _ in trace.passes]  # each step begins with its forward pass
+    for step in report["steps"]:
+        assert step["wait_s"] == pytest.approx(sum(step["waits"].values()), abs=1e-9)
+    # Every write falls in a step (a write that backward overtook is cancelled, its read forwarded:
+    # a loaded machine may leave a step with none, so the bytes are counted over the steps).
+    written = sum(step["links"].get("device->nvme", {"bytes": 0})["bytes"] for step in report["steps"])
+    assert written == pytest.approx(trace.link_bytes()["device->nvme"], rel=1e-9)  # split by time where one spans two
+    assert written > 0
+
+
 def test_plot_and_summary_say_what_is_wrong_in_words(
     traced_run: TracedRun, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -33,6 +33,12 @@ one of torch.profiler's flag, ``None`` back when both are off).
    opened only once the thing waited for is known not to be done, so a wait that blocks nothing
    costs no event. (``tests/test_trace.py`` measures the training thread's blocked time apart
    from the trace and finds all of it in wait spans.)
+7. Steps (``tiermem trace summary``): the ``step`` spans where the loop draws them (``tiermem
+   train``, the benches), else the stretches ending where each ``optimizer step`` ends (a
+   managed model), else those beginning where each forward pass over an activation offloader's
+   blocks begins: the offloader records an instant of category ``pass`` there on the training
+   thread, so a loop that uses ``rt.offload_activations`` alone is summarized step by step (its
+   last step ends with the trace).
 """
 
 from __future__ import annotations

@@ -84,6 +84,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tiermem import tracing
 from tiermem.activations.adaptive import AdaptiveKeep
 from tiermem.activations.blocks import BlockSpec, ForwardPatches, find_blocks
 from tiermem.activations.counters import ActivationCounters
@@ -298,6 +299,9 @@ class ActivationOffloader:
         return hook
 
     def _forward_started(self) -> None:
+        if (recorder := tracing.RECORDER) is not None:
+            # where a loop without step spans begins a step (rule 7 of NOTE [ Timeline trace ])
+            recorder.instant("forward pass begins", "pass")
         self.prefetcher.settle()  # after a backward in this same context
         self.history.forward_started()
         self.forwards.forward_id = self.history.forwards

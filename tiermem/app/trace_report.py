@@ -43,6 +43,8 @@ class Trace:
     transfers: list[dict[str, Any]]  # complete events of the links' tracks (process 2)
     counters: dict[str, list[tuple[float, float]]]  # counter name -> (time, value)
     info: dict[str, Any]
+    #: (time, tid) of each forward pass an activation offloader began (rule 7 of NOTE [ Timeline trace ])
+    passes: list[tuple[float, int]] = field(default_factory=list)
 
     def link_bytes(self) -> dict[str, int]:
         """Bytes each link carried over the whole trace (what ``rt.stats()`` counts over the span)."""
@@ -69,10 +71,13 @@ def load(path: str | os.PathLike[str]) -> Trace:
     names: dict[int, str] = {}
     transfers: list[dict[str, Any]] = []
     counters: dict[str, list[tuple[float, float]]] = defaultdict(list)
+    passes: list[tuple[float, int]] = []
     for event in data.get("traceEvents", []):
         ph, pid = event.get("ph"), event.get("pid")
         if ph == "M" and event.get("name") == "thread_name" and pid == 1:
             names[event["tid"]] = event["args"]["name"]
+        elif ph == "i" and pid == 1 and event.get("cat") == "pass":
+            passes.append((event["ts"] / 1e6, event["tid"]))
         elif ph == "X":
             event = {**event, "ts": event["ts"] / 1e6, "dur": event["dur"] / 1e6}
             (transfers.append(event) if pid == 2 else spans[event["tid"]].append(event))
@@ -85,7 +90,7 @@ def load(path: str | os.PathLike[str]) -> Trace:
     transfers.sort(key=lambda e: e["ts"])
     for series in counters.values():
         series.sort()
-    return Trace(dict(spans), names, transfers, dict(counters), data.get("tiermem", {}))
+    return Trace(dict(spans), names, transfers, dict(counters), data.get("tiermem", {}), sorted(passes))
 
 
 # -- intervals -----------------------------------------------------------------------------------
@@ -174,12 +179,16 @@ class StepSummary:
 
 
 def _step_threads(trace: Trace) -> list[int]:
-    return [tid for tid, events in trace.spans.items() if any(e.get("cat") in _STEP_WORK for e in events)]
+    passes = {tid for _, tid in trace.passes}
+    return [
+        tid for tid, events in trace.spans.items() if tid in passes or any(e.get("cat") in _STEP_WORK for e in events)
+    ]
 
 
 def step_intervals(trace: Trace) -> list[Interval]:
-    """The steps: ``step`` spans, else the stretches ending where each ``optimizer step`` ends (but
-    those the planner runs while it profiles)."""
+    """The steps (rule 7 of NOTE [ Timeline trace ]): ``step`` spans, else the stretches ending where
+    each ``optimizer step`` ends (but those the planner runs while it profiles), else those
+    beginning where each of an activation offloader's forward passes begins."""
     steps = [(e["ts"], _end(e)) for events in trace.spans.values() for e in events if e.get("cat") == "step"]
     if steps:
         return sorted(steps)
@@ -190,6 +199,10 @@ def step_intervals(trace: Trace) -> list[Interval]:
         for e in every
         if e.get("cat") == "optimizer" and not any(s <= e["ts"] and _end(e) <= t for s, t in profiling)
     )
+    if not ends and trace.passes:
+        starts = [ts for ts, _ in trace.passes]
+        last = max((_end(e) for e in every + trace.transfers), default=starts[-1])
+        return list(zip(starts, [*starts[1:], max(last, starts[-1])], strict=True))
     first = min((e["ts"] for events in trace.spans.values() for e in events), default=0.0)
     return [(ends[i - 1] if i else first, end) for i, end in enumerate(ends)]
 
