@@ -113,7 +113,7 @@ def padded(move: Move, src_off: int, dst_off: int, length: int) -> int:
 
 
 class TierLimits:
-    """Bytes and requests in flight per tier, in all and per priority, and the bounds that
+    """Bytes and requests in flight per tier, in all and of prefetches, and the bounds that
     admit a block (rules 3-5, 7)."""
 
     def __init__(self, max_inflight: int, tier_max_inflight: dict[str, int]) -> None:
@@ -121,9 +121,9 @@ class TierLimits:
         self.tier_max_inflight = tier_max_inflight
         self.inflight_bytes: dict[str, int] = collections.defaultdict(int)
         self._inflight_requests: dict[str, int] = collections.defaultdict(int)
-        # Rule 4's shares are each priority's own: by (tier name, priority) as issued.
-        self._priority_bytes: dict[tuple[str, Priority], int] = collections.defaultdict(int)
-        self._priority_requests: dict[tuple[str, Priority], int] = collections.defaultdict(int)
+        # Rule 4's share counts the prefetches' own blocks (issued as PREFETCH), by tier name.
+        self._prefetch_bytes: dict[str, int] = collections.defaultdict(int)
+        self._prefetch_requests: dict[str, int] = collections.defaultdict(int)
 
     def bound(self, tier: Tier) -> int:
         """The tier's in-flight byte bound (rule 3)."""
@@ -136,21 +136,19 @@ class TierLimits:
         held: set[str],
         slots_ahead: int = 0,
         bytes_ahead: int = 0,
-        prefetching: frozenset[str] | set[str] = frozenset(),
     ) -> bool:
-        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on;
-        ``prefetching``: tiers a prefetch is waiting on (rule 4's write-back share).
+        """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
         ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
         counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
         transfer = move.transfer
         executor = move.executor
         priority = transfer.priority
+        prefetch = priority == Priority.PREFETCH
         if self._inflight_requests[executor.name] + slots_ahead >= executor.queue_depth:
             return False
-        share = _share(priority, executor.name in prefetching)
-        if share < 1.0:  # rule 4, for request slots as for bytes
-            own = self._priority_requests[executor.name, priority] + slots_ahead
-            if own and own >= max(1, int(executor.queue_depth * share)):
+        if prefetch:  # rule 4, for request slots as for bytes: the prefetches' own
+            own = self._prefetch_requests[executor.name] + slots_ahead
+            if own and own >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
                 return False
         for tier in (transfer.src.tier, transfer.dst.tier):
             if priority > Priority.DEMAND and tier.name in held:
@@ -159,26 +157,23 @@ class TierLimits:
             inflight = self.inflight_bytes[tier.name] + bytes_ahead
             if inflight and inflight + nbytes > bound:
                 return False
-            share = _share(priority, tier.name in prefetching)
-            own = self._priority_bytes[tier.name, priority] + bytes_ahead
-            if share < 1.0 and own and own + nbytes > int(bound * share):
+            own = self._prefetch_bytes[tier.name] + bytes_ahead
+            if prefetch and own and own + nbytes > int(bound * PREFETCH_SHARE):
                 return False
         return True
 
-    def admitted_run(
-        self, move: Move, held: set[str], prefetching: frozenset[str] | set[str] = frozenset()
-    ) -> tuple[int, int]:
+    def admitted_run(self, move: Move, held: set[str]) -> tuple[int, int]:
         """How much of ``move`` to issue now: (bytes, blocks), (0, 0) when rules 2-5 admit
         nothing. Blocks are admitted one by one, as if each were issued alone, up to the
         move's run length (rule 7), so a run never holds more than its blocks would."""
         block, remaining = move.block_size, move.remaining
         length = min(block, remaining)
-        if not self.admits(move, length, held, prefetching=prefetching):
+        if not self.admits(move, length, held):
             return 0, 0
         total, blocks = length, 1
         while blocks < move.max_run and total < remaining:
             length = min(block, remaining - total)
-            if not self.admits(move, length, held, blocks, total, prefetching):
+            if not self.admits(move, length, held, blocks, total):
                 break
             total += length
             blocks += 1
@@ -186,26 +181,18 @@ class TierLimits:
 
     def issued(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
         """Count a run of ``blocks`` (``span`` bytes) of ``move``, issued at ``priority``, as in flight."""
+        prefetch = priority == Priority.PREFETCH
         for name in move.tier_names:
             self.inflight_bytes[name] += span
-            self._priority_bytes[name, priority] += span
+            self._prefetch_bytes[name] += span if prefetch else 0
         self._inflight_requests[move.executor.name] += blocks
-        self._priority_requests[move.executor.name, priority] += blocks
+        self._prefetch_requests[move.executor.name] += blocks if prefetch else 0
 
     def landed(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
         """The run counted by :meth:`issued` (at the same ``priority``) is no longer in flight."""
+        prefetch = priority == Priority.PREFETCH
         for name in move.tier_names:
             self.inflight_bytes[name] -= span
-            self._priority_bytes[name, priority] -= span
+            self._prefetch_bytes[name] -= span if prefetch else 0
         self._inflight_requests[move.executor.name] -= blocks
-        self._priority_requests[move.executor.name, priority] -= blocks
-
-
-def _share(priority: Priority, prefetch_waits: bool) -> float:
-    """Rule 4: the most of a tier's bound and queue that ``priority``'s own moves may hold;
-    write-backs are held to the rest only while a prefetch waits for that tier."""
-    if priority == Priority.PREFETCH:
-        return PREFETCH_SHARE
-    if priority == Priority.WRITEBACK and prefetch_waits:
-        return 1.0 - PREFETCH_SHARE
-    return 1.0
+        self._prefetch_requests[move.executor.name] -= blocks if prefetch else 0

@@ -104,8 +104,9 @@ def test_prefetch_never_starves_writeback(device, make_scheduler, gated):
 
 @pytest.mark.parametrize("bound", ["queue", "bytes"])
 def test_a_long_writeback_leaves_a_waiting_prefetch_its_share(device, make_scheduler, gated, bound):
-    """Rule 4, the other way: a write-back that refills the tier as each block lands hands a
-    prefetch that waits for the tier its share, so the prefetch does not wait for it to end."""
+    """Rule 4 counts the prefetches' own blocks: a write-back holding more than their share does
+    not keep a prefetch out until it ends; as its blocks land the prefetch takes the slots first
+    (rule 2), up to its share."""
     storage = gated(queue_depth=4) if bound == "queue" else gated(queue_depth=64)
     scheduler = make_scheduler() if bound == "queue" else make_scheduler(max_inflight=4 * BLOCK)
     writeback = scheduler.submit(filled(device, 16 * BLOCK), storage.allocate(16 * BLOCK), priority=Priority.WRITEBACK)
@@ -116,7 +117,9 @@ def test_a_long_writeback_leaves_a_waiting_prefetch_its_share(device, make_sched
     storage.wait_pending(4)
     time.sleep(0.05)  # nothing more is issued past the bound
     assert [op for op, *_ in storage.log[4:]] == ["read"] * 3  # the prefetch's share; the write-back keeps 1
-    storage.release(1)  # the write-back's last block in flight lands: the write-back gets its share back
+    storage.release(
+        1
+    )  # the write-back's last block in flight lands: the prefetch holds its share, so it is the write-back's
     storage.wait_pending(4)
     assert storage.log[7][0] == "write"
     storage.gated = False
