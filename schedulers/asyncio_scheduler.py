@@ -15,8 +15,8 @@
    first as each run lands. On 2 cores with a 210M HF GPT-2 in a declared loop every chunk's
    home read (PREFETCH) queued 36-46 ms behind the write-back of the home before it, and the
    step waited for it (0.23-0.27 s a step). Write-backs are not held to the rest while a
-   prefetch waits: that cost HF GPT-2's activation offload 1.09-1.19x ``keep`` against
-   1.00-1.05x without it (fresh processes alternated).
+   prefetch waits: with that, HF GPT-2's activation offload ran 1.09-1.19x ``keep`` in 3 runs,
+   without it 0.89-1.10x (median 1.05x of 5; fresh processes alternated).
 5. At most ``tier.queue_depth`` requests are in flight on the tier that executes them,
    so no request waits in a hidden queue where priorities cannot reach it.
 6. Every issued block is tracked by its move; a move completes (done, failed or
