@@ -117,9 +117,8 @@ def test_a_long_writeback_leaves_a_waiting_prefetch_its_share(device, make_sched
     storage.wait_pending(4)
     time.sleep(0.05)  # nothing more is issued past the bound
     assert [op for op, *_ in storage.log[4:]] == ["read"] * 3  # the prefetch's share; the write-back keeps 1
-    storage.release(
-        1
-    )  # the write-back's last block in flight lands: the prefetch holds its share, so it is the write-back's
+    # The write-back's last block in flight lands: the prefetch holds its share, so the slot is the write-back's.
+    storage.release(1)
     storage.wait_pending(4)
     assert storage.log[7][0] == "write"
     storage.gated = False
