@@ -129,14 +129,7 @@ class TierLimits:
         """The tier's in-flight byte bound (rule 3)."""
         return self.tier_max_inflight.get(tier.name, self.max_inflight)
 
-    def admits(
-        self,
-        move: Move,
-        nbytes: int,
-        held: set[str],
-        slots_ahead: int = 0,
-        bytes_ahead: int = 0,
-    ) -> bool:
+    def admits(self, move: Move, nbytes: int, held: set[str], slots_ahead: int = 0, bytes_ahead: int = 0) -> bool:
         """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
         ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
         counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
