@@ -18,6 +18,7 @@ from tests.test_states import OPTIMIZERS, assert_bitwise, batch, config, make_mo
 from tests.test_states_declared import step_loop
 from tiermem.states.hostgrad import HostGradient
 from tiermem.states.speculation import Shadows
+from tiermem.states.stepping import Stepper
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py: one OpenMP thread (TRAPS 7)
 
@@ -140,6 +141,33 @@ def test_the_next_copy_of_a_home_is_read_while_a_step_ahead_computes(tmp_path, m
     ahead, on_demand = stats["speculative_homes_read_ahead"], stats["speculative_homes_read_on_demand"]
     assert ahead + on_demand == stats["speculative_steps_kept"]
     assert ahead > 1.5 * on_demand
+
+
+def test_a_chunk_running_ahead_reads_its_gradients_from_a_copy_made_on_their_way_to_nvme(tmp_path, monkeypatch):
+    """NOTE [ Stored gradients ] rule 7: a chunk that steps in the backward that stored its
+    gradients reads them from a host copy staged as they went to NVMe, not back from NVMe; with
+    the stash's two slots taken (a step still reading one, the next queued) the rest are read
+    back as before (how many depends on how fast the steps run beside backward: unloaded, 20-22
+    of the 25 chunks a window came from the copies, beside two busy loops 7-9). Each step reads
+    its gradients once either way, and training is bitwise."""
+    marks: list[tuple[int, int, int]] = []  # at each optimizer.step()'s start and end
+    stepped = Stepper.step
+
+    def counted(self: Stepper, optimizer: Any) -> None:
+        stash = self.gradients.stash
+        marks.append((stash.stagings, stash.staged_on_the_way, self.speculative_chunk_steps))
+        stepped(self, optimizer)
+        marks.append((stash.stagings, stash.staged_on_the_way, self.speculative_chunk_steps))
+
+    monkeypatch.setattr(Stepper, "step", counted)
+    stats = run_both(tmp_path, 4, None)
+    ends, starts = marks[1::2], marks[2::2]
+    windows = [tuple(b - a for a, b in zip(end, start, strict=True)) for end, start in zip(ends, starts, strict=False)]
+    assert [ahead for _, _, ahead in windows] == [stats["speculative_steps_kept"] // 3] * 3 != [0] * 3
+    for read_back, on_the_way, ahead in windows:  # each backward's steps ahead
+        assert read_back + on_the_way == ahead  # each read its gradients once
+        assert on_the_way >= 1
+    assert stats["stored_gradients_staged_on_the_way"] == sum(w[1] for w in windows)
 
 
 def grad_types() -> tuple[list[set[type]], Between]:

@@ -825,6 +825,8 @@ class Runtime:
             speculative_homes_read_on_demand=sum(d.get("speculative_homes_read_on_demand", 0) for d in managed),
             speculative_nvme_reclaims=sum(d.get("speculative_nvme_reclaims", 0) for d in managed),
             tied_homes_read_ahead=sum(d.get("tied_homes_read_ahead", 0) for d in managed),
+            stored_gradients_read_back=sum(d.get("stored_gradients_read_back", 0) for d in managed),
+            stored_gradients_staged_on_the_way=sum(d.get("stored_gradients_staged_on_the_way", 0) for d in managed),
         )
         return Stats(
             tiers={name: tier.statistics() for name, tier in self.tiers.items()},

@@ -77,6 +77,10 @@ class ModelStateStatistics:
     #: a declared loop's homes of tied weights read once they were the next to step early (NOTE
     #: [ Tied homes read ahead ] in ``tiermem.states.step_order``)
     tied_homes_read_ahead: int = 0
+    #: stored gradients (NOTE [ Stored gradients ] in ``tiermem.states.stored_grads``) read back from
+    #: NVMe into the host, and copied there on their way to NVMe for a step in the same backward (rule 7)
+    stored_gradients_read_back: int = 0
+    stored_gradients_staged_on_the_way: int = 0
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -93,6 +97,8 @@ class ModelStateStatistics:
             "speculative_homes_read_on_demand": self.speculative_homes_read_on_demand,
             "speculative_nvme_reclaims": self.speculative_nvme_reclaims,
             "tied_homes_read_ahead": self.tied_homes_read_ahead,
+            "stored_gradients_read_back": self.stored_gradients_read_back,
+            "stored_gradients_staged_on_the_way": self.stored_gradients_staged_on_the_way,
         }
 
 

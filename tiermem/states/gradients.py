@@ -178,9 +178,10 @@ class Gradients:
                 for slot in have:
                     self.facts.params[slot.index].grad = slot.view(data)
 
-    def flush(self, chunk: Chunk) -> None:
+    def flush(self, chunk: Chunk, *, steps_next: bool = False) -> None:
         """Send an offloaded chunk's gradients where they wait for the step (rule 4; NVMe:
-        NOTE [ Stored gradients ] rule 1)."""
+        NOTE [ Stored gradients ] rule 1); ``steps_next``: its step reads them in this backward,
+        so on their way to NVMe they are staged on the host too (rule 7 there)."""
         self.fence(chunk)
         handle = chunk.grad
         if handle is None or handle.tier != "device" or handle.state is not ObjectState.RESIDENT:
@@ -193,9 +194,10 @@ class Gradients:
             # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)
             self.stash.land(chunk, handle.tensor("device"), slots)
             self.registry.fence("device")  # the write-back starts after the norms read the buffer
+            copied = self.stash.stage_on_the_way(chunk, handle) if steps_next else None
             while True:
                 try:
-                    handle.move_to("nvme", Priority.WRITEBACK)
+                    handle.move_to("nvme", Priority.WRITEBACK, after=copied)
                     return
                 except TierCapacityError as exc:
                     # copies run ahead give their room back first (NOTE [ Speculative steps ] rule 2)
@@ -228,6 +230,8 @@ class Gradients:
         stages only slices of them (NOTE [ Sliced steps ] rule 4)."""
         self.fence(chunk)
         assert chunk.grad is not None
+        if self.stash.staged(chunk):  # perhaps staged on its way to NVMe: the copy, as it lands
+            return self.stash.buffer(chunk, write=write)
         chunk.grad.wait()
         if self.stash.stored(chunk):
             if chunk.slice_span is not None and not write and not self.stash.staged(chunk):

@@ -657,6 +657,8 @@ class ModelStates:
             "speculative_homes_read_on_demand": self.stepper.shadows.read_on_demand,
             "speculative_nvme_reclaims": self.stepper.nvme_room_reclaimed,
             "tied_homes_read_ahead": self.stepper.tied_homes_read_ahead,
+            "stored_gradients_read_back": self.gradients.stash.stagings,
+            "stored_gradients_staged_on_the_way": self.gradients.stash.staged_on_the_way,
             "chunks": [
                 {
                     "index": c.index,

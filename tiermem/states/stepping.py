@@ -661,7 +661,7 @@ class Stepper:
         if slots and went_home and not keep and self._queued:
             self._run_head()  # rule 9: streamed gradients wait on the host for two chunks at most
         if went_home:
-            self.gradients.flush(chunk)
+            self.gradients.flush(chunk, steps_next=bool(slots))
             if slots and not self._early:  # its flush took the shadows' room back (_reclaim_nvme)
                 slots = []
         if not slots:
