@@ -63,8 +63,10 @@
    the write-back to land; a copy written is sent to NVMe once it landed. Without a slot or
    room the gradients are staged from NVMe as before. Measured on the 210M HF GPT-2 plain loop
    (bench/hf_states.py): its backward read every stepped gradient back, 753 MiB a step, on a
-   disk busy 90% of backward; now 3-5 of 25 a window come from NVMe (``stagings``, the stash's
-   two slots taken), the rest from the copies (``staged_on_the_way``).
+   disk busy 90% of backward; now it reads none of them (4,226-4,235 MiB a step instead of
+   4,969-4,988). On the tests' small GPT, whose steps are short beside its backward, 3-5 of 25
+   chunks a window still read theirs back (the stash's two slots taken), 16-18 beside two busy
+   loops.
 """
 
 from __future__ import annotations
