@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
 
@@ -111,8 +112,10 @@ class Gradients:
                 made = pool.device_room(make, (chunk,), demand=True, what=f"the gradients of chunk {chunk.index}")
             chunk.grad = made
             return chunk.grad.tensor("device")
-        if handle.tier != "device" or handle.state is ObjectState.MOVING:
-            # edits (and deferred scalings) of stored gradients land on NVMe before they move
+        if handle.tier != "device" or handle.state is ObjectState.MOVING or self.stash.staged(chunk):
+            # edits (and deferred scalings) of stored gradients land on NVMe before they move; a
+            # copy staged as they went (NOTE [ Stored gradients ] rule 7) goes before autograd adds
+            # to the buffer (its write-back failed, and the buffer stayed on the device)
             self.stash.settle(chunk)
             pool.device_room(lambda: handle.move_to("device", Priority.DEMAND), (chunk,), demand=True, what="gradients")
             handle.wait()
@@ -195,17 +198,14 @@ class Gradients:
             self.stash.land(chunk, handle.tensor("device"), slots)
             self.registry.fence("device")  # the write-back starts after the norms read the buffer
             copied = self.stash.stage_on_the_way(chunk, handle) if steps_next else None
-            while True:
-                try:
-                    handle.move_to("nvme", Priority.WRITEBACK, after=copied)
-                    return
-                except TierCapacityError as exc:
-                    # copies run ahead give their room back first (NOTE [ Speculative steps ] rule 2)
-                    if self.registry.reclaim("nvme", exc.requested):
-                        continue
-                    why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
-                    what = f"chunk {chunk.index}'s gradients, waiting on NVMe until the step ({why}),"
-                    raise StatesMemoryError.tier_full(exc, what) from exc
+            try:
+                self._store_on_nvme(chunk, handle, copied)
+            except BaseException:
+                # the gradients stay on the device, where the next backward adds to them: a copy
+                # of them now would go stale
+                self.stash.drop_copy(chunk)
+                raise
+            return
         try:
             handle.move_to("host", Priority.WRITEBACK)
         except TierCapacityError:
@@ -220,6 +220,20 @@ class Gradients:
                     " (a plan made for streaming gradients, keep_gradients=False, needs every chunk to step as its "
                     "backward ends: a nested reentrant backward or accumulation keeps them all)",
                 ) from exc
+
+    def _store_on_nvme(self, chunk: Chunk, handle: Handle, after: Future[None] | None) -> None:
+        """Start ``chunk``'s gradient buffer's write-back to NVMe (once ``after`` is done)."""
+        while True:
+            try:
+                handle.move_to("nvme", Priority.WRITEBACK, after=after)
+                return
+            except TierCapacityError as exc:
+                # copies run ahead give their room back first (NOTE [ Speculative steps ] rule 2)
+                if self.registry.reclaim("nvme", exc.requested):
+                    continue
+                why = "it steps in slices" if chunk.slice_span is not None else "grad_home 'nvme'"
+                what = f"chunk {chunk.index}'s gradients, waiting on NVMe until the step ({why}),"
+                raise StatesMemoryError.tier_full(exc, what) from exc
 
     # -- what p.grad is ------------------------------------------------------------------------
     def grad_bytes(self, chunk: Chunk, *, write: bool = False) -> torch.Tensor:

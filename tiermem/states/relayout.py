@@ -166,8 +166,10 @@ class Relayout:
 
     def free(self) -> None:
         """Free every chunk's bytes (accounting included); parameters keep dangling views."""
-        self.store.free()
+        # staged gradient copies first: one staged on its way to NVMe may still read its device
+        # buffer (NOTE [ Stored gradients ] rule 7), which freeing the chunk releases
         self.gradients.retire()
+        self.store.free()
         self.homes.forget()
 
     def _clear(self) -> None:

@@ -61,12 +61,15 @@
    waits for that copy (NOTE [ Managed object rules ] rules 8, 11: the buffer stays unmoved
    until the copy ended). The step reads the copy, not the NVMe bytes, and need not wait for
    the write-back to land; a copy written is sent to NVMe once it landed. Without a slot or
-   room the gradients are staged from NVMe as before. Measured on the 210M HF GPT-2 plain loop
-   (bench/hf_states.py): its backward read every stepped gradient back, 753 MiB a step, on a
-   disk busy 90% of backward; now it reads none of them (4,226-4,235 MiB a step instead of
-   4,969-4,988). On the tests' small GPT, whose steps are short beside its backward, 3-5 of 25
-   chunks a window still read theirs back (the stash's two slots taken), 16-18 beside two busy
-   loops.
+   room the gradients are staged from NVMe as before. Errors: a copy that failed is dropped and
+   the gradients are read from NVMe; a write-back that cannot start drops the copy with its
+   error, and a buffer whose write-back failed drops it before autograd adds to the buffer
+   again (the copy would go stale); chunks are freed only once no copy reads their buffers.
+   Measured on the 210M HF GPT-2 plain loop (bench/hf_states.py): its backward read every
+   stepped gradient back, 753 MiB a step, on a disk busy 90% of backward; now it reads none
+   of them (4,226-4,235 MiB a step instead of 4,969-4,988). On the tests' small GPT, whose
+   steps are short beside its backward, 3-5 of 25 chunks a window still read theirs back (the
+   stash's two slots taken), 16-18 beside two busy loops.
 """
 
 from __future__ import annotations
@@ -190,6 +193,8 @@ def _norm_key(func: torch._ops.OpOverload, args: tuple[Any, ...], kwargs: dict[s
 class _Staged:
     handle: Handle
     written: bool = False
+    #: copied from the device buffer as it went to NVMe (rule 7), not read from there
+    on_the_way: bool = False
     #: the copy from NVMe, while it runs (a prefetch)
     filling: Transfer | None = None
     #: rule 6b: recorded scalings already run on this copy
@@ -251,6 +256,13 @@ class GradientStash:
             staged = self._stage(chunk)
         try:
             staged.landed()
+        except Exception:
+            if not staged.on_the_way:
+                self.discard(chunk)
+                raise
+            # rule 7's copy failed; the gradients themselves are intact: read them from NVMe
+            self.drop_copy(chunk)
+            staged = self._stage(chunk)
         except BaseException:
             self.discard(chunk)
             raise
@@ -371,13 +383,25 @@ class GradientStash:
             )
         except TierCapacityError:
             return None
-        filling = handle.fill_from(buffer, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
+        try:
+            filling = handle.fill_from(buffer, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
+        except BaseException:
+            handle.free()
+            raise
         copied: Future[None] = Future()
         # whatever its outcome: a failed or cancelled copy leaves the buffer as it was
         filling.add_done_callback(lambda _transfer: copied.set_result(None))
         self.staged_on_the_way += 1
-        self._staged[chunk.index] = _Staged(handle, filling=filling)
+        self._staged[chunk.index] = _Staged(handle, filling=filling, on_the_way=True)
         return copied
+
+    def drop_copy(self, chunk: Chunk) -> None:
+        """Free ``chunk``'s staged copy, unwritten, its copy in flight cancelled or finished first;
+        kept norms and recorded scalings stay (the gradients are as they were)."""
+        staged = self._staged.pop(chunk.index, None)
+        if staged is not None:
+            self.fence(chunk)
+            _free(staged)
 
     def _stage(self, chunk: Chunk) -> _Staged:
         assert chunk.grad is not None
