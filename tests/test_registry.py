@@ -555,6 +555,46 @@ def test_known_bytes_of_a_handle_feed_a_move_and_their_copy_can_be_awaited(make_
     memory.free()
 
 
+def test_known_bytes_that_are_the_whole_move_are_waited_for_too(make_store, monkeypatch):
+    """Rules 6 and 12: where everything past the known bytes is a zero tail, the move's own
+    transfer copies them and nothing else; ``wait_known_copy`` waits for it as for a copy beside
+    a read, so their owner never frees or reuses them under it (a chunk's device copy emptied
+    while its home was staged from it crashed the copy thread)."""
+    import threading
+
+    from tiermem.tiers import memory as memory_tiers
+
+    store = make_store()
+    nbytes = 4 * BLOCK
+    handle = store.registry.make("host", nbytes)
+    handle.tensor("host").zero_()[:BLOCK].fill_(7)
+    handle.move_to("nvme", Priority.WRITEBACK, zero_from=BLOCK)
+    handle.wait()
+    memory = store.registry.register(torch.full((BLOCK,), 7, dtype=torch.uint8), "device", dedup=False)
+    gate, copying = threading.Event(), threading.Event()
+    run_copy = memory_tiers._run_copy
+
+    def held(future, dst, src):
+        copying.set()
+        gate.wait(10)
+        run_copy(future, dst, src)
+
+    monkeypatch.setattr(memory_tiers, "_run_copy", held)  # the memory tiers' copy threads
+    handle.move_to("host", Priority.DEMAND, memory.known_bytes(0, BLOCK))
+    assert copying.wait(10)  # the known bytes are being copied, and that is the whole move
+    waited = threading.Thread(target=handle.wait_known_copy)
+    waited.start()
+    waited.join(0.2)
+    assert waited.is_alive()  # it waits while the copy reads them
+    gate.set()
+    waited.join(10)
+    assert not waited.is_alive()
+    handle.wait()
+    assert handle.tensor("host")[:BLOCK].eq(7).all() and not handle.tensor("host")[BLOCK:].any()
+    handle.free()
+    memory.free()
+
+
 def test_cached_bytes_are_accounted_until_freed_and_refused_past_capacity(make_store):
     """Rule 7: ``adopt_cache`` accounts a buffer on the tier without copying it."""
     store = make_store(device_capacity=1 << 20)

@@ -31,7 +31,8 @@ operations below, never a tier or the scheduler. The objects themselves are in
    (or working copy) as fetched, so staging the home reads only the optimizer states.
    ``Handle.known_bytes`` names such bytes (an object resident in memory), and
    ``Handle.wait_known_copy`` waits until no copy reads them any more, before their
-   owner frees or reuses them.
+   owner frees or reuses them; also where the known bytes are all the move copies (the
+   rest a zero tail, rule 12), when the move's own transfer reads them.
 7. Bytes kept on a tier only as a cache, outside any object (the chunk pool's spares,
    NOTE [ Spare chunk storage ]), are accounted on the tier with :meth:`Registry.adopt_cache`
    (a :class:`CachedBytes`, freed by its owner) and come with a reclaimer: a caller short of
@@ -305,7 +306,9 @@ class Registry:
         try:
             if not obj.home.tier.is_memory:
                 nbytes = _read_stored(obj, target, offset, nbytes, offset)  # rule 12: zeros are not read
-            if known is not None and nbytes == 0:  # nothing stored to read: the known bytes are the move
+            reads_known = known is not None and nbytes == 0
+            if reads_known:  # nothing stored to read: the known bytes are the move
+                assert known is not None
                 offset, nbytes, source = known.offset, known.nbytes, known.source
                 known = None
             else:
@@ -337,6 +340,7 @@ class Registry:
             tier.free(target)
             raise
         obj.target, obj.transfer, obj.copy, obj.state = target, transfer, copy, ObjectState.MOVING
+        obj.known_read = transfer if reads_known else None
         obj.target_zero_from = tail
         obj.error = None
         obj.settled.clear()
@@ -373,6 +377,7 @@ class Registry:
                 # Rule 3: a cancel asked for may arrive after every block landed; the object
                 # still stays home, as move() promised (the landed copy is dropped).
                 copy, obj.copy = obj.copy, None
+                obj.known_read = None
                 cancelled = transfer.cancelled() or obj.cancelling or (copy is not None and copy.cancelled())
                 obj.target, obj.transfer, obj.cancelling = None, None, False
                 error = transfer.exception() or (copy.exception() if copy is not None else None)
@@ -518,9 +523,10 @@ class Registry:
             return KnownBytes(obj.home, offset, nbytes)
 
     def wait_known_copy(self, obj: ManagedObject) -> None:
-        """Rule 6: wait for the copy of known bytes running beside ``obj``'s move, if any."""
+        """Rule 6: wait for the copy of known bytes running beside ``obj``'s move, or for the move
+        itself where it reads known bytes alone (the rest a zero tail, rule 12), if any."""
         with self._lock:
-            copy = obj.copy
+            copy = obj.copy or obj.known_read
         if copy is not None:
             with contextlib.suppress(Exception):  # its error is the move's, raised at the object's wait()
                 copy.wait()
