@@ -65,6 +65,9 @@
    the gradients are read from NVMe; a write-back that cannot start drops the copy with its
    error, and a buffer whose write-back failed drops it before autograd adds to the buffer
    again (the copy would go stale); chunks are freed only once no copy reads their buffers.
+   On a CUDA device the buffer then crosses PCIe twice (the copy, and the write-back's bounce
+   through pinned memory) where it crossed once; that is far less than the NVMe read it saves,
+   but no GPU has measured it.
    Measured on the 210M HF GPT-2 plain loop (bench/hf_states.py): its backward read every
    stepped gradient back, 753 MiB a step, on a disk busy 90% of backward; now it reads none
    of them (4,226-4,235 MiB a step instead of 4,969-4,988). On the tests' small GPT, whose
