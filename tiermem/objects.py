@@ -79,9 +79,6 @@ class ManagedObject:
         self.transfer: Transfer | None = None
         #: The copy of known bytes running beside ``transfer`` (rule 6), if any.
         self.copy: Transfer | None = None
-        #: ``transfer`` itself while it reads known bytes and nothing else (rule 6 where the rest is
-        #: a zero tail, rule 12): what :meth:`Handle.wait_known_copy` waits for then.
-        self.known_read: Transfer | None = None
         self.state = ObjectState.RESIDENT
         self.refs = 0
         self.error: BaseException | None = None

@@ -306,9 +306,7 @@ class Registry:
         try:
             if not obj.home.tier.is_memory:
                 nbytes = _read_stored(obj, target, offset, nbytes, offset)  # rule 12: zeros are not read
-            reads_known = known is not None and nbytes == 0
-            if reads_known:  # nothing stored to read: the known bytes are the move
-                assert known is not None
+            if known is not None and nbytes == 0:  # nothing stored to read: the known bytes are the move
                 offset, nbytes, source = known.offset, known.nbytes, known.source
                 known = None
             else:
@@ -340,7 +338,6 @@ class Registry:
             tier.free(target)
             raise
         obj.target, obj.transfer, obj.copy, obj.state = target, transfer, copy, ObjectState.MOVING
-        obj.known_read = transfer if reads_known else None
         obj.target_zero_from = tail
         obj.error = None
         obj.settled.clear()
@@ -377,7 +374,6 @@ class Registry:
                 # Rule 3: a cancel asked for may arrive after every block landed; the object
                 # still stays home, as move() promised (the landed copy is dropped).
                 copy, obj.copy = obj.copy, None
-                obj.known_read = None
                 cancelled = transfer.cancelled() or obj.cancelling or (copy is not None and copy.cancelled())
                 obj.target, obj.transfer, obj.cancelling = None, None, False
                 error = transfer.exception() or (copy.exception() if copy is not None else None)
@@ -526,7 +522,9 @@ class Registry:
         """Rule 6: wait for the copy of known bytes running beside ``obj``'s move, or for the move
         itself where it reads known bytes alone (the rest a zero tail, rule 12), if any."""
         with self._lock:
-            copy = obj.copy or obj.known_read
+            copy, transfer = obj.copy, obj.transfer
+            if copy is None and transfer is not None and transfer.src is not obj.home:
+                copy = transfer  # it reads the known bytes, not the object's home
         if copy is not None:
             with contextlib.suppress(Exception):  # its error is the move's, raised at the object's wait()
                 copy.wait()

@@ -197,7 +197,7 @@ class Gradients:
             # their norms, kept for clipping by hand (NOTE [ Stored gradients ] rule 6a)
             self.stash.land(chunk, handle.tensor("device"), slots)
             self.registry.fence("device")  # the write-back starts after the norms read the buffer
-            copied = self.stash.stage_on_the_way(chunk, handle) if steps_next else None
+            copied = self.stash.stage_on_the_way(chunk) if steps_next else None
             try:
                 self._store_on_nvme(chunk, handle, copied)
             except BaseException:
@@ -248,7 +248,7 @@ class Gradients:
             return self.stash.buffer(chunk, write=write)
         chunk.grad.wait()
         if self.stash.stored(chunk):
-            if chunk.slice_span is not None and not write and not self.stash.staged(chunk):
+            if chunk.slice_span is not None and not write:
                 return chunk.grad.copy_out()[: chunk.nbytes]
             return self.stash.buffer(chunk, write=write)
         return chunk.grad.tensor(chunk.grad.tier)

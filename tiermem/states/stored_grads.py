@@ -359,26 +359,35 @@ class GradientStash:
     def prefetch(self, chunk: Chunk) -> None:
         """Start staging ``chunk``'s stored gradients while the host has room for them beside
         what is staged (the step reads them next); nothing when it has not."""
-        if not self.stored(chunk) or chunk.index in self._staged or len(self._staged) >= self.store.staged_homes:
+        if not self.stored(chunk):
             return
         assert chunk.grad is not None
         if chunk.grad.state is ObjectState.MOVING:
             return  # its write-back from the device has not landed: staged on demand
-        try:
-            handle = self.store.registry.make(
-                "host", chunk.nbytes, kind="chunk", label="gradient", room=self._room(chunk)
-            )
-        except TierCapacityError:
-            return
-        filling = handle.fill_from(chunk.grad, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
-        self.stagings += 1
-        self._staged[chunk.index] = _Staged(handle, filling=filling)
+        if self._start_copy(chunk, on_the_way=False):
+            self.stagings += 1
 
-    def stage_on_the_way(self, chunk: Chunk, buffer: Handle) -> Future[None] | None:
-        """Rule 7: stage a host copy of ``chunk``'s gradients from ``buffer`` (its device buffer,
-        about to go to NVMe); the copy's end, which the write-back waits for, or None without a
-        slot or host room (the step then stages them from NVMe)."""
-        if chunk.slice_span is not None or chunk.index in self._staged or len(self._staged) >= self.store.staged_homes:
+    def stage_on_the_way(self, chunk: Chunk) -> Future[None] | None:
+        """Rule 7: stage a host copy of ``chunk``'s gradients from its device buffer, about to go
+        to NVMe; the copy's end, which the write-back waits for, or None without a slot or host
+        room (the step then stages them from NVMe)."""
+        if chunk.slice_span is not None:
+            return None
+        staged = self._start_copy(chunk, on_the_way=True)
+        if staged is None:
+            return None
+        assert staged.filling is not None
+        copied: Future[None] = Future()
+        # whatever its outcome: a failed or cancelled copy leaves the buffer as it was
+        staged.filling.add_done_callback(lambda _transfer: copied.set_result(None))
+        self.staged_on_the_way += 1
+        return copied
+
+    def _start_copy(self, chunk: Chunk, *, on_the_way: bool) -> _Staged | None:
+        """Start copying ``chunk``'s gradients (where they are now) into a new host block, kept as
+        its staged copy; None where it has one already, or without a slot (rule 2) or host room."""
+        assert chunk.grad is not None
+        if chunk.index in self._staged or len(self._staged) >= self.store.staged_homes:
             return None
         try:
             handle = self.store.registry.make(
@@ -387,16 +396,12 @@ class GradientStash:
         except TierCapacityError:
             return None
         try:
-            filling = handle.fill_from(buffer, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
+            filling = handle.fill_from(chunk.grad, nbytes=chunk.nbytes, priority=Priority.PREFETCH)
         except BaseException:
             handle.free()
             raise
-        copied: Future[None] = Future()
-        # whatever its outcome: a failed or cancelled copy leaves the buffer as it was
-        filling.add_done_callback(lambda _transfer: copied.set_result(None))
-        self.staged_on_the_way += 1
-        self._staged[chunk.index] = _Staged(handle, filling=filling, on_the_way=True)
-        return copied
+        staged = self._staged[chunk.index] = _Staged(handle, filling=filling, on_the_way=on_the_way)
+        return staged
 
     def drop_copy(self, chunk: Chunk) -> None:
         """Free ``chunk``'s staged copy, unwritten, its copy in flight cancelled or finished first;
@@ -467,10 +472,7 @@ class GradientStash:
         """Drop ``chunk``'s staged copy without writing it back (its gradients are freed)."""
         self._norms.pop(chunk.index, None)
         self._scales.pop(chunk.index, None)
-        staged = self._staged.pop(chunk.index, None)
-        if staged is not None:
-            self.fence(chunk)
-            _free(staged)
+        self.drop_copy(chunk)
 
     def release_all(self) -> None:
         for index in list(self._staged):
