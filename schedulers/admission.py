@@ -150,9 +150,10 @@ class TierLimits:
             inflight = self.inflight_bytes[tier.name] + bytes_ahead
             if inflight and inflight + nbytes > bound:
                 return False
-            own = self._prefetch_bytes[tier.name] + bytes_ahead
-            if prefetch and own and own + nbytes > int(bound * PREFETCH_SHARE):
-                return False
+            if prefetch:  # rule 4: the prefetches' own bytes
+                own = self._prefetch_bytes[tier.name] + bytes_ahead
+                if own and own + nbytes > int(bound * PREFETCH_SHARE):
+                    return False
         return True
 
     def admitted_run(self, move: Move, held: set[str]) -> tuple[int, int]:
@@ -174,18 +175,20 @@ class TierLimits:
 
     def issued(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
         """Count a run of ``blocks`` (``span`` bytes) of ``move``, issued at ``priority``, as in flight."""
-        prefetch = priority == Priority.PREFETCH
         for name in move.tier_names:
             self.inflight_bytes[name] += span
-            self._prefetch_bytes[name] += span if prefetch else 0
         self._inflight_requests[move.executor.name] += blocks
-        self._prefetch_requests[move.executor.name] += blocks if prefetch else 0
+        if priority == Priority.PREFETCH:  # rule 4's share counts these alone
+            for name in move.tier_names:
+                self._prefetch_bytes[name] += span
+            self._prefetch_requests[move.executor.name] += blocks
 
     def landed(self, move: Move, span: int, blocks: int, priority: Priority) -> None:
         """The run counted by :meth:`issued` (at the same ``priority``) is no longer in flight."""
-        prefetch = priority == Priority.PREFETCH
         for name in move.tier_names:
             self.inflight_bytes[name] -= span
-            self._prefetch_bytes[name] -= span if prefetch else 0
         self._inflight_requests[move.executor.name] -= blocks
-        self._prefetch_requests[move.executor.name] -= blocks if prefetch else 0
+        if priority == Priority.PREFETCH:
+            for name in move.tier_names:
+                self._prefetch_bytes[name] -= span
+            self._prefetch_requests[move.executor.name] -= blocks
