@@ -207,7 +207,9 @@ def test_a_failed_copy_on_the_way_is_read_back_from_nvme_instead(tmp_path, monke
     of the gradients, which reach NVMe whole) is dropped and the step reads the gradients back
     from NVMe, as without the copy: training stays bitwise, and no error reaches the loop."""
     landed = stored_grads._Staged.landed
+    stage = stored_grads.GradientStash._stage
     failed: list[int] = []
+    read_back: list[int] = []  # chunks staged from NVMe right after their copy failed
 
     def fails_once(self: Any) -> None:
         if self.on_the_way and len(failed) < 3:
@@ -216,9 +218,15 @@ def test_a_failed_copy_on_the_way_is_read_back_from_nvme_instead(tmp_path, monke
             raise OSError("tiermem test: the copy on the way failed")
         landed(self)
 
+    def staged_from_nvme(self: Any, chunk: Any) -> Any:
+        if len(read_back) < len(failed):
+            read_back.append(chunk.index)
+        return stage(self, chunk)
+
     monkeypatch.setattr(stored_grads._Staged, "landed", fails_once)
+    monkeypatch.setattr(stored_grads.GradientStash, "_stage", staged_from_nvme)
     stats = run_both(tmp_path, 3, None)
-    assert len(failed) == 3
+    assert len(failed) == len(read_back) == 3
     assert stats["speculative_steps_kept"] > 0
     assert stats["speculative_steps_discarded"] == 0
 
