@@ -865,3 +865,23 @@ def test_the_plan_rt_manage_builds_is_the_one_the_planner_chose():
     )
     assert (built.staged_homes, built.grad_home) == (decision.plan.staged_homes, decision.plan.grad_home)
     assert built.state_home == decision.plan.state_home
+
+
+def test_streamed_gradients_are_budgeted_on_the_host_only_where_they_pass_through_it():
+    """NOTE [ Default placement rule ] rule 3, as the planner predicts it: on the CPU device a
+    streaming loop's steps read their gradients in place, so the same plan's predicted host peak
+    is two NVMe chunks' gradients below a CUDA device's, where they pass through the host."""
+    profile = synthetic(16, nvme=1e9, saved=MiB)
+    capacities = {"device": 32 * MiB, "host": 12 * MiB, "nvme": 1 << 30}
+    cpu = search(profile, capacities, grads_stream=True)
+    cuda_profile = dataclasses.replace(profile, cpu=False, device="cuda")
+    packing = next(
+        pk
+        for pk in packings(cuda_profile, [cpu.plan.chunk_size], True, ("host",), (cpu.plan.staged_homes,))
+        if pk.chunk_size == cpu.plan.chunk_size
+    )
+    persistent = cpu.plan.persistent_chunks
+    host_end = cpu.plan.state_home.index("nvme")
+    cuda_host = packing.host_bytes(persistent, host_end)
+    nvme_grads = max(n.grad_bytes for n in packing.needs[host_end:])
+    assert cpu.estimate.peak_bytes["host"] + 2 * nvme_grads == cuda_host

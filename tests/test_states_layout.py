@@ -67,3 +67,29 @@ def test_on_real_packings_the_chooser_agrees_with_the_rule():
     )
     want = min(sizes, key=lambda size: (waste(pack(params, order, size), size), -size))
     assert plan.chunk_size == want and layouts == pack(params, order, want)
+
+
+def test_streamed_gradients_take_host_room_only_where_they_pass_through_it():
+    """NOTE [ Default placement rule ] rule 3: a loop whose gradients stream budgets two NVMe
+    chunks' gradients on the host where they pass through it on their way to the step (a CUDA
+    device), and none on the CPU device, where each step reads them in the chunk's device
+    gradient buffer (``grads_via_host=False``): a host with room for the two staged homes alone
+    takes the plan there, and refuses it, naming those gradients, where they pass through; the
+    default rule's least capacities follow the same budget."""
+    from tiermem.layout.choose import smallest_budgets
+    from tiermem.layout.placement import decide
+
+    mib = 1 << 20
+    needs = [ChunkNeeds(8 * mib, True, 2) for _ in range(6)]
+    staging = 2 * needs[0].home_bytes
+    budgets = Budgets(device=64 * mib, host=staging, nvme=1 << 30)
+    request = PlanRequest(persistent_chunks=0, state_home="nvme", staged_homes=2)
+    common = {"chunk_size": 8 * mib, "min_buffers": 1, "budgets": budgets, "request": request, "grads_stream": True}
+    plan = decide(needs, **common, grads_via_host=False)
+    assert plan.staged_homes == 2 and set(plan.state_home) == {"nvme"} and plan.grad_home == "host"
+    with pytest.raises(StatesMemoryError, match="two NVMe chunks' gradients passing through"):
+        decide(needs, **common, grads_via_host=True)
+    on_cpu = smallest_budgets(needs, 8 * mib, 1, budgets, True, grads_via_host=False)
+    through = smallest_budgets(needs, 8 * mib, 1, budgets, True, grads_via_host=True)
+    assert on_cpu is not None and through is not None
+    assert through.host - on_cpu.host == 2 * needs[0].grad_bytes

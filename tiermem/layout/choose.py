@@ -67,6 +67,7 @@ def choose_layout(
     grads_stream: bool = False,
     fallback: Sequence[int] = (),
     recompute_buffers: Callable[[Layouts], int] | None = None,
+    grads_via_host: bool = True,
 ) -> tuple[Layouts, Plan]:
     """NOTE [ Chunk layout rules ] rule 5: for each size, ``pack(size)`` the chunks and
     :func:`decide` their plan from ``needs(layouts)`` (each chunk's needs and the minimum
@@ -74,7 +75,8 @@ def choose_layout(
     [ Default placement rule ] rules 3 and 4: their step overlaps its I/O), then the one that
     ``waste`` s least, the larger on a tie (fewer, larger transfers). The ``fallback`` sizes
     (outliers in chunks of their own, rule 4) are tried the same way when none of ``sizes``
-    fits. ``recompute_buffers(layouts)``: the fewest buffers a recomputed block needs (NOTE
+    fits. ``grads_via_host``: streamed gradients pass through the host (:func:`decide`).
+    ``recompute_buffers(layouts)``: the fewest buffers a recomputed block needs (NOTE
     [ Default placement rule ] rule 4; None: no block is recomputed): sizes whose plan keeps
     them win; without a requested chunk size, a size that fits only below them is taken when
     no size keeps them (blocks then recompute only where the device has room beside the
@@ -94,7 +96,7 @@ def choose_layout(
         if request == PlanRequest(order=request.order, predicted=request.predicted):  # the rule alone
             # the least with which a size fits at all: automatic sizes may fit below the
             # recomputed blocks' buffers (rule 4)
-            least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream)
+            least = smallest_budgets(chunk_needs, size, min_buffers, budgets, grads_stream, grads_via_host)
             if least is not None and (
                 smallest is None or (least.device, least.host) < (smallest.device, smallest.host)
             ):
@@ -110,6 +112,7 @@ def choose_layout(
                     request=request,
                     grads_stream=grads_stream,
                     recompute_buffers=floor,
+                    grads_via_host=grads_via_host,
                 )
             except (StatesMemoryError, PlanError) as exc:
                 first_error = first_error or exc
@@ -171,6 +174,7 @@ def smallest_budgets(
     min_buffers: int,
     budgets: Budgets,
     grads_stream: bool,
+    grads_via_host: bool = True,
 ) -> Budgets | None:
     """The least free bytes per tier with which :func:`decide`'s rule fits ``needs`` (every chunk
     streamed through the fewest buffers; homes and gradients on NVMe when ``budgets.nvme``
@@ -185,7 +189,7 @@ def smallest_budgets(
     if stored <= budgets.nvme:
         # one trainable home staged at a time (NOTE [ Default placement rule ] rule 3), with one chunk's
         # stored gradients, or the two streamed ones passing through; two slices of a sliced one (rule 6)
-        passing = gradients_at_once(grads_stream, "nvme", 1)
+        passing = gradients_at_once(grads_stream, "nvme", 1, grads_via_host)
         host = nvme_grad_bytes(needs, passing, chunk_size) + staging_bytes(needs, chunk_size, staged=1)
         least = Budgets(device=device, host=host, nvme=stored)
     else:
@@ -198,6 +202,7 @@ def smallest_budgets(
             budgets=least,
             request=PlanRequest(),
             grads_stream=grads_stream,
+            grads_via_host=grads_via_host,
         )
     except (StatesMemoryError, PlanError):
         return None

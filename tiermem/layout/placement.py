@@ -40,7 +40,10 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    loop that steps every backward without clipping and ``keep_gradients=False``), each NVMe
    chunk steps as its backward ends and frees its gradients (NOTE [ Declared steps ] rule
    6), so they never wait: the host only holds two chunks' gradients at once, the one
-   stepping and the one on its way, and ``grad_home`` is ``"host"``.
+   stepping and the one on its way, and ``grad_home`` is ``"host"``; on the CPU device none
+   (``grads_via_host`` False: each step reads its gradients in the chunk's device gradient
+   buffer, NOTE [ Declared steps ] rule 8; the 210M HF GPT-2 of ``bench/hf_states.py`` peaked at
+   230 MiB of host where two 32 MiB chunks' gradients were budgeted beside 228 MiB).
 4. Buffers: the most chunks one module's own parameters span, plus the chunks holding
    parameters shared by several modules (tied weights stay pinned through backward), plus one
    slot to prefetch into; never more than the non-persistent chunks. When that reserve leaves
@@ -366,17 +369,20 @@ def decide(
     request: PlanRequest,
     grads_stream: bool = False,
     recompute_buffers: int = 0,
+    grads_via_host: bool = True,
 ) -> Plan:
     """Rules 2-5: the plan for chunks ``needs`` (in execution order) of ``chunk_size`` bytes;
-    ``grads_stream``: rule 3's streaming gradients; ``recompute_buffers``: rule 4's fewest
-    buffers for a recomputed block (0: none is). The host stages the request's ``staged_homes``, else two NVMe
-    homes, or one when two leave the plan short (rule 3); a refusal is the last depth's (the
-    least it needs)."""
+    ``grads_stream``: rule 3's streaming gradients (``grads_via_host``: passing through the host,
+    False on the CPU device); ``recompute_buffers``: rule 4's fewest buffers for a recomputed
+    block (0: none is). The host stages the request's ``staged_homes``, else two NVMe homes, or
+    one when two leave the plan short (rule 3); a refusal is the last depth's (the least it
+    needs)."""
     depths = STAGING_DEPTHS if request.staged_homes is None else (request.staged_homes,)
+    flow = (grads_stream, grads_via_host)
     for depth in depths[:-1]:
         with contextlib.suppress(StatesMemoryError):
-            return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depth, recompute_buffers)
-    return _decide(needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1], recompute_buffers)
+            return _decide(needs, chunk_size, min_buffers, budgets, request, flow, depth, recompute_buffers)
+    return _decide(needs, chunk_size, min_buffers, budgets, request, flow, depths[-1], recompute_buffers)
 
 
 def _decide(
@@ -385,11 +391,13 @@ def _decide(
     min_buffers: int,
     budgets: Budgets,
     request: PlanRequest,
-    grads_stream: bool,
+    flow: tuple[bool, bool],
     staged: int,
     recompute_buffers: int = 0,
 ) -> Plan:
-    """:func:`decide` with ``staged`` NVMe homes staged at once."""
+    """:func:`decide` with ``staged`` NVMe homes staged at once; ``flow``: (``grads_stream``,
+    ``grads_via_host``)."""
+    grads_stream, via_host = flow
     total = len(needs)
     persistent = request.persistent_chunks
     if persistent is not None and persistent > total:
@@ -412,10 +420,14 @@ def _decide(
             f"tiermem plan: buffers={buffers} is too few: one module's parameters and the shared (tied) chunks "
             f"need {min_buffers} device buffers at once; give buffers >= {min_buffers}"
         )
-    homes, grad_home = _homes_and_grad_home(needs, persistent, budgets, request, grads_stream, chunk_size, staged)
+    homes, grad_home = _homes_and_grad_home(
+        needs, persistent, budgets, request, grads_stream, chunk_size, staged, via_host
+    )
     recomputed = recompute_buffers > min_buffers and buffers <= recompute_buffers
-    _check_fits(needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged, recomputed)
-    passing = gradients_at_once(grads_stream, grad_home, staged)
+    _check_fits(
+        needs, persistent, buffers, chunk_size, homes, budgets, grads_stream, grad_home, staged, recomputed, via_host
+    )
+    passing = gradients_at_once(grads_stream, grad_home, staged, via_host)
     slices = _slice_bytes(needs, homes, chunk_size, budgets, passing, staged, request.slice_bytes)
     return Plan(
         chunk_size=chunk_size,
@@ -436,7 +448,7 @@ def _slice_bytes(
     homes: Sequence[str],
     chunk_size: int,
     budgets: Budgets,
-    passing: int,
+    passing: int | None,
     staged: int,
     requested: int | None,
 ) -> int | None:
@@ -476,18 +488,20 @@ def _homes_and_grad_home(
     grads_stream: bool,
     chunk_size: int,
     staged: int,
+    grads_via_host: bool = True,
 ) -> tuple[tuple[str, ...], str]:
     """Rule 3: the homes, and where the NVMe chunks' gradients wait (the host when it holds
     them all beside the homes it keeps, else NVMe; streamed gradients never wait)."""
     size = chunk_size
     if grads_stream:
-        return _homes(needs, persistent, budgets, request.state_home, size, staged, STAGED_HOMES), "host"
+        passing = gradients_at_once(True, "host", staged, grads_via_host)
+        return _homes(needs, persistent, budgets, request.state_home, size, staged, passing), "host"
     if request.grad_home is not None:
-        passing = staged if request.grad_home == "nvme" else 0
+        passing = gradients_at_once(False, request.grad_home, staged)
         homes = _homes(needs, persistent, budgets, request.state_home, size, staged, passing)
         return homes, request.grad_home if "nvme" in homes else "host"
-    homes = _homes(needs, persistent, budgets, request.state_home, size, staged, 0)
-    if "nvme" in homes and _host_bytes(needs, homes, 0, staged, size) > budgets.host:
+    homes = _homes(needs, persistent, budgets, request.state_home, size, staged, None)
+    if "nvme" in homes and _host_bytes(needs, homes, None, staged, size) > budgets.host:
         homes = _homes(needs, persistent, budgets, request.state_home, size, staged, staged)
         return homes, "nvme"
     return homes, "host"
@@ -528,22 +542,27 @@ def _default_persistent(
     return len(needs)
 
 
-def gradients_at_once(grads_stream: bool, grad_home: str, staged: int) -> int:
-    """Rule 3: NVMe chunks' gradients on the host at once: two streamed ones, ``staged`` stored
-    on NVMe, or 0 when they all wait on the host."""
-    return STAGED_HOMES if grads_stream else (staged if grad_home == "nvme" else 0)
+def gradients_at_once(grads_stream: bool, grad_home: str, staged: int, via_host: bool = True) -> int | None:
+    """Rule 3: NVMe chunks' gradients on the host at once: two streamed ones (none when they do
+    not pass through the host, ``via_host`` False), ``staged`` stored on NVMe, or None when they
+    all wait on the host."""
+    if grads_stream:
+        return STAGED_HOMES if via_host else 0
+    return staged if grad_home == "nvme" else None
 
 
-def nvme_grad_bytes(nvme_needs: Sequence[ChunkNeeds], passing: int, chunk_size: int, span: int | None = None) -> int:
+def nvme_grad_bytes(
+    nvme_needs: Sequence[ChunkNeeds], passing: int | None, chunk_size: int, span: int | None = None
+) -> int:
     """Rule 3: host bytes the NVMe chunks' gradients take at their peak: all of them when they
-    wait on the host (``passing`` 0), else ``passing`` chunks' at once. Rule 6: a chunk that
+    wait on the host (``passing`` None), else ``passing`` chunks' at once. Rule 6: a chunk that
     steps in slices (of ``span`` bytes; None: the chunk size) keeps its gradients on NVMe and
     stages two slices' at a time."""
     sliced = STAGED_HOMES * max(
         (n.staged_grad_bytes(chunk_size, span) for n in nvme_needs if n.sliced(chunk_size)), default=0
     )
     whole = [n.grad_bytes for n in nvme_needs if not n.sliced(chunk_size)]
-    if passing:
+    if passing is not None:
         return max(passing * max(whole, default=0), sliced)
     return sum(whole) + sliced
 
@@ -571,10 +590,10 @@ def _homes(
     request: tuple[str, ...] | str | None,
     chunk_size: int,
     staged: int = STAGED_HOMES,
-    passing: int = 0,
+    passing: int | None = None,
 ) -> tuple[str, ...]:
     """Rule 3's homes; ``staged``: NVMe homes staged at once; ``passing``: NVMe chunks'
-    gradients on the host at once (0: all of them wait there, :func:`nvme_grad_bytes`)."""
+    gradients on the host at once (None: all of them wait there, :func:`nvme_grad_bytes`)."""
     total = len(needs)
     if isinstance(request, tuple):
         if len(request) != total:
@@ -601,12 +620,12 @@ def _homes(
             host_free -= need.home_bytes + need.grad_bytes
         else:
             homes.append("nvme")
-            if not passing:
+            if passing is None:
                 host_free -= need.grad_bytes
 
     def staging() -> int:
         nvme = [needs[i] for i in streamed if homes[i] == "nvme"]
-        through = nvme_grad_bytes(nvme, passing, chunk_size) if passing else 0
+        through = nvme_grad_bytes(nvme, passing, chunk_size) if passing is not None else 0
         return staging_bytes(nvme, chunk_size, staged=staged) + through
 
     for i in reversed(streamed):
@@ -614,7 +633,7 @@ def _homes(
             break
         if homes[i] == "host":
             homes[i] = "nvme"
-            host_free += needs[i].home_bytes + (needs[i].grad_bytes if passing else 0)
+            host_free += needs[i].home_bytes + (needs[i].grad_bytes if passing is not None else 0)
     return tuple(homes)
 
 
@@ -629,6 +648,7 @@ def _check_fits(
     grad_home: str = "host",
     staged: int = STAGED_HOMES,
     recomputed: bool = False,
+    grads_via_host: bool = True,
 ) -> None:
     """Rule 5: refuse, with the numbers, a plan that does not fit the free bytes; ``recomputed``:
     its buffers are the fewest a recomputed block needs (rule 4), which the refusal says."""
@@ -636,14 +656,15 @@ def _check_fits(
     device = sum(n.device_bytes for n in needs[:persistent]) + streamed_reserve(needs[persistent:], buffers, chunk_size)
     host_homes = [n for n, h in zip(needs, homes, strict=True) if h == "host"]
     nvme_homes = [n for n, h in zip(needs, homes, strict=True) if h == "nvme"]
-    passing = gradients_at_once(grads_stream, grad_home, staged)
+    passing = gradients_at_once(grads_stream, grad_home, staged, grads_via_host)
     host = _host_bytes(needs, homes, passing, staged, chunk_size)
     nvme = nvme_bytes(nvme_homes, grad_home, chunk_size)
-    waiting = (
-        f"{_count(staged, 'NVMe chunk', 'gradients')} staged"
-        if grad_home == "nvme"
-        else ("two NVMe chunks' gradients passing through" if grads_stream else "gradients of the NVMe chunks")
-    )
+    if grad_home == "nvme":
+        waiting = f"{_count(staged, 'NVMe chunk', 'gradients')} staged"
+    elif grads_stream:
+        waiting = "two NVMe chunks' gradients passing through" if passing else "no NVMe chunk's gradients"
+    else:
+        waiting = "gradients of the NVMe chunks"
     problems = []
     if device > budgets.device:
         problems.append(
@@ -686,7 +707,7 @@ def _check_fits(
 def _host_bytes(
     needs: Sequence[ChunkNeeds],
     homes: Sequence[str],
-    passing: int,
+    passing: int | None,
     staged: int,
     chunk_size: int,
     span: int | None = None,

@@ -103,6 +103,7 @@ def packings(
                         visits,
                         block_visits if profile.param_block else (),
                         lookups,
+                        grads_via_host=not profile.cpu,
                     )
                 )
     return result

@@ -30,6 +30,7 @@ class Packing:
         visits: Sequence[int] = (),
         block_visits: Sequence[Sequence[int]] = (),
         lookups: Sequence[int] = (),
+        grads_via_host: bool = True,
     ) -> None:
         """``visits``: the chunks in the order forward first uses their parameters, a repeat of
         the one before left out (NOTE [ Cost model ] rule 8; empty: each chunk used in one run).
@@ -45,6 +46,9 @@ class Packing:
         self.grads_stream = grads_stream
         #: where NVMe chunks' gradients wait for the step (rule 3 there; NOTE [ Stored gradients ])
         self.grad_home = "host" if grads_stream else grad_home
+        #: streamed gradients pass through the host on their way to their step (not on the CPU
+        #: device, where the step reads them in place: NOTE [ Declared steps ] rule 8)
+        self.grads_via_host = grads_via_host
         self.needs = tuple(needs)
         #: per chunk, the backward stage its gradient chunk appears at (rule 1); unknown: the first
         self.stages = tuple(stages) if stages is not None else (1 << 30,) * len(needs)
@@ -216,9 +220,9 @@ class Packing:
         slices of a chunk that steps in slices, and of its gradients, which wait on NVMe)."""
         n = self.chunks
         staged = self.staged_homes
-        passing = gradients_at_once(self.grads_stream, self.grad_home, staged)
+        passing = gradients_at_once(self.grads_stream, self.grad_home, staged, self.grads_via_host)
         sliced_grads = STAGED_HOMES * self._max_sliced_grad_from[host_end]
-        if passing:
+        if passing is not None:
             nvme_grads = max(passing * self._max_whole_grad_from[host_end], sliced_grads)
         else:
             waiting = self._sum(self._grad, host_end, n) - self._sum(self._sliced_grad, host_end, n)

@@ -144,6 +144,8 @@ class Relayout:
             budgets=budgets,
             request=self.request,
             grads_stream=self._grads_stream,
+            # NOTE [ Declared steps ] rule 8: on the CPU device a step reads its gradients in place
+            grads_via_host=self.facts.device.type != "cpu",
             fallback=outlier_candidates(info) if self.request.chunk_size is None else (),
             recompute_buffers=self.facts.recompute_buffers,
         )
