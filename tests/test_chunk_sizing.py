@@ -259,8 +259,17 @@ def test_the_default_rule_stages_one_home_only_when_two_do_not_fit():
     forced = decide(needs, chunk_size=MiB, min_buffers=1, budgets=Budgets(device, 64 * MiB, 1 << 30), request=request)
     assert forced.staged_homes == 1 and set(forced.state_home) == {"nvme"}
     assert parse_plan(forced.as_dict()).staged_homes == 1
-    with pytest.raises(PlanError, match=r"staged_homes: .* 2 \(overlapped\) or 1, got 3"):
-        parse_plan({"staged_homes": 3})
+    deep = decide(
+        needs,
+        chunk_size=MiB,
+        min_buffers=1,
+        budgets=Budgets(device, 64 * MiB, 1 << 30),
+        request=dataclasses.replace(request, staged_homes=3),
+    )
+    assert deep.staged_homes == 3 and parse_plan(deep.as_dict()).staged_homes == 3  # the planner's third slot
+    for wrong in (4, 0, True):
+        with pytest.raises(PlanError, match=rf"staged_homes: .* 2 \(overlapped\) or 1, got {wrong}"):
+            parse_plan({"staged_homes": wrong})
 
 
 def test_a_refusal_names_the_smallest_capacities_and_they_fit(tmp_path):

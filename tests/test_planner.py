@@ -885,3 +885,32 @@ def test_streamed_gradients_are_budgeted_on_the_host_only_where_they_pass_throug
     cuda_host = packing.host_bytes(persistent, host_end)
     nvme_grads = max(n.grad_bytes for n in packing.needs[host_end:])
     assert cpu.estimate.peak_bytes["host"] + 2 * nvme_grads == cuda_host
+
+
+def test_a_streaming_loop_gets_a_third_staging_slot_where_its_backward_would_wait_for_homes():
+    """NOTE [ Early-step staging ]: on a slow link (write-backs at a quarter of it beside
+    backward's reads) and a short backward, a streaming loop's early step waits with two slots
+    for the write-back two chunks back before its home's read starts, and with three it does not
+    wait for that: the planner predicts those bubbles, stages three homes where the host holds
+    them (the same homes otherwise), two where it holds only two, and never three for a loop that
+    steps at ``optimizer.step()``, whose step phase the third slot does not speed up."""
+    from tiermem.planner.early_steps import early_chunks, staging_stall
+
+    profile = synthetic(12, nvme=2e8, saved=MiB, forward_s=0.005, param=4 * MiB)
+    caps = {"device": 64 * MiB, "host": 40 * MiB, "nvme": 1 << 30}
+    deep = search(profile, caps, chunk_sizes=[4 * MiB], grads_stream=True)
+    assert deep.plan.staged_homes == 3 and "host" not in deep.plan.state_home
+    assert any("stages 3 NVMe homes at once" in reason for reason in deep.reasons)
+    policies = deep.plan.block_policy
+    bubbles = {}
+    for depth in (2, 3):
+        (packing,) = packings(profile, [4 * MiB], True, ("host",), (depth,))
+        choice = StatesChoice(packing, deep.plan.persistent_chunks, deep.plan.buffers, packing.chunks)
+        choice = dataclasses.replace(choice, host_end=deep.plan.persistent_chunks)
+        assert len(early_chunks(choice)) == packing.chunks - deep.plan.persistent_chunks  # every NVMe chunk
+        bubbles[depth] = staging_stall(profile, choice, policies)
+    assert bubbles[2] > bubbles[3] >= 0 and bubbles[2] > 0.1
+    narrow = search(profile, {**caps, "host": 30 * MiB}, chunk_sizes=[4 * MiB], grads_stream=True)
+    assert narrow.plan.staged_homes == 2
+    at_step = search(profile, caps, chunk_sizes=[4 * MiB])
+    assert at_step.plan.staged_homes <= 2

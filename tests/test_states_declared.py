@@ -677,6 +677,43 @@ def test_a_home_refused_room_is_read_once_a_write_back_lands_before_its_step(tmp
     assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
 
 
+def test_a_plan_staging_three_homes_reads_the_third_while_two_write_backs_are_in_flight(tmp_path, monkeypatch):
+    """NOTE [ Default placement rule ] rule 3: a plan may stage three homes (the planner's choice
+    for a loop that steps in backward, NOTE [ Early-step staging ]); a declared loop on it reads a
+    chunk's home as its backward begins while the two homes before it are still on their way back
+    to NVMe (NVMe writes 20 ms late here), never holds more than three homes off NVMe nor more
+    than the host's capacity, and trains bitwise as plain PyTorch does."""
+    from tiermem.states.stepping import Stepper
+
+    steps = 3
+    plain = make_model()
+    want = plain_loop(plain, OPTIMIZERS["adamw"](param_groups(plain)), steps, 1, None)
+    _slow_nvme_writes(monkeypatch)
+    room: list[tuple[int, int]] = []  # (homes off NVMe, of them on their way back) after each read ahead
+    prefetch = Stepper._prefetch_home
+
+    def counted_prefetch(self, chunk, **kwargs):
+        before = chunk.home.state, chunk.home.tier
+        started = prefetch(self, chunk, **kwargs)
+        if (chunk.home.state, chunk.home.tier) != before:
+            writing = sum(c.home is not None and c.home.obj.target_tier == "nvme" for c in self.store.chunks)
+            room.append((self._homes_off_nvme()[1], writing))
+        return started
+
+    monkeypatch.setattr(Stepper, "_prefetch_home", counted_prefetch)
+    model = make_model()
+    total = state_bytes("adamw", model)
+    with tiermem.Runtime(config(tmp_path, int(total * 0.1), host=int(total * 0.2))) as rt:
+        model, optimizer = manage_streaming(rt, model, plan={"state_home": "nvme", "staged_homes": 3})
+        assert rt.plan.staged_homes == 3
+        got = plain_loop(model, optimizer, steps, 1, None)
+        assert rt.stats().as_dict()["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+    assert room and max(off for off, _ in room) == 3  # the third slot held a home
+    assert any(writing == 2 for _, writing in room), "no home was read beside two write-backs in flight"
+    assert_bitwise(got, want)
+    assert_bitwise([p.detach() for p in model.parameters()], [p.detach() for p in plain.parameters()])
+
+
 def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path, monkeypatch):
     """NOTE [ Tied homes read ahead ] rule 2: the chunk of the tied embedding steps after the whole
     backward. Once a window taught the order, its home is read as soon as every chunk that stepped

@@ -29,9 +29,12 @@ applies under policy ``auto``, and the planner's prediction, which travels with 
    chunk never steps, its NVMe home is read straight into its device buffer): two (one steps
    while the next is read), or, when two leave the plan short, one (each home is read only once
    the one before is written back: the step's NVMe I/O no longer overlaps it, but the host holds
-   half the staging). Between steps nothing else uses that room, so a backward that steps
-   nothing early stages the first homes of the coming step in it (NOTE [ Declared steps ] rule
-   10). An NVMe chunk's gradients wait until ``optimizer.step()``
+   half the staging). A plan may stage three (``PLAN_DEPTHS``): the planner gives a loop that
+   steps its chunks in backward a third slot where it predicts that pays (NOTE [ Early-step
+   staging ] in ``tiermem/planner/early_steps.py``), never the default rule. Between steps
+   nothing else uses that room, so a backward that steps nothing early stages the first homes
+   of the coming step in it (NOTE [ Declared steps ] rule 10). An NVMe chunk's gradients wait
+   until ``optimizer.step()``
    (``.grad`` stays readable and writable, TRAPS 4) where ``grad_home`` says: on the host
    when it holds all of them beside those homes, else on NVMe (``grad_home = "nvme"``: the
    host then holds ``staged_homes`` chunks' gradients at once, staged to step or to serve
@@ -103,7 +106,11 @@ STAGED_HOMES = 2
 """Rule 3: NVMe homes the host has room to stage at once (one steps, one is on its way), unless
 the plan says one (``Plan.staged_homes``)."""
 STAGING_DEPTHS = (STAGED_HOMES, 1)
-"""Rule 3: the values ``staged_homes`` takes, the default rule's preference first."""
+"""Rule 3: the values ``staged_homes`` takes by the default rule, its preference first."""
+PLAN_DEPTHS = (3, *STAGING_DEPTHS)
+"""Rule 3: the values a plan may give ``staged_homes``: a third slot for a loop that steps its
+chunks in backward, where the planner predicts it pays (NOTE [ Early-step staging ] in
+``tiermem/planner/early_steps.py``)."""
 BLOCK_POLICIES = ("keep", "recompute", "host", "nvme")
 GRAD_HOMES = ("host", "nvme")
 """Rule 3: where the gradients of chunks with NVMe homes wait between backward and the step."""
@@ -304,9 +311,10 @@ def parse_plan(spec: Plan | PlanRequest | Mapping[str, Any] | str | os.PathLike[
             values["grad_home"] = grad_home
     staged = spec.get("staged_homes")
     if staged is not None and staged != "auto":
-        if isinstance(staged, bool) or staged not in STAGING_DEPTHS:
+        if isinstance(staged, bool) or staged not in PLAN_DEPTHS:
             problems.append(
-                f"staged_homes: NVMe homes the host stages at once for the step, 2 (overlapped) or 1, got {staged!r}"
+                "staged_homes: NVMe homes the host stages at once for the step, 3 (a loop that steps in backward: "
+                f"a write-back in flight no longer holds up the next read), 2 (overlapped) or 1, got {staged!r}"
             )
         else:
             values["staged_homes"] = staged

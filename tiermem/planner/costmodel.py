@@ -126,6 +126,14 @@ combines them (rules 1, 3-5) and re-exports their names.
    ``nvme->host`` and ``host->nvme``, and offloaded activations both ways. Byte counts do not
    depend on the machine's load, so they check the model where times cannot
    (``tests/test_planner_links.py``; ``bench/lora.py`` prints both).
+11. A loop that steps its chunks in backward (``grads_stream``) waits there for the homes its
+   early steps stage through the plan's ``staged_homes`` slots: the bubbles of that pipeline
+   (NOTE [ Early-step staging ] in :mod:`~tiermem.planner.early_steps`) add to the stall, on
+   top of the step I/O's own time (rule 5's ``step_io``), which they do not replace: the
+   homes' bytes share backward's link. What they buy is the depth: the 210M HF GPT-2 of
+   ``bench/hf_states.py`` at 10% device and host was predicted 0.30 s of bubbles with two
+   slots and none with three, and measured (waits for homes) 0.31-0.71 s a step with two and
+   0.12-0.31 s with three.
 """
 
 from __future__ import annotations
@@ -143,6 +151,7 @@ from tiermem.planner.activation_costs import (
     link_share,
     saved_counts,
 )
+from tiermem.planner.early_steps import staging_stall
 from tiermem.planner.profile import Profile
 from tiermem.planner.state_costs import Packing, StatesChoice, StatesCost, states_cost, states_overhead_s
 
@@ -236,8 +245,9 @@ def transient_peak(profile: Profile) -> int:
     return max([profile.outside.transient_bytes, *(b.transient_bytes for b in profile.blocks)])
 
 
-def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estimate:
-    """Rule 5: the step time and peaks of states and activations together."""
+def combine(profile: Profile, states: StatesCost, acts: ActivationCost, bubbles_s: float = 0.0) -> Estimate:
+    """Rule 5: the step time and peaks of states and activations together; ``bubbles_s``: rule
+    11's waits of early steps for their staged homes."""
     compute = profile.compute_s
     memcpy_bw = profile.memcpy_bw or float("inf")
     read_bw = profile.links.get("nvme->device") or profile.links.get("nvme->host") or float("inf")
@@ -264,7 +274,7 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
         "recompute": acts.recompute_s,
         "copies": copy_s + staging_s if profile.cpu else 0.0,
         "optimizer": states.optimizer_s,
-        "io_stall": acts.stall_s + chunk_stall + step_stall,
+        "io_stall": acts.stall_s + chunk_stall + step_stall + bubbles_s,
         "overhead": states_overhead_s(profile, states.streamed_chunks) + activation_overhead_s(profile, acts),
     }
     if not profile.cpu:  # rule 5: on CUDA, device<->host copies run on their own stream
@@ -287,11 +297,11 @@ def combine(profile: Profile, states: StatesCost, acts: ActivationCost) -> Estim
 
 
 def predict(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
-    """The full prediction for one plan (rules 1-6)."""
+    """The full prediction for one plan (rules 1-6 and 11)."""
     states = states_cost(profile, choice, policies=policies)
     read_bw = profile.links.get("nvme->device") or 0.0
     busy = (states.nvme_read_forward / read_bw, states.nvme_read_backward / read_bw) if read_bw else (0.0, 0.0)
-    return combine(profile, states, activation_cost(profile, policies, busy))
+    return combine(profile, states, activation_cost(profile, policies, busy), staging_stall(profile, choice, policies))
 
 
 def fastest_fitting(front: Sequence[tuple[int, float, int]], room: int) -> int | None:

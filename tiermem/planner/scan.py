@@ -141,7 +141,7 @@ class Space:
                     low = min(packing.min_buffers, streamed)
                     options = {low, min(packing.min_buffers + 1, streamed), streamed} if streamed else {0}
                     host_end = packing.host_end(persistent, host_usable) if streamed else n
-                    if host_end == n and packing.staged_homes < STAGED_HOMES:
+                    if host_end == n and packing.staged_homes != STAGED_HOMES:
                         continue  # no NVMe home to stage: the same choice as with the default staging
                     for buffers in sorted(options):
                         key = (k, persistent, buffers, host_end)

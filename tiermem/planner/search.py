@@ -10,7 +10,8 @@ runs them and explains the plan (and re-exports their public names).
    needs, one more to prefetch into, or every streamed chunk), where each streamed chunk's
    states live (the longest host prefix the host holds, then NVMe), how many NVMe homes the
    host stages at once for the step (two, or one: NOTE [ Default placement rule ] rule 3; one
-   only where some home is on NVMe, its step I/O then not hidden), and the per-block
+   only where some home is on NVMe, its step I/O then not hidden; three too for a loop whose
+   gradients stream, which steps in backward: NOTE [ Early-step staging ]), and the per-block
    activation policy (or the one the caller fixed: ``block_policy=``, searched around).
 2. Activation policies come from families, each with ``k`` trailing blocks kept: every
    other block recomputed, or offloaded to the host, or to NVMe, or NVMe for the blocks whose
@@ -57,7 +58,7 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from tiermem.layout.placement import GRAD_HOMES, STAGED_HOMES, STAGING_DEPTHS, Plan, Prediction
+from tiermem.layout.placement import GRAD_HOMES, PLAN_DEPTHS, STAGED_HOMES, STAGING_DEPTHS, Plan, Prediction
 from tiermem.planner.candidates import (
     MAX_SIZES,
     ActivationCandidate,
@@ -75,6 +76,7 @@ from tiermem.planner.costmodel import (
     combine,
     states_cost,
 )
+from tiermem.planner.early_steps import staging_stall
 from tiermem.planner.no_fit import GALLOP_TRIES, IN_TURN_TRIES, NARROW_TRIES, WIDEN_TRIES, no_fit
 from tiermem.planner.profile import Profile
 from tiermem.planner.scan import FINALISTS, MAX_EXACT, Space
@@ -122,15 +124,18 @@ def search(
     block_policy: str | Sequence[str] | None = None,
     grads_stream: bool = False,
     grad_homes: Sequence[str] = GRAD_HOMES,
-    staged_homes: Sequence[int] = STAGING_DEPTHS,
+    staged_homes: Sequence[int] | None = None,
 ) -> Decision:
     """The fastest plan that fits ``capacities`` (free bytes per tier). ``block_policy``: the
     activation policy the caller fixed (a name for every block, or one per block); the model
     states are searched around it. ``grads_stream``: the loop frees NVMe
     chunks' gradients as they step (NOTE [ Default placement rule ] rule 3); ``grad_homes``: where
     the others may wait for the step (both by default: the faster plan wins); ``staged_homes``:
-    how many NVMe homes the host may stage at once (two or one by default)."""
+    how many NVMe homes the host may stage at once (by default two or one, and three too for a
+    loop whose gradients stream: NOTE [ Early-step staging ])."""
     caps = {t: int(capacities[t]) for t in TIERS}
+    if staged_homes is None:
+        staged_homes = PLAN_DEPTHS if grads_stream else STAGING_DEPTHS
     space = Space(
         profile,
         chunk_sizes=chunk_sizes,
@@ -208,6 +213,11 @@ def explain(
                 "the host stages one NVMe home at a time for the step (room for two would not fit): the step's NVMe "
                 "reads and writes are not hidden behind it"
             )
+        elif "nvme" in homes and choice.packing.staged_homes > STAGED_HOMES:
+            reasons.append(
+                f"the host stages {choice.packing.staged_homes} NVMe homes at once for the chunks backward steps: a "
+                "write-back still in flight no longer holds up the next home's read"
+            )
     reasons.append(f"activations: {family or 'keep'}")
     parts = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in estimate.parts_s.items())
     reasons.append(f"predicted step {estimate.step_s * 1000:.1f} ms = {parts}")
@@ -218,4 +228,5 @@ def explain(
 
 def combine_for(profile: Profile, choice: StatesChoice, policies: Sequence[str]) -> Estimate:
     """The estimate ``search`` used for one plan (for reports and tests)."""
-    return combine(profile, states_cost(profile, choice, policies=policies), activation_cost(profile, policies))
+    states = states_cost(profile, choice, policies=policies)
+    return combine(profile, states, activation_cost(profile, policies), staging_stall(profile, choice, policies))
