@@ -21,6 +21,7 @@ PLANNER_PURE = {
     "tiermem.planner.activation_costs",
     "tiermem.planner.candidates",
     "tiermem.planner.costmodel",
+    "tiermem.planner.early_steps",
     "tiermem.planner.errors",
     "tiermem.planner.profile",
     "tiermem.planner.no_fit",

@@ -390,8 +390,8 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
     """Early steps' home prefetch (NOTE [ Declared steps ] rule 3, placement rule 3): a home
     is prefetched when its chunk's backward begins even while the previous chunk's home is
     still being written back, but never while another home waits for its step, so the host
-    never stages more than STAGED_HOMES homes; training stays exact."""
-    from tiermem.layout.placement import STAGED_HOMES
+    never stages more than the plan's ``staged_homes`` (the planner's: three here, NOTE
+    [ Early-step staging ]); training stays exact."""
     from tiermem.states.stepping import Stepper
 
     seen: list[tuple[int, int]] = []  # (homes waiting for their step, homes off NVMe) at each prefetch
@@ -418,8 +418,9 @@ def test_the_next_nvme_home_is_read_while_the_last_is_written_back(tmp_path, mon
         got = plain_loop(model, optimizer, steps, 1, None)
         assert rt.stats().as_dict()["model_states"]["early_chunk_steps"] > 0
         assert rt.stats().as_dict()["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
+        depth = rt.plan.staged_homes
     assert seen, "no NVMe home was prefetched"
-    assert all(waiting == 1 and off <= STAGED_HOMES for waiting, off in seen)  # the one just prefetched
+    assert all(waiting == 1 and off <= depth for waiting, off in seen)  # the one just prefetched
     # Some prefetch went out while another home was still off NVMe (being written back).
     assert any(off == 2 for _waiting, off in seen)
     assert_bitwise(got, want)

@@ -102,8 +102,9 @@ def staging_stall(profile: Profile, choice: StatesChoice, policies: Sequence[str
         if c not in stepping:
             continue
         need = needs[c]
-        # its read starts as its backward begins, once the slot of the write-back ``depth`` steps
-        # back has landed; its parameters come from the device copy (NOTE [ Declared steps ] rule 7)
+        # its read starts as its backward begins, once the write-back ``staged_homes`` early steps
+        # back has freed its slot; its parameters come from the device copy (NOTE [ Declared
+        # steps ] rule 7)
         freed = landed[-pk.staged_homes] if len(landed) >= pk.staged_homes else 0.0
         read_end = max(entered, freed) + (need.home_bytes - need.nbytes) / read_rate
         stall += max(0.0, read_end - clock)
