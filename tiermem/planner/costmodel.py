@@ -131,9 +131,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    (NOTE [ Early-step staging ] in :mod:`~tiermem.planner.early_steps`) add to the stall, on
    top of the step I/O's own time (rule 5's ``step_io``), which they do not replace: the
    homes' bytes share backward's link. What they buy is the depth: the 210M HF GPT-2 of
-   ``bench/hf_states.py`` at 10% device and host was predicted 0.30 s of bubbles with two
-   slots and none with three, and measured (waits for homes) 0.31-0.71 s a step with two and
-   0.12-0.31 s with three.
+   ``bench/hf_states.py`` at 10% device and host was predicted 0.17-0.30 s of bubbles with two
+   slots (profiles of two runs) and none with three, and measured (waits for homes) 0.31-0.71 s a
+   step with two and 0.12-0.31 s with three.
 """
 
 from __future__ import annotations
