@@ -739,9 +739,9 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
     prefetch = Stepper._prefetch_home
 
     def counted_prefetch(self, chunk, *, tied=False):
-        before = chunk.home.state
+        before = chunk.home.state, chunk.home.tier  # a small read may land within the call
         started = prefetch(self, chunk, tied=tied)
-        if tied and chunk.home.state is not before:
+        if tied and (chunk.home.state, chunk.home.tier) != before:
             assert self.facts.tied(chunk.layout)
             reads.append((set(self._stepped), *self._homes_off_nvme()))
             read.add(chunk.index)
@@ -761,11 +761,7 @@ def test_a_tied_chunks_home_is_read_once_every_chunk_before_it_stepped(tmp_path,
         staged_homes = states.store.staged_homes
         stats = rt.stats().as_dict()
         assert stats["tiers"]["host"]["peak_bytes"] <= int(total * 0.2)
-    # each window once taught reads it ahead where the staging room is free by then; under load the
-    # last homes' write-backs may hold it until the tied chunk steps (its step then reads the home
-    # itself): beside three busy loops 2-3 of 8 runs read it ahead in only 1-2 of the 4 windows, on the
-    # code before the planner's third slot too, and a full suite run once
-    assert stats["model_states"]["tied_homes_read_ahead"] == len(reads) >= 1
+    assert stats["model_states"]["tied_homes_read_ahead"] == len(reads) >= steps - 2  # each window once taught
     # after every other chunk's step, the one home waiting (rule 3), within the plan's room
     assert all(others <= stepped and waiting == 1 and off <= staged_homes for stepped, waiting, off in reads)
     assert found and all(found), "the tied chunk's step read its own home"

@@ -384,7 +384,8 @@ class Stepper:
                 for c in self.store.chunks
             ):
                 return  # an entered chunk outside the order steps first: the room is its own
-            if self._prefetch_home(chunk, tied=True) and home.state is ObjectState.MOVING:
+            # read: on its way, or (a small home on an idle link) landed already within the call
+            if self._prefetch_home(chunk, tied=True) and (home.state is ObjectState.MOVING or home.tier != "nvme"):
                 self.tied_homes_read_ahead += 1
                 self._tied_ahead.remove(entry)
                 self._tied_read.append(chunk)
