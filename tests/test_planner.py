@@ -875,11 +875,7 @@ def test_streamed_gradients_are_budgeted_on_the_host_only_where_they_pass_throug
     capacities = {"device": 32 * MiB, "host": 12 * MiB, "nvme": 1 << 30}
     cpu = search(profile, capacities, grads_stream=True)
     cuda_profile = dataclasses.replace(profile, cpu=False, device="cuda")
-    packing = next(
-        pk
-        for pk in packings(cuda_profile, [cpu.plan.chunk_size], True, ("host",), (cpu.plan.staged_homes,))
-        if pk.chunk_size == cpu.plan.chunk_size
-    )
+    (packing,) = packings(cuda_profile, [cpu.plan.chunk_size], True, ("host",), (cpu.plan.staged_homes,))
     persistent = cpu.plan.persistent_chunks
     host_end = cpu.plan.state_home.index("nvme")
     cuda_host = packing.host_bytes(persistent, host_end)
@@ -905,8 +901,8 @@ def test_a_streaming_loop_gets_a_third_staging_slot_where_its_backward_would_wai
     bubbles = {}
     for depth in (2, 3):
         (packing,) = packings(profile, [4 * MiB], True, ("host",), (depth,))
-        choice = StatesChoice(packing, deep.plan.persistent_chunks, deep.plan.buffers, packing.chunks)
-        choice = dataclasses.replace(choice, host_end=deep.plan.persistent_chunks)
+        persistent = deep.plan.persistent_chunks
+        choice = StatesChoice(packing, persistent, deep.plan.buffers, persistent)  # no host home
         assert len(early_chunks(choice)) == packing.chunks - deep.plan.persistent_chunks  # every NVMe chunk
         bubbles[depth] = staging_stall(profile, choice, policies)
     assert bubbles[2] > bubbles[3] >= 0 and bubbles[2] > 0.1

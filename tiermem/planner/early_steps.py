@@ -14,7 +14,7 @@ chunks step in, through the host's staging room. Pure. Rule 11 of NOTE [ Cost mo
    again when recomputed, the head's; split by parameter bytes); a chunk's step starts once its
    compute and its home's read are done (the wait is the stall), and its write-back starts as
    the step ends. Tied chunks step after the whole backward and take no slot here; persistent
-   and host-homed chunks only compute.
+   chunks only compute, host-homed ones compute and step in place, with no slot either.
 3. Rates: backward's reads (saved activations, parameters fetched again, these homes) keep the
    link busy, so a home's read gets the prefetch share of the read bandwidth and its write-back
    the rest of the write bandwidth (NOTE [ Scheduling rules ] rule 4: prefetches hold at most
@@ -41,8 +41,9 @@ def backward_seconds(
     profile: Profile, block_visits: Sequence[Sequence[int]], sizes: Sequence[int], policies: Sequence[str]
 ) -> list[float]:
     """Rule 2: each chunk's share of backward's compute: of each place forward used it in (per
-    ``block_visits``: before the blocks, each block, the head), by parameter bytes among the
-    chunks used there. A recomputed block's backward runs its forward again."""
+    ``block_visits``: before the blocks, each block, the head), in proportion to the chunks'
+    parameter bytes (``sizes``; a chunk spanning two places weighs its whole bytes in each). A
+    recomputed block's backward runs its forward again."""
     seconds = [0.0] * len(sizes)
     count = len(profile.blocks)
     for place, chunks in enumerate(block_visits):
