@@ -25,30 +25,32 @@ CHILD = textwrap.dedent(
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
+    def in_heap(tensor):  # served from the brk heap, which glibc reuses, not mapped on its own
+        with open("/proc/self/maps") as f:
+            spans = [line.split()[0] for line in f if line.rstrip().endswith("[heap]")]
+        return any(int(lo, 16) <= tensor.data_ptr() < int(hi, 16) for lo, hi in (s.split("-") for s in spans))
+
     with tiermem.Runtime({"device": {"device": "cpu"}, "nvme": {"paths": [sys.argv[1]]}}):
         configured = return_freed_memory()
-    # Measured once the runtime is closed, its settings staying: one suite run in six saw the
-    # 16 MiB block come back as fresh zeros (reused 0.0) with 836 KiB more resident than before,
-    # the runtime's threads (which allocate as they run) the suspected cause, not reproduced.
+    # Measured once the runtime is closed (mallopt's settings stay for the process).
     before = rss()
     block = torch.ones(48 << 18)  # 48 MiB of float32: above every threshold, mapped on its own
     holding = rss()
+    big_in_heap = in_heap(block)
     del block
     big_left = holding - rss()
-    big_kept = rss() - before
+    small_in_heap = []
     for size in (24, 16):  # a freed mapped block raises glibc's threshold: 16 MiB then comes from the heap
         block = torch.ones(size << 18)
+        small_in_heap.append(in_heap(block))
         del block
-    block = torch.ones(16 << 18)  # the same size again, then once more uninitialised: reused
-    del block  # heap bytes still hold the ones, a fresh mapping comes zeroed by the kernel
-    reused = float((torch.empty(16 << 18) == 1).float().mean())
     kept = rss() - before
     untrimmed = rss()
     trim()  # what rules 4 and 5 do during training
     trimmed = untrimmed - rss()
     print(json.dumps({
-        "configured": configured, "big_kept": big_kept, "big_left": big_left, "reused": reused, "kept": kept,
-        "after_trim": rss() - before, "trimmed": trimmed,
+        "configured": configured, "big_in_heap": big_in_heap, "big_left": big_left,
+        "small_in_heap": small_in_heap, "kept": kept, "after_trim": rss() - before, "trimmed": trimmed,
     }))
     """
 )
@@ -64,13 +66,16 @@ def run(tmp_path, **env: str) -> dict:
 
 
 def test_freed_large_blocks_leave_the_process_and_smaller_ones_are_reused(tmp_path):
-    """Rule 2: a block of 32 MiB or more leaves at once; a smaller one is reused from the heap, its
-    pages not faulted in and zeroed again (the uninitialised block still holds the last one's
-    values, where a fresh mapping is zeros), and a trim hands it back."""
+    """Rule 2: a block of 32 MiB or more is mapped on its own and leaves at once; a smaller one is
+    served from the heap, where glibc can reuse it (whether it does depends on the heap's layout:
+    with few small blocks free, each aligned 16 MiB request misses the last one freed and takes
+    fresh pages, which is why reuse itself is not asserted), and stays until a trim hands it back."""
     measured = run(tmp_path)
     assert measured["configured"]
+    assert not measured["big_in_heap"], measured
     assert measured["big_left"] > 44 << 20, measured  # the 48 MiB block
-    assert measured["reused"] > 0.99, measured
+    assert measured["small_in_heap"] == [True, True], measured
+    assert measured["kept"] > 12 << 20, measured  # the 16 MiB heap block, until the trim
     assert measured["trimmed"] > 12 << 20, measured  # the 16 MiB heap block
 
 

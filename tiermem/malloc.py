@@ -10,23 +10,25 @@
    380 MB. Rules 4 and 5 now return what the heap frees, so the threshold is set for speed
    (rule 2); that GPT was not measured again at 32 MiB.
 2. What: when the first runtime starts, ``mallopt`` fixes the mmap threshold at
-   :data:`MMAP_THRESHOLD` (blocks from that size are mapped, and unmapped when freed) and the
-   trim threshold at :data:`TRIM_THRESHOLD`: where glibc's dynamic thresholds end up once a
-   32 MiB block was freed, from the first step on instead. Smaller allocations keep glibc's
-   heap and are reused from it; rules 4 and 5 hand its free pages back. A mapped block's pages
+   :data:`MMAP_THRESHOLD` (blocks from that size are mapped, and unmapped when freed) and the trim
+   threshold at :data:`TRIM_THRESHOLD`: where glibc's dynamic thresholds end up once a 32 MiB block
+   was freed, from the first step on instead. Smaller allocations keep glibc's heap, which reuses a
+   freed block where its layout lets it (not always: with few small blocks free, torch's aligned 16
+   MiB requests each missed the one freed last by its alignment slack and took fresh pages above
+   it, ``tests/test_malloc.py``); rules 4 and 5 hand its free pages back. A mapped block's pages
    are faulted in and zeroed afresh each time it is allocated (TRAPS 22), which is why the
    threshold is not lower: at 4 MiB, each weight's gradient and each MLP activation of a 210M
-   Hugging Face GPT-2 (12-16 MiB and 8 MiB, fresh every step) was a new mapping, and a step
-   faulted in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB; this rule's faults are counted as small
-   pages, TRAPS 22). ``bench/hf_states.py --size 210M`` in fresh processes, 4 MiB then 32 MiB
-   each round (2-vCPU EPYC, quiet): declared loop 7.74, 7.98, 8.21 s against 7.71, 7.72, 7.67 s a
-   step, 0.32-0.38 GiB faulted in, ru_maxrss 1,421 against 1,433 MiB; plain loop 9.81, 9.05 s
-   against 8.87, 8.18 s (1.25 CPU s a step less), ru_maxrss 1,423 against 1,504-1,545 MiB
-   (0.32-0.33x plain PyTorch's). The code before and after, rule 5's offloader trims included, in
-   fresh processes, three rounds: plain loop 10.17, 10.49, 9.56 against 10.29, 9.87, 9.13 s,
-   declared 7.78, 8.06, 7.63 against 8.73, 7.46, 7.58 (about 3% off each median; faulted in
-   1.2-1.6 GiB against 0.37-0.56 GiB a step; ru_maxrss +5-8% in the plain loop). The 4 MiB of
-   rule 1's measurement predates rule 5's trims.
+   Hugging Face GPT-2 (12-16 MiB and 8 MiB, fresh every step) was a new mapping, and a step faulted
+   in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB; this rule's faults are counted as small pages,
+   TRAPS 22). ``bench/hf_states.py --size 210M`` in fresh processes, 4 MiB then 32 MiB each round
+   (2-vCPU EPYC, quiet): declared loop 7.74, 7.98, 8.21 s against 7.71, 7.72, 7.67 s a step,
+   0.32-0.38 GiB faulted in, ru_maxrss 1,421 against 1,433 MiB; plain loop 9.81, 9.05 s against
+   8.87, 8.18 s (1.25 CPU s a step less), ru_maxrss 1,423 against 1,504-1,545 MiB (0.32-0.33x plain
+   PyTorch's). The code before and after, rule 5's offloader trims included, in fresh processes,
+   three rounds: plain loop 10.17, 10.49, 9.56 against 10.29, 9.87, 9.13 s, declared 7.78, 8.06,
+   7.63 against 8.73, 7.46, 7.58 (about 3% off each median; faulted in 1.2-1.6 GiB against
+   0.37-0.56 GiB a step; ru_maxrss +5-8% in the plain loop). The 4 MiB of rule 1's measurement
+   predates rule 5's trims.
 3. The user decides first: when ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_`` is in
    the environment (glibc read it at start), or ``TIERMEM_KEEP_MALLOC=1``, nothing changes. On
    another C library nothing changes either.
