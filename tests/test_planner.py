@@ -910,3 +910,29 @@ def test_a_streaming_loop_gets_a_third_staging_slot_where_its_backward_would_wai
     assert narrow.plan.staged_homes == 2
     at_step = search(profile, caps, chunk_sizes=[4 * MiB])
     assert at_step.plan.staged_homes <= 2
+
+
+def test_a_home_whose_slot_frees_while_its_chunks_backward_runs_is_read_at_its_step():
+    """NOTE [ Early-step staging ] rule 1: the runtime asks for a home's read as the chunk's
+    backward begins and again at the next hook once its slot frees, which within one chunk's
+    backward is its step: such a read is waited for whole, not only its part after the slot
+    freed. One chunk a block's worth of backward (0.1 s), each write-back 0.15 s: from the third
+    NVMe chunk of backward on (four of them), each slot frees within the chunk's backward and
+    the step waits for the whole read; with three slots none waits."""
+    from tiermem.layout.shares import PREFETCH_SHARE
+    from tiermem.planner.early_steps import early_chunks, staging_stall
+
+    home, states = 24 * MiB, 16 * MiB  # an 8 MiB chunk of parameters and its two states
+    nvme = home / 0.15 / (1 - PREFETCH_SHARE)  # write-backs at the rest of the link: 0.15 s each
+    profile = synthetic(6, nvme=nvme, saved=MiB, forward_s=0.05, param=4 * MiB)
+    read_s = states / (nvme * PREFETCH_SHARE)
+    policies = ("keep",) * 6
+    waited = {}
+    for depth in (2, 3):
+        (packing,) = packings(profile, [8 * MiB], True, ("host",), (depth,))
+        assert [n.home_bytes for n in packing.needs[:-1]] == [home] * (packing.chunks - 1)
+        choice = StatesChoice(packing, 0, 2, 0)
+        assert len(early_chunks(choice)) == 7
+        waited[depth] = staging_stall(profile, choice, policies)
+    assert waited[2] == pytest.approx(4 * read_s)
+    assert waited[3] == 0

@@ -133,7 +133,9 @@ combines them (rules 1, 3-5) and re-exports their names.
    homes' bytes share backward's link. What they buy is the depth: the 210M HF GPT-2 of
    ``bench/hf_states.py`` at 10% device and host was predicted 0.17-0.30 s of bubbles with two
    slots (profiles of two runs) and none with three, and measured (waits for homes) 0.31-0.71 s a
-   step with two and 0.12-0.31 s with three.
+   step with two and 0.12-0.31 s with three. A third profile predicted 0.02 s with two slots
+   (0.6 s measured), and its plan kept them, until the walk took a read whose slot frees within
+   its chunk's backward at its step, as the runtime does: 0.43 s with two slots, none with three.
 """
 
 from __future__ import annotations

@@ -8,7 +8,13 @@ chunks step in, through the host's staging room. Pure. Rule 11 of NOTE [ Cost mo
    ``staged_homes`` staging slots when its backward begins (its parameters are copied from the
    device copy), the step runs on the training thread once its gradients are complete, and the
    whole home is written back, holding its slot until that write lands. A chunk whose backward
-   begins while every slot is held waits for the oldest write-back to land before its read starts.
+   begins while every slot is held has its read asked for again at each hook of backward once a
+   slot frees (``backward_progress``); within one chunk's backward that hook is its step, so the
+   read starts at the step (or when the slot frees, if later) and the step waits for all of it.
+   Trace of the 210M HF GPT-2 of ``bench/hf_states.py`` with two slots: each MLP chunk's slot
+   freed 8-25 ms before its step, inside one module's backward, and its 56 MiB read, issued at
+   the step, was waited for 21-50 ms; a walk starting such reads as the slot freed predicted
+   0.02 s of waits a step where 0.6 s were measured, and the planner kept two slots.
 2. The walk: chunks in backward order (the reverse of execution order), each taking its share
    of the backward compute of the places forward used it in (each block's backward, its forward
    again when recomputed, the head's; split by parameter bytes); a chunk's step starts once its
@@ -20,7 +26,11 @@ chunks step in, through the host's staging room. Pure. Rule 11 of NOTE [ Cost mo
    the rest of the write bandwidth (NOTE [ Scheduling rules ] rule 4: prefetches hold at most
    ``PREFETCH_SHARE`` of the in-flight bound). Measured on the 210M HF GPT-2 of
    ``bench/hf_states.py`` (2 cores, read 2.2 GB/s, write 2.6 GB/s): a 56 MiB home read took
-   34-51 ms and an 84 MiB write-back 105-130 ms beside backward's reads.
+   34-51 ms and an 84 MiB write-back 105-130 ms beside backward's reads. Write-backs queue one
+   behind another (first in, first out within a priority: a 60 MiB one queued 22-57 ms behind
+   the 84 MiB one before it), where the walk lets them overlap: walked in turn, both depths
+   predicted about 0.5 s of waits there (the profile's backward outruns the writes), which the
+   three slots' measured 0.12-0.31 s do not show, so it is not modelled.
 4. What it is for: the depth. Closed-form bounds (backward's compute, its disk time, the slots'
    occupancy over the depth) give the same time for two and three slots there, while the
    measured backward waits 0.3-0.7 s a step for homes with two slots and 0.1-0.3 s with three:
@@ -107,7 +117,8 @@ def staging_stall(profile: Profile, choice: StatesChoice, policies: Sequence[str
         # back has freed its slot; its parameters come from the device copy (NOTE [ Declared
         # steps ] rule 7)
         freed = landed[-pk.staged_homes] if len(landed) >= pk.staged_homes else 0.0
-        read_end = max(entered, freed) + (need.home_bytes - need.nbytes) / read_rate
+        # a slot that frees only once the chunk's backward runs is taken at its step (rule 1)
+        read_end = (entered if freed <= entered else max(clock, freed)) + (need.home_bytes - need.nbytes) / read_rate
         stall += max(0.0, read_end - clock)
         clock = max(clock, read_end) + profile.optimizer_s_per_byte * need.nbytes
         landed.append(clock + need.home_bytes / write_rate)
