@@ -156,6 +156,19 @@ class TierLimits:
                     return False
         return True
 
+    def saturated(self, move: Move) -> bool:
+        """No block of ``move`` can be admitted whatever its size: its executor's request slots
+        are all taken, or, for a prefetch, the prefetches' share of them (rules 4 and 5). Until a
+        run lands this holds for every move of that executor (and priority), so one refusal for
+        this reason lets the dispatcher pass the rest of them by."""
+        executor = move.executor
+        if self._inflight_requests[executor.name] >= executor.queue_depth:
+            return True
+        if move.transfer.priority == Priority.PREFETCH:
+            own = self._prefetch_requests[executor.name]
+            return bool(own) and own >= max(1, int(executor.queue_depth * PREFETCH_SHARE))
+        return False
+
     def admitted_run(self, move: Move, held: set[str]) -> tuple[int, int]:
         """How much of ``move`` to issue now: (bytes, blocks), (0, 0) when rules 2-5 admit
         nothing. Blocks are admitted one by one, as if each were issued alone, up to the

@@ -388,3 +388,42 @@ def test_a_held_move_can_be_promoted_cancelled_and_closed(device, gated):
         at_close.wait()
     pending.set_result(None)  # the loop is gone: releasing the held move changes nothing
     assert len(storage.log) == 1
+
+
+def test_a_landing_asks_the_bounds_once_past_a_tier_whose_request_slots_are_all_taken(
+    device, make_scheduler, gated, monkeypatch
+):
+    """Rules 3-5 are asked, at each landing, up to the first move they refuse because its
+    executing tier's request slots are all taken; that tier's other queued moves are passed by
+    (asked move by move at every landing, a few hundred queued moves took most of the loop's
+    time). The moves still go in submission order, each as a slot frees."""
+    from tiermem.schedulers.admission import TierLimits
+
+    storage = gated(queue_depth=2)
+    scheduler = make_scheduler()
+    asked = [0]
+    admitted_run = TierLimits.admitted_run
+
+    def counted(self: TierLimits, move: object, held: set[str]) -> tuple[int, int]:
+        asked[0] += 1
+        return admitted_run(self, move, held)
+
+    monkeypatch.setattr(TierLimits, "admitted_run", counted)
+    destinations = [storage.allocate(BLOCK) for _ in range(40)]
+    moves = [
+        scheduler.submit(filled(device, BLOCK, seed=i), dst, priority=Priority.WRITEBACK)
+        for i, dst in enumerate(destinations)
+    ]
+    storage.wait_pending(2)
+    time.sleep(0.05)  # every submission reached the loop: 38 moves queued behind the 2 slots
+    before = asked[0]
+    for _ in range(5):
+        storage.release(1)  # a slot frees: one move is issued, the rest passed by
+        storage.wait_pending(2)
+    time.sleep(0.05)  # the last landing's dispatch ended
+    assert asked[0] - before <= 2 * 5, asked[0] - before  # the issued move and the next, refused
+    storage.gated = False
+    storage.release_all()
+    for move in moves:
+        move.wait(timeout=10)
+    assert [alloc for op, alloc, _off, _len in storage.log if op == "write"] == [d.id for d in destinations]

@@ -1,0 +1,94 @@
+"""What the I/O scheduler's threads spend a move when many moves are queued at once (NOTE
+[ Scheduling rules ] rule 5 in tiermem.schedulers.asyncio_scheduler).
+
+A training step queues hundreds of small moves together: a block's saved activations written out
+as its forward ends, read back as backward nears it. Here ``--moves`` tensors of ``--size`` are
+stored on the device tier (the CPU with a byte budget), all moved to NVMe and then all back,
+``--rounds`` times in one process; each round prints the CPU microseconds a move of every tiermem
+thread and of the calling thread (from ``/proc``), and the wall time. The first round also
+allocates the NVMe extents, so the summary is the median of the rounds after it.
+
+    .venv/bin/python bench/queued_moves.py --moves 300 --size 2MiB --rounds 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
+import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
+
+
+def thread_cpu_s(thread: threading.Thread) -> float:
+    """User and system CPU seconds of one thread, from ``/proc/self/task``."""
+    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run(args: argparse.Namespace) -> list[dict[str, float]]:
+    import torch
+
+    import tiermem
+
+    rounds: list[dict[str, float]] = []
+    with tempfile.TemporaryDirectory(dir=args.path) as nvme:
+        config = {"device": {"device": "cpu", "capacity": 2 * args.moves * args.size}, "nvme": {"paths": [nvme]}}
+        with tiermem.Runtime(config) as rt:
+            handles = [rt.store(torch.ones(args.size // 4), "device") for _ in range(args.moves)]
+            threads = [t for t in threading.enumerate() if t.name.startswith("tiermem")]
+            for _ in range(args.rounds):
+                cpu = {t.name: thread_cpu_s(t) for t in threads}
+                main, wall = time.thread_time(), time.perf_counter()
+                for tier in ("nvme", "device"):
+                    for handle in handles:
+                        handle.move_to(tier)
+                    for handle in handles:
+                        handle.wait()
+                moves = 2 * args.moves
+                spent = {t.name: (thread_cpu_s(t) - cpu[t.name]) * 1e6 / moves for t in threads}
+                spent["calling thread"] = (time.thread_time() - main) * 1e6 / moves
+                spent["wall"] = (time.perf_counter() - wall) * 1e6 / moves
+                rounds.append(spent)
+                if not args.json:
+                    print("  " + ", ".join(f"{name} {us:.0f} us" for name, us in spent.items() if us >= 1), flush=True)
+            for handle in handles:
+                handle.free()
+    return rounds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--moves", type=int, default=300, help="tensors moved together (default 300)")
+    parser.add_argument("--size", default="2MiB", help="bytes of each (default 2MiB: a saved activation's)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds out and back (default 6)")
+    parser.add_argument("--path", type=arguments.directory, default=None, help="where the NVMe tier's files go")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    args = parser.parse_args()
+    from tiermem import parse_size
+
+    args.size = parse_size(args.size)
+    if args.moves < 1 or args.rounds < 1 or args.size < 4:
+        parser.error("--moves and --rounds must be at least 1, --size at least 4 bytes")
+    facts = machine.facts()
+    if not args.json:
+        print(f"machine: {facts}")
+    rounds = run(args)
+    steady = rounds[1:] or rounds
+    median = {name: statistics.median(r[name] for r in steady) for name in steady[0]}
+    if args.json:
+        settings = {"moves": args.moves, "size": args.size, "rounds": args.rounds}
+        print(json.dumps({"machine": facts, "settings": settings, "us_a_move": rounds, "median_us_a_move": median}))
+    else:
+        print("median a move, rounds after the first: " + ", ".join(f"{k} {v:.0f} us" for k, v in median.items()))
+
+
+if __name__ == "__main__":
+    main()
