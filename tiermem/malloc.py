@@ -13,10 +13,12 @@
    :data:`MMAP_THRESHOLD` (blocks from that size are mapped, and unmapped when freed) and the trim
    threshold at :data:`TRIM_THRESHOLD`: where glibc's dynamic thresholds end up once a 32 MiB block
    was freed, from the first step on instead. Smaller allocations keep glibc's heap, which reuses a
-   freed block where its layout lets it (not always: with few small blocks free, torch's aligned 16
-   MiB requests each missed the one freed last by its alignment slack and took fresh pages above
-   it, ``tests/test_malloc.py``); rules 4 and 5 hand its free pages back. A mapped block's pages
-   are faulted in and zeroed afresh each time it is allocated (TRAPS 22), which is why the
+   freed block where its layout lets it (not always: with few small blocks free, torch's
+   page-aligned requests of 16 MiB, ``THP_MEM_ALLOC_ENABLE`` in ``tiermem/__init__.py``, each
+   missed the one freed last and took fresh pages above it: glibc 2.36's ``memalign`` asks its
+   heap for the size plus the alignment, which that block is short of, ``tests/test_malloc.py``);
+   rules 4 and 5 hand its free pages back. A mapped block's pages are faulted in and zeroed
+   afresh each time it is allocated (TRAPS 22), which is why the
    threshold is not lower: at 4 MiB, each weight's gradient and each MLP activation of a 210M
    Hugging Face GPT-2 (12-16 MiB and 8 MiB, fresh every step) was a new mapping, and a step faulted
    in 1.2-1.6 GiB (plain PyTorch 0.07-0.19 GiB; this rule's faults are counted as small pages,
