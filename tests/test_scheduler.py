@@ -415,7 +415,10 @@ def test_a_landing_asks_the_bounds_once_past_a_tier_whose_request_slots_are_all_
         for i, dst in enumerate(destinations)
     ]
     storage.wait_pending(2)
-    time.sleep(0.05)  # every submission reached the loop: 38 moves queued behind the 2 slots
+    deadline = time.monotonic() + 10
+    while scheduler.statistics().queued["writeback"] < 38 and time.monotonic() < deadline:
+        time.sleep(0.01)  # every submission reaches the loop: 38 moves queued behind the 2 slots
+    assert scheduler.statistics().queued["writeback"] == 38
     before = asked[0]
     for _ in range(5):
         storage.release(1)  # a slot frees: one move is issued, the rest passed by
