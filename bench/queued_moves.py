@@ -64,19 +64,34 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
     return rounds
 
 
+def tensor_size(value: str) -> int:
+    """``--size``: bytes, a positive multiple of 4 KiB (what a tier reserves an object in)."""
+    from tiermem import parse_size
+
+    try:
+        nbytes = parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if nbytes <= 0 or nbytes % 4096:
+        raise argparse.ArgumentTypeError(f"{value}: a tensor's bytes must be a positive multiple of 4KiB")
+    return nbytes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--moves", type=int, default=300, help="tensors moved together (default 300)")
-    parser.add_argument("--size", default="2MiB", help="bytes of each (default 2MiB: a saved activation's)")
+    parser.add_argument(
+        "--size",
+        type=tensor_size,
+        default=2 << 20,
+        help="bytes of each, a multiple of 4KiB (default 2MiB: a saved activation's)",
+    )
     parser.add_argument("--rounds", type=int, default=6, help="rounds out and back (default 6)")
     parser.add_argument("--path", type=arguments.directory, default=None, help="where the NVMe tier's files go")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     args = parser.parse_args()
-    from tiermem import parse_size
-
-    args.size = parse_size(args.size)
-    if args.moves < 1 or args.rounds < 1 or args.size < 4:
-        parser.error("--moves and --rounds must be at least 1, --size at least 4 bytes")
+    if args.moves < 1 or args.rounds < 1:
+        parser.error("--moves and --rounds must be at least 1")
     facts = machine.facts()
     if not args.json:
         print(f"machine: {facts}")

@@ -24,8 +24,12 @@ def test_a_small_run_reports_each_rounds_cost_a_move_and_leaves_no_files(tmp_pat
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bad_counts_are_refused_at_the_command_line(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, str(BENCH), "--moves=0", f"--path={tmp_path}"], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 2 and "--moves and --rounds must be at least 1" in out.stderr
+def test_bad_counts_and_sizes_are_refused_at_the_command_line(tmp_path: Path) -> None:
+    for flag, message in [
+        ("--moves=0", "--moves and --rounds must be at least 1"),
+        ("--size=abc", "cannot read 'abc' as a size"),
+        ("--size=5", "a positive multiple of 4KiB"),
+    ]:
+        command = [sys.executable, str(BENCH), flag, f"--path={tmp_path}"]
+        out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and message in out.stderr, (flag, out.stderr)
