@@ -386,11 +386,14 @@ def decide(
     one when two leave the plan short (rule 3); a refusal is the last depth's (the least it
     needs)."""
     depths = STAGING_DEPTHS if request.staged_homes is None else (request.staged_homes,)
-    flow = (grads_stream, grads_via_host)
     for depth in depths[:-1]:
         with contextlib.suppress(StatesMemoryError):
-            return _decide(needs, chunk_size, min_buffers, budgets, request, flow, depth, recompute_buffers)
-    return _decide(needs, chunk_size, min_buffers, budgets, request, flow, depths[-1], recompute_buffers)
+            return _decide(
+                needs, chunk_size, min_buffers, budgets, request, grads_stream, depth, recompute_buffers, grads_via_host
+            )
+    return _decide(
+        needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1], recompute_buffers, grads_via_host
+    )
 
 
 def _decide(
@@ -399,13 +402,12 @@ def _decide(
     min_buffers: int,
     budgets: Budgets,
     request: PlanRequest,
-    flow: tuple[bool, bool],
+    grads_stream: bool,
     staged: int,
     recompute_buffers: int = 0,
+    via_host: bool = True,
 ) -> Plan:
-    """:func:`decide` with ``staged`` NVMe homes staged at once; ``flow``: (``grads_stream``,
-    ``grads_via_host``)."""
-    grads_stream, via_host = flow
+    """:func:`decide` with ``staged`` NVMe homes staged at once."""
     total = len(needs)
     persistent = request.persistent_chunks
     if persistent is not None and persistent > total:
