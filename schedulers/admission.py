@@ -133,16 +133,11 @@ class TierLimits:
         """Rules 3-5 for one block of ``nbytes``; ``held``: tiers a demand is waiting on.
         ``slots_ahead``/``bytes_ahead``: blocks of the same run before this one, not yet
         counted as in flight (rule 7: each block of a run is admitted as if issued alone)."""
+        if self.saturated(move, slots_ahead):
+            return False
         transfer = move.transfer
-        executor = move.executor
         priority = transfer.priority
         prefetch = priority == Priority.PREFETCH
-        if self._inflight_requests[executor.name] + slots_ahead >= executor.queue_depth:
-            return False
-        if prefetch:  # rule 4, for request slots as for bytes: the prefetches' own
-            own = self._prefetch_requests[executor.name] + slots_ahead
-            if own and own >= max(1, int(executor.queue_depth * PREFETCH_SHARE)):
-                return False
         for tier in (transfer.src.tier, transfer.dst.tier):
             if priority > Priority.DEMAND and tier.name in held:
                 return False  # rule 2: nothing of lower priority slips in ahead of a waiting demand
@@ -156,16 +151,16 @@ class TierLimits:
                     return False
         return True
 
-    def saturated(self, move: Move) -> bool:
-        """No block of ``move`` can be admitted whatever its size: its executor's request slots
-        are all taken, or, for a prefetch, the prefetches' share of them (rules 4 and 5). Until a
-        run lands this holds for every move of that executor (and priority), so one refusal for
-        this reason lets the dispatcher pass the rest of them by."""
+    def saturated(self, move: Move, slots_ahead: int = 0) -> bool:
+        """Rules 4 and 5 for request slots: no block of ``move`` can be admitted whatever its size
+        (``slots_ahead`` blocks of its run counted before it), its executor's slots being all
+        taken, or, for a prefetch, the prefetches' share of them. Until a run lands this holds
+        for every move of that executor and priority, so the dispatcher passes the rest by."""
         executor = move.executor
-        if self._inflight_requests[executor.name] >= executor.queue_depth:
+        if self._inflight_requests[executor.name] + slots_ahead >= executor.queue_depth:
             return True
-        if move.transfer.priority == Priority.PREFETCH:
-            own = self._prefetch_requests[executor.name]
+        if move.transfer.priority == Priority.PREFETCH:  # the prefetches' own slots
+            own = self._prefetch_requests[executor.name] + slots_ahead
             return bool(own) and own >= max(1, int(executor.queue_depth * PREFETCH_SHARE))
         return False
 
