@@ -16,22 +16,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 import threading
 import time
-from pathlib import Path
 
 import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folder is on sys.path
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
+import psutil
 
 
-def thread_cpu_s(thread: threading.Thread) -> float:
-    """User and system CPU seconds of one thread, from ``/proc/self/task``."""
-    stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
-    fields = stat.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def thread_cpu_s() -> dict[int, float]:
+    """User and system CPU seconds of each of this process's threads, by native id."""
+    return {t.id: t.user_time + t.system_time for t in psutil.Process().threads()}
 
 
 def run(args: argparse.Namespace) -> list[dict[str, float]]:
@@ -44,9 +41,9 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
         config = {"device": {"device": "cpu", "capacity": 2 * args.moves * args.size}, "nvme": {"paths": [nvme]}}
         with tiermem.Runtime(config) as rt:
             handles = [rt.store(torch.ones(args.size // 4), "device") for _ in range(args.moves)]
-            threads = [t for t in threading.enumerate() if t.name.startswith("tiermem")]
+            threads = {t.native_id: t.name for t in threading.enumerate() if t.name.startswith("tiermem")}
             for _ in range(args.rounds):
-                cpu = {t.name: thread_cpu_s(t) for t in threads}
+                cpu = thread_cpu_s()
                 main, wall = time.thread_time(), time.perf_counter()
                 for tier in ("nvme", "device"):
                     for handle in handles:
@@ -54,7 +51,8 @@ def run(args: argparse.Namespace) -> list[dict[str, float]]:
                     for handle in handles:
                         handle.wait()
                 moves = 2 * args.moves
-                spent = {t.name: (thread_cpu_s(t) - cpu[t.name]) * 1e6 / moves for t in threads}
+                after = thread_cpu_s()
+                spent = {name: (after[tid] - cpu[tid]) * 1e6 / moves for tid, name in threads.items()}
                 spent["calling thread"] = (time.thread_time() - main) * 1e6 / moves
                 spent["wall"] = (time.perf_counter() - wall) * 1e6 / moves
                 rounds.append(spent)
