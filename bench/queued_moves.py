@@ -5,7 +5,7 @@ A training step queues hundreds of small moves together: a block's saved activat
 as its forward ends, read back as backward nears it. Here ``--moves`` tensors of ``--size`` are
 stored on the device tier (the CPU with a byte budget), all moved to NVMe and then all back,
 ``--rounds`` times in one process; each round prints the CPU microseconds a move of every tiermem
-thread and of the calling thread (from ``/proc``), and the wall time. The first round, the
+thread and of the calling thread (psutil), and the wall time. The first round, the
 tier's first moves, runs slower (the scheduler 433-500 us a move against 183-233 after it, here),
 so the summary is the median of the rounds after it.
 

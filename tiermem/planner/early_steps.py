@@ -113,11 +113,11 @@ def staging_stall(profile: Profile, choice: StatesChoice, policies: Sequence[str
         if c not in stepping:
             continue
         need = needs[c]
-        # its read starts as its backward begins, once the write-back ``staged_homes`` early steps
-        # back has freed its slot; its parameters come from the device copy (NOTE [ Declared
-        # steps ] rule 7)
+        # its read starts as its backward begins if the write-back ``staged_homes`` early steps
+        # back has freed its slot by then; else at its step (or once the slot frees, if later),
+        # which is where the runtime next asks for it; its parameters come from the device copy
+        # (NOTE [ Declared steps ] rule 7), so only the states are read
         freed = landed[-pk.staged_homes] if len(landed) >= pk.staged_homes else 0.0
-        # a slot that frees only once the chunk's backward runs is taken at its step (rule 1)
         read_end = (entered if freed <= entered else max(clock, freed)) + (need.home_bytes - need.nbytes) / read_rate
         stall += max(0.0, read_end - clock)
         clock = max(clock, read_end) + profile.optimizer_s_per_byte * need.nbytes
