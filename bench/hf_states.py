@@ -21,8 +21,9 @@ plans) are not timed. Three by default: plain PyTorch's own steps settle only by
 raises its mmap threshold as large blocks are freed, so its early steps map and zero their
 gradients afresh: 6.4, 4.2 then 3.2 s at 210M on a 2-vCPU Intel VM, and 3.0-3.5 s after), and
 timing its second step made plain's median a second slower than its steady step. The timed
-steps run inside ``rt.trace``: each step's compute, waits by cause, busy links and the share of
-moves hidden come from ``tiermem trace summary``; the CPU seconds of each kind of thread
+steps run inside ``rt.trace``: each step's compute, waits by cause, busy links, the share of
+moves hidden and the share of each phase the disk was busy come from ``tiermem trace summary``
+(a phase whose disk is busy nearly throughout is bound by it); the CPU seconds of each kind of thread
 (training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``; and where the CPUs
 and the training thread were during the steps (``/proc/stat``, ``/proc/thread-self/schedstat``):
 the share of the machine's CPU time left idle, and the training thread's seconds a step on a CPU,
@@ -445,6 +446,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disk: dict[str, float]) -> 
                 p: statistics.median(s["phases"].get(p, 0.0) for s in steps)
                 for p in sorted({p for s in steps for p in s["phases"]})
             },
+            # per phase, the share of it some move read or wrote the disk (tiermem trace summary)
+            "disk_busy": {
+                p: statistics.median(
+                    s["storage_busy"].get(p, 0.0) / s["phases"][p] for s in steps if s["phases"].get(p)
+                )
+                for p in sorted({p for s in steps for p in s["phases"] if s["phases"][p]})
+            },
             "hidden": statistics.median(s["overlap"] for s in steps if s["overlap"] is not None)
             if any(s["overlap"] is not None for s in steps)
             else None,
@@ -481,7 +489,9 @@ def _report(summary: dict[str, Any], say: Any) -> None:
         )
         if m["compute_s"] is not None:
             waits = ", ".join(f"{c} {s:.2f}" for c, s in sorted(m["waits"].items(), key=lambda kv: -kv[1])[:4])
-            phases = ", ".join(f"{p.split()[0]} {s:.2f}" for p, s in m["phases"].items())
+            phases = ", ".join(
+                f"{p.split()[0]} {s:.2f} (disk busy {m['disk_busy'][p]:.0%})" for p, s in m["phases"].items()
+            )
             hidden = "-" if m["hidden"] is None else f"{m['hidden']:.0%}"
             say(
                 f"  where it goes (medians): compute {m['compute_s']:.2f} s + waits {m['wait_s']:.2f} s ({waits}); "

@@ -40,6 +40,7 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         assert m["rss_over_plain"] == pytest.approx(run["ru_maxrss"] / runs["plain"][0]["ru_maxrss"])
         assert len(run["where_the_time_goes"]) == args.steps  # one trace summary per timed step
         assert m["phases"].keys() >= {"forward pass", "backward pass", "optimizer.step"}
+        assert 0.0 < m["disk_busy"]["backward pass"] <= 1.0  # its homes are read and written back there
         for tier in ("device", "host"):
             assert 0 < m["tier_peaks"][tier] <= m["capacity"]
         # the CPU a step took, by thread (clock ticks: a tiny step may read 0): the training

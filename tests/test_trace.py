@@ -406,6 +406,36 @@ def test_plot_and_summary_say_what_is_wrong_in_words(
     assert tracing.RECORDER is None
 
 
+def test_a_phases_storage_busy_time_is_the_union_of_its_storage_moves(tmp_path: Path) -> None:
+    """The summary's storage busy time of a phase: the part of it in which some move read or wrote
+    storage, moves on several storage links counted once where they overlap, moves between memory
+    tiers not at all, and a move across two phases split between them."""
+
+    def span(name: str, cat: str, start_ms: float, end_ms: float, pid: int = 1, **args: object) -> dict[str, object]:
+        return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 7 if pid == 1 else 1 << 30,
+                "ts": start_ms * 1e3, "dur": (end_ms - start_ms) * 1e3, "args": args}  # fmt: skip
+
+    def move(link: str, start_ms: float, end_ms: float) -> dict[str, object]:
+        return span("chunk home", "transfer", start_ms, end_ms, pid=2, link=link, bytes=1 << 20)
+
+    events = [
+        span("step", "step", 0, 300),
+        span("forward pass", "phase", 0, 100),
+        span("backward pass", "phase", 100, 300),
+        move("nvme->device", 20, 50),
+        move("device->nvme", 40, 80),  # overlaps the read: 20-80 ms busy in forward
+        move("host->device", 85, 95),  # memory to memory: not storage
+        move("nvme->host", 90, 150),  # 90-100 in forward, 100-150 in backward
+        move("host->nvme", 200, 260),
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    (step,) = trace_report.summarize(trace_report.load(path))
+    assert step.storage_busy == pytest.approx({"forward pass": 0.070, "backward pass": 0.110})
+    assert step.as_dict()["storage_busy"] == step.storage_busy
+    assert step.phases == pytest.approx({"forward pass": 0.1, "backward pass": 0.2})
+
+
 def test_a_cut_off_trace_still_reads(tmp_path: Path) -> None:
     recorder = tracing.Recorder(tmp_path / "cut.json").start()
     try:

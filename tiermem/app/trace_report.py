@@ -15,7 +15,10 @@ ends. Within a step:
 - a **link**'s busy time is the union of the moves over it, its bandwidth the bytes those moves
   carried in the step (pro rata where a move crosses the step's edge) over that busy time;
 - the **overlap ratio** is the share of the time any link was busy that no wait covered: moves
-  hidden behind compute (1.0: every move overlapped).
+  hidden behind compute (1.0: every move overlapped);
+- a phase's **storage busy** time is the part of it in which some move read or wrote storage (a
+  link with an ``nvme`` end): where it nears the phase's length, the disk bounds that phase, and
+  only moving bytes out of it (or fewer bytes) makes it shorter.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = ["StepSummary", "Trace", "load", "plot", "summarize"]
 Interval = tuple[float, float]
 #: Span kinds that say a thread runs the training step (its waits stall the step).
 _STEP_WORK = frozenset({"step", "phase", "forward", "backward", "optimizer"})
+#: The storage tier, as links name it (``"nvme->host"``).
+_STORAGE = "nvme"
 
 
 @dataclass
@@ -144,6 +149,8 @@ class StepSummary:
     phases: dict[str, float] = field(default_factory=dict)
     links: dict[str, LinkSummary] = field(default_factory=dict)
     overlap: float | None = None  # None: no link was busy
+    #: per phase (as ``phases``), the seconds some move to or from storage was in flight in it
+    storage_busy: dict[str, float] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -175,6 +182,7 @@ class StepSummary:
                 for name, link in self.links.items()
             },
             "overlap": self.overlap,
+            "storage_busy": dict(self.storage_busy),
         }
 
 
@@ -243,11 +251,8 @@ def summarize(trace: Trace) -> list[StepSummary]:
             if clipped:
                 step.waits[cause] = step.waits.get(cause, 0.0) + _length(clipped)
                 wait_spans += clipped
-        for name, start, end in phases:
-            inside = _clip([(start, end)], lo, hi)
-            if inside:
-                step.phases[name] = step.phases.get(name, 0.0) + _length(inside)
         busy_all: list[Interval] = []
+        storage: list[Interval] = []
         for link, events in sorted(by_link.items()):
             spans, carried = [], 0.0
             for event in events:
@@ -262,6 +267,13 @@ def summarize(trace: Trace) -> list[StepSummary]:
                 busy = _union(spans)
                 step.links[link] = LinkSummary(_length(busy), carried)
                 busy_all += busy
+                if _STORAGE in link.split("->"):
+                    storage += busy
+        storage = _union(storage)
+        for name, start, end in phases:
+            for p_lo, p_hi in _clip([(start, end)], lo, hi):
+                step.phases[name] = step.phases.get(name, 0.0) + (p_hi - p_lo)
+                step.storage_busy[name] = step.storage_busy.get(name, 0.0) + _length(_clip(storage, p_lo, p_hi))
         moving = _union(busy_all)
         if _length(moving) > 0:
             step.overlap = _minus(moving, _union(wait_spans)) / _length(moving)

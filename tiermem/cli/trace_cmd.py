@@ -90,6 +90,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f}ms"
 
 
+def _phase(step: Any, name: str, seconds: float) -> str:
+    """A phase's time, and the share of it that storage was busy (when it was at all)."""
+    busy = step.storage_busy.get(name, 0.0)
+    return f"{name} {_ms(seconds)}" + (f" (storage busy {busy / seconds:.0%})" if busy and seconds else "")
+
+
 def _print_summary(steps: list[Any], trace: Any) -> None:
     if not steps:
         print("no steps in this trace (no step or optimizer-step spans)")
@@ -101,7 +107,7 @@ def _print_summary(steps: list[Any], trace: Any) -> None:
             f"  overlap {overlap}"
         )
         if step.phases:
-            print("  phases: " + ", ".join(f"{name} {_ms(s)}" for name, s in step.phases.items()))
+            print("  phases: " + ", ".join(_phase(step, name, s) for name, s in step.phases.items()))
         if waits:
             print(f"  waits: {waits}")
         for name, link in sorted(step.links.items()):
