@@ -73,6 +73,14 @@
    of them (4,226-4,235 MiB a step instead of 4,969-4,988). On the tests' small GPT, whose
    steps are short beside its backward, 3-5 of 25 chunks a window still read theirs back (the
    stash's two slots taken), 16-18 beside two busy loops.
+   Tried, not kept: moving the device buffer itself to the host on its way, so that its device
+   bytes go as soon as they landed there and the write to NVMe reads the host bytes (after the
+   step; or at once, the host block kept until the step ended). On the 210M HF GPT-2 plain loop
+   (``bench/hf_states.py --worker undeclared``, 3 alternated pairs each) the host, which the
+   shadows and these copies share at 10%, held each block longer: shadows and copies then waited
+   for host room (up to 1.0 s a step), gradients that found no slot still went from the device and
+   were waited for, and the steps ran 4.48 / 4.73 / 4.40 s against 4.36 / 4.66 / 4.33 (written
+   after the step) and 5.59 / 5.27 / 5.19 s against 5.15 / 5.34 / 4.77 (written at once).
 """
 
 from __future__ import annotations
