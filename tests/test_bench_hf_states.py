@@ -6,6 +6,8 @@ disk. No timing asserts (speed goals live in bench/, never in timed tests)."""
 from __future__ import annotations
 
 import argparse
+import copy
+import statistics
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -28,7 +30,7 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
     runs = {mode: [hf_states.run_mode(mode, args)] for mode in hf_states.MODES}
     assert list(tmp_path.iterdir()) == []  # the trace files went with the runs
     disk = {"read": 1e9, "write": 5e8}
-    summary = hf_states.summarize(runs, disk)
+    summary = hf_states.summarize(runs, [disk])
     assert summary["losses_bitwise_equal"] is True
     plain = summary["modes"]["plain"]
     for mode in ("declared", "undeclared"):
@@ -66,6 +68,29 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
             spent = figures["on_cpu_s"] + figures["ready_s"] + figures["asleep_s"]
             assert figures["wall_s"] - 1e-6 <= spent <= figures["wall_s"] + figures["reading_s"] + 1e-6
         assert 0 < sum(f["wall_s"] for f in phases.values()) <= sum(run["step_s"]) / args.steps
+    # each round against its own floor: a second round on a disk so slow that it, not plain
+    # PyTorch's step (as before), is the floor, and each mode's step 1.5x as long
+    fast, slow = {"read": 1e15, "write": 1e15}, {"read": 1e4, "write": 5e3}
+    again = {
+        mode: [*rs, {**copy.deepcopy(rs[0]), "step_s": [t * 1.5 for t in rs[0]["step_s"]]}] for mode, rs in runs.items()
+    }
+    again["plain"][1]["step_s"] = runs["plain"][0]["step_s"]
+    two = hf_states.summarize(again, [fast, slow])
+    for mode in ("declared", "undeclared"):
+        m, run = two["modes"][mode], runs[mode][0]
+        floors = [
+            max(
+                statistics.median(runs["plain"][0]["step_s"]),
+                run["nvme_read"] / d["read"] + run["nvme_written"] / d["write"],
+            )
+            for d in (fast, slow)
+        ]
+        ratios = [statistics.median(run["step_s"]) * k / f for k, f in zip((1.0, 1.5), floors, strict=True)]
+        assert floors[0] == statistics.median(runs["plain"][0]["step_s"]) < floors[1]  # plain's, then the disk's
+        assert [r["floor_s"] for r in m["rounds"]] == pytest.approx(floors)
+        assert [r["step_over_floor"] for r in m["rounds"]] == pytest.approx(ratios)
+        assert m["step_over_floor"] == pytest.approx(statistics.median(ratios))
+    assert two["disk_bytes_per_s"] == [fast, slow]
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
-        hf_states.summarize(runs, disk)
+        hf_states.summarize(runs, [disk])
