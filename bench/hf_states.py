@@ -35,9 +35,9 @@ barely sleeps, and every second it sleeps in a parallel region its OpenMP partne
 The floor is max(plain PyTorch's step, the disk time of the mode's NVMe bytes per step at the
 read and write bandwidth ``tiermem bench io`` measures on ``--path``), each round against its own:
 plain PyTorch's step in that round and a ``tiermem bench io`` run just before it. A shared VM's
-disk drifts more than the goals' margins within a run (the same path read 2,407 MiB/s, then
-1,464-1,749 a quarter of an hour later), so a floor measured once would judge later rounds against
-a disk they did not have, either way. A mode's ratio is the median of its rounds'. Goals: declared
+disk drifts more than the goals' margins within a run (``tiermem bench io`` before one run's three
+rounds read 2,452, 1,977 and 1,692 MiB/s), so a floor measured once would judge later rounds
+against a disk they did not have, either way. A mode's ratio is the median of its rounds'. Goals: declared
 <= 1.25x the floor, undeclared <= 1.35x, ``ru_maxrss`` <= 0.45x plain's; the losses of every
 process bitwise equal (the run fails otherwise).
 
