@@ -37,9 +37,9 @@ read and write bandwidth ``tiermem bench io`` measures on ``--path``), each roun
 plain PyTorch's step in that round and a ``tiermem bench io`` run just before it. A shared VM's
 disk drifts more than the goals' margins within a run (``tiermem bench io`` before one run's three
 rounds read 2,452, 1,977 and 1,692 MiB/s), so a floor measured once would judge later rounds
-against a disk they did not have, either way. A mode's ratio is the median of its rounds'. Goals: declared
-<= 1.25x the floor, undeclared <= 1.35x, ``ru_maxrss`` <= 0.45x plain's; the losses of every
-process bitwise equal (the run fails otherwise).
+against a disk they did not have, either way. A mode's ratio is the median of its rounds'.
+Goals: declared <= 1.25x the floor, undeclared <= 1.35x, ``ru_maxrss`` <= 0.45x plain's; the
+losses of every process bitwise equal (the run fails otherwise).
 
     .venv/bin/python bench/hf_states.py                                   # 210M, 3 rounds
     .venv/bin/python bench/hf_states.py --size tiny --rounds 1 --steps 2 --io-size 64MiB  # smoke
@@ -508,7 +508,7 @@ def _report(summary: dict[str, Any], say: Any) -> None:
         if m["compute_s"] is not None:
             waits = ", ".join(f"{c} {s:.2f}" for c, s in sorted(m["waits"].items(), key=lambda kv: -kv[1])[:4])
             phases = ", ".join(
-                f"{p.split()[0]} {s:.2f} (disk busy {m['disk_busy'][p]:.0%})" for p, s in m["phases"].items()
+                f"{p.split()[0]} {s:.2f} (disk busy {m['disk_busy'].get(p, 0.0):.0%})" for p, s in m["phases"].items()
             )
             hidden = "-" if m["hidden"] is None else f"{m['hidden']:.0%}"
             say(
