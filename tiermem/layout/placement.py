@@ -386,14 +386,16 @@ def decide(
     one when two leave the plan short (rule 3); a refusal is the last depth's (the least it
     needs)."""
     depths = STAGING_DEPTHS if request.staged_homes is None else (request.staged_homes,)
+
+    def at(depth: int) -> Plan:
+        return _decide(
+            needs, chunk_size, min_buffers, budgets, request, depth, recompute_buffers, grads_stream, grads_via_host
+        )
+
     for depth in depths[:-1]:
         with contextlib.suppress(StatesMemoryError):
-            return _decide(
-                needs, chunk_size, min_buffers, budgets, request, grads_stream, depth, recompute_buffers, grads_via_host
-            )
-    return _decide(
-        needs, chunk_size, min_buffers, budgets, request, grads_stream, depths[-1], recompute_buffers, grads_via_host
-    )
+            return at(depth)
+    return at(depths[-1])
 
 
 def _decide(
@@ -402,10 +404,10 @@ def _decide(
     min_buffers: int,
     budgets: Budgets,
     request: PlanRequest,
-    grads_stream: bool,
     staged: int,
-    recompute_buffers: int = 0,
-    via_host: bool = True,
+    recompute_buffers: int,
+    grads_stream: bool,
+    via_host: bool,
 ) -> Plan:
     """:func:`decide` with ``staged`` NVMe homes staged at once."""
     total = len(needs)
