@@ -33,11 +33,12 @@ than plain PyTorch while no move is waited for shows it there: plain PyTorch's t
 barely sleeps, and every second it sleeps in a parallel region its OpenMP partner idles too.
 
 The floor is max(plain PyTorch's step, the disk time of the mode's NVMe bytes per step at the
-read and write bandwidth ``tiermem bench io`` measures on ``--path``), each round against its own:
-plain PyTorch's step in that round and a ``tiermem bench io`` run just before it. A shared VM's
-disk drifts more than the goals' margins within a run (``tiermem bench io`` before one run's three
-rounds read 2,452, 1,977 and 1,692 MiB/s), so a floor measured once would judge later rounds
-against a disk they did not have, either way. A mode's ratio is the median of its rounds'.
+read and write bandwidth ``tiermem bench io`` measures on ``--path``), each process against its own:
+plain PyTorch's step in that round, and the mean of a ``tiermem bench io`` run just before the
+process and one just after it. A shared VM's disk drifts more than the goals' margins within a run
+(``tiermem bench io`` before one run's three rounds read 2,452, 1,977 and 1,692 MiB/s; fio's reads
+30 s apart 1,355 and 1,796 MiB/s), so a floor measured once, or once a round, judges a process
+against a disk it did not have, either way. A mode's ratio is the median of its rounds'.
 Goals: declared <= 1.25x the floor, undeclared <= 1.35x, ``ru_maxrss`` <= 0.45x plain's; the
 losses of every process bitwise equal (the run fails otherwise).
 
@@ -369,6 +370,17 @@ def _run(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_on_measured_disk(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]:
+    """A tiermem mode's process between two ``tiermem bench io`` runs on its path; ``disk``: their
+    mean read and write bytes/s, the disk it had (the floor, see above), ``disks``: both runs."""
+    before = measure_disk(args.path, args.io_size)
+    result = _run(mode, args, cache_home)
+    after = measure_disk(args.path, args.io_size)
+    result["disk"] = {op: (before[op] + after[op]) / 2 for op in ("read", "write")}
+    result["disks"] = [before, after]
+    return result
+
+
 def _passed(args: argparse.Namespace) -> list[str]:
     names = ("size", "steps", "warmup", "fraction", "threads", "path")
     return [f"--{name}={getattr(args, name)}" for name in names]
@@ -398,9 +410,10 @@ def _median_phases(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return medians
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], disks: list[dict[str, float]]) -> dict[str, Any]:
+def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Medians per mode against the floor and plain PyTorch's RSS; refuses runs whose losses differ.
-    ``runs[mode][i]`` ran in round ``i``, after ``tiermem bench io`` measured ``disks[i]``."""
+    ``runs[mode][i]`` ran in round ``i``; a tiermem mode's run holds the disk it had (``disk``:
+    :func:`run_on_measured_disk`)."""
     reference = runs["plain"][0]["losses"]
     for mode, mode_runs in runs.items():
         for r in mode_runs:
@@ -426,9 +439,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disks: list[dict[str, float
         step_s = statistics.median(t for r in mode_runs for t in r["step_s"])
         read = statistics.median(r["nvme_read"] for r in mode_runs)
         written = statistics.median(r["nvme_written"] for r in mode_runs)
-        rounds = [
-            _against_floor(r, plain, disk) for r, plain, disk in zip(mode_runs, runs["plain"], disks, strict=True)
-        ]
+        rounds = [_against_floor(r, plain, r["disk"]) for r, plain in zip(mode_runs, runs["plain"], strict=True)]
         steps = [s for r in mode_runs for s in r["where_the_time_goes"]]
         causes = sorted({cause for s in steps for cause in s["waits"]})
         rss = statistics.median(r["ru_maxrss"] for r in mode_runs)
@@ -471,11 +482,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]], disks: list[dict[str, float
             "tier_peaks": mode_runs[-1]["tier_peaks"],
             "capacity": mode_runs[-1]["capacity"],
         }
+    disks = {mode: [r["disk"] for r in runs[mode]] for mode in MODES[1:]}
     return {"disk_bytes_per_s": disks, "modes": modes, "losses_bitwise_equal": True}
 
 
 def _against_floor(run: dict[str, Any], plain: dict[str, Any], disk: dict[str, float]) -> dict[str, float]:
-    """One round of a mode against its floor: that round's plain PyTorch step and disk."""
+    """One round of a mode against its floor: that round's plain PyTorch step, and the disk the
+    mode's process had."""
     step_s, plain_s = statistics.median(run["step_s"]), statistics.median(plain["step_s"])
     disk_s = run["nvme_read"] / disk["read"] + run["nvme_written"] / disk["write"]
     floor = max(plain_s, disk_s)
@@ -484,13 +497,14 @@ def _against_floor(run: dict[str, Any], plain: dict[str, Any], disk: dict[str, f
 
 def _report(summary: dict[str, Any], say: Any) -> None:
     mib = 2**20
-    disks = summary["disk_bytes_per_s"]
     modes = summary["modes"]
     plain = modes["plain"]
-    reads = " / ".join(f"{d['read'] / mib:.0f}" for d in disks)
-    writes = " / ".join(f"{d['write'] / mib:.0f}" for d in disks)
+    for mode, disks in summary["disk_bytes_per_s"].items():
+        reads = " / ".join(f"{d['read'] / mib:.0f}" for d in disks)
+        writes = " / ".join(f"{d['write'] / mib:.0f}" for d in disks)
+        say(f"bench io around each {mode} process (mean of before and after): read {reads} MiB/s, write {writes} MiB/s")
     say(
-        f"bench io before each round: read {reads} MiB/s, write {writes} MiB/s; plain PyTorch "
+        "plain PyTorch "
         f"{plain['step_s']:.2f} s a step ({plain['cpu_s']:.1f} CPU s: {_threads(plain)}), ru_maxrss "
         f"{plain['ru_maxrss'] / mib:.0f} MiB, {plain['fault_mib']:.0f} MiB of pages faulted in a step; "
         f"{_schedule(plain)}"
@@ -579,12 +593,10 @@ def main() -> int:
     facts = machine.facts()
     say(f"machine: {facts}")
     runs: dict[str, list[dict[str, Any]]] = {m: [] for m in MODES}
-    disks: list[dict[str, float]] = []
     try:
         for round_ in range(args.rounds):
-            disks.append(measure_disk(args.path, args.io_size))  # the floor of this round (see above)
             for mode in MODES if round_ % 2 == 0 else MODES[::-1]:
-                r = _run(mode, args, cache_home)
+                r = _run(mode, args, cache_home) if mode == "plain" else run_on_measured_disk(mode, args, cache_home)
                 runs[mode].append(r)
                 say(
                     f"round {round_ + 1} {mode}: first step {r['first_step_s']:.1f} s, steps "
@@ -594,7 +606,7 @@ def main() -> int:
         shutil.rmtree(args.path, ignore_errors=True)
         shutil.rmtree(cache_home, ignore_errors=True)
     summary = {"machine": facts, "settings": {k: v for k, v in vars(args).items() if k != "worker"}}
-    summary.update(summarize(runs, disks))
+    summary.update(summarize(runs))
     if args.json:
         print(json.dumps(summary, indent=2))
     else:

@@ -30,7 +30,9 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
     runs = {mode: [hf_states.run_mode(mode, args)] for mode in hf_states.MODES}
     assert list(tmp_path.iterdir()) == []  # the trace files went with the runs
     disk = {"read": 1e9, "write": 5e8}
-    summary = hf_states.summarize(runs, [disk])
+    for mode in ("declared", "undeclared"):
+        runs[mode][0]["disk"] = disk  # as run_on_measured_disk leaves it
+    summary = hf_states.summarize(runs)
     assert summary["losses_bitwise_equal"] is True
     plain = summary["modes"]["plain"]
     for mode in ("declared", "undeclared"):
@@ -68,14 +70,16 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
             spent = figures["on_cpu_s"] + figures["ready_s"] + figures["asleep_s"]
             assert figures["wall_s"] - 1e-6 <= spent <= figures["wall_s"] + figures["reading_s"] + 1e-6
         assert 0 < sum(f["wall_s"] for f in phases.values()) <= sum(run["step_s"]) / args.steps
-    # each round against its own floor: a second round on a disk so slow that it, not plain
+    # each process against the disk it had: a second round on a disk so slow that it, not plain
     # PyTorch's step (as before), is the floor, and each mode's step 1.5x as long
     fast, slow = {"read": 1e15, "write": 1e15}, {"read": 1e4, "write": 5e3}
     again = {
         mode: [*rs, {**copy.deepcopy(rs[0]), "step_s": [t * 1.5 for t in rs[0]["step_s"]]}] for mode, rs in runs.items()
     }
     again["plain"][1]["step_s"] = runs["plain"][0]["step_s"]
-    two = hf_states.summarize(again, [fast, slow])
+    for mode in ("declared", "undeclared"):
+        again[mode][0]["disk"], again[mode][1]["disk"] = fast, slow
+    two = hf_states.summarize(again)
     for mode in ("declared", "undeclared"):
         m, run = two["modes"][mode], runs[mode][0]
         floors = [
@@ -90,7 +94,30 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         assert [r["floor_s"] for r in m["rounds"]] == pytest.approx(floors)
         assert [r["step_over_floor"] for r in m["rounds"]] == pytest.approx(ratios)
         assert m["step_over_floor"] == pytest.approx(statistics.median(ratios))
-    assert two["disk_bytes_per_s"] == [fast, slow]
+    assert two["disk_bytes_per_s"] == {"declared": [fast, slow], "undeclared": [fast, slow]}
     runs["undeclared"][0]["losses"] = [x + 1.0 for x in runs["undeclared"][0]["losses"]]
     with pytest.raises(SystemExit, match="undeclared losses"):
-        hf_states.summarize(runs, [disk])
+        hf_states.summarize(runs)
+
+
+def test_a_tiermem_process_runs_between_two_disk_measurements_and_has_their_mean(
+    hf_states: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    rates = iter([{"read": 1e9, "write": 4e9}, {"read": 3e9, "write": 2e9}])
+
+    def measure(path: str, size: str) -> dict[str, float]:
+        events.append(f"bench io {path} {size}")
+        return next(rates)
+
+    def run(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, object]:
+        events.append(f"{mode} in {cache_home}")
+        return {"mode": mode}
+
+    monkeypatch.setattr(hf_states, "measure_disk", measure)
+    monkeypatch.setattr(hf_states, "_run", run)
+    args = argparse.Namespace(path="/p", io_size="1GiB")
+    result = hf_states.run_on_measured_disk("declared", args, "/cache")
+    assert events == ["bench io /p 1GiB", "declared in /cache", "bench io /p 1GiB"]
+    assert result["disk"] == {"read": 2e9, "write": 3e9}
+    assert result["disks"] == [{"read": 1e9, "write": 4e9}, {"read": 3e9, "write": 2e9}]
