@@ -66,7 +66,7 @@ import arguments  # bench/arguments.py: run as `python bench/NAME.py`, the folde
 import first_step
 import machine  # bench/machine.py: run as `python bench/NAME.py`, the folder is on sys.path
 from first_step import STATE_BYTES_PER_PARAM, hf_gpt2
-from states_headline import measure_disk, nvme_moved
+from states_headline import disk_around, nvme_moved
 
 #: the sizes of bench/first_step.py (the same models), and one for a smoke run
 SIZES: dict[str, dict[str, int]] = {
@@ -371,13 +371,10 @@ def _run(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]
 
 
 def run_on_measured_disk(mode: str, args: argparse.Namespace, cache_home: str) -> dict[str, Any]:
-    """A tiermem mode's process between two ``tiermem bench io`` runs on its path; ``disk``: their
-    mean read and write bytes/s, the disk it had (the floor, see above), ``disks``: both runs."""
-    before = measure_disk(args.path, args.io_size)
-    result = _run(mode, args, cache_home)
-    after = measure_disk(args.path, args.io_size)
-    result["disk"] = {op: (before[op] + after[op]) / 2 for op in ("read", "write")}
-    result["disks"] = [before, after]
+    """A tiermem mode's process between two ``tiermem bench io`` runs on its path; ``disk``: the
+    disk it had, their mean read and write bytes/s (the floor, see above), and both runs."""
+    result, result_disk = disk_around(args.path, args.io_size, lambda: _run(mode, args, cache_home))
+    result["disk"] = result_disk
     return result
 
 

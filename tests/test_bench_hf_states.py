@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import copy
 import statistics
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -114,10 +115,14 @@ def test_a_tiermem_process_runs_between_two_disk_measurements_and_has_their_mean
         events.append(f"{mode} in {cache_home}")
         return {"mode": mode}
 
-    monkeypatch.setattr(hf_states, "measure_disk", measure)
+    monkeypatch.setattr(sys.modules["states_headline"], "measure_disk", measure)  # what disk_around calls
     monkeypatch.setattr(hf_states, "_run", run)
     args = argparse.Namespace(path="/p", io_size="1GiB")
     result = hf_states.run_on_measured_disk("declared", args, "/cache")
     assert events == ["bench io /p 1GiB", "declared in /cache", "bench io /p 1GiB"]
-    assert result["disk"] == {"read": 2e9, "write": 3e9}
-    assert result["disks"] == [{"read": 1e9, "write": 4e9}, {"read": 3e9, "write": 2e9}]
+    assert result["mode"] == "declared"
+    assert result["disk"] == {
+        "read": 2e9,
+        "write": 3e9,
+        "runs": [{"read": 1e9, "write": 4e9}, {"read": 3e9, "write": 2e9}],
+    }
