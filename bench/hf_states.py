@@ -22,8 +22,10 @@ raises its mmap threshold as large blocks are freed, so its early steps map and 
 gradients afresh: 6.4, 4.2 then 3.2 s at 210M on a 2-vCPU Intel VM, and 3.0-3.5 s after), and
 timing its second step made plain's median a second slower than its steady step. The timed
 steps run inside ``rt.trace``: each step's compute, waits by cause, busy links, the share of
-moves hidden and the share of each phase the disk was busy come from ``tiermem trace summary``
-(a phase whose disk is busy nearly throughout is bound by it); the CPU seconds of each kind of thread
+moves hidden, the share of each phase the disk was busy and the bytes it moved come from
+``tiermem trace summary`` (a phase whose disk is busy nearly throughout is bound by it; the disk
+time of its bytes at the rates measured around the process, against its length, says whether the
+busy disk ran at that speed); the CPU seconds of each kind of thread
 (training, the step thread, the I/O pools, OpenMP's workers) from ``/proc``; and where the CPUs
 and the training thread were during the steps (``/proc/stat``, ``/proc/thread-self/schedstat``):
 the share of the machine's CPU time left idle, and the training thread's seconds a step on a CPU,
@@ -468,6 +470,9 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 )
                 for p in sorted({p for s in steps for p in s["phases"] if s["phases"][p]})
             },
+            # per phase, the disk time of the bytes it moved (at the rates of the disk its process
+            # had) over its length: near its disk busy share, the disk ran at its measured speed
+            "disk_time_share": _disk_time_share(mode_runs),
             "hidden": statistics.median(s["overlap"] for s in steps if s["overlap"] is not None)
             if any(s["overlap"] is not None for s in steps)
             else None,
@@ -481,6 +486,21 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         }
     disks = {mode: [r["disk"] for r in runs[mode]] for mode in MODES[1:]}
     return {"disk_bytes_per_s": disks, "modes": modes, "losses_bitwise_equal": True}
+
+
+def _disk_time_share(mode_runs: list[dict[str, Any]]) -> dict[str, float]:
+    """Per phase, the median over the timed steps of the disk time of the storage bytes the phase
+    moved, at the read and write rates of the disk its process had, over the phase's length."""
+    shares: dict[str, list[float]] = {}
+    for run in mode_runs:
+        disk = run["disk"]
+        for step in run["where_the_time_goes"]:
+            for phase, seconds in step["phases"].items():
+                if seconds:
+                    disk_s = step["storage_read"].get(phase, 0) / disk["read"]
+                    disk_s += step["storage_written"].get(phase, 0) / disk["write"]
+                    shares.setdefault(phase, []).append(disk_s / seconds)
+    return {phase: statistics.median(values) for phase, values in sorted(shares.items())}
 
 
 def _against_floor(run: dict[str, Any], plain: dict[str, Any], disk: dict[str, float]) -> dict[str, float]:
@@ -519,7 +539,9 @@ def _report(summary: dict[str, Any], say: Any) -> None:
         if m["compute_s"] is not None:
             waits = ", ".join(f"{c} {s:.2f}" for c, s in sorted(m["waits"].items(), key=lambda kv: -kv[1])[:4])
             phases = ", ".join(
-                f"{p.split()[0]} {s:.2f} (disk busy {m['disk_busy'].get(p, 0.0):.0%})" for p, s in m["phases"].items()
+                f"{p.split()[0]} {s:.2f} (disk busy {m['disk_busy'].get(p, 0.0):.0%}, its bytes' disk time "
+                f"{m['disk_time_share'].get(p, 0.0):.0%})"
+                for p, s in m["phases"].items()
             )
             hidden = "-" if m["hidden"] is None else f"{m['hidden']:.0%}"
             say(

@@ -46,6 +46,14 @@ def test_every_mode_trains_the_same_losses_and_the_summary_states_the_floor(
         assert len(run["where_the_time_goes"]) == args.steps  # one trace summary per timed step
         assert m["phases"].keys() >= {"forward pass", "backward pass", "optimizer.step"}
         assert 0.0 < m["disk_busy"]["backward pass"] <= 1.0  # its homes are read and written back there
+        # the disk time of each phase's bytes at the disk the process had, over the phase
+        shares = [
+            (s["storage_read"]["backward pass"] / 1e9 + s["storage_written"]["backward pass"] / 5e8)
+            / s["phases"]["backward pass"]
+            for s in run["where_the_time_goes"]
+        ]
+        assert shares[0] > 0
+        assert m["disk_time_share"]["backward pass"] == pytest.approx(statistics.median(shares))
         for tier in ("device", "host"):
             assert 0 < m["tier_peaks"][tier] <= m["capacity"]
         # the CPU a step took, by thread (clock ticks: a tiny step may read 0): the training

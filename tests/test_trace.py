@@ -409,7 +409,8 @@ def test_plot_and_summary_say_what_is_wrong_in_words(
 def test_a_phases_storage_busy_time_is_the_union_of_its_storage_moves(tmp_path: Path) -> None:
     """The summary's storage busy time of a phase: the part of it in which some move read or wrote
     storage, moves on several storage links counted once where they overlap, moves between memory
-    tiers not at all, and a move across two phases split between them."""
+    tiers not at all, and a move across two phases split between them; its storage bytes, read and
+    written, the same way (a move across two phases pro rata)."""
 
     def span(name: str, cat: str, start_ms: float, end_ms: float, pid: int = 1, **args: object) -> dict[str, object]:
         return {"name": name, "cat": cat, "ph": "X", "pid": pid, "tid": 7 if pid == 1 else 1 << 30,
@@ -434,6 +435,10 @@ def test_a_phases_storage_busy_time_is_the_union_of_its_storage_moves(tmp_path: 
     assert step.storage_busy == pytest.approx({"forward pass": 0.070, "backward pass": 0.110})
     assert step.as_dict()["storage_busy"] == step.storage_busy
     assert step.phases == pytest.approx({"forward pass": 0.1, "backward pass": 0.2})
+    mib = 1 << 20  # each move's bytes: the read across the phases is 1/6 in forward, 5/6 in backward
+    assert step.storage_read == pytest.approx({"forward pass": mib + mib / 6, "backward pass": 5 * mib / 6})
+    assert step.storage_written == pytest.approx({"forward pass": mib, "backward pass": mib})
+    assert step.as_dict()["storage_written"] == {"forward pass": mib, "backward pass": mib}
 
 
 def test_a_cut_off_trace_still_reads(tmp_path: Path) -> None:

@@ -18,7 +18,10 @@ ends. Within a step:
   hidden behind compute (1.0: every move overlapped);
 - a phase's **storage busy** time is the part of it in which some move read or wrote storage (a
   link with an ``nvme`` end): where it nears the phase's length, the disk bounds that phase, and
-  only moving bytes out of it (or fewer bytes) makes it shorter.
+  only moving bytes out of it (or fewer bytes) makes it shorter;
+- a phase's **storage bytes** are the bytes read from and written to storage in it (pro rata where
+  a move crosses the phase's edge): at the disk's measured rates, their disk time against the
+  phase's length says how near the disk's own speed a busy disk ran.
 """
 
 from __future__ import annotations
@@ -151,6 +154,9 @@ class StepSummary:
     overlap: float | None = None  # None: no link was busy
     #: per phase (as ``phases``), the seconds some move to or from storage was in flight in it
     storage_busy: dict[str, float] = field(default_factory=dict)
+    #: per phase, the bytes read from storage and written to it in the phase
+    storage_read: dict[str, float] = field(default_factory=dict)
+    storage_written: dict[str, float] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -183,6 +189,8 @@ class StepSummary:
             },
             "overlap": self.overlap,
             "storage_busy": dict(self.storage_busy),
+            "storage_read": {name: round(b) for name, b in self.storage_read.items()},
+            "storage_written": {name: round(b) for name, b in self.storage_written.items()},
         }
 
 
@@ -242,6 +250,12 @@ def summarize(trace: Trace) -> list[StepSummary]:
     by_link: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in trace.transfers:
         by_link[event["args"]["link"]].append(event)
+    storage_moves = [
+        (event["ts"], _end(event), event["args"]["bytes"], link.startswith(_STORAGE + "->"))
+        for link, events in by_link.items()
+        if _STORAGE in link.split("->")
+        for event in events
+    ]
     out = []
     for index, (lo, hi) in enumerate(step_intervals(trace), start=1):
         step = StepSummary(index, lo, hi)
@@ -274,11 +288,30 @@ def summarize(trace: Trace) -> list[StepSummary]:
             for p_lo, p_hi in _clip([(start, end)], lo, hi):
                 step.phases[name] = step.phases.get(name, 0.0) + (p_hi - p_lo)
                 step.storage_busy[name] = step.storage_busy.get(name, 0.0) + _length(_clip(storage, p_lo, p_hi))
+                read, written = _storage_bytes(storage_moves, p_lo, p_hi)
+                step.storage_read[name] = step.storage_read.get(name, 0.0) + read
+                step.storage_written[name] = step.storage_written.get(name, 0.0) + written
         moving = _union(busy_all)
         if _length(moving) > 0:
             step.overlap = _minus(moving, _union(wait_spans)) / _length(moving)
         out.append(step)
     return out
+
+
+def _storage_bytes(moves: list[tuple[float, float, int, bool]], lo: float, hi: float) -> tuple[float, float]:
+    """Bytes read from and written to storage in [lo, hi): each move's ``(start, end, bytes,
+    read)`` pro rata to the part of it inside, an instant move where it happened."""
+    read = written = 0.0
+    for start, end, nbytes, is_read in moves:
+        if end == start:
+            share = 1.0 if lo <= start < hi else 0.0
+        else:
+            share = _length(_clip([(start, end)], lo, hi)) / (end - start)
+        if is_read:
+            read += nbytes * share
+        else:
+            written += nbytes * share
+    return read, written
 
 
 # -- the picture ------------------------------------------------------------------------------------

@@ -91,9 +91,16 @@ def _ms(seconds: float) -> str:
 
 
 def _phase(step: Any, name: str, seconds: float) -> str:
-    """A phase's time, and the share of it that storage was busy (when it was at all)."""
+    """A phase's time, and the share of it that storage was busy with the bytes it moved (when it
+    was at all)."""
     busy = step.storage_busy.get(name, 0.0)
-    return f"{name} {_ms(seconds)}" + (f" (storage busy {busy / seconds:.0%})" if busy and seconds else "")
+    if not busy or not seconds:
+        return f"{name} {_ms(seconds)}"
+    read, written = step.storage_read.get(name, 0.0), step.storage_written.get(name, 0.0)
+    return (
+        f"{name} {_ms(seconds)} (storage busy {busy / seconds:.0%}: "
+        f"{format_size(round(read))} read, {format_size(round(written))} written)"
+    )
 
 
 def _print_summary(steps: list[Any], trace: Any) -> None:
