@@ -250,12 +250,6 @@ def summarize(trace: Trace) -> list[StepSummary]:
     by_link: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for event in trace.transfers:
         by_link[event["args"]["link"]].append(event)
-    storage_moves = [
-        (event["ts"], _end(event), event["args"]["bytes"], link.startswith(_STORAGE + "->"))
-        for link, events in by_link.items()
-        if _STORAGE in link.split("->")
-        for event in events
-    ]
     out = []
     for index, (lo, hi) in enumerate(step_intervals(trace), start=1):
         step = StepSummary(index, lo, hi)
@@ -267,8 +261,10 @@ def summarize(trace: Trace) -> list[StepSummary]:
                 wait_spans += clipped
         busy_all: list[Interval] = []
         storage: list[Interval] = []
+        storage_moves: list[tuple[float, float, int, bool]] = []  # this step's: (start, end, bytes, read)
         for link, events in sorted(by_link.items()):
             spans, carried = [], 0.0
+            on_storage, reads = _STORAGE in link.split("->"), link.startswith(_STORAGE + "->")
             for event in events:
                 start, end = event["ts"], _end(event)
                 inside = _clip([(start, end)], lo, hi)
@@ -277,11 +273,13 @@ def summarize(trace: Trace) -> list[StepSummary]:
                 share = 1.0 if end == start else _length(inside) / (end - start)
                 carried += event["args"]["bytes"] * share
                 spans += inside
+                if on_storage:
+                    storage_moves.append((start, end, event["args"]["bytes"], reads))
             if spans or carried:
                 busy = _union(spans)
                 step.links[link] = LinkSummary(_length(busy), carried)
                 busy_all += busy
-                if _STORAGE in link.split("->"):
+                if on_storage:
                     storage += busy
         storage = _union(storage)
         for name, start, end in phases:
