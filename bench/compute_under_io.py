@@ -25,6 +25,7 @@ process's timed steps shows where the lost time went. No goal: a measurement tha
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -82,7 +83,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         marks.append(time.perf_counter())
         losses.append(loss.item())
         if index >= args.warmup:
-            for phase, start, end in zip(PHASES, marks, marks[1:], strict=False):  # marks has one more
+            for phase, (start, end) in zip(PHASES, itertools.pairwise(marks), strict=True):
                 phases[phase].append(end - start)
             step_s.append(marks[-1] - marks[0])
             cpu_s.append(time.process_time() - cpu)
@@ -125,9 +126,9 @@ def fio_report(output: str) -> dict[str, float]:
     }
 
 
-def _worker(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
+def _worker(args: argparse.Namespace) -> dict[str, Any]:
     command = [sys.executable, __file__, "--worker", *_passed(args)]
-    out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+    out = subprocess.run(command, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         raise SystemExit(f"bench/compute_under_io.py: a training worker failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -136,9 +137,8 @@ def _worker(args: argparse.Namespace, env: dict[str, str]) -> dict[str, Any]:
 def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     """One fresh training process; under ``loaded``, fio runs from before its start to its end, on
     a private folder under ``--path`` that goes with it."""
-    env = {**os.environ}
     if mode == "alone":
-        return _worker(args, env)
+        return _worker(args)
     directory = tempfile.mkdtemp(prefix="tiermem-bench-load-", dir=args.path)
     try:
         fio = subprocess.Popen(
@@ -148,11 +148,15 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             time.sleep(args.settle)  # fio lays out its file and reaches its rate
             if fio.poll() is not None:
                 raise SystemExit(f"bench/compute_under_io.py: fio stopped at once:\n{fio.communicate()[0][-2000:]}")
-            result = _worker(args, env)
+            result = _worker(args)
         finally:
             if fio.poll() is None:
                 fio.send_signal(signal.SIGINT)  # fio stops and prints its report
-            output = fio.communicate(timeout=60)[0]
+            try:
+                output = fio.communicate(timeout=60)[0]
+            except subprocess.TimeoutExpired:
+                fio.kill()  # never left running: its file goes with the folder below
+                output = fio.communicate()[0]
         result["fio"] = fio_report(output)
         return result
     finally:
