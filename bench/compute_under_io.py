@@ -3,8 +3,8 @@ while fio reads and writes the disk, side by side.
 
 An offloading step's floor is max(compute, disk time of its bytes), with the compute measured on an
 idle disk. But I/O is not free to the cores that compute: each request costs CPU time in the guest
-(the submitting process, the kernel's block layer and interrupts), and on 2 cores a parallel region
-whose other thread is preempted for it waits at its barrier. This bench measures that cost with code
+(the submitting process, the kernel's block layer and interrupts), which on 2 cores a step that
+uses both cannot hide. This bench measures that cost with code
 that is not tiermem's: the HF GPT-2 of ``bench/hf_states.py`` (``--size``, default 210M) trained
 with plain PyTorch, everything in RAM, each round once alone and once while fio runs a mixed
 read/write load on ``--path`` (O_DIRECT, libaio, 1 MiB blocks, ``--iodepth`` deep, ``--read-share``
