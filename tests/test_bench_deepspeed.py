@@ -25,7 +25,13 @@ def _bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_deepspeed", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    # It imports its neighbours (bench/arguments.py) as a script run from bench/ does: with the
+    # folder on sys.path, not only when another test imported them into this process first.
+    sys.path.insert(0, str(BENCH.parent))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(BENCH.parent))
     return module
 
 
