@@ -14,9 +14,16 @@ BENCH = Path(__file__).resolve().parent.parent / "bench"
 
 
 @contextlib.contextmanager
-def bench_module(name: str) -> Iterator[ModuleType]:
+def bench_on_path() -> Iterator[None]:
+    """bench/ on ``sys.path``, as for a script run from there (the scripts import their neighbours)."""
     sys.path.insert(0, str(BENCH))
     try:
-        yield importlib.import_module(name)
+        yield
     finally:
         sys.path.remove(str(BENCH))
+
+
+@contextlib.contextmanager
+def bench_module(name: str) -> Iterator[ModuleType]:
+    with bench_on_path():
+        yield importlib.import_module(name)

@@ -15,6 +15,7 @@ from types import ModuleType
 import pytest
 import torch
 
+from tests.bench_modules import bench_on_path
 from tiermem.app.models.gpt import GPT, GPTConfig
 
 BENCH = Path(__file__).resolve().parent.parent / "bench" / "deepspeed.py"
@@ -25,13 +26,10 @@ def _bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("bench_deepspeed", BENCH)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    # It imports its neighbours (bench/arguments.py) as a script run from bench/ does: with the
-    # folder on sys.path, not only when another test imported them into this process first.
-    sys.path.insert(0, str(BENCH.parent))
-    try:
+    # It imports its neighbours (bench/arguments.py) at import: they must be found whether or not
+    # another test imported them into this process first.
+    with bench_on_path():
         spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH.parent))
     return module
 
 
